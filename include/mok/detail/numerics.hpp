@@ -1,0 +1,122 @@
+// The scalar math of the layer, one definition for the CPU reference and the GPU kernels.
+//
+// Every float operation here is an explicitly rounded multiply or add (never a fused a*b+c), and
+// exp is computed from those operations alone, so host and device produce the same bits. That is
+// what lets a GPU kernel that sums in the reference's order match the reference bitwise.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MOK_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#include <cmath>
+#define MOK_HOST_DEVICE inline
+#endif
+
+namespace mok::numerics {
+
+MOK_HOST_DEVICE float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;  // the reference is built with -ffp-contract=off
+#endif
+}
+
+MOK_HOST_DEVICE float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+MOK_HOST_DEVICE float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+MOK_HOST_DEVICE float bits_to_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+#endif
+}
+
+MOK_HOST_DEVICE float round_to_integer(float value) {  // nearest, ties to even
+#if defined(__CUDA_ARCH__)
+  return rintf(value);
+#else
+  return std::nearbyint(value);
+#endif
+}
+
+// exp(x) to about 2 ulp, bit-identical on host and device: x = n*ln2 + r with |r| <= ln2/2,
+// exp(r) by its Taylor polynomial to r^7 (truncation under 2^-27), times 2^n.
+MOK_HOST_DEVICE float exp_deterministic(float x) {
+  if (!(x == x)) return x;                         // NaN
+  if (x > 88.5f) return bits_to_float(0x7f800000u);  // +inf
+  if (x < -87.0f) return 0.0f;                     // below the normal range: flush
+  const float n = round_to_integer(mul_rn(x, 1.44269502f));
+  constexpr float kLn2High = 0.693145751953125f;  // few mantissa bits: n * kLn2High is exact
+  constexpr float kLn2Low = 1.42860677e-06f;
+  const float r = add_rn(add_rn(x, -mul_rn(n, kLn2High)), -mul_rn(n, kLn2Low));
+  float p = 1.0f / 5040.0f;
+  p = add_rn(mul_rn(p, r), 1.0f / 720.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 120.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 24.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 6.0f);
+  p = add_rn(mul_rn(p, r), 0.5f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  const int32_t exponent = static_cast<int32_t>(n);  // in [-126, 128]
+  if (exponent > 127) return mul_rn(mul_rn(p, 2.0f), bits_to_float(0x7f000000u));
+  return mul_rn(p, bits_to_float(static_cast<uint32_t>(exponent + 127) << 23));
+}
+
+MOK_HOST_DEVICE float sigmoid(float x) {
+  return div_rn(1.0f, add_rn(1.0f, exp_deterministic(-x)));
+}
+
+// h = silu(g) * u, in fp32 from the GEMM's fp32 accumulators (the caller rounds h for storage).
+MOK_HOST_DEVICE float swiglu(float gate, float up) {
+  return mul_rn(mul_rn(gate, sigmoid(gate)), up);
+}
+
+struct SwiGluGrad {
+  float d_gate;
+  float d_up;
+};
+
+// Given d_h, the gradient of h = silu(g) * u:
+//   d_up = d_h * silu(g),  d_gate = d_h * u * s * (1 + g * (1 - s)),  s = sigmoid(g).
+MOK_HOST_DEVICE SwiGluGrad swiglu_backward(float gate, float up, float d_h) {
+  const float s = sigmoid(gate);
+  const float silu = mul_rn(gate, s);
+  const float d_silu = add_rn(1.0f, mul_rn(gate, add_rn(1.0f, -s)));
+  return {mul_rn(mul_rn(mul_rn(d_h, up), s), d_silu), mul_rn(d_h, silu)};
+}
+
+#if !defined(__CUDA_ARCH__)
+// fp64 versions for the oracle (host only): the same formulas with no rounding to speak of.
+inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+inline double swiglu(double gate, double up) { return gate * sigmoid(gate) * up; }
+struct SwiGluGradF64 {
+  double d_gate;
+  double d_up;
+};
+inline SwiGluGradF64 swiglu_backward(double gate, double up, double d_h) {
+  const double s = sigmoid(gate);
+  return {d_h * up * s * (1.0 + gate * (1.0 - s)), d_h * gate * s};
+}
+#endif
+
+}  // namespace mok::numerics
