@@ -1,0 +1,173 @@
+// The expert-parallel workspace: one symmetric NCCL window per rank (same offsets on every rank)
+// and one local buffer. Both are laid out by `WorkspaceLayout`, which the host uses to size the
+// allocations and the kernels use to find their pointers: the offset arithmetic lives here only.
+//
+// Window (symmetric, peers read and write it over NVLink):
+//   flags         (kNumFlagKinds, kMaxRanks) uint32   written by source rank s into slot [kind][s]
+//   token_counts  (kMaxRanks) int32                   tokens each source rank holds this call
+//   topk          (R, T_max, k) int32                 all-gathered expert ids, source rank major
+//   x             (T_max, H) bf16                     this rank's tokens, pulled by expert ranks
+//   slots         (T_max, k, H) bf16                  combine slots, pushed by expert ranks
+// Local (this GPU only):
+//   state         DeviceState                         epochs, arrival counters, error record
+//   counts        (E_l) int32                         rows of each local expert
+//   offsets       (E_l + 1) int32                     first row of each local expert, tile padded
+//   row_source    (rows_capacity) int32               (src_rank * T_max + t) * k + j, -1 = padding
+//   expert_x      (rows_capacity, H) bf16             dispatched rows, expert-major, global order
+//   expert_y      (rows_capacity, H) bf16             expert outputs, same rows
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/comm/error_record.cuh"
+
+namespace mok::comm {
+
+inline constexpr int kMaxRanks = 8;           // one NVLink (LSA) domain
+inline constexpr int64_t kRegionAlignment = 4096;
+
+// Which readiness flag: each has one uint32 slot per source rank in every rank's window.
+enum class FlagKind : int {
+  kGather = 0,   // source pushed its topk_idx and token count here; its x is ready to be pulled
+  kCombine = 1,  // source pushed every expert output row it owes this rank
+  kBarrier = 2,  // source reached a standalone barrier
+};
+inline constexpr int kNumFlagKinds = 3;
+
+// Per-GPU state in the local buffer. `epoch` numbers the calls: flags are compared against it and
+// never reset, so a replayed CUDA graph reuses them safely.
+struct DeviceState {
+  uint32_t epoch;             // bumped once per call by the first kernel of the call
+  uint32_t barrier_epoch;     // bumped by each standalone barrier
+  uint32_t gather_arrivals;   // CTAs of the gather push that finished this call
+  uint32_t combine_arrivals;  // CTAs of the combine push that finished this call
+  ErrorRecord error;
+};
+
+MOK_COMM_HOST_DEVICE int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+struct WorkspaceLayout {
+  int32_t num_ranks = 0;    // R
+  int64_t tokens_max = 0;   // T_max, tokens per rank capacity
+  int64_t hidden = 0;       // H
+  int64_t top_k = 0;        // k
+  int64_t num_experts = 0;  // E, global
+  int64_t block_m = 0;      // tile height: each expert's rows start at a multiple of it
+
+  int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
+  int64_t slots_offset = 0, window_bytes = 0;
+  int64_t state_offset = 0, counts_offset = 0, offsets_offset = 0, row_source_offset = 0;
+  int64_t expert_x_offset = 0, expert_y_offset = 0, local_bytes = 0;
+
+  MOK_COMM_HOST_DEVICE int64_t experts_per_rank() const { return num_experts / num_ranks; }
+  MOK_COMM_HOST_DEVICE int64_t row_bytes() const { return hidden * 2; }
+  // Every token sends at most k rows to a rank; each expert wastes at most block_m - 1 rows.
+  MOK_COMM_HOST_DEVICE int64_t rows_capacity() const {
+    return num_ranks * tokens_max * top_k + experts_per_rank() * (block_m - 1);
+  }
+
+  // Sized from shapes only. The caller validates the arguments (see Workspace).
+  MOK_COMM_HOST_DEVICE static WorkspaceLayout make(int32_t num_ranks, int64_t tokens_max,
+                                                   int64_t hidden, int64_t top_k,
+                                                   int64_t num_experts, int64_t block_m) {
+    WorkspaceLayout layout;
+    layout.num_ranks = num_ranks;
+    layout.tokens_max = tokens_max;
+    layout.hidden = hidden;
+    layout.top_k = top_k;
+    layout.num_experts = num_experts;
+    layout.block_m = block_m;
+
+    int64_t cursor = 0;
+    auto take = [&cursor](int64_t bytes) {
+      const int64_t offset = cursor;
+      cursor = align_up(cursor + bytes, kRegionAlignment);
+      return offset;
+    };
+    layout.flags_offset = take(int64_t{kNumFlagKinds} * kMaxRanks * 4);
+    layout.token_counts_offset = take(int64_t{kMaxRanks} * 4);
+    layout.topk_offset = take(int64_t{num_ranks} * tokens_max * top_k * 4);
+    layout.x_offset = take(tokens_max * layout.row_bytes());
+    layout.slots_offset = take(tokens_max * top_k * layout.row_bytes());
+    layout.window_bytes = cursor;
+
+    cursor = 0;
+    layout.state_offset = take(sizeof(DeviceState));
+    layout.counts_offset = take(layout.experts_per_rank() * 4);
+    layout.offsets_offset = take((layout.experts_per_rank() + 1) * 4);
+    layout.row_source_offset = take(layout.rows_capacity() * 4);
+    layout.expert_x_offset = take(layout.rows_capacity() * layout.row_bytes());
+    layout.expert_y_offset = take(layout.rows_capacity() * layout.row_bytes());
+    layout.local_bytes = cursor;
+    return layout;
+  }
+};
+
+// What a kernel needs to reach the workspace: the layout, this rank's place, every rank's window
+// as this GPU addresses it (read once at creation through ncclGetPeerPointer), the local buffer.
+struct WorkspaceView {
+  WorkspaceLayout layout;
+  int32_t rank = 0;
+  uint64_t timeout_ns = 0;  // every device wait gives up after this long
+  char* windows[kMaxRanks] = {};
+  char* local = nullptr;
+
+  // ---- window of rank `owner` -------------------------------------------------------------
+  MOK_COMM_HOST_DEVICE uint32_t* flag(int owner, FlagKind kind, int source) const {
+    return reinterpret_cast<uint32_t*>(windows[owner] + layout.flags_offset) +
+           static_cast<int>(kind) * kMaxRanks + source;
+  }
+  MOK_COMM_HOST_DEVICE int32_t* token_counts(int owner) const {
+    return reinterpret_cast<int32_t*>(windows[owner] + layout.token_counts_offset);
+  }
+  // (T_max, k) ids of source rank `source`, as held in rank `owner`'s window.
+  MOK_COMM_HOST_DEVICE int32_t* topk(int owner, int source) const {
+    return reinterpret_cast<int32_t*>(windows[owner] + layout.topk_offset) +
+           static_cast<int64_t>(source) * layout.tokens_max * layout.top_k;
+  }
+  MOK_COMM_HOST_DEVICE char* x_row(int owner, int64_t token) const {
+    return windows[owner] + layout.x_offset + token * layout.row_bytes();
+  }
+  MOK_COMM_HOST_DEVICE char* slot_row(int owner, int64_t token, int64_t slot) const {
+    return windows[owner] + layout.slots_offset + (token * layout.top_k + slot) * layout.row_bytes();
+  }
+
+  // ---- local ----------------------------------------------------------------------------------
+  MOK_COMM_HOST_DEVICE DeviceState* state() const {
+    return reinterpret_cast<DeviceState*>(local + layout.state_offset);
+  }
+  MOK_COMM_HOST_DEVICE int32_t* counts() const {
+    return reinterpret_cast<int32_t*>(local + layout.counts_offset);
+  }
+  MOK_COMM_HOST_DEVICE int32_t* offsets() const {
+    return reinterpret_cast<int32_t*>(local + layout.offsets_offset);
+  }
+  MOK_COMM_HOST_DEVICE int32_t* row_source() const {
+    return reinterpret_cast<int32_t*>(local + layout.row_source_offset);
+  }
+  MOK_COMM_HOST_DEVICE char* expert_x_row(int64_t row) const {
+    return local + layout.expert_x_offset + row * layout.row_bytes();
+  }
+  MOK_COMM_HOST_DEVICE char* expert_y_row(int64_t row) const {
+    return local + layout.expert_y_offset + row * layout.row_bytes();
+  }
+};
+
+// A row's source packed into one int: which rank's token, and which of its top-k slots.
+struct RowSource {
+  int32_t rank, token, slot;
+};
+MOK_COMM_HOST_DEVICE int32_t pack_row_source(const WorkspaceLayout& layout, int rank,
+                                             int64_t token, int64_t slot) {
+  return static_cast<int32_t>((rank * layout.tokens_max + token) * layout.top_k + slot);
+}
+MOK_COMM_HOST_DEVICE RowSource unpack_row_source(const WorkspaceLayout& layout, int32_t packed) {
+  const int32_t slot = static_cast<int32_t>(packed % layout.top_k);
+  const int64_t global_token = packed / layout.top_k;
+  return {static_cast<int32_t>(global_token / layout.tokens_max),
+          static_cast<int32_t>(global_token % layout.tokens_max), slot};
+}
+
+}  // namespace mok::comm

@@ -1,0 +1,131 @@
+// Epilogues: what a consumer warpgroup does with its (64, BLOCK_N) fp32 accumulators.
+//
+// wgmma's accumulator fragment: in warp w of the warpgroup, lane l holds for each j < BLOCK_N / 8
+//   accum[4j + 0, 4j + 1] -> row 16w + l/4,     columns 8j + 2(l%4) + {0, 1}
+//   accum[4j + 2, 4j + 3] -> row 16w + l/4 + 8, the same columns
+// so every store below is a pair of adjacent columns, and the SwiGLU pairs (gate block j, up block
+// j + 1 of the 8-interleaved fused weight) sit in the same thread.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/schedule/tile_scheduler.cuh"
+#include "mok/detail/numerics.hpp"
+
+namespace mok::gemm {
+
+template <GemmKind kKind, EpilogueKind kEpilogue>
+struct Epilogue {
+  using Config = TileConfig;
+  static constexpr int kNumAccumulators = Config::BLOCK_N / 2;
+
+  // Where this thread's fragment lands: tile rows (row, row + 8) and column base of block j = 0.
+  struct Fragment {
+    int row;         // in the C tile, first of the pair row / row + 8
+    int column;      // in the C tile, of block j = 0
+    int rows_valid;  // rows of C in this tile (the rest are past the group or past M)
+    int columns_valid;
+    int64_t row_stride;
+    char* tile_base;  // C element (0, 0) of the tile
+  };
+
+  __device__ static Fragment fragment(const GroupedGemmParams& params, const GroupedTile& tile,
+                                      int consumer_idx) {
+    const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    Fragment fragment;
+    fragment.row = consumer_idx * 64 + warp_in_group * 16 + lane_idx / 4;
+    fragment.column = 2 * (lane_idx % 4);
+    constexpr bool kSwiGlu = kEpilogue == EpilogueKind::kSwiGluBf16;
+    constexpr int kElementBytes = kEpilogue == EpilogueKind::kStoreFp32 ||
+                                          kEpilogue == EpilogueKind::kAccumulateFp32
+                                      ? 4
+                                      : 2;
+    const int output_columns = kSwiGlu ? params.n / 2 : params.n;
+    const int tile_columns = kSwiGlu ? Config::BLOCK_N / 2 : Config::BLOCK_N;
+    const int column_begin = tile.n_block * tile_columns;
+    fragment.columns_valid = output_columns - column_begin;
+    fragment.row_stride = static_cast<int64_t>(output_columns) * kElementBytes;
+    int64_t first_row;
+    if constexpr (kKind == GemmKind::kWgrad) {
+      fragment.rows_valid = params.m - tile.m_block * Config::BLOCK_M;
+      first_row = static_cast<int64_t>(tile.group) * params.m + tile.m_block * Config::BLOCK_M;
+    } else {
+      fragment.rows_valid = tile.row_count - tile.m_block * Config::BLOCK_M;
+      first_row = tile.row_begin + static_cast<int64_t>(tile.m_block) * Config::BLOCK_M;
+    }
+    fragment.tile_base = static_cast<char*>(params.output) + first_row * fragment.row_stride +
+                         static_cast<int64_t>(column_begin) * kElementBytes;
+    return fragment;
+  }
+
+  // Accumulator start values: zero, or the fp32 main_grad this tile accumulates into.
+  __device__ static void init(const GroupedGemmParams& params, const GroupedTile& tile,
+                              int consumer_idx, float (&accum)[kNumAccumulators]) {
+#pragma unroll
+    for (int i = 0; i < kNumAccumulators; ++i) accum[i] = 0.0f;
+    if constexpr (kEpilogue == EpilogueKind::kAccumulateFp32) {
+      const Fragment f = fragment(params, tile, consumer_idx);
+#pragma unroll
+      for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = f.row + 8 * half;
+          const int column = f.column + 8 * j;
+          if (row < f.rows_valid && column < f.columns_valid) {
+            const float2 value = *reinterpret_cast<const float2*>(
+                f.tile_base + row * f.row_stride + column * 4);
+            accum[4 * j + 2 * half] = value.x;
+            accum[4 * j + 2 * half + 1] = value.y;
+          }
+        }
+      }
+    }
+  }
+
+  __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
+                               int consumer_idx, const float (&accum)[kNumAccumulators]) {
+    const Fragment f = fragment(params, tile, consumer_idx);
+    if constexpr (kEpilogue == EpilogueKind::kSwiGluBf16) {
+      // Blocks (j, j + 1) hold gate and up of the same 8 columns of h.
+#pragma unroll
+      for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = f.row + 8 * half;
+          const int column = f.column + 4 * j;
+          if (row < f.rows_valid && column < f.columns_valid) {
+            const int gate = 4 * j + 2 * half;
+            const int up = gate + 4;
+            const __nv_bfloat162 h = __floats2bfloat162_rn(
+                numerics::swiglu(accum[gate], accum[up]),
+                numerics::swiglu(accum[gate + 1], accum[up + 1]));
+            *reinterpret_cast<__nv_bfloat162*>(f.tile_base + row * f.row_stride + column * 2) = h;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = f.row + 8 * half;
+          const int column = f.column + 8 * j;
+          if (row < f.rows_valid && column < f.columns_valid) {
+            const float x = accum[4 * j + 2 * half];
+            const float y = accum[4 * j + 2 * half + 1];
+            char* address = f.tile_base + row * f.row_stride;
+            if constexpr (kEpilogue == EpilogueKind::kStoreBf16) {
+              *reinterpret_cast<__nv_bfloat162*>(address + column * 2) = __floats2bfloat162_rn(x, y);
+            } else {
+              *reinterpret_cast<float2*>(address + column * 4) = make_float2(x, y);
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace mok::gemm

@@ -1,0 +1,73 @@
+// What a grouped GEMM computes, and the tile and shared-memory layout of the Hopper engine; one
+// set of definitions for the host launcher and the device code.
+//
+// Every mode is normalised to C[M, N] = A[M, K] · B[K, N] per group (expert):
+//   forward  Y_e  = X_e · W_eᵀ   M = rows of e (variable), N = out features, K = in features
+//   dgrad    dX_e = dY_e · W_e   M = rows of e (variable), N = in features,  K = out features
+//   wgrad    dW_e = dY_eᵀ · X_e  M = out features,         N = in features,  K = rows of e
+// The rows of group g are group_offsets[g] .. group_offsets[g + 1] of the row-indexed tensors,
+// read from device memory by the kernel only.
+#pragma once
+
+#include <cstdint>
+
+namespace mok::gemm {
+
+enum class GemmKind {
+  kForward,  // A K-major (activations), B K-major (weights [E, N, K])
+  kDgrad,    // A K-major (dY), B MN-major (weights [E, K, N])
+  kWgrad,    // A MN-major (dY rows), B MN-major (X rows); K = the group's row count
+};
+
+enum class EpilogueKind {
+  kStoreBf16,       // C rounded to bf16
+  kSwiGluBf16,      // gate/up columns interleaved by 8: h = bf16(swiglu(g, u)), width N / 2
+  kStoreFp32,       // C in fp32
+  kAccumulateFp32,  // C = main_grad + A·B, accumulators initialised from the fp32 output
+};
+
+// SwiGLU interleave: fused weight row f holds gate row (f / 16) * 8 + f % 8 when f % 16 < 8, else
+// that up row. A 256-column tile thus holds 128 matching gate/up pairs in one thread's registers.
+constexpr int kSwiGluInterleave = 8;
+
+struct TileConfig {
+  static constexpr int BLOCK_M = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int BLOCK_N = 256;
+  static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of bf16
+  static constexpr int kNumStages = 4;
+  static constexpr int kNumConsumerWarpgroups = 2;
+  static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
+  static constexpr int kChunk = 64;    // MN-major tiles are loaded as 64-wide chunks
+  static constexpr uint32_t kChunkBytes = kChunk * BLOCK_K * 2;  // (BLOCK_K, 64) bf16
+  static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;     // (BLOCK_M, BLOCK_K) bf16
+  static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;     // (BLOCK_N, BLOCK_K) bf16
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+};
+
+// Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle) then the
+// barriers. The same struct sizes the launch on the host and finds the buffers on the device.
+struct SharedLayout {
+  static constexpr uint32_t kAlignment = 1024;
+  static constexpr uint32_t kAOffset = 0;  // (kNumStages) x (BLOCK_M, BLOCK_K)
+  static constexpr uint32_t kBOffset = TileConfig::kNumStages * TileConfig::kABytes;
+  static constexpr uint32_t kBarrierOffset = kBOffset + TileConfig::kNumStages * TileConfig::kBBytes;
+  // full[kNumStages], empty[kNumStages], tail (the wgrad row-tail staging barrier)
+  static constexpr uint32_t kNumBarriers = 2 * TileConfig::kNumStages + 1;
+  static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
+  static constexpr uint32_t kLaunchBytes = kBytes + kAlignment;  // slack to align the base
+};
+
+static_assert(SharedLayout::kLaunchBytes <= 227 * 1024, "stage ring exceeds shared memory");
+
+struct GroupedGemmParams {
+  const int* group_offsets;  // [num_groups + 1], device memory
+  int num_groups;
+  int m;  // wgrad: rows of each group's C; unused otherwise (the group's row count)
+  int n;  // columns of C (before the SwiGLU halving)
+  int k;  // reduction length for forward/dgrad; unused for wgrad (the group's row count)
+  void* output;  // forward/dgrad: [rows, N] (SwiGLU: [rows, N / 2]); wgrad: [groups, M, N]
+};
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace mok::gemm

@@ -1,0 +1,78 @@
+// Persistent tile scheduler over expert segments. CTA b handles linear tiles b, b + grid, ...;
+// the tiles of group g follow those of g - 1, and a group's tile count comes from its row count,
+// read from device memory. The producer and the consumers of a CTA each run their own copy and
+// see the same sequence, so they need no handshake beyond the stage barriers.
+//
+// The tile a CTA gets never changes what is computed for it (no split-K), so the results are
+// bitwise independent of the grid size.
+#pragma once
+
+#include "kernels/gemm/gemm_types.cuh"
+
+namespace mok::gemm {
+
+struct GroupedTile {
+  int group;
+  int m_block;
+  int n_block;
+  int row_begin;  // first row of the group in the row-indexed tensors
+  int row_count;  // rows of the group
+};
+
+template <GemmKind kKind>
+class GroupedTileScheduler {
+ public:
+  static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
+
+  __device__ GroupedTileScheduler(const GroupedGemmParams& params)
+      : offsets_(params.group_offsets),
+        num_groups_(params.num_groups),
+        num_n_blocks_(ceil_div(params.n, TileConfig::BLOCK_N)),
+        num_fixed_m_blocks_(kRowsAreM ? 0 : ceil_div(params.m, TileConfig::BLOCK_M)),
+        tile_idx_(static_cast<int>(blockIdx.x)) {
+    load_group(0);
+  }
+
+  // Fills `tile` with this CTA's next tile; false when there is none left.
+  __device__ bool next_tile(GroupedTile& tile) {
+    while (group_ < num_groups_ && tile_idx_ >= group_first_tile_ + group_num_tiles_) {
+      group_first_tile_ += group_num_tiles_;
+      load_group(group_ + 1);
+    }
+    if (group_ >= num_groups_) return false;
+    const int local_idx = tile_idx_ - group_first_tile_;
+    if constexpr (kRowsAreM) {
+      // M blocks inner: the CTAs running side by side share one weight tile through L2.
+      const int num_m_blocks = ceil_div(row_count_, TileConfig::BLOCK_M);
+      tile = {group_, local_idx % num_m_blocks, local_idx / num_m_blocks, row_begin_, row_count_};
+    } else {
+      tile = {group_, local_idx / num_n_blocks_, local_idx % num_n_blocks_, row_begin_, row_count_};
+    }
+    tile_idx_ += static_cast<int>(gridDim.x);
+    return true;
+  }
+
+ private:
+  __device__ void load_group(int group) {
+    group_ = group;
+    if (group >= num_groups_) return;
+    row_begin_ = offsets_[group];
+    row_count_ = offsets_[group + 1] - row_begin_;
+    const int num_m_blocks =
+        kRowsAreM ? ceil_div(row_count_, TileConfig::BLOCK_M) : num_fixed_m_blocks_;
+    group_num_tiles_ = num_m_blocks * num_n_blocks_;
+  }
+
+  const int* offsets_;
+  int num_groups_;
+  int num_n_blocks_;
+  int num_fixed_m_blocks_;
+  int tile_idx_;
+  int group_ = 0;
+  int group_first_tile_ = 0;
+  int group_num_tiles_ = 0;
+  int row_begin_ = 0;
+  int row_count_ = 0;
+};
+
+}  // namespace mok::gemm

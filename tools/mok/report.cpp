@@ -1,0 +1,132 @@
+#include "report.hpp"
+
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+
+#include "mok/compare.hpp"
+
+#ifndef MOK_GIT_COMMIT
+#define MOK_GIT_COMMIT "unknown"
+#endif
+
+namespace mok::cli {
+
+namespace {
+
+double useful_tflops(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) * 1e-12 : 0; }
+
+struct Phase {
+  const char* name;
+  double ms;
+  double flops;
+};
+
+std::vector<Phase> phases(const RunConfig& config, const RunResult& result) {
+  // Per rank: forward 6·T·H·(k·I + I_s), backward twice that (DESIGN.md §5).
+  const double forward_flops = static_cast<double>(config.tokens_per_rank) *
+                               static_cast<double>(config.shape.forward_flops_per_token());
+  return {{"fwd", result.forward_ms, forward_flops},
+          {"bwd", result.backward_ms, 2 * forward_flops},
+          {"fwdbwd", result.forward_ms + result.backward_ms, 3 * forward_flops}};
+}
+
+bool report_line(const char* name, const ErrorStats& stats) {
+  const bool passed = stats.within(kBf16Tolerance);
+  std::printf("  %-18s %s  %s\n", name, stats.describe().c_str(), passed ? "ok" : "FAIL");
+  return passed;
+}
+
+// The shared expert's gradient summed over ranks (each rank holds its own tokens' share).
+std::vector<float> sum_over_ranks(const std::vector<float>& per_rank, int64_t ep) {
+  const size_t size = per_rank.size() / static_cast<size_t>(ep);
+  std::vector<float> total(size, 0.0f);
+  for (int64_t rank = 0; rank < ep; ++rank) {
+    for (size_t index = 0; index < size; ++index) total[index] += per_rank[rank * size + index];
+  }
+  return total;
+}
+
+}  // namespace
+
+void print_timings(const RunConfig& config, const RunResult& result) {
+  // The CPU backend runs all R virtual ranks one after another: time per rank is time / R.
+  for (const Phase& phase : phases(config, result)) {
+    const double per_rank_ms = phase.ms / static_cast<double>(config.ep);
+    std::printf("%-8s %12.2f ms/rank  %10.4f useful TFLOP/s  %12.0f tokens/s/rank\n", phase.name,
+                per_rank_ms, useful_tflops(phase.flops, per_rank_ms),
+                static_cast<double>(config.tokens_per_rank) / (per_rank_ms * 1e-3));
+  }
+  std::printf("checksum %016llx\n", static_cast<unsigned long long>(checksum(result.outputs)));
+}
+
+bool check_against_oracle(const RunConfig& config, const Problem& problem, const RunResult& result,
+                          const reference::Options& options) {
+  const std::vector<reference::RankInputs> whole = problem.all_rank_inputs(1);
+  const reference::OracleResult oracle = reference::oracle(problem.shape, whole, true, options)[0];
+  const ProblemOutputs& out = result.outputs;
+  std::printf("check against the fp64 oracle (pass: rel-L2 <= %.0e, every element written):\n",
+              kBf16Tolerance);
+  bool passed = true;
+  passed &= report_line("y", compare(std::span<const bf16>(out.y), oracle.y));
+  passed &= report_line("dx", compare(std::span<const bf16>(out.dx), oracle.dx));
+  passed &= report_line("d_topk_w", compare(std::span<const float>(out.d_topk_w), oracle.d_topk_w));
+  passed &= report_line("grad_gate", compare(std::span<const float>(out.grad_gate), oracle.grad_gate));
+  passed &= report_line("grad_up", compare(std::span<const float>(out.grad_up), oracle.grad_up));
+  passed &= report_line("grad_down", compare(std::span<const float>(out.grad_down), oracle.grad_down));
+  if (problem.shape.has_shared()) {
+    const std::vector<float> gate = sum_over_ranks(out.grad_shared_gate, config.ep);
+    const std::vector<float> up = sum_over_ranks(out.grad_shared_up, config.ep);
+    const std::vector<float> down = sum_over_ranks(out.grad_shared_down, config.ep);
+    passed &= report_line("grad_shared_gate", compare(std::span<const float>(gate), oracle.grad_shared_gate));
+    passed &= report_line("grad_shared_up", compare(std::span<const float>(up), oracle.grad_shared_up));
+    passed &= report_line("grad_shared_down", compare(std::span<const float>(down), oracle.grad_shared_down));
+  }
+
+  if (config.ep > 1) {
+    ProblemOutputs single = ProblemOutputs::poisoned(problem, 1);
+    const std::vector<reference::RankOutputs> views = single.rank_outputs(problem);
+    reference::forward(problem.shape, whole, views, options);
+    reference::backward(problem.shape, whole, views, GradMode::kOverwrite, options);
+    const bool equal = checksum(single) == checksum(out) && single.y.size() == out.y.size();
+    std::printf("  EP %lld vs EP 1: y, dx, d_topk_w, routed grads bitwise %s (checksum %016llx)\n",
+                static_cast<long long>(config.ep), equal ? "equal" : "DIFFERENT",
+                static_cast<unsigned long long>(checksum(single)));
+    passed &= equal;
+  }
+  return passed;
+}
+
+void write_json(const std::string& path, const RunConfig& config, const RunResult& result) {
+  std::ofstream file(path);
+  MOK_CHECK_ARG(file.good(), "--json", "cannot write '", path, "'");
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  file << "{\n  \"schema\": \"mok-bench/1\",\n  \"commit\": \"" << MOK_GIT_COMMIT
+       << "\",\n  \"device\": \"cpu (reference backend)\",\n  \"date\": \"" << date
+       << "\",\n  \"cases\": [\n";
+  const std::vector<Phase> all = phases(config, result);
+  for (size_t index = 0; index < all.size(); ++index) {
+    const Phase& phase = all[index];
+    const double per_rank_ms = phase.ms / static_cast<double>(config.ep);
+    char line[640];
+    std::snprintf(line, sizeof(line),
+                  "    {\"name\": \"%s-ep%lld-%s\", \"preset\": \"%s\", \"ep\": %lld, "
+                  "\"tokens_per_rank\": %lld, \"precision\": \"bf16\", \"phase\": \"%s\", "
+                  "\"backend\": \"%s\", \"routing\": \"%s\", \"mok_ms\": %.4f, \"baseline\": null, "
+                  "\"baseline_ms\": null, \"speedup\": null, \"useful_tflops\": %.6f, "
+                  "\"gbps\": null, \"dense_gemm_tflops\": null, \"checksum\": \"%016llx\"}%s\n",
+                  config.preset.c_str(), static_cast<long long>(config.ep), phase.name,
+                  config.preset.c_str(), static_cast<long long>(config.ep),
+                  static_cast<long long>(config.tokens_per_rank), phase.name,
+                  config.backend.c_str(), config.routing.name().c_str(), per_rank_ms,
+                  useful_tflops(phase.flops, per_rank_ms),
+                  static_cast<unsigned long long>(checksum(result.outputs)),
+                  index + 1 < all.size() ? "," : "");
+    file << line;
+  }
+  file << "  ]\n}\n";
+}
+
+}  // namespace mok::cli
