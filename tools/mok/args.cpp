@@ -20,7 +20,7 @@ Args::Args(const std::vector<std::string>& words, const std::set<std::string>& v
     const std::string name = word.substr(2);
     if (flags.count(name)) {
       MOK_CHECK_ARG(!value, word, "takes no value");
-      values_[name] = "1";
+      values_[name] = std::string(1, '1');
     } else if (valued.count(name)) {
       if (!value) {
         MOK_CHECK_ARG(index + 1 < words.size(), word, "needs a value");

@@ -1,0 +1,129 @@
+// Every bad input gives a mok::Error that names the argument and the offending value, before any
+// output is touched.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+
+#include "helpers.hpp"
+
+namespace mok {
+namespace {
+
+// Runs `call` and checks it throws mok::Error for `argument` with `fragment` in the message.
+void expect_error(const std::function<void()>& call, const std::string& argument, const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one about " << argument;
+  } catch (const Error& error) {
+    EXPECT_EQ(error.argument(), argument) << error.what();
+    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
+        << "message '" << error.what() << "' lacks '" << fragment << "'";
+  }
+}
+
+class BadInput : public ::testing::Test {
+ protected:
+  BadInput() : problem_(Problem::generate({testing::tiny_shape(), 32, Routing::parse("uniform"), 1})),
+               outputs_(ProblemOutputs::poisoned(problem_, 2)) {}
+
+  // Forward and backward over two ranks with the (possibly broken) inputs; y must stay untouched.
+  void run(std::vector<reference::RankInputs> ranks, LayerShape shape) {
+    std::vector<reference::RankOutputs> views = outputs_.rank_outputs(problem_);
+    reference::forward(shape, ranks, views);
+    reference::backward(shape, ranks, views, GradMode::kOverwrite);
+  }
+  void run(std::vector<reference::RankInputs> ranks) { run(std::move(ranks), problem_.shape); }
+  void expect_untouched() {
+    for (bf16 value : outputs_.y) ASSERT_TRUE(std::isnan(value.to_float()));
+  }
+
+  Problem problem_;
+  ProblemOutputs outputs_;
+};
+
+TEST_F(BadInput, ExpertIdOutOfRange) {
+  problem_.topk_idx[9] = 16;
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx", "expert id 16 out of range [0, 16) at token 2, slot 1");
+  problem_.topk_idx[9] = -2;
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx", "expert id -2");
+  expect_untouched();
+}
+
+TEST_F(BadInput, RepeatedExpertInARow) {
+  problem_.topk_idx[5] = problem_.topk_idx[4];
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx", "repeated at token 1 (slots 0 and 1)");
+  expect_untouched();
+}
+
+TEST_F(BadInput, NonFiniteRouterWeights) {
+  problem_.topk_w[6] = std::nanf("");
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_w", "non-finite router weight nan at token 1, slot 2");
+  problem_.topk_w[6] = INFINITY;
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_w", "non-finite router weight inf");
+  expect_untouched();
+}
+
+TEST_F(BadInput, ZeroTokens) {
+  std::vector<reference::RankInputs> ranks = problem_.all_rank_inputs(2);
+  ranks[1].tokens.x.shape[0] = 0;
+  expect_error([&] { run(ranks); }, "x", "T = 0 tokens");
+}
+
+TEST_F(BadInput, ShapeMismatches) {
+  std::vector<reference::RankInputs> ranks = problem_.all_rank_inputs(2);
+  ranks[0].tokens.x.shape[1] = 65;
+  expect_error([&] { run(ranks); }, "x", "shape [16, 65], expected [16, 64]");
+  ranks = problem_.all_rank_inputs(2);
+  ranks[0].tokens.topk_w.shape[1] = 3;
+  expect_error([&] { run(ranks); }, "topk_w", "shape [16, 3], expected [16, 4]");
+  ranks = problem_.all_rank_inputs(2);
+  ranks[1].weights.down.shape = {8, 32, 64};
+  expect_error([&] { run(ranks); }, "w_down", "shape [8, 32, 64], expected [8, 64, 32]");
+  ranks = problem_.all_rank_inputs(2);
+  ranks[0].weights.shared_gate = {};
+  expect_error([&] { run(ranks); }, "w_shared_gate", "expected [48, 64]");
+  expect_untouched();
+  ranks = problem_.all_rank_inputs(2);
+  ranks[0].dy.shape = {15, 64};  // forward does not read dy: backward reports it
+  expect_error([&] { run(ranks); }, "dy", "shape [15, 64], expected [16, 64]");
+}
+
+TEST_F(BadInput, OutputShapeMismatch) {
+  std::vector<reference::RankOutputs> views = outputs_.rank_outputs(problem_);
+  views[1].grads.up.shape = {8, 32, 63};
+  const std::vector<reference::RankInputs> ranks = problem_.all_rank_inputs(2);
+  expect_error([&] { reference::backward(problem_.shape, ranks, views, GradMode::kOverwrite); },
+               "grad_up", "shape [8, 32, 63], expected [8, 32, 64]");
+  views.pop_back();
+  expect_error([&] { reference::forward(problem_.shape, ranks, views); }, "outputs", "1 output sets for 2 ranks");
+}
+
+TEST_F(BadInput, TopKAboveExpertCount) {
+  LayerShape shape = problem_.shape;
+  shape.top_k = 17;
+  expect_error([&] { shape.validate(); }, "top_k", "k = 17 exceeds the number of experts E = 16");
+}
+
+TEST_F(BadInput, ExpertsNotDivisibleByRanks) {
+  expect_error([&] { problem_.shape.validate(3); }, "ep", "E = 16 experts do not divide over 3 ranks");
+  std::vector<reference::RankInputs> three = {problem_.rank_inputs(0, 2), problem_.rank_inputs(1, 2),
+                                              problem_.rank_inputs(1, 2)};
+  expect_error([&] { run(three); }, "ep", "do not divide over 3 ranks");
+}
+
+TEST_F(BadInput, BadShapeFields) {
+  expect_error([] { LayerShape{0, 32, 0, 16, 4}.validate(); }, "hidden", "must be positive, got 0");
+  expect_error([] { LayerShape{60, 32, 0, 16, 4}.validate(); }, "hidden", "multiple of 8 (16-byte rows), got 60");
+  expect_error([] { LayerShape{64, 32, -8, 16, 4}.validate(); }, "shared_intermediate", ">= 0, got -8");
+  expect_error([] { LayerShape{64, 32, 0, 16, 0}.validate(); }, "top_k", "must be positive, got 0");
+}
+
+TEST_F(BadInput, UnknownPresetAndRouting) {
+  expect_error([] { find_preset("gpt-5"); }, "preset", "unknown preset 'gpt-5' (known: tiny,");
+  expect_error([] { Routing::parse("zipf"); }, "routing", "unknown routing 'zipf'");
+  expect_error([] { Routing::parse("skewed:abc"); }, "routing", "skewed:ALPHA needs ALPHA");
+}
+
+}  // namespace
+}  // namespace mok
