@@ -12,6 +12,9 @@
 #include "mok/compare.hpp"
 #include "mok/synthetic.hpp"
 #include "report.hpp"
+#if defined(MOK_WITH_CUDA)
+#include "runtime/device.hpp"
+#endif
 
 namespace mok::cli {
 
@@ -90,6 +93,15 @@ double available_memory_bytes() {
   return 0;
 }
 
+std::string gpu_description() {
+#if defined(MOK_WITH_CUDA)
+  const runtime::GpuSummary gpus = runtime::query_gpus();
+  return gpus.description + (gpus.num_hopper_gpus ? " (the fused GPU layer is not built yet)" : "");
+#else
+  return "this build has no CUDA backend";
+#endif
+}
+
 }  // namespace
 
 int run_command(const std::vector<std::string>& words) {
@@ -139,8 +151,7 @@ int run_command(const std::vector<std::string>& words) {
               static_cast<long long>(config.tokens_per_rank), static_cast<long long>(config.ep),
               precision.c_str(), config.routing.name().c_str(),
               static_cast<unsigned long long>(config.seed));
-  std::printf("backend: cpu (reference, %d threads)%s\n", threads,
-              backend == "auto" ? "; the fused GPU layer is not built yet" : "");
+  std::printf("backend: cpu (reference, %d threads); GPU: %s\n", threads, gpu_description().c_str());
   std::fflush(stdout);
 
   const Problem problem = Problem::generate({config.shape, num_tokens, config.routing, config.seed});
