@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The one script for a GPU machine: builds mok there, runs every test (GPU tests included), runs
+# the benchmarks and collects logs and results under $OUT.
+#
+#   scripts/device-check.sh [PART...]     PART: tests, run, or a scripts/device/PART.sh (gemm, comm)
+#
+# With no PART it runs all of them. Each part's files land in $OUT/results/ (packed into
+# $OUT/device-results.tar.gz at the end, since only a few files come back); the whole log is
+# $OUT/device-check.log. A part that fails is reported and the others still run; the exit code
+# says whether all passed.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out=${OUT:-$root/device-out}
+results="$out/results"
+mkdir -p "$results"
+exec > >(tee -a "$out/device-check.log") 2>&1
+
+# NVLink multicast stays off (it can take a shared host's GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+echo "== mok device check, $(date -u +%FT%TZ), commit $(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
+
+# NCCL: the one torch bundles, so that one NCCL lives in every process.
+nccl_root=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null || true)
+if [[ -n "$nccl_root" ]]; then
+  export LD_LIBRARY_PATH="$nccl_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "NCCL from torch: $nccl_root"
+fi
+
+export MOK_BUILD_DIR=${MOK_BUILD_DIR:-$root/build-device}
+export MOK_RESULTS_DIR="$results"
+start=$(date +%s)
+cmake -S "$root" -B "$MOK_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) \
+  ${nccl_root:+-DMOK_NCCL_ROOT=$nccl_root} >"$results/cmake.log" 2>&1 || { cat "$results/cmake.log"; exit 1; }
+if ! cmake --build "$MOK_BUILD_DIR" -j "$(nproc)" >"$results/build.log" 2>&1; then
+  tail -n 60 "$results/build.log"
+  exit 1
+fi
+echo "== built in $(( $(date +%s) - start )) s"
+
+parts=("$@")
+if ((${#parts[@]} == 0)); then
+  parts=(tests run)
+  for script in "$root"/scripts/device/*.sh; do
+    [[ -e "$script" ]] && parts+=("$(basename "$script" .sh)")
+  done
+fi
+
+failed=()
+for part in "${parts[@]}"; do
+  echo "== part: $part"
+  part_start=$(date +%s)
+  case "$part" in
+    tests)
+      (cd "$MOK_BUILD_DIR" && ctest --output-on-failure --timeout 300 2>&1 | tee "$results/ctest.log") ;;
+    run)
+      "$MOK_BUILD_DIR/mok" run --ep 2 --json "$results/mok-run-cpu.json" ;;
+    *)
+      bash "$root/scripts/device/$part.sh" ;;
+  esac
+  status=$?
+  echo "== part $part: exit $status in $(( $(date +%s) - part_start )) s"
+  ((status == 0)) || failed+=("$part")
+done
+
+tar -czf "$out/device-results.tar.gz" -C "$out" results
+if ((${#failed[@]})); then
+  echo "== FAILED parts: ${failed[*]}"
+  exit 1
+fi
+echo "== all parts passed"
