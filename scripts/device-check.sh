@@ -66,7 +66,7 @@ for part in "${parts[@]}"; do
   ((status == 0)) || failed+=("$part")
 done
 
-tar -czf "$out/device-results.tar.gz" -C "$out" results
+tar -czf "$out/device-results.tar.gz" -C "$out" results && rm -rf "$results"
 if ((${#failed[@]})); then
   echo "== FAILED parts: ${failed[*]}"
   exit 1

@@ -85,10 +85,17 @@ struct Epilogue {
   }
 
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
-                               int consumer_idx, const float (&accum)[kNumAccumulators]) {
+                               int consumer_idx, float (&accum)[kNumAccumulators]) {
     const Fragment f = fragment(params, tile, consumer_idx);
     if constexpr (kEpilogue == EpilogueKind::kSwiGluBf16) {
-      // Blocks (j, j + 1) hold gate and up of the same 8 columns of h.
+      // Blocks (j, j + 1) hold gate and up of the same 8 columns of h: h overwrites the gate
+      // accumulators in place, in a flat loop the compiler fully unrolls (a nested one with the
+      // store guard inside was left rolled, which sent the accumulators to local memory).
+#pragma unroll 64
+      for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {
+        const int gate = 8 * (pair / 4) + pair % 4;
+        accum[gate] = numerics::swiglu(accum[gate], accum[gate + 4]);
+      }
 #pragma unroll
       for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
 #pragma unroll
@@ -97,11 +104,8 @@ struct Epilogue {
           const int column = f.column + 4 * j;
           if (row < f.rows_valid && column < f.columns_valid) {
             const int gate = 4 * j + 2 * half;
-            const int up = gate + 4;
-            const __nv_bfloat162 h = __floats2bfloat162_rn(
-                numerics::swiglu(accum[gate], accum[up]),
-                numerics::swiglu(accum[gate + 1], accum[up + 1]));
-            *reinterpret_cast<__nv_bfloat162*>(f.tile_base + row * f.row_stride + column * 2) = h;
+            *reinterpret_cast<__nv_bfloat162*>(f.tile_base + row * f.row_stride + column * 2) =
+                __floats2bfloat162_rn(accum[gate], accum[gate + 1]);
           }
         }
       }
