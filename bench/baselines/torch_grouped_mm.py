@@ -1,0 +1,128 @@
+"""torch baseline for the grouped expert GEMMs, measured in the same device run as mok's.
+
+Reads mok's per-case figures (bench_gemm --out), times the torch equivalent of every case and the
+dense bf16 GEMM rate (8192^3), and writes bench/results JSON in schema mok-bench/1.
+
+  forward  torch._grouped_mm(x, W.transpose(-2, -1), offs=offs)   y = x W^T per expert
+  dgrad    torch._grouped_mm(dy, W, offs=offs)                    dx = dy W per expert
+  wgrad    torch._grouped_mm(dy.t(), x, offs=offs)                dW = dy^T x per expert
+The SwiGLU-fused case is compared with the plain torch gate/up GEMM (torch has no fused one).
+Median of >= 20 CUDA-event-timed iterations after warm-up, random data.
+"""
+import argparse
+import datetime
+import json
+import subprocess
+
+import torch
+
+
+def median_ms(fn, iterations):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iterations):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def dense_tflops(iterations):
+    size = 8192
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b, iterations)
+    return 2 * size**3 / ms / 1e9
+
+
+def torch_case(case, iterations):
+    experts, rows, n, k = case["num_experts"], case["rows_per_expert"], case["n"], case["k"]
+    total = experts * rows
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * rows
+    phase = case["phase"]
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    if phase.startswith("gemm-dgrad"):
+        dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: torch._grouped_mm(dy, w, offs=offs)
+    elif phase.startswith("gemm-wgrad"):
+        del w
+        dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: torch._grouped_mm(dy.t(), x, offs=offs)
+    else:
+        x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    ms = median_ms(fn, iterations)
+    torch.cuda.empty_cache()
+    return ms
+
+
+def commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mok", required=True, help="bench_gemm --out file")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    mok_cases = json.load(open(args.mok))
+    dense = dense_tflops(args.iterations)
+    cases = []
+    for case in mok_cases:
+        try:
+            baseline_ms = torch_case(case, args.iterations)
+            baseline = "torch._grouped_mm"
+        except Exception as error:  # report, never invent a figure
+            print(f"torch baseline failed for {case['preset']} {case['phase']}: {error}")
+            baseline_ms, baseline = None, None
+        cases.append({
+            "name": f"{case['preset']}/{case['phase']}",
+            "preset": case["preset"],
+            "ep": 2,
+            "tokens_per_rank": 8192,
+            "precision": "bf16",
+            "phase": case["phase"],
+            "mok_ms": case["mok_ms"],
+            "baseline": baseline,
+            "baseline_ms": baseline_ms,
+            "speedup": (baseline_ms / case["mok_ms"]) if baseline_ms else None,
+            "useful_tflops": case["useful_tflops"],
+            "baseline_tflops": (case["useful_tflops"] * case["mok_ms"] / baseline_ms) if baseline_ms else None,
+            "gbps": None,
+            "dense_gemm_tflops": dense,
+            "shape": {"experts": case["num_experts"], "rows_per_expert": case["rows_per_expert"],
+                      "n": case["n"], "k": case["k"]},
+        })
+    result = {
+        "schema": "mok-bench/1",
+        "commit": args.commit or commit(),
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cases": cases,
+    }
+    json.dump(result, open(args.out, "w"), indent=2)
+    print(f"dense bf16 8192^3: {dense:.0f} TFLOP/s")
+    print(f"{'case':40s} {'mok ms':>8s} {'mok TF':>7s} {'torch ms':>9s} {'torch TF':>8s} {'speedup':>7s}")
+    for c in cases:
+        torch_tf = f"{c['baseline_tflops']:8.0f}" if c["baseline_tflops"] else "     n/a"
+        torch_ms = f"{c['baseline_ms']:9.3f}" if c["baseline_ms"] else "      n/a"
+        speedup = f"{c['speedup']:7.3f}" if c["speedup"] else "    n/a"
+        print(f"{c['name']:40s} {c['mok_ms']:8.3f} {c['useful_tflops']:7.0f} {torch_ms} {torch_tf} {speedup}")
+
+
+if __name__ == "__main__":
+    main()

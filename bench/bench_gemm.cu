@@ -1,0 +1,160 @@
+// Benchmark of the grouped expert GEMMs at one rank of EP2 with balanced routing
+// (2 ranks x 8192 tokens x top-8 = 65,536 rows over the rank's experts), per preset:
+// gate/up (plain and SwiGLU-fused), down, dgrad and wgrad. Median of timed iterations with CUDA
+// events after warm-up, on random (never zero) data. Writes one JSON object per case to --out;
+// bench/baselines/torch_grouped_mm.py adds torch's figures measured in the same device run.
+//
+//   bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "mok/gemm.hpp"
+#include "mok/shape.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace {
+
+using namespace mok::gemm;
+
+// Uniform values in [-scale, scale) from a hash of the index: random, reproducible, never zero
+// over a whole row.
+__global__ void fill_random(__nv_bfloat16* data, size_t count, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u ^ seed ^ static_cast<uint32_t>(i >> 32);
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    const float unit = static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+    data[i] = __float2bfloat16_rn((2.0f * unit - 1.0f) * scale);
+  }
+}
+
+struct Buffer {
+  void* data = nullptr;
+  explicit Buffer(size_t bytes) { MOK_CUDA_CHECK(cudaMalloc(&data, bytes)); }
+  Buffer(const Buffer&) = delete;
+  ~Buffer() { cudaFree(data); }
+  mok::bf16* bf16() const { return static_cast<mok::bf16*>(data); }
+};
+
+void fill(const Buffer& buffer, size_t count, uint32_t seed, float scale) {
+  fill_random<<<1024, 256>>>(static_cast<__nv_bfloat16*>(buffer.data), count, seed, scale);
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+double median_ms(const std::function<void()>& launch, int iterations) {
+  for (int i = 0; i < 3; ++i) launch();
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  MOK_CUDA_CHECK(cudaEventCreate(&start));
+  MOK_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int i = 0; i < iterations; ++i) {
+    MOK_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    MOK_CUDA_CHECK(cudaEventRecord(stop));
+    MOK_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  MOK_CUDA_CHECK(cudaEventDestroy(start));
+  MOK_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+struct CaseResult {
+  std::string preset, phase;
+  int num_experts, rows_per_expert, n, k;
+  double ms, tflops;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path = "gemm-mok.json", only;
+  int iterations = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--out")) out_path = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--iterations")) iterations = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
+  }
+  constexpr int kEp = 2, kTokensPerRank = 8192;
+  std::vector<CaseResult> results;
+  for (const char* preset_name : {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"}) {
+    const mok::LayerShape& layer = mok::find_preset(preset_name).shape;
+    const int experts = static_cast<int>(layer.num_experts / kEp);
+    const int rows_total = static_cast<int>(kEp * kTokensPerRank * layer.top_k);
+    const int rows = rows_total / experts;
+    const int hidden = static_cast<int>(layer.hidden), inter = static_cast<int>(layer.intermediate);
+    std::vector<int> offsets(experts + 1);
+    for (int e = 0; e <= experts; ++e) offsets[e] = e * rows;
+    Buffer offsets_device(offsets.size() * sizeof(int));
+    MOK_CUDA_CHECK(cudaMemcpy(offsets_device.data, offsets.data(), offsets.size() * sizeof(int),
+                              cudaMemcpyHostToDevice));
+    const int* offs = static_cast<const int*>(offsets_device.data);
+    const size_t rows_sz = rows_total;
+    Buffer x(rows_sz * hidden * 2), w_gate_up(size_t(experts) * 2 * inter * hidden * 2),
+        w_down(size_t(experts) * hidden * inter * 2), h(rows_sz * inter * 2),
+        gate_up_out(rows_sz * 2 * inter * 2), down_out(rows_sz * hidden * 2),
+        dw(size_t(experts) * 2 * inter * hidden * 2);
+    fill(x, rows_sz * hidden, 1, 1.0f);
+    fill(w_gate_up, size_t(experts) * 2 * inter * hidden, 2, 0.05f);
+    fill(w_down, size_t(experts) * hidden * inter, 3, 0.05f);
+    fill(h, rows_sz * inter, 4, 1.0f);
+    fill(gate_up_out, rows_sz * 2 * inter, 5, 1.0f);  // doubles as dY of gate/up
+    fill(down_out, rows_sz * hidden, 6, 1.0f);        // doubles as dY of down
+    const GroupedShape gate_up{experts, rows_total, 2 * inter, hidden};
+    const GroupedShape down{experts, rows_total, hidden, inter};
+    struct Case {
+      const char* phase;
+      GroupedShape shape;
+      std::function<void()> launch;
+    };
+    const std::vector<Case> cases = {
+        {"gemm-gateup", gate_up, [&] { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, gate_up_out.data, ForwardOutput::kBf16, nullptr); }},
+        {"gemm-gateup-swiglu", gate_up, [&] { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, h.data, ForwardOutput::kSwiGluBf16, nullptr); }},
+        {"gemm-down", down, [&] { grouped_forward(down, h.bf16(), w_down.bf16(), offs, down_out.data, ForwardOutput::kBf16, nullptr); }},
+        {"gemm-dgrad-gateup", gate_up, [&] { grouped_dgrad(gate_up, gate_up_out.bf16(), w_gate_up.bf16(), offs, x.bf16(), nullptr); }},
+        {"gemm-dgrad-down", down, [&] { grouped_dgrad(down, down_out.bf16(), w_down.bf16(), offs, h.bf16(), nullptr); }},
+        {"gemm-wgrad-gateup", gate_up, [&] { grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr); }},
+        {"gemm-wgrad-down", down, [&] { grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr); }},
+    };
+    for (const Case& c : cases) {
+      if (!only.empty() && only != std::string(preset_name) + "/" + c.phase) continue;
+      const double ms = median_ms(c.launch, iterations);
+      const double flops = 2.0 * rows_total * double(c.shape.n) * c.shape.k;
+      results.push_back({preset_name, c.phase, experts, rows, c.shape.n, c.shape.k, ms,
+                         flops / ms / 1e9});
+      std::printf("%-16s %-20s E %3d rows %5d n %5d k %5d  %8.3f ms  %6.1f TFLOP/s\n",
+                  preset_name, c.phase, experts, rows, c.shape.n, c.shape.k, ms,
+                  results.back().tflops);
+      std::fflush(stdout);
+    }
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  std::ofstream out(out_path);
+  out << "[\n";
+  for (size_t i = 0; i < results.size(); ++i) {
+    const CaseResult& r = results[i];
+    out << "  {\"preset\": \"" << r.preset << "\", \"phase\": \"" << r.phase
+        << "\", \"num_experts\": " << r.num_experts << ", \"rows_per_expert\": "
+        << r.rows_per_expert << ", \"n\": " << r.n << ", \"k\": " << r.k
+        << ", \"mok_ms\": " << r.ms << ", \"useful_tflops\": " << r.tflops << "}"
+        << (i + 1 < results.size() ? ",\n" : "\n");
+  }
+  out << "]\n";
+  return 0;
+}

@@ -1,0 +1,82 @@
+// Grouped expert GEMMs on Hopper (sm_90a): forward, dgrad and wgrad over experts whose rows are
+// contiguous in the row-indexed tensors, with the per-expert row offsets in device memory (the
+// host never reads them, so every call is asynchronous and graph-capturable).
+//
+// All tensors are device pointers, row-major, bf16 unless said otherwise. Rows of expert e are
+// expert_offsets[e] .. expert_offsets[e + 1] (int32, device, non-decreasing, at most
+// capacity_rows); rows past expert_offsets[E] are neither read into any result nor written.
+// Results are bitwise identical across runs and across the number of SMs used: every output
+// element is summed by one CTA in natural K order (no split-K, no atomics).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "mok/bf16.hpp"
+
+namespace mok::gemm {
+
+struct GroupedShape {
+  int num_experts = 0;
+  int capacity_rows = 0;  // rows allocated in the row-indexed tensors
+  int n = 0;              // out features of the forward GEMM (rows of W_e)
+  int k = 0;              // in features of the forward GEMM (columns of W_e)
+};
+
+struct LaunchOptions {
+  int num_sms = 0;  // CTAs of the persistent grid; 0 = every SM of the current device
+};
+
+enum class ForwardOutput {
+  kBf16,        // y [capacity_rows, n] bf16
+  kSwiGluBf16,  // h [capacity_rows, n / 2] bf16 = swiglu(gate, up); W_e gate/up-interleaved
+  kFp32,        // y [capacity_rows, n] fp32
+};
+
+enum class WgradOutput {
+  kFp32,            // dw [E, n, k] fp32, overwritten
+  kBf16,            // dw [E, n, k] bf16, overwritten
+  kAccumulateFp32,  // main_grad [E, n, k] fp32 += dYᵀ·X (accumulators start from main_grad)
+};
+
+// y_e = x_e · W_eᵀ. x [capacity_rows, k], w [E, n, k]; k and n multiples of 8 (16 for SwiGLU).
+void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
+                     const int* expert_offsets, void* y, ForwardOutput output,
+                     cudaStream_t stream, const LaunchOptions& options = {});
+
+// dx_e = dy_e · W_e. dy [capacity_rows, n], w [E, n, k], dx [capacity_rows, k] bf16.
+void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
+                   const int* expert_offsets, bf16* dx, cudaStream_t stream,
+                   const LaunchOptions& options = {});
+
+// dw_e = dy_eᵀ · x_e, summed over the expert's rows in row order. dy [capacity_rows, n],
+// x [capacity_rows, k], dw [E, n, k].
+void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
+                   const int* expert_offsets, void* dw, WgradOutput output, cudaStream_t stream,
+                   const LaunchOptions& options = {});
+
+// The fused gate/up weight the SwiGLU forward expects: [E, 2I, H] with gate and up rows
+// interleaved in blocks of 8 (rows 16b..16b+7 = gate rows 8b..8b+7, rows 16b+8..16b+15 = up rows
+// 8b..8b+7). gate, up: [E, I, H]; I a multiple of 8.
+inline std::vector<bf16> interleave_gate_up(const std::vector<bf16>& gate,
+                                            const std::vector<bf16>& up, int num_experts,
+                                            int intermediate, int hidden) {
+  constexpr int kBlock = 8;
+  std::vector<bf16> fused(gate.size() * 2);
+  for (int e = 0; e < num_experts; ++e) {
+    for (int i = 0; i < intermediate; ++i) {
+      const size_t source = (static_cast<size_t>(e) * intermediate + i) * hidden;
+      const size_t gate_row = static_cast<size_t>(e) * 2 * intermediate +
+                              (i / kBlock) * 2 * kBlock + i % kBlock;
+      for (int h = 0; h < hidden; ++h) {
+        fused[gate_row * hidden + h] = gate[source + h];
+        fused[(gate_row + kBlock) * hidden + h] = up[source + h];
+      }
+    }
+  }
+  return fused;
+}
+
+}  // namespace mok::gemm

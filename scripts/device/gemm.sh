@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch,
+# the chart, a SASS check and one Nsight Compute profile, on GPU 0. Results and logs go to $OUT.
+#
+#   OUT=/tmp/out scripts/device/gemm.sh [BIN_DIR]
+# BIN_DIR holds mok_gemm_tests (or mok_gpu_tests) and bench_gemm built elsewhere (default build-gemm-bin); when they
+# are missing or do not start here, the script builds them into build-gemm-device first.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+OUT=${OUT:?set OUT to the results folder}
+BIN=${1:-build-gemm-bin}
+mkdir -p "$OUT"
+LOG="$OUT/gemm-log.txt"
+: > "$LOG"
+say() { echo "== $*" | tee -a "$LOG"; }
+
+TESTS="$BIN/mok_gemm_tests"
+[ -x "$TESTS" ] || TESTS="$BIN/mok_gpu_tests"
+if ! "$TESTS" --gtest_list_tests > /dev/null 2>&1; then
+  say "carried binaries missing or not runnable here: building"
+  BIN=build-gemm-device
+  cmake -S . -B "$BIN" -G Ninja -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc >> "$LOG" 2>&1 &&
+    ninja -C "$BIN" -j16 mok_gpu_tests bench_gemm >> "$LOG" 2>&1 || { say "build failed"; exit 1; }
+  TESTS="$BIN/mok_gpu_tests"
+fi
+
+say "device"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+
+say "SASS: HGMMA count and local-memory traffic per kernel"
+if command -v cuobjdump > /dev/null; then
+  cuobjdump --dump-sass "$BIN/bench_gemm" 2>/dev/null |
+    awk '/Function :/ {name=$3} /HGMMA/ {hgmma[name]++} /STL|LDL/ {local[name]++}
+         END {for (n in hgmma) printf "%-110s HGMMA %d local %d\n", n, hgmma[n], local[n]}' |
+    tee -a "$LOG"
+fi
+
+say "tests"
+timeout 240 "$TESTS" --gtest_filter='GroupedGemm*' 2>&1 | tee "$OUT/gemm-tests.txt" | tail -25 | tee -a "$LOG"
+test_status=$?
+
+say "benchmark (mok)"
+timeout 180 "$BIN/bench_gemm" --out "$OUT/gemm-mok.json" --iterations 20 2>&1 | tee -a "$LOG"
+
+say "baseline (torch) and results"
+RESULTS="$OUT/gemm-results.json"
+timeout 240 python3 bench/baselines/torch_grouped_mm.py --mok "$OUT/gemm-mok.json" --out "$RESULTS" \
+  --commit "${MOK_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}" 2>&1 | tee -a "$LOG"
+python3 bench/plot_gemm.py "$RESULTS" "$OUT/gemm.png" 2>&1 | tee -a "$LOG"
+
+if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
+  say "Nsight Compute: deepseek-v3 gate/up"
+  timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats -k regex:grouped_gemm --launch-skip 2 --launch-count 1 \
+    "$BIN/bench_gemm" --only deepseek-v3/gemm-gateup --iterations 1 --out /tmp/ncu.json \
+    > "$OUT/gemm-ncu.txt" 2>&1
+  grep -E "Duration|Throughput|Registers|Pipe|Busy|L2 Hit|Achieved" "$OUT/gemm-ncu.txt" | head -30 | tee -a "$LOG"
+fi
+exit $test_status

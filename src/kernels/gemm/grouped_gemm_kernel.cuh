@@ -1,0 +1,79 @@
+// The standalone persistent grouped GEMM: one CTA per SM, one producer warpgroup and two consumer
+// warpgroups, tiles from the grouped tile scheduler. The megakernel composes the same mainloop,
+// epilogue and scheduler per task; this entry point serves the launchers, tests and benchmarks.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/gemm/epilogue.cuh"
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/mainloop.cuh"
+#include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/tma.cuh"
+#include "kernels/schedule/tile_scheduler.cuh"
+
+namespace mok::gemm {
+
+enum class WarpgroupRole { kProducer, kConsumer };
+
+// Register split: the producer needs few, the consumers hold (64, 256) fp32 accumulators each.
+constexpr uint32_t kProducerRegisters = 40;
+constexpr uint32_t kConsumerRegisters = 232;
+
+template <GemmKind kKind, EpilogueKind kEpilogue>
+__global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b,
+                        const GroupedGemmParams params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Loop = Mainloop<kKind>;
+  using Store = Epilogue<kKind, kEpilogue>;
+  extern __shared__ uint8_t dynamic_smem[];
+  // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
+  // buffers start on that boundary.
+  const uint32_t base_address = ptx::smem_address(dynamic_smem);
+  uint8_t* aligned_base =
+      dynamic_smem + ((SharedLayout::kAlignment - base_address % SharedLayout::kAlignment) %
+                      SharedLayout::kAlignment);
+  const SharedStorage smem = SharedStorage::carve(aligned_base);
+
+  const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
+  const WarpgroupRole role = warpgroup_idx == 0 ? WarpgroupRole::kProducer : WarpgroupRole::kConsumer;
+
+  if (threadIdx.x == 0) {
+    ptx::prefetch_tensor_map(&map_a);
+    ptx::prefetch_tensor_map(&map_b);
+    for (int stage = 0; stage < TileConfig::kNumStages; ++stage) {
+      ptx::mbarrier_init(&smem.full[stage], 1);
+      ptx::mbarrier_init(&smem.empty[stage], TileConfig::kNumConsumerWarpgroups * 4);
+    }
+    ptx::mbarrier_init(smem.tail, 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  GroupedTileScheduler<kKind> scheduler(params);
+  GroupedTile tile;
+  PipelineState state;
+  if (role == WarpgroupRole::kProducer) {
+    ptx::setmaxnreg_decrease<kProducerRegisters>();
+    if (threadIdx.x / 32 == 0) {
+      uint32_t tail_phase = 0;
+      while (scheduler.next_tile(tile)) {
+        Loop::load(&map_a, &map_b, smem, params, tile, state, tail_phase);
+      }
+    }
+  } else {
+    ptx::setmaxnreg_increase<kConsumerRegisters>();
+    const int consumer_idx = warpgroup_idx - 1;
+    float accum[Store::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup
+    while (scheduler.next_tile(tile)) {
+      Store::init(params, tile, consumer_idx, accum);
+      Loop::mma(smem, params, tile, consumer_idx, state, accum);
+      Store::store(params, tile, consumer_idx, accum);
+    }
+  }
+#endif
+}
+
+}  // namespace mok::gemm

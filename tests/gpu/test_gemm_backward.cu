@@ -1,0 +1,185 @@
+// dgrad dx_e = dy_e · W_e and wgrad dW_e = dy_eᵀ · x_e against host references, with experts of
+// 0, 1, 127, 128, 129 and thousands of rows (the wgrad K-loop runs over them, tails included);
+// wgrad fresh fp32 / bf16 and accumulated into an fp32 main_grad; wgrad bitwise equal whatever
+// the number of SMs.
+#include <algorithm>
+#include <vector>
+
+#include "gemm_test_support.hpp"
+#include "mok/detail/numerics.hpp"
+#include "mok/gemm.hpp"
+
+namespace mok::gemm_test {
+namespace {
+
+using namespace mok::gemm;
+
+constexpr int kOut = 320;  // n: rows of W_e (dgrad's reduction, wgrad's M: 2.5 M tiles)
+constexpr int kIn = 328;   // k: columns of W_e (dgrad's N, wgrad's N: 1.3 N tiles)
+const std::vector<int> kRowsPerExpert = {0, 1, 127, 128, 129, 2100, 0, 64};
+constexpr int kSpareRows = 29;
+
+struct BackwardProblem {
+  int num_experts = static_cast<int>(kRowsPerExpert.size());
+  std::vector<int> offsets = offsets_of(kRowsPerExpert);
+  int total_rows = offsets.back();
+  int capacity = total_rows + kSpareRows;
+  std::vector<bf16> dy = random_bf16(static_cast<size_t>(capacity) * kOut, 21);
+  std::vector<bf16> x = random_bf16(static_cast<size_t>(capacity) * kIn, 22);
+  std::vector<bf16> w = random_bf16(static_cast<size_t>(num_experts) * kOut * kIn, 23);
+
+  GroupedShape shape() const { return {num_experts, capacity, kOut, kIn}; }
+  std::vector<float> floats(const std::vector<bf16>& values) const {
+    std::vector<float> result(values.size());
+    for (size_t i = 0; i < values.size(); ++i) result[i] = values[i].to_float();
+    return result;
+  }
+};
+
+class GroupedGemmBackward : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MOK_REQUIRE_HOPPER();
+    p_ = std::make_unique<BackwardProblem>();
+    dy_ = std::make_unique<DeviceBuffer<bf16>>(p_->dy.size());
+    x_ = std::make_unique<DeviceBuffer<bf16>>(p_->x.size());
+    w_ = std::make_unique<DeviceBuffer<bf16>>(p_->w.size());
+    offsets_ = std::make_unique<DeviceBuffer<int>>(p_->offsets.size());
+    dy_->upload(p_->dy);
+    x_->upload(p_->x);
+    w_->upload(p_->w);
+    offsets_->upload(p_->offsets);
+  }
+
+  std::vector<bf16> run_dgrad() {
+    DeviceBuffer<bf16> dx(static_cast<size_t>(p_->capacity) * kIn);
+    dx.poison();
+    grouped_dgrad(p_->shape(), dy_->get(), w_->get(), offsets_->get(), dx.get(), nullptr);
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    return dx.download();
+  }
+
+  // `initial` (fp32 main_grad) is uploaded for kAccumulateFp32; the output is poisoned otherwise.
+  template <class T>
+  std::vector<T> run_wgrad(WgradOutput output, int num_sms, const std::vector<float>* initial) {
+    DeviceBuffer<T> dw(static_cast<size_t>(p_->num_experts) * kOut * kIn);
+    if constexpr (std::is_same_v<T, float>) {
+      if (initial != nullptr) dw.upload(*initial);
+      else dw.poison();
+    } else {
+      dw.poison();
+    }
+    grouped_wgrad(p_->shape(), dy_->get(), x_->get(), offsets_->get(), dw.get(), output, nullptr,
+                  LaunchOptions{num_sms});
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    return dw.download();
+  }
+
+  std::unique_ptr<BackwardProblem> p_;
+  std::unique_ptr<DeviceBuffer<bf16>> dy_, x_, w_;
+  std::unique_ptr<DeviceBuffer<int>> offsets_;
+};
+
+TEST_F(GroupedGemmBackward, DgradMatchesReference) {
+  const auto dy = p_->floats(p_->dy), w = p_->floats(p_->w);
+  const size_t count = static_cast<size_t>(p_->capacity) * kIn;
+  std::vector<double> oracle(count, 0.0);
+  std::vector<float> host(count, 0.0f);
+  std::vector<bool> written(count, false);
+  for (int e = 0; e < p_->num_experts; ++e) {
+    for (int row = p_->offsets[e]; row < p_->offsets[e + 1]; ++row) {
+      for (int column = 0; column < kIn; ++column) {
+        double sum64 = 0.0;
+        float sum32 = 0.0f;
+        for (int j = 0; j < kOut; ++j) {
+          const float a = dy[static_cast<size_t>(row) * kOut + j];
+          const float b = w[(static_cast<size_t>(e) * kOut + j) * kIn + column];
+          sum64 += static_cast<double>(a) * b;
+          sum32 = numerics::add_rn(sum32, numerics::mul_rn(a, b));
+        }
+        const size_t index = static_cast<size_t>(row) * kIn + column;
+        oracle[index] = sum64;
+        host[index] = round_to_bf16(sum32);
+        written[index] = true;
+      }
+    }
+  }
+  const auto dx = run_dgrad();
+  expect_accuracy(dx, host, oracle, written, 2.0, "dgrad bf16");
+  EXPECT_TRUE(bitwise_equal(dx, run_dgrad())) << "dgrad: repeated runs differ";
+}
+
+// fp64 oracle and fp32 host sum over each expert's rows in row order, starting from `initial`.
+struct WgradReference {
+  std::vector<double> oracle;
+  std::vector<float> same_precision;
+  WgradReference(const BackwardProblem& p, const std::vector<float>& initial) {
+    const auto dy = p.floats(p.dy), x = p.floats(p.x);
+    oracle.assign(initial.begin(), initial.end());
+    same_precision = initial;
+    for (int e = 0; e < p.num_experts; ++e) {
+      for (int i = 0; i < kOut; ++i) {
+        for (int j = 0; j < kIn; ++j) {
+          const size_t index = (static_cast<size_t>(e) * kOut + i) * kIn + j;
+          double sum64 = oracle[index];
+          float sum32 = same_precision[index];
+          for (int row = p.offsets[e]; row < p.offsets[e + 1]; ++row) {
+            const float a = dy[static_cast<size_t>(row) * kOut + i];
+            const float b = x[static_cast<size_t>(row) * kIn + j];
+            sum64 += static_cast<double>(a) * b;
+            sum32 = numerics::add_rn(sum32, numerics::mul_rn(a, b));
+          }
+          oracle[index] = sum64;
+          same_precision[index] = sum32;
+        }
+      }
+    }
+  }
+};
+
+TEST_F(GroupedGemmBackward, WgradFreshMatchesReferenceAndIsSmCountInvariant) {
+  const size_t count = static_cast<size_t>(p_->num_experts) * kOut * kIn;
+  const WgradReference reference(*p_, std::vector<float>(count, 0.0f));
+  const std::vector<bool> written(count, true);
+  const auto dw = run_wgrad<float>(WgradOutput::kFp32, 0, nullptr);
+  expect_accuracy(dw, reference.same_precision, reference.oracle, written, 4.0, "wgrad fp32");
+  for (int num_sms : {1, 7, 33}) {
+    EXPECT_TRUE(bitwise_equal(dw, run_wgrad<float>(WgradOutput::kFp32, num_sms, nullptr)))
+        << "wgrad fp32: grid of " << num_sms << " CTAs differs from the full grid";
+  }
+  EXPECT_TRUE(bitwise_equal(dw, run_wgrad<float>(WgradOutput::kFp32, 0, nullptr)))
+      << "wgrad fp32: repeated runs differ";
+
+  std::vector<float> host_bf16(count);
+  for (size_t i = 0; i < count; ++i) host_bf16[i] = round_to_bf16(reference.same_precision[i]);
+  const auto dw_bf16 = run_wgrad<bf16>(WgradOutput::kBf16, 0, nullptr);
+  expect_accuracy(dw_bf16, host_bf16, reference.oracle, written, 2.0, "wgrad bf16");
+  // The bf16 result is the fp32 one rounded once.
+  size_t mismatches = 0;
+  for (size_t i = 0; i < count; ++i) mismatches += bf16(dw[i]).bits == dw_bf16[i].bits ? 0 : 1;
+  EXPECT_EQ(mismatches, 0u) << "wgrad bf16 is not the rounded fp32 result";
+}
+
+TEST_F(GroupedGemmBackward, WgradAccumulatesIntoMainGrad) {
+  const size_t count = static_cast<size_t>(p_->num_experts) * kOut * kIn;
+  std::vector<float> main_grad(count);
+  const auto seed_values = random_bf16(count, 24, 4.0f);
+  for (size_t i = 0; i < count; ++i) main_grad[i] = seed_values[i].to_float() * 1.25f;
+  const WgradReference reference(*p_, main_grad);
+  const std::vector<bool> written(count, true);
+  const auto dw = run_wgrad<float>(WgradOutput::kAccumulateFp32, 0, &main_grad);
+  expect_accuracy(dw, reference.same_precision, reference.oracle, written, 4.0,
+                  "wgrad accumulate");
+  // Experts without rows leave their main_grad untouched, bit for bit.
+  for (int e = 0; e < p_->num_experts; ++e) {
+    if (kRowsPerExpert[e] != 0) continue;
+    const size_t begin = static_cast<size_t>(e) * kOut * kIn;
+    EXPECT_EQ(0, std::memcmp(&dw[begin], &main_grad[begin], sizeof(float) * kOut * kIn))
+        << "expert " << e << " has no rows but its main_grad changed";
+  }
+  EXPECT_TRUE(bitwise_equal(dw, run_wgrad<float>(WgradOutput::kAccumulateFp32, 5, &main_grad)))
+      << "wgrad accumulate: 5-CTA grid differs from the full grid";
+}
+
+}  // namespace
+}  // namespace mok::gemm_test
