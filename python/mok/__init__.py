@@ -1,0 +1,13 @@
+"""mok: a deterministic Mixture-of-Experts layer (shared + routed SwiGLU experts, top-k combine).
+
+`mok.functional` is the op-level API, `mok.nn.MoE` a module that drops into a model. CPU tensors
+run mok's CPU backend (the reference, with the GPU design's rounding points); the GPU layer is
+not in this build yet.
+"""
+
+from . import _ops  # noqa: F401  (loads the ops before anything uses them)
+from . import functional, nn
+from .functional import ExpertWeights, MoKConfig
+
+__all__ = ["functional", "nn", "ExpertWeights", "MoKConfig"]
+__version__ = "0.1.0"

@@ -1,0 +1,202 @@
+"""The torch front end on the CPU backend: against a plain-PyTorch layer, opcheck, autograd,
+torch.compile, determinism and errors. Runs wherever torch and the built extension are."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mok
+from mok import functional as mf
+
+H, I, I_S, E, K, T = 64, 32, 48, 8, 2, 40
+
+
+def make_inputs(seed=0, shared=True, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+    x = randn(T, H)
+    scores = torch.randn(T, E, generator=gen)
+    topk_w, topk_idx = scores.softmax(-1).topk(K, dim=-1)
+    topk_idx = topk_idx.to(torch.int32)
+    topk_idx[3, 1] = -1  # an unused slot
+    weights = mf.ExpertWeights(
+        randn(E, I, H, scale=H ** -0.5), randn(E, I, H, scale=H ** -0.5), randn(E, H, I, scale=I ** -0.5),
+        *((randn(I_S, H, scale=H ** -0.5), randn(I_S, H, scale=H ** -0.5), randn(H, I_S, scale=I_S ** -0.5))
+          if shared else (None, None, None)))
+    if requires_grad:
+        x.requires_grad_(True)
+        topk_w.requires_grad_(True)
+        weights = mf.ExpertWeights(*(w.requires_grad_(True) if w is not None else None for w in weights))
+    return x, topk_idx, topk_w.contiguous(), weights
+
+
+def swiglu_ffn(x, gate, up, down):
+    return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+
+
+def torch_layer(x, topk_idx, topk_w, weights):
+    """The same layer in plain PyTorch, fp32 math on the bf16 values."""
+    xf = x.float()
+    y = torch.zeros_like(xf)
+    if weights.w_shared_gate is not None:
+        y = y + swiglu_ffn(xf, weights.w_shared_gate.float(), weights.w_shared_up.float(),
+                           weights.w_shared_down.float())
+    for j in range(topk_idx.shape[1]):
+        for expert in range(weights.w_gate.shape[0]):
+            rows = (topk_idx[:, j] == expert).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            out = swiglu_ffn(xf[rows], weights.w_gate[expert].float(), weights.w_up[expert].float(),
+                             weights.w_down[expert].float())
+            y = y.index_add(0, rows, topk_w[rows, j, None] * out)
+    return y
+
+
+def rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_forward_matches_plain_torch(shared):
+    x, idx, w, weights = make_inputs(1, shared)
+    y = mf.forward(x, idx, w, weights)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, H)
+    assert rel_l2(y, torch_layer(x, idx, w, weights)) < 1e-2
+
+
+def test_backward_matches_plain_torch_autograd():
+    x, idx, w, weights = make_inputs(2, requires_grad=True)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    grads = mf.backward(dy, x.detach(), idx, w.detach(), mf.ExpertWeights(*(t.detach() for t in weights)))
+
+    leaves = [x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()]
+    weight_leaves = [t.detach().float().requires_grad_() for t in weights]
+    y = torch_layer(leaves[0], idx, leaves[1], mf.ExpertWeights(*weight_leaves))
+    (y * dy.float()).sum().backward()
+    assert rel_l2(grads.dx, leaves[0].grad) < 1e-2
+    assert rel_l2(grads.d_topk_w, leaves[1].grad) < 1e-2
+    assert grads.d_topk_w[3, 1] == 0  # the unused slot
+    for name, mine, theirs in zip(weights._fields, grads.weights, weight_leaves):
+        assert mine.dtype == torch.float32, name
+        assert rel_l2(mine, theirs.grad) < 1e-2, name
+
+
+def test_autograd_through_forward_equals_functional_backward():
+    x, idx, w, weights = make_inputs(3, requires_grad=True)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    mf.forward(x, idx, w, weights).backward(dy)
+    grads = mf.backward(dy, x.detach(), idx, w.detach(), mf.ExpertWeights(*(t.detach() for t in weights)))
+    assert torch.equal(x.grad, grads.dx)
+    assert torch.equal(w.grad, grads.d_topk_w)
+    assert torch.equal(weights.w_down.grad, grads.weights.w_down.to(torch.bfloat16))
+
+
+def test_main_grad_accumulation():
+    x, idx, w, weights = make_inputs(5)
+    dy = torch.randn(T, H).to(torch.bfloat16)
+    main = mf.ExpertWeights(*(torch.full(t.shape, 0.5) for t in weights))
+    grads = mf.backward(dy, x, idx, w, weights, main_grads=main)
+    for buffer, grad in zip(main, grads.weights):
+        assert torch.equal(buffer, grad + 0.5)
+
+
+def test_bitwise_repeatable_and_seed_sensitive():
+    x, idx, w, weights = make_inputs(6)
+    first = mf.forward(x, idx, w, weights)
+    assert torch.equal(first.view(torch.int16), mf.forward(x, idx, w, weights).view(torch.int16))
+    x2, idx2, w2, weights2 = make_inputs(7)
+    assert not torch.equal(first, mf.forward(x2, idx2, w2, weights2))
+
+
+def test_int64_indices_are_accepted():
+    x, idx, w, weights = make_inputs(8)
+    assert torch.equal(mf.forward(x, idx, w, weights), mf.forward(x, idx.long(), w, weights))
+
+
+def test_opcheck_forward_and_backward():
+    x, idx, w, weights = make_inputs(10, requires_grad=True)
+    torch.library.opcheck(torch.ops.mok.forward.default, (x, idx, w, *weights))
+    dy = torch.randn(T, H).to(torch.bfloat16)
+    detached = [t.detach() for t in weights]
+    torch.library.opcheck(torch.ops.mok.backward.default, (dy, x.detach(), idx, w.detach(), *detached))
+
+
+def test_schedule_orders_rows_by_token():
+    _, idx, _, _ = make_inputs(11)
+    schedule = mf.build_schedule(idx, E)
+    assert int(schedule.counts.sum()) == int((idx >= 0).sum())
+    for expert in range(E):
+        rows = schedule.tokens[schedule.offsets[expert]:schedule.offsets[expert + 1]]
+        assert torch.all(rows[1:] > rows[:-1])
+        assert torch.all(idx[rows, schedule.slots[schedule.offsets[expert]:schedule.offsets[expert + 1]]] == expert)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_of_a_model_with_moe(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), mok.nn.MoE(H, I, E, K, shared_intermediate=I_S))
+    x = torch.randn(4, 10, H)
+    eager = model(x)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    out = compiled(x)
+    assert out.shape == (4, 10, H) and out.dtype == torch.bfloat16
+    assert rel_l2(out, eager) < 1e-2
+    out.float().square().mean().backward()
+    assert model[1].w_gate.grad is not None and model[0].weight.grad is not None
+
+
+def test_module_trains():
+    torch.manual_seed(1)
+    layer = mok.nn.MoE(H, I, E, K, shared_intermediate=I_S, score_func="sigmoid", dtype=torch.float32)
+    x = torch.randn(64, H)
+    target = torch.randn(64, H) * 0.1
+    optimizer = torch.optim.Adam(layer.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        optimizer.zero_grad()
+        loss = (layer(x).float() - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
+
+
+def test_errors_carry_the_core_message():
+    x, idx, w, weights = make_inputs(12)
+    bad = idx.clone()
+    bad[5, 0] = 99
+    with pytest.raises(ValueError, match=r"topk_idx: expert id 99 out of range \[0, 8\) at token 5, slot 0"):
+        mf.forward(x, bad, w, weights)
+    with pytest.raises(ValueError, match="x: expected dtype BFloat16"):
+        mf.forward(x.float(), idx, w, weights)
+    nan_w = w.clone()
+    nan_w[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="topk_w: non-finite router weight"):
+        mf.forward(x, idx, nan_w, weights)
+    with pytest.raises(ValueError, match="give all three or none"):
+        mf.forward(x, idx, w, weights._replace(w_shared_up=None))
+    with pytest.raises(ValueError, match="precision: fp8 is not implemented"):
+        mf.MoKConfig(precision="fp8")
+    with pytest.raises(ValueError, match="num_comm_sms"):
+        mf.MoKConfig(num_comm_sms=0)
+
+
+def test_workspace_checks_calls():
+    shape = mf.LayerShape(H, I, E, K, I_S)
+    workspace = mf.get_workspace(shape, T, "cpu")
+    assert mf.get_workspace(shape, T, "cpu") is workspace
+    x, idx, w, weights = make_inputs(13)
+    mf.forward(x, idx, w, weights, workspace=workspace)
+    with pytest.raises(ValueError, match="the workspace holds at most"):
+        mf.forward(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([w, w]), weights, workspace=workspace)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_get_a_clear_error():
+    x, idx, w, weights = make_inputs(14)
+    with pytest.raises(NotImplementedError, match="the GPU layer is not in this build yet"):
+        mf.forward(x.cuda(), idx.cuda(), w.cuda(), mf.ExpertWeights(*(t.cuda() for t in weights)))
