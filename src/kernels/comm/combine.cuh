@@ -1,0 +1,105 @@
+// Combine, in two steps:
+//   push    each expert output row goes to its owner's slot [t * k + j] (one writer per slot, no
+//           atomics); the last CTA signals the combine flag to every rank.
+//   reduce  the owner waits for every rank's combine flag, then for each token sums
+//           w[t, j] * slot[t, j] in fp32 in j order (skipping -1 slots), adds the fp32 shared
+//           expert output (0 when there is none), and rounds to bf16 once. Each element has one
+//           fixed order of operations, the CPU reference's, so the result is bitwise reproducible
+//           and independent of the number of ranks.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/comm/row_copy.cuh"
+#include "kernels/comm/workspace_layout.cuh"
+#include "mok/detail/numerics.hpp"
+
+namespace mok::comm {
+
+inline constexpr int kReduceThreads = 256;
+inline constexpr int kReduceVector = 8;  // bf16 per 16-byte access
+
+struct CombineRows {
+  WorkspaceView view;
+  __device__ RowCopy operator()(int64_t row) const {
+    const int32_t packed = view.row_source()[row];
+    if (packed < 0) return {nullptr, nullptr};
+    const RowSource source = unpack_row_source(view.layout, packed);
+    return {view.expert_y_row(row), view.slot_row(source.rank, source.token, source.slot)};
+  }
+};
+
+template <CopyMethod kMethod>
+__device__ inline void combine_push(const WorkspaceView& view, char* shared_stages) {
+  if (cta_sees_error(view)) return;
+  DeviceState* state = view.state();
+  const uint32_t epoch = state->epoch;
+  const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
+  const CombineRows rows{view};
+  if constexpr (kMethod == CopyMethod::kBulk) {
+    copy_rows_bulk(num_rows, view.layout.row_bytes(), shared_stages, rows);
+  } else {
+    copy_rows_vector(num_rows, view.layout.row_bytes(), rows);
+  }
+  if (last_block_arrived(&state->combine_arrivals)) {
+    signal_all_ranks(view, FlagKind::kCombine, epoch);
+  }
+}
+
+// topk_w (T, k) fp32; shared_output (T, H) fp32 or null; y (T, H) bf16.
+__device__ inline void combine_reduce(const WorkspaceView& view, const float* topk_w,
+                                      const float* shared_output, __nv_bfloat16* y,
+                                      int32_t num_tokens) {
+  if (cta_sees_error(view)) return;
+  DeviceState* state = view.state();
+  if (!wait_flags_all_ranks(view, FlagKind::kCombine, state->epoch, Phase::kReduce)) return;
+  const WorkspaceLayout& layout = view.layout;
+  const int32_t* ids = view.topk(view.rank, view.rank);  // (T, k), this rank's own, gathered
+  const int64_t vectors_per_row = layout.hidden / kReduceVector;
+  const int64_t num_items = static_cast<int64_t>(num_tokens) * vectors_per_row;
+  for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < num_items;
+       item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t token = item / vectors_per_row;
+    const int64_t column = (item % vectors_per_row) * kReduceVector;
+    float sum[kReduceVector];
+#pragma unroll
+    for (int lane = 0; lane < kReduceVector; ++lane) sum[lane] = 0.0f;
+    for (int64_t slot = 0; slot < layout.top_k; ++slot) {
+      if (ids[token * layout.top_k + slot] < 0) continue;
+      const float weight = topk_w[token * layout.top_k + slot];
+      const int4 packed = *reinterpret_cast<const int4*>(view.slot_row(view.rank, token, slot) +
+                                                         column * 2);
+      const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int lane = 0; lane < kReduceVector; ++lane) {
+        sum[lane] = numerics::add_rn(sum[lane],
+                                     numerics::mul_rn(weight, __bfloat162float(values[lane])));
+      }
+    }
+    int4 packed_out;
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(&packed_out);
+#pragma unroll
+    for (int lane = 0; lane < kReduceVector; ++lane) {
+      const float shared =
+          shared_output != nullptr ? shared_output[token * layout.hidden + column + lane] : 0.0f;
+      out[lane] = __float2bfloat16_rn(numerics::add_rn(sum[lane], shared));
+    }
+    *reinterpret_cast<int4*>(y + token * layout.hidden + column) = packed_out;
+  }
+}
+
+// A standalone barrier across the ranks (one thread); used to line up timed regions and tests.
+__device__ inline void rank_barrier(const WorkspaceView& view) {
+  DeviceState* state = view.state();
+  if (has_error(&state->error)) return;
+  const uint32_t epoch = ++state->barrier_epoch;
+  signal_all_ranks(view, FlagKind::kBarrier, epoch);
+  for (int source = 0; source < view.layout.num_ranks; ++source) {
+    if (!wait_flag(view, FlagKind::kBarrier, source, epoch, Phase::kBarrier)) return;
+  }
+}
+
+}  // namespace mok::comm

@@ -1,0 +1,154 @@
+// Moving token rows (2·H contiguous bytes each) between GPUs: the one data-movement primitive of
+// dispatch (pull from the owner's window) and combine (push into the owner's slots).
+//
+// Two ways, same contract: `row_at(row)` returns the source and destination of a row, or a null
+// source for a row to skip; rows are dealt to CTAs round-robin (row = cta + i * num_ctas).
+//   kVector: one warp per row, each lane holding kVectorUnroll 16-byte loads in flight before it
+//            stores them. Simple; needs many warps to cover NVLink latency on a pull.
+//   kBulk:   one thread per CTA drives a ring of shared-memory stages with 1-D bulk copies
+//            (cp.async.bulk, the copy engine of TMA without a tensor map): global -> shared
+//            completes on an mbarrier, shared -> global is a bulk group. A CTA keeps
+//            (stages - 1) rows in flight with one thread, so few SMs saturate the link.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/comm/flags.cuh"
+
+namespace mok::comm {
+
+enum class CopyMethod : int { kVector = 0, kBulk = 1 };
+
+inline constexpr int kVectorThreads = 512;
+inline constexpr int kVectorUnroll = 8;
+inline constexpr int kBulkThreads = 32;
+inline constexpr int kBulkMaxStages = 8;
+inline constexpr int kBulkStageBudgetBytes = 200 * 1024;
+
+struct RowCopy {
+  const char* source;  // nullptr: skip this row
+  char* destination;
+};
+
+MOK_COMM_HOST_DEVICE int bulk_stage_count(int64_t row_bytes) {
+  const int64_t fit = kBulkStageBudgetBytes / row_bytes;
+  return static_cast<int>(fit < kBulkMaxStages ? fit : kBulkMaxStages);
+}
+
+// Dynamic shared memory of the bulk path: the stages, then one mbarrier per stage.
+MOK_COMM_HOST_DEVICE int64_t bulk_shared_bytes(int64_t row_bytes) {
+  const int stages = bulk_stage_count(row_bytes);
+  return stages * row_bytes + stages * 8;
+}
+
+#if defined(__CUDACC__)
+
+template <class RowAt>
+__device__ inline void copy_rows_vector(int64_t num_rows, int64_t row_bytes, const RowAt& row_at) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps_per_cta = blockDim.x / 32;
+  const int64_t num_vectors = row_bytes / 16;
+  for (int64_t row = blockIdx.x * warps_per_cta + threadIdx.x / 32; row < num_rows;
+       row += gridDim.x * warps_per_cta) {
+    const RowCopy copy = row_at(row);
+    if (copy.source == nullptr) continue;
+    const int4* source = reinterpret_cast<const int4*>(copy.source);  // (row_bytes / 16)
+    int4* destination = reinterpret_cast<int4*>(copy.destination);
+    for (int64_t base = lane; base < num_vectors; base += 32 * kVectorUnroll) {
+      int4 values[kVectorUnroll];
+#pragma unroll
+      for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
+        const int64_t index = base + unroll * 32;
+        if (index < num_vectors) values[unroll] = source[index];
+      }
+#pragma unroll
+      for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
+        const int64_t index = base + unroll * 32;
+        if (index < num_vectors) destination[index] = values[unroll];
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void bulk_load_row(void* stage, const void* source, uint32_t bytes,
+                                              uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   shared_address(barrier)), "r"(bytes) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(shared_address(stage)), "l"(source), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_store_row(void* destination, const void* stage,
+                                               uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(destination),
+               "r"(shared_address(stage)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_mbarrier(uint64_t* barrier, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(shared_address(barrier)), "r"(parity) : "memory");
+}
+
+// Thread 0 of the CTA copies its rows; the others only pass through. On return from thread 0,
+// every store has completed and is ordered for a following generic-proxy release.
+template <class RowAt>
+__device__ inline void copy_rows_bulk(int64_t num_rows, int64_t row_bytes, char* shared_stages,
+                                      const RowAt& row_at) {
+  if (threadIdx.x != 0) return;
+  const int num_stages = bulk_stage_count(row_bytes);
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_stages + num_stages * row_bytes);
+  char* destinations[kBulkMaxStages];  // where the row in each stage goes
+  for (int stage = 0; stage < num_stages; ++stage) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&barriers[stage]))
+                 : "memory");
+  }
+  // NOTE: the copy engine (async proxy) must see the initialised barriers and the data the
+  // previous kernels wrote through the generic proxy.
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  fence_async_proxy_global();
+
+  const uint32_t bytes = static_cast<uint32_t>(row_bytes);
+  int64_t cursor = blockIdx.x;
+  uint32_t issued = 0, drained = 0;
+  auto issue_next = [&]() {
+    while (cursor < num_rows) {
+      const RowCopy copy = row_at(cursor);
+      cursor += gridDim.x;
+      if (copy.source == nullptr) continue;
+      const int stage = static_cast<int>(issued % num_stages);
+      destinations[stage] = copy.destination;
+      bulk_load_row(shared_stages + stage * row_bytes, copy.source, bytes, &barriers[stage]);
+      ++issued;
+      return;
+    }
+  };
+  for (int stage = 0; stage + 1 < num_stages; ++stage) issue_next();
+  while (drained < issued) {
+    const int stage = static_cast<int>(drained % num_stages);
+    wait_mbarrier(&barriers[stage], (drained / num_stages) & 1u);
+    bulk_store_row(destinations[stage], shared_stages + stage * row_bytes, bytes);
+    // The store of the previous row has left its stage: that stage takes the next load.
+    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    ++drained;
+    issue_next();
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  fence_async_proxy_global();
+}
+
+#endif  // __CUDACC__
+
+}  // namespace mok::comm

@@ -1,0 +1,193 @@
+// The expert-parallel schedule, built on the GPU with no host reads:
+//   1. begin_call      bump the call's epoch, zero the counters (one CTA)
+//   2. gather_push     push this rank's topk_idx (T, k) and T into every rank's window, then
+//                      signal the gather flag (its x is in the window too: pulls may start)
+//   3. count_rows      wait for every rank's gather flag, validate every id, count the rows of
+//                      each local expert
+//   4. order_rows      one CTA per local expert: offsets (each expert starts at a multiple of
+//                      block_m) and the expert's rows in global token order (rank * T_max + t,
+//                      then slot j), padding marked -1
+// Kernel boundaries separate the steps; within a step nothing depends on timing.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/comm/workspace_layout.cuh"
+
+namespace mok::comm {
+
+inline constexpr int kOrderThreads = 512;
+inline constexpr int kOrderTokensPerThread = 4;
+
+__device__ inline void begin_call(const WorkspaceView& view) {
+  DeviceState* state = view.state();
+  for (int64_t expert = threadIdx.x; expert < view.layout.experts_per_rank(); expert += blockDim.x) {
+    view.counts()[expert] = 0;
+  }
+  if (threadIdx.x == 0) {
+    state->epoch += 1;
+    state->gather_arrivals = 0;
+    state->combine_arrivals = 0;
+  }
+}
+
+__device__ inline void gather_push(const WorkspaceView& view, const int32_t* topk_idx,
+                                   int32_t num_tokens) {
+  DeviceState* state = view.state();
+  if (cta_sees_error(view)) return;
+  const uint32_t epoch = state->epoch;
+  const int64_t num_ids = static_cast<int64_t>(num_tokens) * view.layout.top_k;  // (T, k)
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int owner = 0; owner < view.layout.num_ranks; ++owner) {
+    int32_t* destination = view.topk(owner, view.rank);
+    for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < num_ids; index += stride) {
+      destination[index] = topk_idx[index];
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) view.token_counts(owner)[view.rank] = num_tokens;
+  }
+  if (last_block_arrived(&state->gather_arrivals)) {
+    signal_all_ranks(view, FlagKind::kGather, epoch);
+  }
+}
+
+__device__ inline void count_rows(const WorkspaceView& view) {
+  DeviceState* state = view.state();
+  if (cta_sees_error(view)) return;
+  if (!wait_flags_all_ranks(view, FlagKind::kGather, state->epoch, Phase::kGather)) return;
+  const WorkspaceLayout& layout = view.layout;
+  const int64_t experts_per_rank = layout.experts_per_rank();
+  const int64_t first_expert = view.rank * experts_per_rank;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int source = 0; source < layout.num_ranks; ++source) {
+    const int32_t num_tokens = view.token_counts(view.rank)[source];
+    if (num_tokens < 0 || num_tokens > layout.tokens_max) {
+      ErrorDetail detail{Phase::kSchedule};
+      detail.peer = static_cast<uint32_t>(source);
+      detail.value = num_tokens;
+      detail.expected = static_cast<uint32_t>(layout.tokens_max);
+      raise_error(&state->error, ErrorCode::kTokenCountOutOfRange, view.rank, detail);
+      return;
+    }
+    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k)
+    for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < num_tokens * layout.top_k;
+         index += stride) {
+      const int32_t expert = ids[index];
+      if (expert < -1 || expert >= layout.num_experts) {
+        ErrorDetail detail{Phase::kSchedule};
+        detail.peer = static_cast<uint32_t>(source);
+        detail.token = static_cast<int32_t>(index / layout.top_k);
+        detail.slot = static_cast<int32_t>(index % layout.top_k);
+        detail.value = expert;
+        detail.expected = static_cast<uint32_t>(layout.num_experts);
+        raise_error(&state->error, ErrorCode::kExpertOutOfRange, view.rank, detail);
+        return;
+      }
+      const int64_t local_expert = expert - first_expert;
+      if (expert >= 0 && local_expert >= 0 && local_expert < experts_per_rank) {
+        atomicAdd(&view.counts()[local_expert], 1);  // integer: the count is exact in any order
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ int64_t padded_rows(int64_t count, int64_t block_m) {
+  return (count + block_m - 1) / block_m * block_m;
+}
+
+// Exclusive prefix sum over the CTA; `total` gets the sum. Every thread must call it.
+__device__ inline int32_t exclusive_scan_cta(int32_t value, int32_t& total) {
+  __shared__ int32_t warp_sums[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int num_warps = blockDim.x / 32;
+  int32_t inclusive = value;
+#pragma unroll
+  for (int delta = 1; delta < 32; delta *= 2) {
+    const int32_t other = __shfl_up_sync(0xffffffffu, inclusive, delta);
+    if (lane >= delta) inclusive += other;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t sum = lane < num_warps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int delta = 1; delta < 32; delta *= 2) {
+      const int32_t other = __shfl_up_sync(0xffffffffu, sum, delta);
+      if (lane >= delta) sum += other;
+    }
+    warp_sums[lane] = sum;  // inclusive over warps
+  }
+  __syncthreads();
+  const int32_t warp_base = warp == 0 ? 0 : warp_sums[warp - 1];
+  total = warp_sums[num_warps - 1];
+  __syncthreads();  // warp_sums is reused by the next call
+  return warp_base + inclusive - value;
+}
+
+// blockIdx.x = local expert. Launch with kOrderThreads threads.
+__device__ inline void order_rows(const WorkspaceView& view) {
+  DeviceState* state = view.state();
+  if (cta_sees_error(view)) return;
+  const WorkspaceLayout& layout = view.layout;
+  const int64_t local_expert = blockIdx.x;
+  const int64_t experts_per_rank = layout.experts_per_rank();
+  const int32_t expert = static_cast<int32_t>(view.rank * experts_per_rank + local_expert);
+  const int32_t* counts = view.counts();
+
+  __shared__ int64_t first_row_shared;
+  if (threadIdx.x < 32) {
+    int64_t sum = 0;
+    for (int64_t other = threadIdx.x; other < local_expert; other += 32) {
+      sum += padded_rows(counts[other], layout.block_m);
+    }
+#pragma unroll
+    for (int delta = 16; delta > 0; delta /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, delta);
+    if (threadIdx.x == 0) first_row_shared = sum;
+  }
+  __syncthreads();
+  const int64_t first_row = first_row_shared;
+  const int64_t count = counts[local_expert];
+  const int64_t padded = padded_rows(count, layout.block_m);
+  if (threadIdx.x == 0) {
+    view.offsets()[local_expert] = static_cast<int32_t>(first_row);
+    if (local_expert == experts_per_rank - 1) {
+      view.offsets()[experts_per_rank] = static_cast<int32_t>(first_row + padded);
+    }
+  }
+
+  int32_t* row_source = view.row_source();
+  int64_t placed = 0;
+  const int64_t tokens_per_pass = static_cast<int64_t>(blockDim.x) * kOrderTokensPerThread;
+  for (int source = 0; source < layout.num_ranks; ++source) {
+    const int64_t num_tokens = view.token_counts(view.rank)[source];
+    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k)
+    for (int64_t pass_first = 0; pass_first < num_tokens; pass_first += tokens_per_pass) {
+      // Each thread takes kOrderTokensPerThread consecutive tokens, so thread order is token order.
+      const int64_t my_first = pass_first + threadIdx.x * kOrderTokensPerThread;
+      int32_t matches = 0;
+      for (int64_t token = my_first; token < my_first + kOrderTokensPerThread && token < num_tokens;
+           ++token) {
+        for (int64_t slot = 0; slot < layout.top_k; ++slot) {
+          matches += ids[token * layout.top_k + slot] == expert ? 1 : 0;
+        }
+      }
+      int32_t pass_total = 0;
+      int64_t row = first_row + placed + exclusive_scan_cta(matches, pass_total);
+      for (int64_t token = my_first; matches > 0 && token < my_first + kOrderTokensPerThread &&
+                                     token < num_tokens;
+           ++token) {
+        for (int64_t slot = 0; slot < layout.top_k; ++slot) {
+          if (ids[token * layout.top_k + slot] == expert) {
+            row_source[row++] = pack_row_source(layout, source, token, slot);
+          }
+        }
+      }
+      placed += pass_total;
+    }
+  }
+  for (int64_t pad = count + threadIdx.x; pad < padded; pad += blockDim.x) {
+    row_source[first_row + pad] = -1;
+  }
+}
+
+}  // namespace mok::comm
