@@ -1,0 +1,126 @@
+#include "runtime/comm.hpp"
+
+#include <exception>
+#include <thread>
+
+#include "mok/error.hpp"
+#include "runtime/comm_nccl_check.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace mok {
+
+namespace {
+
+#if defined(MOK_WITH_NCCL)
+// The device API (ncclDevCommCreate, LSA windows) first shipped in NCCL 2.28.
+constexpr int kMinNcclVersion = 22800;
+
+void check_nccl_version() {
+  int version = 0;
+  MOK_NCCL_CHECK(ncclGetVersion(&version), nullptr);
+  MOK_CHECK_ARG(version >= kMinNcclVersion, "comm", "NCCL ", detail::nccl_version_text(),
+                " has no device API; mok's expert parallelism needs NCCL >= 2.28");
+}
+#endif
+
+}  // namespace
+
+namespace detail {
+std::string nccl_version_text() {
+#if defined(MOK_WITH_NCCL)
+  int version = 0;
+  if (ncclGetVersion(&version) != ncclSuccess) return "(unknown version)";
+  return concat(version / 10000, ".", (version / 100) % 100, ".", version % 100);
+#else
+  return "(mok was built without NCCL)";
+#endif
+}
+}  // namespace detail
+
+Communicator::State::~State() {
+#if defined(MOK_WITH_NCCL)
+  if (owned && comm != nullptr) {
+    cudaSetDevice(device);
+    ncclCommDestroy(comm);  // no throwing from a destructor; a failure here leaks the comm
+  }
+#endif
+}
+
+Communicator Communicator::single(int device) {
+  int num_devices = 0;
+  MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+  MOK_CHECK_ARG(device >= 0 && device < num_devices, "device", "device ", device,
+                " out of range [0, ", num_devices, ")");
+  Communicator result;
+  result.state_ = std::make_shared<State>();
+  result.state_->device = device;
+  return result;
+}
+
+std::vector<Communicator> Communicator::create_local(const std::vector<int>& devices) {
+#if defined(MOK_WITH_NCCL)
+  check_nccl_version();
+  int num_devices = 0;
+  MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+  MOK_CHECK_ARG(!devices.empty(), "devices", "needs at least one device");
+  for (int device : devices) {
+    MOK_CHECK_ARG(device >= 0 && device < num_devices, "devices", "device ", device,
+                  " out of range [0, ", num_devices, ")");
+  }
+  std::vector<ncclComm_t> comms(devices.size(), nullptr);
+  MOK_NCCL_CHECK(ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()),
+                 nullptr);
+  std::vector<Communicator> result(devices.size());
+  for (size_t rank = 0; rank < devices.size(); ++rank) {
+    result[rank].state_ = std::make_shared<State>();
+    State& state = *result[rank].state_;
+    state.comm = comms[rank];
+    state.owned = true;
+    state.rank = static_cast<int>(rank);
+    state.num_ranks = static_cast<int>(devices.size());
+    state.device = devices[rank];
+  }
+  return result;
+#else
+  throw Error("comm", "mok was built without NCCL: expert parallelism over " +
+                          std::to_string(devices.size()) + " GPUs is unavailable");
+#endif
+}
+
+Communicator Communicator::wrap(ncclComm_t comm) {
+#if defined(MOK_WITH_NCCL)
+  MOK_CHECK_ARG(comm != nullptr, "comm", "null NCCL communicator");
+  check_nccl_version();
+  Communicator result;
+  result.state_ = std::make_shared<State>();
+  State& state = *result.state_;
+  state.comm = comm;
+  MOK_NCCL_CHECK(ncclCommUserRank(comm, &state.rank), comm);
+  MOK_NCCL_CHECK(ncclCommCount(comm, &state.num_ranks), comm);
+  MOK_NCCL_CHECK(ncclCommCuDevice(comm, &state.device), comm);
+  return result;
+#else
+  throw Error("comm", "mok was built without NCCL: cannot wrap an NCCL communicator");
+#endif
+}
+
+void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(num_ranks));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(num_ranks));
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        fn(rank);
+      } catch (...) {
+        errors[static_cast<size_t>(rank)] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+}  // namespace mok

@@ -1,0 +1,57 @@
+// The communicator mok's expert parallelism runs on: one NCCL communicator per rank with the
+// device API (NCCL >= 2.28), every rank reachable by NVLink loads and stores (one LSA team).
+// EP = 1 needs no NCCL at all (`Communicator::single`).
+//
+// One process can drive every local GPU: `create_local` makes one communicator per device
+// (ncclCommInitAll), and `for_each_rank` runs the collective calls that follow (workspace
+// creation, teardown) on one host thread per GPU.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(MOK_WITH_NCCL)
+#include <nccl.h>
+#else
+typedef struct ncclComm* ncclComm_t;
+#endif
+
+namespace mok {
+
+class Communicator {
+ public:
+  // A single rank on `device`: EP = 1, no NCCL.
+  static Communicator single(int device);
+  // Rank i drives devices[i]; all ranks live in this process. Throws mok::Error("comm", ...) when
+  // NCCL is missing, too old for the device API, or a device is absent.
+  static std::vector<Communicator> create_local(const std::vector<int>& devices);
+  // The caller's communicator (e.g. made from a unique id); mok never destroys it.
+  static Communicator wrap(ncclComm_t comm);
+
+  int rank() const { return state_->rank; }
+  int num_ranks() const { return state_->num_ranks; }
+  int device() const { return state_->device; }
+  ncclComm_t nccl() const { return state_->comm; }  // null for `single`
+
+ private:
+  struct State {
+    ncclComm_t comm = nullptr;
+    bool owned = false;
+    int rank = 0, num_ranks = 1, device = 0;
+    ~State();
+  };
+  std::shared_ptr<State> state_;
+};
+
+// Runs fn(rank) for rank = 0..num_ranks-1 on one host thread each, joins them, and rethrows the
+// first exception (in rank order).
+void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn);
+
+namespace detail {
+// "NCCL 2.28.9", or the reason NCCL is not there.
+std::string nccl_version_text();
+}  // namespace detail
+
+}  // namespace mok

@@ -1,0 +1,144 @@
+// Entry points and launchers of the standalone communication kernels; the device code lives in
+// src/kernels/comm and src/kernels/schedule (the megakernel reuses it).
+#include <algorithm>
+
+#include "kernels/comm/combine.cuh"
+#include "kernels/comm/dispatch.cuh"
+#include "kernels/schedule/token_schedule.cuh"
+#include "mok/error.hpp"
+#include "runtime/comm_ops.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace mok {
+
+namespace {
+
+constexpr int kGatherThreads = 256;
+constexpr int kCountThreads = 256;
+
+__global__ void begin_call_kernel(comm::WorkspaceView view) { comm::begin_call(view); }
+
+__global__ void gather_push_kernel(comm::WorkspaceView view, const int32_t* topk_idx,
+                                   int32_t num_tokens) {
+  comm::gather_push(view, topk_idx, num_tokens);
+}
+
+__global__ void count_rows_kernel(comm::WorkspaceView view) { comm::count_rows(view); }
+
+__global__ void __launch_bounds__(comm::kOrderThreads) order_rows_kernel(comm::WorkspaceView view) {
+  comm::order_rows(view);
+}
+
+template <comm::CopyMethod kMethod>
+__global__ void dispatch_kernel(comm::WorkspaceView view) {
+  extern __shared__ __align__(128) char shared_stages[];
+  comm::dispatch_pull<kMethod>(view, shared_stages);
+}
+
+template <comm::CopyMethod kMethod>
+__global__ void combine_push_kernel(comm::WorkspaceView view) {
+  extern __shared__ __align__(128) char shared_stages[];
+  comm::combine_push<kMethod>(view, shared_stages);
+}
+
+__global__ void __launch_bounds__(comm::kReduceThreads)
+    combine_reduce_kernel(comm::WorkspaceView view, const float* topk_w, const float* shared_output,
+                          __nv_bfloat16* y, int32_t num_tokens) {
+  comm::combine_reduce(view, topk_w, shared_output, y, num_tokens);
+}
+
+__global__ void rank_barrier_kernel(comm::WorkspaceView view) {
+  if (threadIdx.x == 0) comm::rank_barrier(view);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check_num_tokens(const CommWorkspace& ws, int64_t num_tokens) {
+  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= ws.layout().tokens_max, "num_tokens", num_tokens,
+                " out of range [0, ", ws.layout().tokens_max, "]");
+}
+
+int resolve_ctas(const CommWorkspace& ws, const CopyConfig& config) {
+  MOK_CHECK_ARG(config.num_ctas >= 0, "num_ctas", "must be >= 0, got ", config.num_ctas);
+  return config.num_ctas == 0 ? ws.num_sms() : config.num_ctas;
+}
+
+// Launches the copy kernel of the chosen method with its shared-memory stages.
+void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
+                 void (*vector_kernel)(comm::WorkspaceView), void (*bulk_kernel)(comm::WorkspaceView)) {
+  const int num_ctas = resolve_ctas(ws, config);
+  if (config.method == comm::CopyMethod::kBulk) {
+    const int shared_bytes = static_cast<int>(comm::bulk_shared_bytes(ws.layout().row_bytes()));
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        shared_bytes));
+    bulk_kernel<<<num_ctas, comm::kBulkThreads, shared_bytes, stream>>>(ws.view());
+  } else {
+    vector_kernel<<<num_ctas, comm::kVectorThreads, 0, stream>>>(ws.view());
+  }
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStream_t stream) {
+  check_num_tokens(ws, num_tokens);
+  MOK_CHECK_ARG(num_tokens == 0 || x != nullptr, "x", "null pointer for ", num_tokens, " tokens");
+  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.x(), x, static_cast<size_t>(num_tokens * ws.layout().row_bytes()),
+                                 cudaMemcpyDeviceToDevice, stream));
+}
+
+void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream) {
+  check_num_tokens(ws, num_tokens);
+  MOK_CHECK_ARG(num_tokens == 0 || topk_idx != nullptr, "topk_idx", "null pointer for ", num_tokens,
+                " tokens");
+  const comm::WorkspaceLayout& layout = ws.layout();
+  begin_call_kernel<<<1, 256, 0, stream>>>(ws.view());
+  MOK_CUDA_CHECK_LAUNCH();
+  const int64_t num_ids = num_tokens * layout.top_k;
+  const int gather_ctas =
+      static_cast<int>(std::clamp<int64_t>(ceil_div(num_ids, kGatherThreads * 8), 1, ws.num_sms()));
+  gather_push_kernel<<<gather_ctas, kGatherThreads, 0, stream>>>(ws.view(), topk_idx,
+                                                                 static_cast<int32_t>(num_tokens));
+  MOK_CUDA_CHECK_LAUNCH();
+  const int64_t all_ids = layout.num_ranks * layout.tokens_max * layout.top_k;
+  const int count_ctas =
+      static_cast<int>(std::clamp<int64_t>(ceil_div(all_ids, kCountThreads * 8), 1, ws.num_sms()));
+  count_rows_kernel<<<count_ctas, kCountThreads, 0, stream>>>(ws.view());
+  MOK_CUDA_CHECK_LAUNCH();
+  order_rows_kernel<<<static_cast<int>(layout.experts_per_rank()), comm::kOrderThreads, 0, stream>>>(
+      ws.view());
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {
+  launch_copy(ws, config, stream, dispatch_kernel<comm::CopyMethod::kVector>,
+                      dispatch_kernel<comm::CopyMethod::kBulk>);
+}
+
+void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {
+  launch_copy(ws, config, stream, combine_push_kernel<comm::CopyMethod::kVector>,
+                      combine_push_kernel<comm::CopyMethod::kBulk>);
+}
+
+void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_output, bf16* y,
+                    int64_t num_tokens, cudaStream_t stream) {
+  check_num_tokens(ws, num_tokens);
+  MOK_CHECK_ARG(num_tokens == 0 || topk_w != nullptr, "topk_w", "null pointer for ", num_tokens,
+                " tokens");
+  MOK_CHECK_ARG(num_tokens == 0 || y != nullptr, "y", "null pointer for ", num_tokens, " tokens");
+  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(y) % 16 == 0, "y", "must be 16-byte aligned");
+  const int64_t items = num_tokens * (ws.layout().hidden / comm::kReduceVector);
+  const int ctas = static_cast<int>(
+      std::clamp<int64_t>(ceil_div(items, comm::kReduceThreads), 1, int64_t{ws.num_sms()} * 8));
+  combine_reduce_kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(
+      ws.view(), topk_w, shared_output, reinterpret_cast<__nv_bfloat16*>(y),
+      static_cast<int32_t>(num_tokens));
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+void rank_barrier(CommWorkspace& ws, cudaStream_t stream) {
+  rank_barrier_kernel<<<1, 32, 0, stream>>>(ws.view());
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mok

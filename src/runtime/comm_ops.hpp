@@ -1,0 +1,47 @@
+// The expert-parallel communication steps of one layer, each enqueued on the caller's stream with
+// no host synchronisation (so the whole sequence can be captured in a CUDA graph). Every rank
+// enqueues the same sequence; the kernels meet through flags in the windows.
+//
+//   x written to ws.x()  (or stage_tokens)
+//   schedule            all-gather topk_idx, order each local expert's rows
+//   dispatch            pull the rows into ws.expert_x()
+//   ... the experts compute ws.expert_y() from ws.expert_x() ...
+//   combine_push        push every output row to its owner's slot
+//   combine_reduce      the owner's fixed-order weighted sum, + shared output, -> y (bf16)
+//
+// Device faults end the kernels and are reported by ws.check(stream).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/comm/row_copy.cuh"
+#include "mok/bf16.hpp"
+#include "runtime/workspace.hpp"
+
+namespace mok {
+
+struct CopyConfig {
+  int num_ctas = 0;  // CTAs (one per SM) that move rows; 0 = every SM
+  comm::CopyMethod method = comm::CopyMethod::kBulk;
+};
+
+// x (T, H) bf16 on this device -> ws.x().
+void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStream_t stream);
+
+// topk_idx (T, k) int32 on this device; T = num_tokens <= tokens_max. ws.x() must hold the tokens.
+void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream);
+
+void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream);
+
+void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream);
+
+// topk_w (T, k) fp32; shared_output (T, H) fp32 or null; y (T, H) bf16. T as in `schedule`.
+void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_output, bf16* y,
+                    int64_t num_tokens, cudaStream_t stream);
+
+// Every rank waits here until every rank has arrived (device-side, with the timeout).
+void rank_barrier(CommWorkspace& ws, cudaStream_t stream);
+
+}  // namespace mok

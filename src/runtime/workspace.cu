@@ -1,0 +1,176 @@
+#include "runtime/workspace.hpp"
+
+#include <string>
+
+#include "mok/error.hpp"
+#include "runtime/comm_nccl_check.hpp"
+#include "runtime/cuda_check.hpp"
+
+#if defined(MOK_WITH_NCCL)
+#include <nccl_device.h>
+#endif
+
+namespace mok {
+
+namespace {
+
+constexpr int64_t kWindowGranularity = int64_t{2} << 20;
+
+#if defined(MOK_WITH_NCCL)
+// NOTE: ncclGetPeerPointer exists only on the device; read every rank's window base once here.
+__global__ void read_window_bases(ncclWindow_t window, int num_ranks, char** bases) {
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < num_ranks) bases[peer] = static_cast<char*>(ncclGetPeerPointer(window, 0, peer));
+}
+#endif
+
+const char* flag_kind_name(uint32_t kind) {
+  switch (static_cast<comm::FlagKind>(kind)) {
+    case comm::FlagKind::kGather: return "gather";
+    case comm::FlagKind::kCombine: return "combine";
+    case comm::FlagKind::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
+                             const WorkspaceOptions& options)
+    : comm_(comm), shape_(shape) {
+  const int num_ranks = comm.num_ranks();
+  MOK_CHECK_ARG(num_ranks >= 1 && num_ranks <= comm::kMaxRanks, "comm", num_ranks,
+                " ranks; expert parallelism over NVLink supports 1 to ", comm::kMaxRanks);
+  shape.validate(num_ranks);
+  MOK_CHECK_ARG(tokens_max > 0, "tokens_max", "must be positive, got ", tokens_max);
+  MOK_CHECK_ARG(options.block_m > 0, "block_m", "must be positive, got ", options.block_m);
+  MOK_CHECK_ARG(options.timeout_ms > 0, "timeout_ms", "must be positive, got ", options.timeout_ms);
+  const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
+      num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, options.block_m);
+  MOK_CHECK_ARG(num_ranks * tokens_max * shape.top_k < (int64_t{1} << 31) &&
+                    layout.rows_capacity() < (int64_t{1} << 31),
+                "tokens_max", tokens_max, " tokens per rank overflow the 32-bit row indices");
+  MOK_CHECK_ARG(layout.row_bytes() <= 96 * 1024, "hidden", "rows of ", layout.row_bytes(),
+                " bytes exceed the 96 KiB a copy stage holds");
+
+  MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
+  view_.layout = layout;
+  view_.rank = comm.rank();
+  view_.timeout_ns = static_cast<uint64_t>(options.timeout_ms) * 1000000ull;
+
+  const int64_t window_bytes = comm::align_up(layout.window_bytes, kWindowGranularity);
+  MOK_CUDA_CHECK(cudaMalloc(&local_memory_, static_cast<size_t>(layout.local_bytes)));
+  MOK_CUDA_CHECK(cudaMemset(local_memory_, 0, static_cast<size_t>(layout.local_bytes)));
+  view_.local = static_cast<char*>(local_memory_);
+
+  if (num_ranks == 1) {
+    MOK_CUDA_CHECK(cudaMalloc(&window_memory_, static_cast<size_t>(window_bytes)));
+    MOK_CUDA_CHECK(cudaMemset(window_memory_, 0, static_cast<size_t>(window_bytes)));
+    view_.windows[0] = static_cast<char*>(window_memory_);
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    return;
+  }
+#if defined(MOK_WITH_NCCL)
+  ncclComm_t nccl = comm.nccl();
+  MOK_CHECK_ARG(nccl != nullptr, "comm", num_ranks, " ranks but no NCCL communicator");
+  MOK_NCCL_CHECK(ncclMemAlloc(&window_memory_, static_cast<size_t>(window_bytes)), nccl);
+  // Flags start at zero on every rank before any peer can reach them: the registration below is
+  // collective, so no rank returns from it before every rank has zeroed its window.
+  MOK_CUDA_CHECK(cudaMemset(window_memory_, 0, static_cast<size_t>(window_bytes)));
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  ncclWindow_t window = nullptr;
+  MOK_NCCL_CHECK(ncclCommWindowRegister(nccl, window_memory_, static_cast<size_t>(window_bytes),
+                                        &window, NCCL_WIN_COLL_SYMMETRIC),
+                 nccl);
+  window_handle_ = window;
+
+  ncclDevCommRequirements requirements{};
+  requirements.lsaBarrierCount = 1;
+  auto* dev_comm = new ncclDevComm{};
+  dev_comm_ = dev_comm;
+  MOK_NCCL_CHECK(ncclDevCommCreate(nccl, &requirements, dev_comm), nccl);
+  MOK_CHECK_ARG(dev_comm->lsaSize == num_ranks, "comm", "rank ", comm.rank(), " reaches ",
+                dev_comm->lsaSize, " of ", num_ranks,
+                " ranks by NVLink load/store (NCCL LSA team); mok's expert parallelism needs "
+                "peer-to-peer access between every pair of GPUs");
+
+  char** bases_device = nullptr;
+  MOK_CUDA_CHECK(cudaMalloc(&bases_device, sizeof(char*) * comm::kMaxRanks));
+  read_window_bases<<<1, comm::kMaxRanks>>>(window, num_ranks, bases_device);
+  MOK_CUDA_CHECK_LAUNCH();
+  MOK_CUDA_CHECK(cudaMemcpy(view_.windows, bases_device, sizeof(char*) * comm::kMaxRanks,
+                            cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(cudaFree(bases_device));
+  for (int peer = 0; peer < num_ranks; ++peer) {
+    MOK_CHECK_ARG(view_.windows[peer] != nullptr, "comm", "NCCL gave no address for rank ", peer,
+                  "'s window");
+  }
+#else
+  throw Error("comm", "mok was built without NCCL: a workspace over several ranks is unavailable");
+#endif
+}
+
+CommWorkspace::~CommWorkspace() {
+  cudaSetDevice(comm_.device());
+  cudaDeviceSynchronize();
+#if defined(MOK_WITH_NCCL)
+  if (comm_.num_ranks() > 1) {
+    ncclComm_t nccl = comm_.nccl();
+    if (dev_comm_ != nullptr) {
+      auto* dev_comm = static_cast<ncclDevComm*>(dev_comm_);
+      ncclDevCommDestroy(nccl, dev_comm);
+      delete dev_comm;
+    }
+    if (window_handle_ != nullptr) {
+      ncclCommWindowDeregister(nccl, static_cast<ncclWindow_t>(window_handle_));
+    }
+    if (window_memory_ != nullptr) ncclMemFree(window_memory_);
+    window_memory_ = nullptr;
+  }
+#endif
+  if (window_memory_ != nullptr) cudaFree(window_memory_);
+  if (local_memory_ != nullptr) cudaFree(local_memory_);
+}
+
+void CommWorkspace::check(cudaStream_t stream) const {
+  MOK_CUDA_CHECK(cudaSetDevice(comm_.device()));
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  comm::ErrorRecord record{};
+  MOK_CUDA_CHECK(cudaMemcpy(&record, &view_.state()->error, sizeof(record), cudaMemcpyDeviceToHost));
+  const auto code = static_cast<comm::ErrorCode>(record.code);
+  if (code == comm::ErrorCode::kNone) return;
+  const std::string where = detail::concat("rank ", record.rank, ", phase ",
+                                           comm::phase_name(static_cast<comm::Phase>(record.phase)));
+  switch (code) {
+    case comm::ErrorCode::kExpertOutOfRange:
+      throw Error("topk_idx", detail::concat("expert id ", record.value, " out of range [-1, ",
+                                             record.expected, ") at rank ", record.peer, " token ",
+                                             record.token, " slot ", record.slot, " (found on the "
+                                             "device by ", where, ")"));
+    case comm::ErrorCode::kTokenCountOutOfRange:
+      throw Error("num_tokens", detail::concat("rank ", record.peer, " sent ", record.value,
+                                               " tokens, outside [0, ", record.expected,
+                                               "] (found on the device by ", where, ")"));
+    case comm::ErrorCode::kTimeout:
+      throw Error("comm", detail::concat(where, ": timed out after ",
+                                         view_.timeout_ns / 1000000ull, " ms waiting for rank ",
+                                         record.peer, "'s ", flag_kind_name(record.flag_kind),
+                                         " flag to reach epoch ", record.expected, " (it holds ",
+                                         static_cast<uint32_t>(record.value),
+                                         "); did every rank launch this call?"));
+    default:
+      throw Error("comm", detail::concat(where, ": device error code ", record.code));
+  }
+}
+
+void CommWorkspace::reset_after_error() {
+  MOK_CUDA_CHECK(cudaSetDevice(comm_.device()));
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  MOK_CUDA_CHECK(cudaMemset(window_base() + view_.layout.flags_offset, 0,
+                            sizeof(uint32_t) * comm::kNumFlagKinds * comm::kMaxRanks));
+  MOK_CUDA_CHECK(cudaMemset(view_.state(), 0, sizeof(comm::DeviceState)));
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace mok

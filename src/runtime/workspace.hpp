@@ -1,0 +1,75 @@
+// The expert-parallel workspace of one rank: the symmetric NCCL window (ncclMemAlloc +
+// ncclCommWindowRegister) that peers reach over NVLink, an ncclDevComm with LSA barriers, and a
+// local buffer for the schedule and the expert rows. Everything is sized from shapes alone
+// (comm::WorkspaceLayout); nothing about a call's routing is needed up front.
+//
+// Creation and destruction are collective: every rank of the communicator does them at the same
+// time (one host thread per GPU in a single process, see for_each_rank).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/comm/workspace_layout.cuh"
+#include "mok/bf16.hpp"
+#include "mok/shape.hpp"
+#include "runtime/comm.hpp"
+
+namespace mok {
+
+struct WorkspaceOptions {
+  int64_t block_m = 128;   // tile height: each expert's rows start at a multiple of it
+  int64_t timeout_ms = 10000;  // every device wait gives up after this long
+};
+
+class CommWorkspace {
+ public:
+  CommWorkspace(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
+                const WorkspaceOptions& options = {});
+  ~CommWorkspace();
+  CommWorkspace(const CommWorkspace&) = delete;
+  CommWorkspace& operator=(const CommWorkspace&) = delete;
+
+  const comm::WorkspaceView& view() const { return view_; }
+  const comm::WorkspaceLayout& layout() const { return view_.layout; }
+  const LayerShape& shape() const { return shape_; }
+  int rank() const { return comm_.rank(); }
+  int num_ranks() const { return comm_.num_ranks(); }
+  int device() const { return comm_.device(); }
+  int num_sms() const { return num_sms_; }
+
+  // (T_max, H): this rank's tokens, in its window. Write x here before `schedule`.
+  // NOTE: host-facing pointers use the allocation's own address; kernels reach the same memory
+  // through NCCL's mapping of every rank's window (view().windows), which may differ.
+  bf16* x() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.x_offset); }
+  // (T_max, k, H): the combine slots, in this rank's window.
+  bf16* slots() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.slots_offset); }
+  // (rows_capacity, H): dispatched rows and expert outputs, local.
+  bf16* expert_x() const { return reinterpret_cast<bf16*>(view_.expert_x_row(0)); }
+  bf16* expert_y() const { return reinterpret_cast<bf16*>(view_.expert_y_row(0)); }
+  const int32_t* expert_offsets() const { return view_.offsets(); }  // (E_l + 1), device
+  const int32_t* row_source() const { return view_.row_source(); }   // (rows_capacity), device
+
+  // Waits for `stream`, then throws mok::Error naming the rank, the phase and the cause if a
+  // device-side fault was recorded (an expert id out of range, a peer that never arrived).
+  void check(cudaStream_t stream) const;
+
+  // After a fault: clears the error record, the flags and the epochs. Collective: call it on every
+  // rank once every rank's stream is idle, and launch nothing until every rank has returned.
+  void reset_after_error();
+
+ private:
+  char* window_base() const { return static_cast<char*>(window_memory_); }
+
+  Communicator comm_;
+  LayerShape shape_;
+  comm::WorkspaceView view_;
+  int num_sms_ = 0;
+  void* window_memory_ = nullptr;  // ncclMemAlloc (R > 1) or cudaMalloc (R = 1)
+  void* local_memory_ = nullptr;
+  void* window_handle_ = nullptr;  // ncclWindow_t
+  void* dev_comm_ = nullptr;       // ncclDevComm*, host copy
+};
+
+}  // namespace mok
