@@ -1,0 +1,88 @@
+// Shared pieces of the communication tests: device buffers, and one function that runs
+// schedule -> dispatch -> reference experts -> combine for every rank of a synthetic problem.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "mok/detail/numerics.hpp"
+#include "mok/synthetic.hpp"
+#include "runtime/comm.hpp"
+#include "runtime/comm_ops.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/workspace.hpp"
+
+namespace mok::comm_test {
+
+inline int visible_gpus() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
+  return count;
+}
+
+#define MOK_REQUIRE_GPUS(count)                                                                \
+  do {                                                                                         \
+    const int visible_ = ::mok::comm_test::visible_gpus();                                     \
+    if (visible_ < (count)) {                                                                  \
+      GTEST_SKIP() << "needs " << (count) << " GPU(s) for expert parallelism, " << visible_    \
+                   << " visible";                                                              \
+    }                                                                                          \
+  } while (0)
+
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t count) : count_(count) {
+    MOK_CUDA_CHECK(cudaMalloc(&data_, (count > 0 ? count : 1) * sizeof(T)));
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(data_); }
+  T* get() const { return data_; }
+  size_t size() const { return count_; }
+  void upload(const std::vector<T>& host) {
+    MOK_CUDA_CHECK(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    MOK_CUDA_CHECK(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+struct RunOptions {
+  CopyConfig copy;
+  bool use_graph = false;
+  int graph_replays = 3;
+  int64_t extra_capacity = 0;  // tokens_max = tokens per rank + this
+  WorkspaceOptions workspace;
+  // Called on each rank after the inputs are on the device, before the run (e.g. to corrupt one).
+  std::function<void(int rank, int32_t* topk_idx_device)> tamper;
+};
+
+// The communicators of this process's first `ep` GPUs, made once and kept.
+const std::vector<Communicator>& local_communicators(int ep);
+
+// y (T_global, H) of the whole problem computed at EP = `ep`; a NaN-poisoned y shows unwritten
+// elements. Throws what ws.check throws (the first rank's error).
+std::vector<bf16> run_layer(const Problem& problem, int ep, const RunOptions& options);
+
+// The CPU reference's y at EP = `ep`.
+std::vector<bf16> reference_y(const Problem& problem, int ep);
+
+// Index of the first element whose bits differ, or -1.
+int64_t first_difference(const std::vector<bf16>& a, const std::vector<bf16>& b);
+
+}  // namespace mok::comm_test
