@@ -96,7 +96,8 @@ int main(int argc, char** argv) {
   for (const char* preset_name : {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"}) {
     const mok::LayerShape& layer = mok::find_preset(preset_name).shape;
     const int experts = static_cast<int>(layer.num_experts / kEp);
-    const int rows_total = static_cast<int>(kEp * kTokensPerRank * layer.top_k);
+    // Each rank sends k rows per token; balanced, half of all 2 x 8192 x k rows land on this rank.
+    const int rows_total = static_cast<int>(kEp * kTokensPerRank * layer.top_k / kEp);
     const int rows = rows_total / experts;
     const int hidden = static_cast<int>(layer.hidden), inter = static_cast<int>(layer.intermediate);
     std::vector<int> offsets(experts + 1);

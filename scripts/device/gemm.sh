@@ -43,6 +43,8 @@ test_status=$?
 say "benchmark (mok)"
 timeout 180 "$BIN/bench_gemm" --out "$OUT/gemm-mok.json" --iterations 20 2>&1 | tee -a "$LOG"
 
+nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv 2>&1 | tee -a "$LOG"
+
 say "baseline (torch) and results"
 RESULTS="$OUT/gemm-results.json"
 timeout 240 python3 bench/baselines/torch_grouped_mm.py --mok "$OUT/gemm-mok.json" --out "$RESULTS" \
@@ -52,9 +54,10 @@ python3 bench/plot_gemm.py "$RESULTS" "$OUT/gemm.png" 2>&1 | tee -a "$LOG"
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   say "Nsight Compute: deepseek-v3 gate/up"
   timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section LaunchStats -k regex:grouped_gemm --launch-skip 2 --launch-count 1 \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    -k regex:grouped_gemm --launch-skip 2 --launch-count 1 \
     "$BIN/bench_gemm" --only deepseek-v3/gemm-gateup --iterations 1 --out /tmp/ncu.json \
     > "$OUT/gemm-ncu.txt" 2>&1
-  grep -E "Duration|Throughput|Registers|Pipe|Busy|L2 Hit|Achieved" "$OUT/gemm-ncu.txt" | head -30 | tee -a "$LOG"
+  grep -E "Duration|Throughput|Registers|Pipe|Busy|L2 Hit|Achieved|Stall|Eligible|Issued" "$OUT/gemm-ncu.txt" | head -40 | tee -a "$LOG"
 fi
 exit $test_status

@@ -53,11 +53,12 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGem
   auto* kernel = &grouped_gemm_kernel<kKind, kEpilogue>;
   static const bool attribute_set = [kernel] {
     MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        SharedLayout::kLaunchBytes));
+                                        SharedLayout<kEpilogue>::kLaunchBytes));
     return true;
   }();
   (void)attribute_set;
-  kernel<<<config.num_ctas, TileConfig::kNumThreads, SharedLayout::kLaunchBytes, stream>>>(
+  kernel<<<config.num_ctas, TileConfig::kNumThreads, SharedLayout<kEpilogue>::kLaunchBytes,
+           stream>>>(
       map_a, map_b, params);
   MOK_CUDA_CHECK_LAUNCH();
 }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -122,6 +123,10 @@ void expect_accuracy(const std::vector<T>& device, const std::vector<float>& hos
   EXPECT_EQ(num_overwritten, 0u) << what << ": elements written outside the expected range";
   EXPECT_EQ(num_nonfinite, 0u) << what << ": non-finite results";
   const double floor = 1e-7 * oracle_max;  // for outputs the host computes exactly
+  std::cout << "[ accuracy ] " << what << ": |device - fp64| / |host - fp64| = "
+            << device_error.max_abs / std::max(host_error.max_abs, 1e-300) << " (max), "
+            << std::sqrt(device_error.sum_squares / std::max(host_error.sum_squares, 1e-300))
+            << " (L2)\n";
   EXPECT_LE(device_error.max_abs, factor * host_error.max_abs + floor)
       << what << ": max |device - fp64| vs max |host - fp64| = " << host_error.max_abs;
   EXPECT_LE(std::sqrt(device_error.sum_squares),

@@ -10,6 +10,8 @@
 #include <cuda_bf16.h>
 
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/tma.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
 #include "mok/detail/numerics.hpp"
 
@@ -84,48 +86,94 @@ struct Epilogue {
     }
   }
 
+  // bf16 results: the warp writes its 16 rows of the tile into the staging tile, then 16 lanes
+  // each copy one row to global memory with a bulk copy. Rows past the group's end or past M are
+  // never copied, and the copies drain while the consumers run the next tile's mainloop.
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
-                               int consumer_idx, float (&accum)[kNumAccumulators]) {
+                               int consumer_idx, uint8_t* staging,
+                               float (&accum)[kNumAccumulators]) {
     const Fragment f = fragment(params, tile, consumer_idx);
-    if constexpr (kEpilogue == EpilogueKind::kSwiGluBf16) {
-      // Blocks (j, j + 1) hold gate and up of the same 8 columns of h: h overwrites the gate
-      // accumulators in place, in a flat loop the compiler fully unrolls (a nested one with the
-      // store guard inside was left rolled, which sent the accumulators to local memory).
+    if constexpr (!uses_staged_store(kEpilogue)) {
+      store_fp32(f, accum);
+    } else {
+      constexpr uint32_t kPitch = SharedLayout<kEpilogue>::kStagingPitch;
+      const int lane_idx = static_cast<int>(threadIdx.x % 32);
+      const int warp_first_row = f.row - lane_idx / 4;  // the warp's 16 rows start here
+      uint8_t* warp_staging = staging + warp_first_row * kPitch;
+      // The previous tile's copies must have finished reading these staging rows.
+      if (lane_idx < 16) ptx::bulk_wait_group_read<0>();
+      __syncwarp();
+      if constexpr (kEpilogue == EpilogueKind::kSwiGluBf16) {
+        // Blocks (j, j + 1) hold gate and up of the same 8 columns of h: h overwrites the gate
+        // accumulators in place, in a flat loop the compiler fully unrolls (a nested one with
+        // the store inside was left rolled, which sent the accumulators to local memory).
 #pragma unroll 64
-      for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {
-        const int gate = 8 * (pair / 4) + pair % 4;
-        accum[gate] = numerics::swiglu(accum[gate], accum[gate + 4]);
-      }
+        for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {
+          const int gate = 8 * (pair / 4) + pair % 4;
+          accum[gate] = numerics::swiglu(accum[gate], accum[gate + 4]);
+        }
 #pragma unroll
-      for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
+        for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = f.row + 8 * half;
-          const int column = f.column + 4 * j;
-          if (row < f.rows_valid && column < f.columns_valid) {
+          for (int half = 0; half < 2; ++half) {
             const int gate = 4 * j + 2 * half;
-            *reinterpret_cast<__nv_bfloat162*>(f.tile_base + row * f.row_stride + column * 2) =
-                __floats2bfloat162_rn(accum[gate], accum[gate + 1]);
+            stage_pair(warp_staging, lane_idx / 4 + 8 * half, f.column + 4 * j, accum[gate],
+                       accum[gate + 1]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int index = 4 * j + 2 * half;
+            stage_pair(warp_staging, lane_idx / 4 + 8 * half, f.column + 8 * j, accum[index],
+                       accum[index + 1]);
           }
         }
       }
-    } else {
+      // NOTE: the bulk copy engine reads through the async proxy.
+      ptx::fence_proxy_async_shared();
+      __syncwarp();
+      if (lane_idx < 16) {
+        const int row = warp_first_row + lane_idx;
+        constexpr int kTileColumns =
+            kEpilogue == EpilogueKind::kSwiGluBf16 ? Config::BLOCK_N / 2 : Config::BLOCK_N;
+        const int columns = min(f.columns_valid, kTileColumns);
+        if (row < f.rows_valid && columns > 0) {
+          ptx::bulk_store(f.tile_base + row * f.row_stride, warp_staging + lane_idx * kPitch,
+                          static_cast<uint32_t>(columns) * 2);
+        }
+        ptx::bulk_commit_group();
+      }
+    }
+  }
+
+  // Before the CTA exits: every bulk copy this thread issued has landed.
+  __device__ static void drain() {
+    if constexpr (uses_staged_store(kEpilogue)) {
+      if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
+    }
+  }
+
+ private:
+  __device__ static void stage_pair(uint8_t* warp_staging, int row, int column, float x,
+                                    float y) {
+    constexpr uint32_t kPitch = SharedLayout<kEpilogue>::kStagingPitch;
+    *reinterpret_cast<__nv_bfloat162*>(warp_staging + row * kPitch + column * 2) =
+        __floats2bfloat162_rn(x, y);
+  }
+
+  __device__ static void store_fp32(const Fragment& f, const float (&accum)[kNumAccumulators]) {
 #pragma unroll
-      for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
+    for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = f.row + 8 * half;
-          const int column = f.column + 8 * j;
-          if (row < f.rows_valid && column < f.columns_valid) {
-            const float x = accum[4 * j + 2 * half];
-            const float y = accum[4 * j + 2 * half + 1];
-            char* address = f.tile_base + row * f.row_stride;
-            if constexpr (kEpilogue == EpilogueKind::kStoreBf16) {
-              *reinterpret_cast<__nv_bfloat162*>(address + column * 2) = __floats2bfloat162_rn(x, y);
-            } else {
-              *reinterpret_cast<float2*>(address + column * 4) = make_float2(x, y);
-            }
-          }
+      for (int half = 0; half < 2; ++half) {
+        const int row = f.row + 8 * half;
+        const int column = f.column + 8 * j;
+        if (row < f.rows_valid && column < f.columns_valid) {
+          *reinterpret_cast<float2*>(f.tile_base + row * f.row_stride + column * 4) =
+              make_float2(accum[4 * j + 2 * half], accum[4 * j + 2 * half + 1]);
         }
       }
     }

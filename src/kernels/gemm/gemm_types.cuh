@@ -34,7 +34,6 @@ struct TileConfig {
   static constexpr int BLOCK_M = 128;  // two consumer warpgroups of 64 rows
   static constexpr int BLOCK_N = 256;
   static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of bf16
-  static constexpr int kNumStages = 4;
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
   static constexpr int kChunk = 64;    // MN-major tiles are loaded as 64-wide chunks
@@ -44,20 +43,34 @@ struct TileConfig {
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
 };
 
-// Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle) then the
-// barriers. The same struct sizes the launch on the host and finds the buffers on the device.
+// bf16 results leave through a shared-memory staging tile and per-row bulk copies, so the
+// consumers go on to the next tile while the stores drain; fp32 results (twice the bytes, no
+// room for their staging tile) are stored from registers.
+constexpr bool uses_staged_store(EpilogueKind epilogue) {
+  return epilogue == EpilogueKind::kStoreBf16 || epilogue == EpilogueKind::kSwiGluBf16;
+}
+
+// Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the output
+// staging tile, then the barriers. The same struct sizes the launch on the host and finds the
+// buffers on the device.
+template <EpilogueKind kEpilogue>
 struct SharedLayout {
+  static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
+  static constexpr int kNumStages = kStagedStore ? 3 : 4;
   static constexpr uint32_t kAlignment = 1024;
-  static constexpr uint32_t kAOffset = 0;  // (kNumStages) x (BLOCK_M, BLOCK_K)
-  static constexpr uint32_t kBOffset = TileConfig::kNumStages * TileConfig::kABytes;
-  static constexpr uint32_t kBarrierOffset = kBOffset + TileConfig::kNumStages * TileConfig::kBBytes;
+  // NOTE: 16 bytes of padding per staging row spread a warp's 8 fragment rows over all banks.
+  static constexpr uint32_t kStagingPitch = TileConfig::BLOCK_N * 2 + 16;
+  static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
+  static constexpr uint32_t kBOffset = kNumStages * TileConfig::kABytes;
+  static constexpr uint32_t kStagingOffset = kBOffset + kNumStages * TileConfig::kBBytes;
+  static constexpr uint32_t kStagingBytes = kStagedStore ? TileConfig::BLOCK_M * kStagingPitch : 0;
+  static constexpr uint32_t kBarrierOffset = kStagingOffset + kStagingBytes;
   // full[kNumStages], empty[kNumStages], tail (the wgrad row-tail staging barrier)
-  static constexpr uint32_t kNumBarriers = 2 * TileConfig::kNumStages + 1;
+  static constexpr uint32_t kNumBarriers = 2 * kNumStages + 1;
   static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
   static constexpr uint32_t kLaunchBytes = kBytes + kAlignment;  // slack to align the base
+  static_assert(kLaunchBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
 };
-
-static_assert(SharedLayout::kLaunchBytes <= 227 * 1024, "stage ring exceeds shared memory");
 
 struct GroupedGemmParams {
   const int* group_offsets;  // [num_groups + 1], device memory

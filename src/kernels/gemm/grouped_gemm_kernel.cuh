@@ -26,16 +26,17 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
                         const __grid_constant__ CUtensorMap map_b,
                         const GroupedGemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Loop = Mainloop<kKind>;
+  using Layout = SharedLayout<kEpilogue>;
+  using Loop = Mainloop<kKind, Layout>;
   using Store = Epilogue<kKind, kEpilogue>;
-  extern __shared__ uint8_t dynamic_smem[];
+  extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
   // buffers start on that boundary.
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
   uint8_t* aligned_base =
-      dynamic_smem + ((SharedLayout::kAlignment - base_address % SharedLayout::kAlignment) %
-                      SharedLayout::kAlignment);
-  const SharedStorage smem = SharedStorage::carve(aligned_base);
+      dynamic_smem + ((Layout::kAlignment - base_address % Layout::kAlignment) %
+                      Layout::kAlignment);
+  const typename Loop::Storage smem = Loop::Storage::carve(aligned_base);
 
   const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
   const WarpgroupRole role = warpgroup_idx == 0 ? WarpgroupRole::kProducer : WarpgroupRole::kConsumer;
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b);
-    for (int stage = 0; stage < TileConfig::kNumStages; ++stage) {
+    for (int stage = 0; stage < Layout::kNumStages; ++stage) {
       ptx::mbarrier_init(&smem.full[stage], 1);
       ptx::mbarrier_init(&smem.empty[stage], TileConfig::kNumConsumerWarpgroups * 4);
     }
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
 
   GroupedTileScheduler<kKind> scheduler(params);
   GroupedTile tile;
-  PipelineState state;
+  typename Loop::State state;
   if (role == WarpgroupRole::kProducer) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
@@ -70,8 +71,9 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     while (scheduler.next_tile(tile)) {
       Store::init(params, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
-      Store::store(params, tile, consumer_idx, accum);
+      Store::store(params, tile, consumer_idx, smem.staging, accum);
     }
+    Store::drain();
   }
 #endif
 }

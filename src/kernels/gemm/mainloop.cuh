@@ -18,35 +18,41 @@
 namespace mok::gemm {
 
 // Position in the stage ring; the phase flips each time the index wraps.
+template <int kNumStages>
 struct PipelineState {
   int index = 0;
   uint32_t phase = 0;
   __device__ void advance() {
-    if (++index == TileConfig::kNumStages) {
+    if (++index == kNumStages) {
       index = 0;
       phase ^= 1u;
     }
   }
 };
 
+template <class Layout>
 struct SharedStorage {
-  uint8_t* a;             // (kNumStages, BLOCK_M, BLOCK_K) bf16, swizzled
-  uint8_t* b;             // (kNumStages, BLOCK_N, BLOCK_K) bf16, swizzled
-  uint64_t* full;         // (kNumStages)
-  uint64_t* empty;        // (kNumStages)
-  uint64_t* tail;         // staging barrier of the wgrad row tail
+  uint8_t* a;        // (kNumStages, BLOCK_M, BLOCK_K) bf16, swizzled
+  uint8_t* b;        // (kNumStages, BLOCK_N, BLOCK_K) bf16, swizzled
+  uint8_t* staging;  // (BLOCK_M, kStagingPitch bytes): the bf16 output tile on its way out
+  uint64_t* full;    // (kNumStages)
+  uint64_t* empty;   // (kNumStages)
+  uint64_t* tail;    // staging barrier of the wgrad row tail
 
   __device__ static SharedStorage carve(uint8_t* aligned_base) {
-    auto* barriers = reinterpret_cast<uint64_t*>(aligned_base + SharedLayout::kBarrierOffset);
-    return {aligned_base + SharedLayout::kAOffset, aligned_base + SharedLayout::kBOffset, barriers,
-            barriers + TileConfig::kNumStages, barriers + 2 * TileConfig::kNumStages};
+    auto* barriers = reinterpret_cast<uint64_t*>(aligned_base + Layout::kBarrierOffset);
+    return {aligned_base + Layout::kAOffset, aligned_base + Layout::kBOffset,
+            aligned_base + Layout::kStagingOffset, barriers, barriers + Layout::kNumStages,
+            barriers + 2 * Layout::kNumStages};
   }
   __device__ uint8_t* a_stage(int stage) const { return a + stage * TileConfig::kABytes; }
   __device__ uint8_t* b_stage(int stage) const { return b + stage * TileConfig::kBBytes; }
 };
 
-template <GemmKind kKind>
+template <GemmKind kKind, class Layout>
 struct Mainloop {
+  using Storage = SharedStorage<Layout>;
+  using State = PipelineState<Layout::kNumStages>;
   using Config = TileConfig;
   static constexpr bool kAMajorMN = kKind == GemmKind::kWgrad;
   static constexpr bool kBMajorMN = kKind != GemmKind::kForward;
@@ -62,7 +68,7 @@ struct Mainloop {
 
   // Issues the TMA copies of one k-block into stage `stage`, completing on `barrier`.
   __device__ static void issue_loads(const CUtensorMap* map_a, const CUtensorMap* map_b,
-                                     const SharedStorage& smem, int stage, uint64_t* barrier,
+                                     const Storage& smem, int stage, uint64_t* barrier,
                                      const GroupedTile& tile, int k_block) {
     uint8_t* a = smem.a_stage(stage);
     uint8_t* b = smem.b_stage(stage);
@@ -93,8 +99,8 @@ struct Mainloop {
   // Producer side, run by all 32 lanes of the producer warp (lane 0 issues). Returns after the
   // copies of every k-block of `tile` have been issued.
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
-                              const SharedStorage& smem, const GroupedGemmParams& params,
-                              const GroupedTile& tile, PipelineState& state,
+                              const Storage& smem, const GroupedGemmParams& params,
+                              const GroupedTile& tile, State& state,
                               uint32_t& tail_phase) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
@@ -125,7 +131,7 @@ struct Mainloop {
 
   // Rows [valid_rows, BLOCK_K) of every (64 k, 64 mn) chunk of the stage. A swizzled row is one
   // whole 128-byte line, so zeroing lines needs no knowledge of the swizzle.
-  __device__ static void zero_tail_rows(const SharedStorage& smem, int stage, int valid_rows,
+  __device__ static void zero_tail_rows(const Storage& smem, int stage, int valid_rows,
                                         int lane_idx) {
     constexpr int kLineVectors = 128 / 16;
     constexpr int kNumAChunks = Config::BLOCK_M / Config::kChunk;
@@ -144,8 +150,8 @@ struct Mainloop {
   }
 
   // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`.
-  __device__ static void mma(const SharedStorage& smem, const GroupedGemmParams& params,
-                             const GroupedTile& tile, int consumer_idx, PipelineState& state,
+  __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
+                             const GroupedTile& tile, int consumer_idx, State& state,
                              float (&accum)[Mma::kNumAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
