@@ -1,8 +1,9 @@
 // Expert-parallel dispatch and combine on two GPUs at a preset's shape: GB/s of NVLink payload per
 // direction against the number of SMs that move rows, for both copy methods.
 //
-//   bench_comm [--preset deepseek-v3] [--tokens 8192] [--sms 4,8,16,24,32] [--iters 20]
-//              [--methods vector,bulk] [--out comm.json] [--splits splits.json]
+//   bench_comm [--preset deepseek-v3] [--tokens 8192] [--sms 4,8,16,24,32,132] [--iters 20]
+//              [--methods vector:1024,vector:512,bulk] [--out comm.json] [--splits splits.json]
+// (vector:N = one warp per row, N threads per CTA; bulk = 1-D bulk copies through shared memory)
 //
 // Each iteration runs the whole sequence on both GPUs (schedule, dispatch, combine push, reduce),
 // with a device-side barrier before each timed kernel so that both ranks move data at once (both
@@ -34,8 +35,8 @@ namespace {
 struct Args {
   std::string preset = "deepseek-v3";
   int64_t tokens = 8192;
-  std::vector<int> sms = {4, 8, 16, 24, 32};
-  std::vector<std::string> methods = {"vector", "bulk"};
+  std::vector<int> sms = {4, 8, 16, 24, 32, 132};
+  std::vector<std::string> methods = {"vector:1024", "vector:512", "bulk"};
   int iters = 20, warmup = 3;
   std::string out = "comm.json", splits;
 };
@@ -103,9 +104,10 @@ double median(std::vector<float> values) {
 
 // One measured configuration: a copy method and a number of SMs; both phases per iteration.
 struct Config {
-  std::string method;
+  std::string method;  // "vector-1024", "bulk"
+  mok::CopyConfig copy;
   int num_sms;
-  std::vector<float> dispatch_ms[2], combine_ms[2], reduce_ms[2];  // [rank][iteration]
+  std::vector<float> dispatch_ms[2], combine_ms[2], reduce_ms[2], schedule_ms[2];  // [rank][iteration]
 };
 
 void write_json(const Args& args, const mok::LayerShape& shape, const std::string& device,
@@ -133,20 +135,22 @@ void write_json(const Args& args, const mok::LayerShape& shape, const std::strin
         worst_gbps = std::min(worst_gbps, remote_rows * row_bytes / (ms * 1e6));
       }
       const double reduce = std::max(median(config.reduce_ms[0]), median(config.reduce_ms[1]));
+      const double schedule = std::max(median(config.schedule_ms[0]), median(config.schedule_ms[1]));
       std::fprintf(file,
                    "%s    {\"name\": \"%s-%s-sms%d\", \"preset\": \"%s\", \"ep\": 2, "
                    "\"tokens_per_rank\": %lld, \"precision\": \"bf16\", \"phase\": \"%s\", "
                    "\"method\": \"%s\", \"num_sms\": %d, \"mok_ms\": %.4f, \"baseline\": null, "
                    "\"baseline_ms\": null, \"speedup\": null, \"useful_tflops\": null, "
                    "\"gbps\": %.1f, \"dense_gemm_tflops\": null, \"reduce_ms\": %.4f, "
+                   "\"schedule_ms\": %.4f, "
                    "\"payload_bytes\": [%lld, %lld]}",
                    first ? "" : ",\n", phase, config.method.c_str(), config.num_sms,
                    args.preset.c_str(), static_cast<long long>(args.tokens), phase,
-                   config.method.c_str(), config.num_sms, worst_ms, worst_gbps, reduce,
+                   config.method.c_str(), config.num_sms, worst_ms, worst_gbps, reduce, schedule,
                    static_cast<long long>(rows_sent[1][0] * row_bytes),
                    static_cast<long long>(rows_sent[0][1] * row_bytes));
-      std::printf("%-8s %-6s sms %3d  %8.3f ms  %6.1f GB/s  (reduce %.3f ms)\n", phase,
-                  config.method.c_str(), config.num_sms, worst_ms, worst_gbps, reduce);
+      std::printf("%-8s %-11s sms %3d  %8.3f ms  %6.1f GB/s  (reduce %.3f ms, schedule %.3f ms)\n",
+                  phase, config.method.c_str(), config.num_sms, worst_ms, worst_gbps, reduce, schedule);
       first = false;
     }
   }
@@ -187,7 +191,20 @@ int main(int argc, char** argv) {
     MOK_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::vector<Config> configs;
     for (const std::string& method : args.methods) {
-      for (int sms : args.sms) configs.push_back(Config{method, sms, {}, {}, {}});
+      mok::CopyConfig copy;
+      std::string label = method;
+      if (method == "bulk") {
+        copy.method = mok::comm::CopyMethod::kBulk;
+      } else if (method.rfind("vector:", 0) == 0) {
+        copy.threads_per_cta = std::stoi(method.substr(7));
+        label = "vector-" + method.substr(7);
+      } else {
+        throw mok::Error("--methods", "unknown method '" + method + "' (vector:THREADS or bulk)");
+      }
+      for (int sms : args.sms) {
+        copy.num_ctas = sms;
+        configs.push_back(Config{label, copy, sms, {}, {}, {}, {}});
+      }
     }
 
     mok::for_each_rank(ep, [&](int rank) {
@@ -211,13 +228,14 @@ int main(int argc, char** argv) {
       MOK_CUDA_CHECK(cudaDeviceSynchronize());
       cudaStream_t stream;
       MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      cudaEvent_t marks[5];
+      cudaEvent_t marks[7];
       for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
       for (Config& config : configs) {
-        const mok::CopyConfig copy{config.num_sms, config.method == "bulk" ? mok::comm::CopyMethod::kBulk
-                                                                           : mok::comm::CopyMethod::kVector};
+        const mok::CopyConfig& copy = config.copy;
         for (int iteration = 0; iteration < args.warmup + args.iters; ++iteration) {
-          mok::schedule(ws, topk_idx, tokens, stream);
+          MOK_CUDA_CHECK(cudaEventRecord(marks[5], stream));
+          mok::schedule(ws, topk_idx, tokens, stream);  // includes waiting for the peer's ids
+          MOK_CUDA_CHECK(cudaEventRecord(marks[6], stream));
           mok::rank_barrier(ws, stream);  // both ranks start the pull together
           MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
           mok::dispatch(ws, copy, stream);
@@ -230,7 +248,9 @@ int main(int argc, char** argv) {
           MOK_CUDA_CHECK(cudaEventRecord(marks[4], stream));
           ws.check(stream);
           if (iteration < args.warmup) continue;
-          float elapsed[3];
+          float elapsed[4];
+          MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[3], marks[5], marks[6]));
+          config.schedule_ms[rank].push_back(elapsed[3]);
           MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[0], marks[0], marks[1]));
           MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[1], marks[2], marks[3]));
           MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[2], marks[3], marks[4]));

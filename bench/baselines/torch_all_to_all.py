@@ -92,7 +92,8 @@ def report(args):
 
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for axis, phase in zip(axes, ("dispatch", "combine")):
-        for method, style in (("vector", "o-"), ("bulk", "s-")):
+        methods = sorted({c["method"] for c in bench["cases"]})
+        for method, style in zip(methods, ("o-", "s-", "^-", "d-", "v-")):
             cases = sorted((c for c in bench["cases"] if c["phase"] == phase and c["method"] == method),
                            key=lambda c: c["num_sms"])
             if cases:

@@ -30,13 +30,13 @@ __global__ void __launch_bounds__(comm::kOrderThreads) order_rows_kernel(comm::W
 }
 
 template <comm::CopyMethod kMethod>
-__global__ void dispatch_kernel(comm::WorkspaceView view) {
+__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1) dispatch_kernel(comm::WorkspaceView view) {
   extern __shared__ __align__(128) char shared_stages[];
   comm::dispatch_pull<kMethod>(view, shared_stages);
 }
 
 template <comm::CopyMethod kMethod>
-__global__ void combine_push_kernel(comm::WorkspaceView view) {
+__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1) combine_push_kernel(comm::WorkspaceView view) {
   extern __shared__ __align__(128) char shared_stages[];
   comm::combine_push<kMethod>(view, shared_stages);
 }
@@ -73,7 +73,11 @@ void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t
                                         shared_bytes));
     bulk_kernel<<<num_ctas, comm::kBulkThreads, shared_bytes, stream>>>(ws.view());
   } else {
-    vector_kernel<<<num_ctas, comm::kVectorThreads, 0, stream>>>(ws.view());
+    MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
+                      config.threads_per_cta % 32 == 0,
+                  "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
+                  "], got ", config.threads_per_cta);
+    vector_kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view());
   }
   MOK_CUDA_CHECK_LAUNCH();
 }

@@ -59,7 +59,7 @@ TEST_P(CommDispatch, RowsInGlobalTokenOrderWithPadding) {
                               tokens * hidden * sizeof(bf16), cudaMemcpyHostToDevice));
     MOK_CUDA_CHECK(cudaMemset(ws.expert_x(), 0xff, capacity * hidden * sizeof(bf16)));
     schedule(ws, topk_idx.get(), tokens, nullptr);
-    dispatch(ws, {8, std::get<1>(GetParam())}, nullptr);
+    dispatch(ws, {8, std::get<1>(GetParam()), 96}, nullptr);  // 3 warps per CTA
     ws.check(nullptr);
 
     std::vector<int32_t> offsets(experts_local + 1), row_source(capacity);

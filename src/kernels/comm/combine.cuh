@@ -42,7 +42,7 @@ __device__ inline void combine_push(const WorkspaceView& view, char* shared_stag
   if constexpr (kMethod == CopyMethod::kBulk) {
     copy_rows_bulk(num_rows, view.layout.row_bytes(), shared_stages, rows);
   } else {
-    copy_rows_vector(num_rows, view.layout.row_bytes(), rows);
+    copy_rows_vector</*kSourceReadOnly=*/true>(num_rows, view.layout.row_bytes(), rows);
   }
   if (last_block_arrived(&state->combine_arrivals)) {
     signal_all_ranks(view, FlagKind::kCombine, epoch);

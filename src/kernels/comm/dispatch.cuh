@@ -31,7 +31,7 @@ __device__ inline void dispatch_pull(const WorkspaceView& view, char* shared_sta
   if constexpr (kMethod == CopyMethod::kBulk) {
     copy_rows_bulk(num_rows, view.layout.row_bytes(), shared_stages, rows);
   } else {
-    copy_rows_vector(num_rows, view.layout.row_bytes(), rows);
+    copy_rows_vector</*kSourceReadOnly=*/false>(num_rows, view.layout.row_bytes(), rows);
   }
 }
 

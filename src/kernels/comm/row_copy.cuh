@@ -4,11 +4,13 @@
 // Two ways, same contract: `row_at(row)` returns the source and destination of a row, or a null
 // source for a row to skip; rows are dealt to CTAs round-robin (row = cta + i * num_ctas).
 //   kVector: one warp per row, each lane holding kVectorUnroll 16-byte loads in flight before it
-//            stores them. Simple; needs many warps to cover NVLink latency on a pull.
+//            stores them; 1024 threads per CTA keep 128 KiB in flight per SM, which is what an
+//            NVLink pull needs to cover its latency (measured: docs/perf-notes/comm.md).
 //   kBulk:   one thread per CTA drives a ring of shared-memory stages with 1-D bulk copies
 //            (cp.async.bulk, the copy engine of TMA without a tensor map): global -> shared
 //            completes on an mbarrier, shared -> global is a bulk group. A CTA keeps
-//            (stages - 1) rows in flight with one thread, so few SMs saturate the link.
+//            (stages - 1) rows in flight with one thread. Measured slower than kVector on H200
+//            (the copy engine's pulls from a peer do not overlap enough), kept for comparison.
 #pragma once
 
 #include <cstdint>
@@ -19,10 +21,10 @@ namespace mok::comm {
 
 enum class CopyMethod : int { kVector = 0, kBulk = 1 };
 
-inline constexpr int kVectorThreads = 512;
+inline constexpr int kVectorMaxThreads = 1024;  // the vector kernels are built for up to this
 inline constexpr int kVectorUnroll = 8;
 inline constexpr int kBulkThreads = 32;
-inline constexpr int kBulkMaxStages = 8;
+inline constexpr int kBulkMaxStages = 14;
 inline constexpr int kBulkStageBudgetBytes = 200 * 1024;
 
 struct RowCopy {
@@ -43,7 +45,9 @@ MOK_COMM_HOST_DEVICE int64_t bulk_shared_bytes(int64_t row_bytes) {
 
 #if defined(__CUDACC__)
 
-template <class RowAt>
+// kSourceReadOnly: the sources are local and no thread writes them during the kernel, so they may
+// take the non-coherent load path (ld.global.nc), which keeps more loads in flight.
+template <bool kSourceReadOnly, class RowAt>
 __device__ inline void copy_rows_vector(int64_t num_rows, int64_t row_bytes, const RowAt& row_at) {
   const int lane = threadIdx.x % 32;
   const int64_t warps_per_cta = blockDim.x / 32;
@@ -59,7 +63,9 @@ __device__ inline void copy_rows_vector(int64_t num_rows, int64_t row_bytes, con
 #pragma unroll
       for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
         const int64_t index = base + unroll * 32;
-        if (index < num_vectors) values[unroll] = source[index];
+        if (index < num_vectors) {
+          values[unroll] = kSourceReadOnly ? __ldg(source + index) : source[index];
+        }
       }
 #pragma unroll
       for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
