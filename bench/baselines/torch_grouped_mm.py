@@ -7,7 +7,9 @@ dense bf16 GEMM rate (8192^3), and writes bench/results JSON in schema mok-bench
   dgrad    torch._grouped_mm(dy, W, offs=offs)                    dx = dy W per expert
   wgrad    torch._grouped_mm(dy.t(), x, offs=offs)                dW = dy^T x per expert
 The SwiGLU-fused case is compared with the plain torch gate/up GEMM (torch has no fused one).
-Median of >= 20 CUDA-event-timed iterations after warm-up, random data.
+Median of >= 20 CUDA-event-timed iterations after warm-up, random data; mok's and torch's figures
+are each the mean over passes (mok before and after torch, torch twice), since the clocks drift
+under the power cap during a run.
 """
 import argparse
 import datetime
@@ -71,36 +73,51 @@ def commit():
         return "unknown"
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mok", required=True, help="bench_gemm --out file")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
-    mok_cases = json.load(open(args.mok))
-    dense = dense_tflops(args.iterations)
+def measure(args):
+    """Times torch on every case of a mok pass, in --passes passes, and the dense rate."""
+    mok_cases = json.load(open(args.mok[0]))
+    timings = {"dense_gemm_tflops": dense_tflops(args.iterations), "cases": {}}
+    # The clocks drift with the power cap over a run: torch is timed in several passes over all
+    # cases (as mok is), and each side's figure is the mean of its passes' medians.
+    for _ in range(args.passes):
+        for case in mok_cases:
+            key = f"{case['preset']}/{case['phase']}"
+            try:
+                timings["cases"].setdefault(key, []).append(torch_case(case, args.iterations))
+            except Exception as error:  # report, never invent a figure
+                print(f"torch baseline failed for {key}: {error}")
+    json.dump(timings, open(args.torch, "w"), indent=2)
+
+
+def combine(args):
+    """mok passes + torch timings -> results JSON (schema mok-bench/1) and a table."""
+    mok_passes = [json.load(open(path)) for path in args.mok]
+    timings = json.load(open(args.torch))
+    dense = timings["dense_gemm_tflops"]
     cases = []
-    for case in mok_cases:
-        try:
-            baseline_ms = torch_case(case, args.iterations)
-            baseline = "torch._grouped_mm"
-        except Exception as error:  # report, never invent a figure
-            print(f"torch baseline failed for {case['preset']} {case['phase']}: {error}")
-            baseline_ms, baseline = None, None
+    for case in mok_passes[0]:
+        key = f"{case['preset']}/{case['phase']}"
+        mok_runs = [c["mok_ms"] for p in mok_passes for c in p
+                    if f"{c['preset']}/{c['phase']}" == key]
+        mok_ms = sum(mok_runs) / len(mok_runs)
+        torch_runs = timings["cases"].get(key, [])
+        baseline_ms = sum(torch_runs) / len(torch_runs) if torch_runs else None
+        flops = 2.0 * case["num_experts"] * case["rows_per_expert"] * case["n"] * case["k"]
         cases.append({
-            "name": f"{case['preset']}/{case['phase']}",
+            "name": key,
             "preset": case["preset"],
             "ep": 2,
             "tokens_per_rank": 8192,
             "precision": "bf16",
             "phase": case["phase"],
-            "mok_ms": case["mok_ms"],
-            "baseline": baseline,
+            "mok_ms": mok_ms,
+            "mok_ms_passes": mok_runs,
+            "baseline": "torch._grouped_mm" if torch_runs else None,
             "baseline_ms": baseline_ms,
-            "speedup": (baseline_ms / case["mok_ms"]) if baseline_ms else None,
-            "useful_tflops": case["useful_tflops"],
-            "baseline_tflops": (case["useful_tflops"] * case["mok_ms"] / baseline_ms) if baseline_ms else None,
+            "baseline_ms_passes": torch_runs,
+            "speedup": (baseline_ms / mok_ms) if baseline_ms else None,
+            "useful_tflops": flops / mok_ms / 1e9,
+            "baseline_tflops": (flops / baseline_ms / 1e9) if baseline_ms else None,
             "gbps": None,
             "dense_gemm_tflops": dense,
             "shape": {"experts": case["num_experts"], "rows_per_expert": case["rows_per_expert"],
@@ -122,6 +139,20 @@ def main():
         torch_ms = f"{c['baseline_ms']:9.3f}" if c["baseline_ms"] else "      n/a"
         speedup = f"{c['speedup']:7.3f}" if c["speedup"] else "    n/a"
         print(f"{c['name']:40s} {c['mok_ms']:8.3f} {c['useful_tflops']:7.0f} {torch_ms} {torch_tf} {speedup}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["measure", "combine"])
+    parser.add_argument("--mok", required=True, action="append",
+                        help="bench_gemm --out file; once per mok pass (combine uses their mean)")
+    parser.add_argument("--torch", required=True, help="torch timings file (measure writes it)")
+    parser.add_argument("--out", help="results JSON (combine)")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--passes", type=int, default=2, help="torch passes over all cases")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    measure(args) if args.mode == "measure" else combine(args)
 
 
 if __name__ == "__main__":

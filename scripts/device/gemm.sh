@@ -31,32 +31,39 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 say "SASS: HGMMA count and local-memory traffic per kernel"
 if command -v cuobjdump > /dev/null; then
   cuobjdump --dump-sass "$BIN/bench_gemm" 2>/dev/null |
-    awk '/Function :/ {name=$3} /HGMMA/ {hgmma[name]++} /STL|LDL/ {local[name]++}
-         END {for (n in hgmma) printf "%-110s HGMMA %d local %d\n", n, hgmma[n], local[n]}' |
+    awk '/Function :/ {name=$3} /\/\*[0-9a-f]+\*\// {count[name]++} /HGMMA/ {hgmma[name]++}
+         /STL|LDL/ {local[name]++}
+         END {for (n in hgmma) printf "%-100s SASS %d HGMMA %d local %d\n", n, count[n], hgmma[n], local[n]}' |
     tee -a "$LOG"
 fi
 
 say "tests"
-timeout 240 "$TESTS" --gtest_filter='GroupedGemm*' 2>&1 | tee "$OUT/gemm-tests.txt" | tail -25 | tee -a "$LOG"
+timeout 240 "$TESTS" --gtest_filter='GroupedGemm*:GemmSwiGlu*' 2>&1 | tee "$OUT/gemm-tests.txt" | tail -25 | tee -a "$LOG"
 test_status=$?
 
 say "benchmark (mok)"
-timeout 180 "$BIN/bench_gemm" --out "$OUT/gemm-mok.json" --iterations 20 2>&1 | tee -a "$LOG"
+timeout 120 "$BIN/bench_gemm" --out /tmp/gemm-mok-1.json --iterations 20 2>&1 | tee -a "$LOG"
 
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv 2>&1 | tee -a "$LOG"
 
 say "baseline (torch) and results"
 RESULTS="$OUT/gemm-results.json"
-timeout 240 python3 bench/baselines/torch_grouped_mm.py --mok "$OUT/gemm-mok.json" --out "$RESULTS" \
+timeout 240 python3 bench/baselines/torch_grouped_mm.py measure --mok /tmp/gemm-mok-1.json \
+  --torch "$OUT/gemm-torch.json" --passes 2 2>&1 | tee -a "$LOG"
+say "benchmark (mok), second pass"
+timeout 120 "$BIN/bench_gemm" --out /tmp/gemm-mok-2.json --iterations 20 2>&1 | tee -a "$LOG"
+python3 bench/baselines/torch_grouped_mm.py combine --mok /tmp/gemm-mok-1.json --mok /tmp/gemm-mok-2.json \
+  --torch "$OUT/gemm-torch.json" --out "$RESULTS" \
   --commit "${MOK_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}" 2>&1 | tee -a "$LOG"
 python3 bench/plot_gemm.py "$RESULTS" "$OUT/gemm.png" 2>&1 | tee -a "$LOG"
 
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
-  say "Nsight Compute: deepseek-v3 gate/up"
+  NCU_CASE=${MOK_GEMM_NCU_CASE:-qwen3-235b-a22b/gemm-gateup-swiglu}
+  say "Nsight Compute: $NCU_CASE"
   timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
     -k regex:grouped_gemm --launch-skip 2 --launch-count 1 \
-    "$BIN/bench_gemm" --only deepseek-v3/gemm-gateup --iterations 1 --out /tmp/ncu.json \
+    "$BIN/bench_gemm" --only "$NCU_CASE" --iterations 1 --out /tmp/ncu.json \
     > "$OUT/gemm-ncu.txt" 2>&1
   grep -E "Duration|Throughput|Registers|Pipe|Busy|L2 Hit|Achieved|Stall|Eligible|Issued" "$OUT/gemm-ncu.txt" | head -40 | tee -a "$LOG"
 fi

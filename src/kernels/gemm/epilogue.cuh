@@ -10,10 +10,10 @@
 #include <cuda_bf16.h>
 
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/swiglu.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
-#include "mok/detail/numerics.hpp"
 
 namespace mok::gemm {
 
@@ -104,14 +104,7 @@ struct Epilogue {
       if (lane_idx < 16) ptx::bulk_wait_group_read<0>();
       __syncwarp();
       if constexpr (kEpilogue == EpilogueKind::kSwiGluBf16) {
-        // Blocks (j, j + 1) hold gate and up of the same 8 columns of h: h overwrites the gate
-        // accumulators in place, in a flat loop the compiler fully unrolls (a nested one with
-        // the store inside was left rolled, which sent the accumulators to local memory).
-#pragma unroll 64
-        for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {
-          const int gate = 8 * (pair / 4) + pair % 4;
-          accum[gate] = numerics::swiglu(accum[gate], accum[gate + 4]);
-        }
+        swiglu_in_place(accum);
 #pragma unroll
         for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
 #pragma unroll

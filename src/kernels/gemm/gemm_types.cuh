@@ -46,7 +46,7 @@ struct TileConfig {
 // bf16 results leave through a shared-memory staging tile and per-row bulk copies, so the
 // consumers go on to the next tile while the stores drain; fp32 results (twice the bytes, no
 // room for their staging tile) are stored from registers.
-constexpr bool uses_staged_store(EpilogueKind epilogue) {
+__host__ __device__ constexpr bool uses_staged_store(EpilogueKind epilogue) {
   return epilogue == EpilogueKind::kStoreBf16 || epilogue == EpilogueKind::kSwiGluBf16;
 }
 

@@ -1,0 +1,63 @@
+// SwiGLU of a tile's accumulators, bit-identical to numerics::swiglu (the CPU reference's
+// definition) and fast enough to sit in the gate/up GEMM's epilogue.
+//
+// numerics::swiglu(g, u) = mul_rn(mul_rn(g, 1 / (1 + exp(-g))), u) with an IEEE division.
+// NOTE: __fdiv_rn carries a slow-path branch for operands near the exponent limits; in an
+// unrolled epilogue that branch walls every element into its own scheduling region, and the
+// 64 elements of a thread then run one after another at full latency (measured: the fused
+// epilogue cost ~20 % of the GEMM). Here the divisor 1 + exp(-g) lies in [1, 2^126) whenever
+// g > -87, where an approximate reciprocal refined by fma steps is the correctly rounded 1/d
+// (checked exhaustively over that range by tests/gpu/test_gemm_swiglu.cu), so the division is
+// branch-free. A thread holding any gate at or below -87 (or NaN) takes the exact generic path.
+#pragma once
+
+#include "mok/detail/numerics.hpp"
+
+namespace mok::gemm {
+
+// Gates above this keep 1 + exp(-g) below e^87 + 1 < 2^126, the range reciprocal_rn covers.
+constexpr float kFastSwiGluGateFloor = -87.0f;
+
+// 1/d rounded to nearest even, for d in [1, 2^126); no branch.
+__device__ __forceinline__ float reciprocal_rn(float d) {
+  float approximate;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(approximate) : "f"(d));
+  const float error = __fmaf_rn(-d, approximate, 1.0f);
+  const float refined = __fmaf_rn(error, approximate, approximate);
+  const float residual = __fmaf_rn(-d, refined, 1.0f);
+  return __fmaf_rn(residual, refined, refined);
+}
+
+// numerics::swiglu for g > kFastSwiGluGateFloor, with the same rounding points.
+__device__ __forceinline__ float swiglu_fast(float gate, float up) {
+  const float denominator = numerics::add_rn(1.0f, numerics::exp_deterministic(-gate));
+  return numerics::mul_rn(numerics::mul_rn(gate, reciprocal_rn(denominator)), up);
+}
+
+// In the (64, BLOCK_N) accumulator fragment of an 8-interleaved gate/up tile, blocks (j, j + 1)
+// hold gate and up of the same columns: h = swiglu(g, u) overwrites the gate accumulators.
+template <int kNumAccumulators>
+__device__ __forceinline__ void swiglu_in_place(float (&accum)[kNumAccumulators]) {
+  bool all_fast = true;
+#pragma unroll
+  for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {
+    all_fast &= accum[8 * (pair / 4) + pair % 4] > kFastSwiGluGateFloor;
+  }
+  // Flat loops the compiler fully unrolls (a nested one was left rolled, which sent the
+  // accumulators to local memory).
+  if (all_fast) {
+#pragma unroll 64
+    for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {
+      const int gate = 8 * (pair / 4) + pair % 4;
+      accum[gate] = swiglu_fast(accum[gate], accum[gate + 4]);
+    }
+  } else {
+#pragma unroll 64
+    for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {
+      const int gate = 8 * (pair / 4) + pair % 4;
+      accum[gate] = numerics::swiglu(accum[gate], accum[gate + 4]);
+    }
+  }
+}
+
+}  // namespace mok::gemm
