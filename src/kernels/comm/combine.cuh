@@ -1,6 +1,8 @@
 // Combine, in two steps:
-//   push    each expert output row goes to its owner's slot [t * k + j] (one writer per slot, no
-//           atomics); the last CTA signals the combine flag to every rank.
+//   push    each expert output row of a peer's token goes to the owner's slot [t * k + j] (one
+//           writer per slot, no atomics); the last CTA signals the combine flag to every rank.
+//           Rows of this rank's own tokens stay where the expert wrote them (expert_y): copying
+//           them into the local slots would only spend the SMs' time.
 //   reduce  the owner waits for every rank's combine flag, then for each token sums
 //           w[t, j] * slot[t, j] in fp32 in j order (skipping -1 slots), adds the fp32 shared
 //           expert output (0 when there is none), and rounds to bf16 once. Each element has one
@@ -28,6 +30,7 @@ struct CombineRows {
     const int32_t packed = view.row_source()[row];
     if (packed < 0) return {nullptr, nullptr};
     const RowSource source = unpack_row_source(view.layout, packed);
+    if (source.rank == view.rank) return {nullptr, nullptr};  // read in place by the reduce
     return {view.expert_y_row(row), view.slot_row(source.rank, source.token, source.slot)};
   }
 };
@@ -68,10 +71,14 @@ __device__ inline void combine_reduce(const WorkspaceView& view, const float* to
 #pragma unroll
     for (int lane = 0; lane < kReduceVector; ++lane) sum[lane] = 0.0f;
     for (int64_t slot = 0; slot < layout.top_k; ++slot) {
-      if (ids[token * layout.top_k + slot] < 0) continue;
+      const int32_t expert = ids[token * layout.top_k + slot];
+      if (expert < 0) continue;
       const float weight = topk_w[token * layout.top_k + slot];
-      const int4 packed = *reinterpret_cast<const int4*>(view.slot_row(view.rank, token, slot) +
-                                                         column * 2);
+      // Ids were range-checked by the schedule: expert / E_l is a rank.
+      const char* row = expert / layout.experts_per_rank() == view.rank
+                            ? view.expert_y_row(view.local_row()[token * layout.top_k + slot])
+                            : view.slot_row(view.rank, token, slot);
+      const int4 packed = *reinterpret_cast<const int4*>(row + column * 2);
       const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
 #pragma unroll
       for (int lane = 0; lane < kReduceVector; ++lane) {

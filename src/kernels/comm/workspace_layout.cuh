@@ -13,6 +13,9 @@
 //   counts        (E_l) int32                         rows of each local expert
 //   offsets       (E_l + 1) int32                     first row of each local expert, tile padded
 //   row_source    (rows_capacity) int32               (src_rank * T_max + t) * k + j, -1 = padding
+//   local_row     (T_max, k) int32                    for this rank's own (t, j) served by a local
+//                                                     expert: its row in expert_y (the combine
+//                                                     reads it there instead of copying it)
 //   expert_x      (rows_capacity, H) bf16             dispatched rows, expert-major, global order
 //   expert_y      (rows_capacity, H) bf16             expert outputs, same rows
 #pragma once
@@ -59,6 +62,7 @@ struct WorkspaceLayout {
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
   int64_t slots_offset = 0, window_bytes = 0;
   int64_t state_offset = 0, counts_offset = 0, offsets_offset = 0, row_source_offset = 0;
+  int64_t local_row_offset = 0;
   int64_t expert_x_offset = 0, expert_y_offset = 0, local_bytes = 0;
 
   MOK_COMM_HOST_DEVICE int64_t experts_per_rank() const { return num_experts / num_ranks; }
@@ -98,6 +102,7 @@ struct WorkspaceLayout {
     layout.counts_offset = take(layout.experts_per_rank() * 4);
     layout.offsets_offset = take((layout.experts_per_rank() + 1) * 4);
     layout.row_source_offset = take(layout.rows_capacity() * 4);
+    layout.local_row_offset = take(tokens_max * top_k * 4);
     layout.expert_x_offset = take(layout.rows_capacity() * layout.row_bytes());
     layout.expert_y_offset = take(layout.rows_capacity() * layout.row_bytes());
     layout.local_bytes = cursor;
@@ -146,6 +151,9 @@ struct WorkspaceView {
   }
   MOK_COMM_HOST_DEVICE int32_t* row_source() const {
     return reinterpret_cast<int32_t*>(local + layout.row_source_offset);
+  }
+  MOK_COMM_HOST_DEVICE int32_t* local_row() const {  // (T_max, k)
+    return reinterpret_cast<int32_t*>(local + layout.local_row_offset);
   }
   MOK_COMM_HOST_DEVICE char* expert_x_row(int64_t row) const {
     return local + layout.expert_x_offset + row * layout.row_bytes();

@@ -6,7 +6,8 @@
 //                      each local expert
 //   4. order_rows      one CTA per local expert: offsets (each expert starts at a multiple of
 //                      block_m) and the expert's rows in global token order (rank * T_max + t,
-//                      then slot j), padding marked -1
+//                      then slot j), padding marked -1; for this rank's own tokens, the row of
+//                      each (t, j) (local_row), so the combine can read it in place
 // Kernel boundaries separate the steps; within a step nothing depends on timing.
 #pragma once
 
@@ -178,6 +179,7 @@ __device__ inline void order_rows(const WorkspaceView& view) {
            ++token) {
         for (int64_t slot = 0; slot < layout.top_k; ++slot) {
           if (ids[token * layout.top_k + slot] == expert) {
+            if (source == view.rank) view.local_row()[token * layout.top_k + slot] = static_cast<int32_t>(row);
             row_source[row++] = pack_row_source(layout, source, token, slot);
           }
         }
