@@ -45,10 +45,9 @@ fi
 run tests-vector 150 "$BIN/mok_gpu_tests" --gtest_filter='*Comm*:-*Bulk*'
 run tests-bulk 120 "$BIN/mok_gpu_tests" --gtest_filter='*Comm*Bulk*'
 # One process per copy method: a fault in one must not lose the others' numbers.
-for method in vector:1024,vector:512 bulk; do
-  run "bench-${method%%:*}" 120 "$BIN/bench_comm" --methods "$method" \
-    --out "$OUT/bench-${method%%:*}.json" --splits "$OUT/splits.json"
-done
+run bench-vector 120 "$BIN/bench_comm" --methods vector:1024,vector:512 \
+  --sms 4,8,12,16,20,24,28,32,132 --out "$OUT/bench-vector.json" --splits "$OUT/splits.json"
+run bench-bulk 120 "$BIN/bench_comm" --methods bulk --out "$OUT/bench-bulk.json"
 run torch-baseline 120 torchrun --nproc-per-node=2 bench/baselines/torch_all_to_all.py measure \
   --splits "$OUT/splits.json" --out "$OUT/torch.json"
 mok_jsons=$(ls "$OUT"/bench-*.json 2>/dev/null)
