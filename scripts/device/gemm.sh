@@ -58,13 +58,17 @@ python3 bench/baselines/torch_grouped_mm.py combine --mok /tmp/gemm-mok-1.json -
 python3 bench/plot_gemm.py "$RESULTS" "$OUT/gemm.png" 2>&1 | tee -a "$LOG"
 
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
-  NCU_CASE=${MOK_GEMM_NCU_CASE:-qwen3-235b-a22b/gemm-gateup-swiglu}
-  say "Nsight Compute: $NCU_CASE"
-  timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-    -k regex:grouped_gemm --launch-skip 2 --launch-count 1 \
-    "$BIN/bench_gemm" --only "$NCU_CASE" --iterations 1 --out /tmp/ncu.json \
-    > "$OUT/gemm-ncu.txt" 2>&1
-  grep -E "Duration|Throughput|Registers|Pipe|Busy|L2 Hit|Achieved|Stall|Eligible|Issued" "$OUT/gemm-ncu.txt" | head -40 | tee -a "$LOG"
+  : > "$OUT/gemm-ncu.txt"
+  for NCU_CASE in ${MOK_GEMM_NCU_CASES:-qwen3-235b-a22b/gemm-gateup qwen3-235b-a22b/gemm-gateup-swiglu}; do
+    say "Nsight Compute: $NCU_CASE"
+    echo "==== $NCU_CASE" >> "$OUT/gemm-ncu.txt"
+    timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      -k regex:grouped_gemm --launch-skip 2 --launch-count 1 \
+      "$BIN/bench_gemm" --only "$NCU_CASE" --iterations 1 --out /tmp/ncu.json \
+      >> "$OUT/gemm-ncu.txt" 2>&1
+  done
+  grep -E "^====|Duration|SM Frequency|Elapsed Cycles|Compute \(SM\)|L2 Cache Throughput|DRAM Throughput|Issued Warp" \
+    "$OUT/gemm-ncu.txt" | tee -a "$LOG"
 fi
 exit $test_status

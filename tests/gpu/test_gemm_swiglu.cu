@@ -1,6 +1,7 @@
-// The SwiGLU epilogue's arithmetic: its branch-free reciprocal is checked exhaustively against
-// the IEEE division over the whole range it serves, and the in-place tile SwiGLU (fast path and
-// the generic fallback for gates <= -87) is checked bitwise against the host definition.
+// The SwiGLU epilogue's arithmetic: its branch-free reciprocal and exp are checked exhaustively
+// against the IEEE division and numerics::exp_deterministic over the whole ranges they serve,
+// and the in-place tile SwiGLU (fast path and the generic fallback for gates <= -87) is checked
+// bitwise against the host definition.
 #include <cuda_runtime.h>
 
 #include <random>
@@ -42,6 +43,36 @@ TEST(GemmSwiGlu, ReciprocalIsCorrectlyRoundedOnOneToTwoPow126) {
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(mismatches.download()[0], 0ull)
       << "reciprocal_rn differs from 1/d; first at d bits 0x" << std::hex << first.download()[0];
+}
+
+// Every float below 87: the non-negative ones [0, 87) and all negative ones, -0 to -inf.
+__global__ void count_exp_mismatches(unsigned long long* mismatches, uint32_t* first_mismatch_bits) {
+  constexpr uint32_t kEightySevenBits = 0x42ae0000u;  // 87.0f
+  constexpr uint64_t kCount = uint64_t{kEightySevenBits} + (0xff800000ull - 0x80000000ull + 1);
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < kCount;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t bits = i < kEightySevenBits ? static_cast<uint32_t>(i)
+                                               : static_cast<uint32_t>(0x80000000ull + (i - kEightySevenBits));
+    const float x = __uint_as_float(bits);
+    if (__float_as_uint(exp_below_87(x)) != __float_as_uint(numerics::exp_deterministic(x))) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first_mismatch_bits, bits);
+    }
+  }
+}
+
+TEST(GemmSwiGlu, ExpBelow87MatchesDefinitionForEveryFloat) {
+  MOK_REQUIRE_HOPPER();
+  DeviceBuffer<unsigned long long> mismatches(1);
+  DeviceBuffer<uint32_t> first(1);
+  MOK_CUDA_CHECK(cudaMemset(mismatches.get(), 0, sizeof(unsigned long long)));
+  MOK_CUDA_CHECK(cudaMemset(first.get(), 0xff, sizeof(uint32_t)));
+  count_exp_mismatches<<<4096, 256>>>(mismatches.get(), first.get());
+  MOK_CUDA_CHECK_LAUNCH();
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(mismatches.download()[0], 0ull)
+      << "exp_below_87 differs from exp_deterministic; first at x bits 0x" << std::hex
+      << first.download()[0];
 }
 
 constexpr int kTileValues = 128;  // one consumer thread's accumulators

@@ -1,14 +1,14 @@
 // SwiGLU of a tile's accumulators, bit-identical to numerics::swiglu (the CPU reference's
 // definition) and fast enough to sit in the gate/up GEMM's epilogue.
 //
-// numerics::swiglu(g, u) = mul_rn(mul_rn(g, 1 / (1 + exp(-g))), u) with an IEEE division.
-// NOTE: __fdiv_rn carries a slow-path branch for operands near the exponent limits; in an
-// unrolled epilogue that branch walls every element into its own scheduling region, and the
-// 64 elements of a thread then run one after another at full latency (measured: the fused
-// epilogue cost ~20 % of the GEMM). Here the divisor 1 + exp(-g) lies in [1, 2^126) whenever
-// g > -87, where an approximate reciprocal refined by fma steps is the correctly rounded 1/d
-// (checked exhaustively over that range by tests/gpu/test_gemm_swiglu.cu), so the division is
-// branch-free. A thread holding any gate at or below -87 (or NaN) takes the exact generic path.
+// numerics::swiglu(g, u) = mul_rn(mul_rn(g, 1 / (1 + exp(-g))), u) with an IEEE division and
+// an exp with early returns for NaN, overflow and underflow. In the epilogue each thread computes
+// 64 of them while the tensor cores wait, so the branches matter: they wall every element into
+// its own scheduling region. For g > -87 neither branch is needed: exp(-g) cannot overflow, and
+// the divisor 1 + exp(-g) lies in [1, 2^126), where an approximate reciprocal refined by fma
+// steps is the correctly rounded 1/d. Both branch-free pieces are checked exhaustively over
+// their ranges by tests/gpu/test_gemm_swiglu.cu. A thread holding any gate at or below -87 (or
+// NaN) takes the generic path.
 #pragma once
 
 #include "mok/detail/numerics.hpp"
@@ -17,6 +17,32 @@ namespace mok::gemm {
 
 // Gates above this keep 1 + exp(-g) below e^87 + 1 < 2^126, the range reciprocal_rn covers.
 constexpr float kFastSwiGluGateFloor = -87.0f;
+
+// numerics::exp_deterministic(x) for x < 87, the same operations without its early returns:
+// below 87 neither the NaN nor the overflow case can occur, and the flush to zero under -87
+// becomes a select. Checked bitwise against the definition for every float below 87 by
+// tests/gpu/test_gemm_swiglu.cu.
+__device__ __forceinline__ float exp_below_87(float x) {
+  using numerics::add_rn;
+  using numerics::mul_rn;
+  const float n = rintf(mul_rn(x, 1.44269502f));
+  constexpr float kLn2High = 0.693145751953125f;
+  constexpr float kLn2Low = 1.42860677e-06f;
+  const float r = add_rn(add_rn(x, -mul_rn(n, kLn2High)), -mul_rn(n, kLn2Low));
+  float p = 1.0f / 5040.0f;
+  p = add_rn(mul_rn(p, r), 1.0f / 720.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 120.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 24.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 6.0f);
+  p = add_rn(mul_rn(p, r), 0.5f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  // n is in [-126, 126] whenever the result is used: 2^n is a normal float.
+  const float scale =
+      __uint_as_float((static_cast<uint32_t>(static_cast<int>(n)) + 127u) << 23);
+  const float result = mul_rn(p, scale);
+  return x < -87.0f ? 0.0f : result;
+}
 
 // 1/d rounded to nearest even, for d in [1, 2^126); no branch.
 __device__ __forceinline__ float reciprocal_rn(float d) {
@@ -30,7 +56,7 @@ __device__ __forceinline__ float reciprocal_rn(float d) {
 
 // numerics::swiglu for g > kFastSwiGluGateFloor, with the same rounding points.
 __device__ __forceinline__ float swiglu_fast(float gate, float up) {
-  const float denominator = numerics::add_rn(1.0f, numerics::exp_deterministic(-gate));
+  const float denominator = numerics::add_rn(1.0f, exp_below_87(-gate));
   return numerics::mul_rn(numerics::mul_rn(gate, reciprocal_rn(denominator)), up);
 }
 
