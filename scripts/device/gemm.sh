@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch,
-# the chart, a SASS check and one Nsight Compute profile, on GPU 0. Results and logs go to $OUT.
+# GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch
+# (mok and torch timed in two passes each), the chart, a SASS check and Nsight Compute profiles of
+# the plain and SwiGLU-fused gate/up GEMM, on GPU 0. Results and logs go to the results folder.
 #
 #   OUT=/tmp/out scripts/device/gemm.sh [BIN_DIR]
-# BIN_DIR holds mok_gemm_tests (or mok_gpu_tests) and bench_gemm built elsewhere (default build-gemm-bin); when they
-# are missing or do not start here, the script builds them into build-gemm-device first.
+# BIN_DIR holds mok_gpu_tests (or a GEMM-only mok_gemm_tests) and bench_gemm, e.g. built here with
+#   cmake -S . -B build-gemm -G Ninja && ninja -C build-gemm mok_gpu_tests bench_gemm
+# and copied into an ignored folder carried to the GPU machine. Default: $MOK_BUILD_DIR (set by
+# scripts/device-check.sh), else build-gemm-bin. When the binaries are missing or do not start
+# there, the script builds them into build-gemm-device first. Results go to $MOK_RESULTS_DIR when
+# device-check sets it, else to $OUT.
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-OUT=${OUT:?set OUT to the results folder}
-BIN=${1:-build-gemm-bin}
+OUT=${MOK_RESULTS_DIR:-${OUT:?set OUT to the results folder}}
+BIN=${1:-${MOK_BUILD_DIR:-build-gemm-bin}}
 mkdir -p "$OUT"
 LOG="$OUT/gemm-log.txt"
 : > "$LOG"
