@@ -2,9 +2,11 @@
 // message read alone says what to fix: "topk_idx: expert id 300 out of range [0, 256) at token 7".
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace mok {
@@ -23,11 +25,30 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// Message building without iostreams: mok is loaded into processes (PyTorch) where a second
+// copy of the C++ stream machinery can sit beside ours, and a stream built across the two
+// crashes. Strings, characters, integers and floating-point values (as %g) are enough here.
+inline void append_part(std::string& out, std::string_view text) { out += text; }
+inline void append_part(std::string& out, const char* text) { out += text; }
+inline void append_part(std::string& out, const std::string& text) { out += text; }
+inline void append_part(std::string& out, char letter) { out += letter; }
+template <class Number>
+  requires std::is_arithmetic_v<Number>
+void append_part(std::string& out, Number value) {
+  if constexpr (std::is_floating_point_v<Number>) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%g", static_cast<double>(value));
+    out += text;
+  } else {
+    out += std::to_string(value);
+  }
+}
+
 template <class... Parts>
 std::string concat(const Parts&... parts) {
-  std::ostringstream stream;
-  (stream << ... << parts);
-  return stream.str();
+  std::string out;
+  (append_part(out, parts), ...);
+  return out;
 }
 }  // namespace detail
 

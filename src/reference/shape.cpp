@@ -1,5 +1,4 @@
 #include <array>
-#include <sstream>
 
 #include "mok/error.hpp"
 #include "mok/shape.hpp"
@@ -40,10 +39,8 @@ void LayerShape::validate(int64_t ep) const {
 }
 
 std::string LayerShape::describe() const {
-  std::ostringstream text;
-  text << "H " << hidden << ", I " << intermediate << ", E " << num_experts << ", top-" << top_k
-       << ", I_s " << shared_intermediate;
-  return text.str();
+  return detail::concat("H ", hidden, ", I ", intermediate, ", E ", num_experts, ", top-", top_k,
+                        ", I_s ", shared_intermediate);
 }
 
 std::span<const Preset> presets() { return kPresets; }
@@ -58,11 +55,9 @@ const Preset& find_preset(std::string_view name) {
 }
 
 std::string format_shape(const std::vector<int64_t>& shape) {
-  std::ostringstream text;
-  text << "[";
-  for (size_t dim = 0; dim < shape.size(); ++dim) text << (dim ? ", " : "") << shape[dim];
-  text << "]";
-  return text.str();
+  std::string text = "[";
+  for (size_t dim = 0; dim < shape.size(); ++dim) text += detail::concat(dim ? ", " : "", shape[dim]);
+  return text + "]";
 }
 
 }  // namespace mok

@@ -13,18 +13,22 @@ namespace mok::torch_ops {
 
 namespace {
 
+// Every message is built by mok::detail::concat and handed to torch as one string: torch's own
+// multi-argument formatting would instantiate iostreams inside this library (see error.hpp).
+#define MOK_TORCH_CHECK(condition, ...) TORCH_CHECK_VALUE(condition, ::mok::detail::concat(__VA_ARGS__))
+
 using at::Tensor;
 using OptionalTensor = std::optional<Tensor>;
 
 // A checked, contiguous CPU tensor of `dtype`, viewed as mok::View<T>.
 template <class T>
 View<const T> view_of(const Tensor& tensor, const char* argument, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(tensor.defined(), argument, ": tensor is undefined");
-  TORCH_CHECK_VALUE(tensor.scalar_type() == dtype, argument, ": expected dtype ", dtype, ", got ",
-                    tensor.scalar_type());
-  TORCH_CHECK_VALUE(tensor.device().is_cpu(), argument, ": expected a CPU tensor, got one on ",
-                    tensor.device());
-  TORCH_CHECK_VALUE(tensor.is_contiguous(), argument, ": expected a contiguous tensor");
+  MOK_TORCH_CHECK(tensor.defined(), argument, ": tensor is undefined");
+  MOK_TORCH_CHECK(tensor.scalar_type() == dtype, argument, ": expected dtype ", c10::toString(dtype),
+                  ", got ", c10::toString(tensor.scalar_type()));
+  MOK_TORCH_CHECK(tensor.device().is_cpu(), argument, ": expected a CPU tensor, got one on ",
+                  tensor.device().str());
+  MOK_TORCH_CHECK(tensor.is_contiguous(), argument, ": expected a contiguous tensor");
   return View<const T>(static_cast<const T*>(tensor.data_ptr()),
                        std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end()));
 }
@@ -49,23 +53,23 @@ LayerArgs layer_args(const Tensor& x, const Tensor& topk_idx, const Tensor& topk
                      const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
                      const OptionalTensor& w_shared_gate, const OptionalTensor& w_shared_up,
                      const OptionalTensor& w_shared_down) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "x: expected (T, H), got ", x.dim(), " dimensions");
-  TORCH_CHECK_VALUE(w_gate.dim() == 3, "w_gate: expected (E, I, H), got ", w_gate.dim(), " dimensions");
-  TORCH_CHECK_VALUE(topk_idx.dim() == 2, "topk_idx: expected (T, k), got ", topk_idx.dim(), " dimensions");
-  TORCH_CHECK_VALUE(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong,
-                    "topk_idx: expected dtype int32 or int64, got ", topk_idx.scalar_type());
+  MOK_TORCH_CHECK(x.dim() == 2, "x: expected (T, H), got ", x.dim(), " dimensions");
+  MOK_TORCH_CHECK(w_gate.dim() == 3, "w_gate: expected (E, I, H), got ", w_gate.dim(), " dimensions");
+  MOK_TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected (T, k), got ", topk_idx.dim(), " dimensions");
+  MOK_TORCH_CHECK(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong,
+                  "topk_idx: expected dtype int32 or int64, got ", c10::toString(topk_idx.scalar_type()));
   const bool has_shared = w_shared_gate.has_value() && w_shared_gate->defined();
-  TORCH_CHECK_VALUE(has_shared == (w_shared_up.has_value() && w_shared_up->defined()) &&
-                        has_shared == (w_shared_down.has_value() && w_shared_down->defined()),
-                    "w_shared_gate, w_shared_up, w_shared_down: give all three or none");
+  MOK_TORCH_CHECK(has_shared == (w_shared_up.has_value() && w_shared_up->defined()) &&
+                      has_shared == (w_shared_down.has_value() && w_shared_down->defined()),
+                  "w_shared_gate, w_shared_up, w_shared_down: give all three or none");
 
   LayerArgs args;
   args.shape = {x.size(1), w_gate.size(1), has_shared ? w_shared_gate->size(0) : 0, w_gate.size(0),
                 topk_idx.size(1)};
   if (topk_idx.scalar_type() == at::kLong && topk_idx.numel() > 0) {
     const int64_t low = topk_idx.min().item<int64_t>(), high = topk_idx.max().item<int64_t>();
-    TORCH_CHECK_VALUE(low >= -1 && high < args.shape.num_experts, "topk_idx: expert id ",
-                      low < -1 ? low : high, " out of range [0, ", args.shape.num_experts, ")");
+    MOK_TORCH_CHECK(low >= -1 && high < args.shape.num_experts, "topk_idx: expert id ",
+                    low < -1 ? low : high, " out of range [0, ", args.shape.num_experts, ")");
   }
   args.topk_idx = topk_idx.to(at::kInt).contiguous();
   args.inputs.tokens = {bf16_view(x, "x"), view_of<int32_t>(args.topk_idx, "topk_idx", at::kInt),
@@ -87,7 +91,7 @@ auto translating_errors(Body&& body) {
   try {
     return body();
   } catch (const Error& error) {
-    TORCH_CHECK_VALUE(false, error.what());
+    TORCH_CHECK_VALUE(false, std::string(error.what()));
     throw;  // not reached: the check above throws
   }
 }
@@ -144,8 +148,8 @@ BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& top
 }
 
 [[noreturn]] void no_gpu_layer(const char* op, const c10::Device& device) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": the GPU layer is not in this build yet; tensors on ",
-                              device, " cannot run (CPU tensors use the CPU backend)");
+  TORCH_CHECK_NOT_IMPLEMENTED(false, detail::concat(op, ": the GPU layer is not in this build yet; tensors on ",
+                                                     device.str(), " cannot run (CPU tensors use the CPU backend)"));
   throw;  // not reached
 }
 
