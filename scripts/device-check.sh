@@ -2,7 +2,10 @@
 # The one script for a GPU machine: builds mok there, runs every test (GPU tests included), runs
 # the benchmarks and collects logs and results under $OUT.
 #
-#   scripts/device-check.sh [PART...]     PART: tests, run, or a scripts/device/PART.sh (gemm, comm)
+#   scripts/device-check.sh [PART...]     PART: tests, run, or a scripts/device/PART.sh (gemm, comm,
+#                                         python)
+# MOK_BUILD_DIR names the build folder (default build-device); with MOK_PREBUILT=1 the binaries in
+# it (built elsewhere, e.g. carried in) are used as they are.
 #
 # With no PART it runs all of them. Each part's files land in $OUT/results/ (packed into
 # $OUT/device-results.tar.gz at the end, since only a few files come back); the whole log is
@@ -32,14 +35,19 @@ fi
 export MOK_BUILD_DIR=${MOK_BUILD_DIR:-$root/build-device}
 export MOK_RESULTS_DIR="$results"
 start=$(date +%s)
-cmake -S "$root" -B "$MOK_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) \
-  ${nccl_root:+-DMOK_NCCL_ROOT=$nccl_root} >"$results/cmake.log" 2>&1 || { cat "$results/cmake.log"; exit 1; }
-if ! cmake --build "$MOK_BUILD_DIR" -j "$(nproc)" >"$results/build.log" 2>&1; then
-  tail -n 60 "$results/build.log"
-  exit 1
+if [[ "${MOK_PREBUILT:-0}" == 1 ]]; then
+  echo "== using the binaries in $MOK_BUILD_DIR as they are"
+else
+  cmake -S "$root" -B "$MOK_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) \
+    ${nccl_root:+-DMOK_NCCL_ROOT=$nccl_root} >"$results/cmake.log" 2>&1 || { cat "$results/cmake.log"; exit 1; }
+  if ! cmake --build "$MOK_BUILD_DIR" -j "$(nproc)" >"$results/build.log" 2>&1; then
+    tail -n 60 "$results/build.log"
+    exit 1
+  fi
+  echo "== built in $(( $(date +%s) - start )) s"
 fi
-echo "== built in $(( $(date +%s) - start )) s"
+export MOK_PART_TESTS=0 MOK_GEMM_NCU=${MOK_GEMM_NCU:-0}
 
 parts=("$@")
 if ((${#parts[@]} == 0)); then
@@ -55,11 +63,15 @@ for part in "${parts[@]}"; do
   part_start=$(date +%s)
   case "$part" in
     tests)
-      (cd "$MOK_BUILD_DIR" && ctest --output-on-failure --timeout 300 2>&1 | tee "$results/ctest.log") ;;
+      # CPU suites in parallel; the GPU suites in one process each (the comm tests hold both
+      # GPUs), the bulk-copy comm tests apart so that a fault there cannot hide the rest.
+      (cd "$MOK_BUILD_DIR" && ctest -LE gpu --output-on-failure -j 8 2>&1 | tee "$results/ctest.log") &&
+        "$MOK_BUILD_DIR/mok_gpu_tests" --gtest_filter='-*Bulk*' 2>&1 | tee "$results/gpu-tests.log" &&
+        "$MOK_BUILD_DIR/mok_gpu_tests" --gtest_filter='*Bulk*' 2>&1 | tee "$results/gpu-tests-bulk.log" ;;
     run)
       "$MOK_BUILD_DIR/mok" run --ep 2 --json "$results/mok-run-cpu.json" ;;
     *)
-      bash "$root/scripts/device/$part.sh" ;;
+      OUT="$results" bash "$root/scripts/device/$part.sh" "$MOK_BUILD_DIR" ;;
   esac
   status=$?
   echo "== part $part: exit $status in $(( $(date +%s) - part_start )) s"

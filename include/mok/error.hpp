@@ -32,6 +32,16 @@ inline void append_part(std::string& out, std::string_view text) { out += text; 
 inline void append_part(std::string& out, const char* text) { out += text; }
 inline void append_part(std::string& out, const std::string& text) { out += text; }
 inline void append_part(std::string& out, char letter) { out += letter; }
+inline void append_part(std::string& out, const void* pointer) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%p", pointer);
+  out += text;
+}
+template <class Enum>
+  requires std::is_enum_v<Enum>
+void append_part(std::string& out, Enum value) {
+  out += std::to_string(static_cast<std::underlying_type_t<Enum>>(value));
+}
 template <class Number>
   requires std::is_arithmetic_v<Number>
 void append_part(std::string& out, Number value) {

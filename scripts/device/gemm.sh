@@ -43,9 +43,12 @@ if command -v cuobjdump > /dev/null; then
     tee -a "$LOG"
 fi
 
-say "tests"
-timeout 240 "$TESTS" --gtest_filter='GroupedGemm*:GemmSwiGlu*' 2>&1 | tee "$OUT/gemm-tests.txt" | tail -25 | tee -a "$LOG"
-test_status=$?
+test_status=0
+if [ "${MOK_PART_TESTS:-1}" = 1 ]; then  # device-check runs every GPU test itself and sets 0
+  say "tests"
+  timeout 240 "$TESTS" --gtest_filter='GroupedGemm*:GemmSwiGlu*' 2>&1 | tee "$OUT/gemm-tests.txt" | tail -25 | tee -a "$LOG"
+  test_status=${PIPESTATUS[0]}
+fi
 
 say "benchmark (mok)"
 timeout 120 "$BIN/bench_gemm" --out /tmp/gemm-mok-1.json --iterations 20 2>&1 | tee -a "$LOG"
