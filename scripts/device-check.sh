@@ -22,7 +22,12 @@ exec > >(tee -a "$out/device-check.log") 2>&1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 
-echo "== mok device check, $(date -u +%FT%TZ), commit $(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+export MOK_BUILD_DIR=${MOK_BUILD_DIR:-$root/build-device}
+# The commit: from git where the checkout has its history, else from the COMMIT file that
+# scripts/build-for-device.sh leaves beside carried binaries.
+MOK_COMMIT=$(git -C "$root" rev-parse --verify -q --short=12 HEAD 2>/dev/null || cat "$MOK_BUILD_DIR/COMMIT" 2>/dev/null || echo unknown)
+export MOK_COMMIT
+echo "== mok device check, $(date -u +%FT%TZ), commit $MOK_COMMIT"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
 
 # NCCL: the one torch bundles, so that one NCCL lives in every process.
@@ -32,7 +37,6 @@ if [[ -n "$nccl_root" ]]; then
   echo "NCCL from torch: $nccl_root"
 fi
 
-export MOK_BUILD_DIR=${MOK_BUILD_DIR:-$root/build-device}
 export MOK_RESULTS_DIR="$results"
 start=$(date +%s)
 if [[ "${MOK_PREBUILT:-0}" == 1 ]]; then

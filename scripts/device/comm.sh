@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 LOG="$OUT/comm.log"
 NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null)
 [ -n "$NCCL_DIR" ] && export LD_LIBRARY_PATH="$NCCL_DIR/lib:${LD_LIBRARY_PATH:-}"
-export MOK_COMMIT=${MOK_COMMIT:-$(cat "$BIN/COMMIT" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)}
+export MOK_COMMIT=${MOK_COMMIT:-$(cat "$BIN/COMMIT" 2>/dev/null || git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 status=0
 {
   echo "== $(date -u +%FT%TZ) commit $MOK_COMMIT, NCCL from ${NCCL_DIR:-system}"
