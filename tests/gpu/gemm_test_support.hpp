@@ -16,6 +16,7 @@
 
 #include "mok/bf16.hpp"
 #include "runtime/cuda_check.hpp"
+#include "device_buffer.hpp"
 
 namespace mok::gemm_test {
 
@@ -32,32 +33,7 @@ namespace mok::gemm_test {
                                        << ", the grouped GEMM needs sm_90";                  \
   } while (0)
 
-template <class T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t count) : count_(count) {
-    MOK_CUDA_CHECK(cudaMalloc(&data_, std::max<size_t>(count, 1) * sizeof(T)));
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(data_); }
-
-  T* get() const { return data_; }
-  void upload(const std::vector<T>& host) {
-    MOK_CUDA_CHECK(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count_);
-    MOK_CUDA_CHECK(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  // All bytes 0xff: NaN in bf16 and fp32, so an element the kernel skipped cannot pass.
-  void poison() { MOK_CUDA_CHECK(cudaMemset(data_, 0xff, count_ * sizeof(T))); }
-
- private:
-  T* data_ = nullptr;
-  size_t count_;
-};
+using ::mok::testing::DeviceBuffer;
 
 inline std::vector<bf16> random_bf16(size_t count, uint32_t seed, float scale = 1.0f) {
   std::mt19937 generator(seed);

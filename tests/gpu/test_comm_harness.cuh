@@ -17,6 +17,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
 #include "runtime/cuda_check.hpp"
+#include "device_buffer.hpp"
 #include "runtime/workspace.hpp"
 
 namespace mok::comm_test {
@@ -36,31 +37,7 @@ inline int visible_gpus() {
     }                                                                                          \
   } while (0)
 
-template <class T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t count) : count_(count) {
-    MOK_CUDA_CHECK(cudaMalloc(&data_, (count > 0 ? count : 1) * sizeof(T)));
-  }
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(data_); }
-  T* get() const { return data_; }
-  size_t size() const { return count_; }
-  void upload(const std::vector<T>& host) {
-    MOK_CUDA_CHECK(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count_);
-    MOK_CUDA_CHECK(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  T* data_ = nullptr;
-  size_t count_ = 0;
-};
+using ::mok::testing::DeviceBuffer;
 
 struct RunOptions {
   CopyConfig copy;

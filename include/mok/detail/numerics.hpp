@@ -59,12 +59,14 @@ MOK_HOST_DEVICE float round_to_integer(float value) {  // nearest, ties to even
 #endif
 }
 
-// exp(x) to about 2 ulp, bit-identical on host and device: x = n*ln2 + r with |r| <= ln2/2,
-// exp(r) by its Taylor polynomial to r^7 (truncation under 2^-27), times 2^n.
-MOK_HOST_DEVICE float exp_deterministic(float x) {
-  if (!(x == x)) return x;                         // NaN
-  if (x > 88.5f) return bits_to_float(0x7f800000u);  // +inf
-  if (x < -87.0f) return 0.0f;                     // below the normal range: flush
+// exp(x) = exp(r) * 2^n with x = n*ln2 + r, |r| <= ln2/2, and exp(r) by its Taylor polynomial
+// to r^7 (truncation under 2^-27). No branch: valid wherever 2^n is a normal float.
+struct ExpParts {
+  float mantissa;  // exp(r), in [0.7, 1.42]
+  float exponent;  // n, an integer
+};
+
+MOK_HOST_DEVICE ExpParts exp_parts(float x) {
   const float n = round_to_integer(mul_rn(x, 1.44269502f));
   constexpr float kLn2High = 0.693145751953125f;  // few mantissa bits: n * kLn2High is exact
   constexpr float kLn2Low = 1.42860677e-06f;
@@ -77,9 +79,24 @@ MOK_HOST_DEVICE float exp_deterministic(float x) {
   p = add_rn(mul_rn(p, r), 0.5f);
   p = add_rn(mul_rn(p, r), 1.0f);
   p = add_rn(mul_rn(p, r), 1.0f);
-  const int32_t exponent = static_cast<int32_t>(n);  // in [-126, 128]
-  if (exponent > 127) return mul_rn(mul_rn(p, 2.0f), bits_to_float(0x7f000000u));
-  return mul_rn(p, bits_to_float(static_cast<uint32_t>(exponent + 127) << 23));
+  return {p, n};
+}
+
+// 2^n for an integer n in [-126, 127].
+MOK_HOST_DEVICE float power_of_two(float n) {
+  return bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
+// exp(x) to about 2 ulp, bit-identical on host and device.
+MOK_HOST_DEVICE float exp_deterministic(float x) {
+  if (!(x == x)) return x;                           // NaN
+  if (x > 88.5f) return bits_to_float(0x7f800000u);  // +inf
+  if (x < -87.0f) return 0.0f;                       // below the normal range: flush
+  const ExpParts parts = exp_parts(x);               // n in [-126, 128]
+  if (parts.exponent > 127.0f) {
+    return mul_rn(mul_rn(parts.mantissa, 2.0f), bits_to_float(0x7f000000u));
+  }
+  return mul_rn(parts.mantissa, power_of_two(parts.exponent));
 }
 
 MOK_HOST_DEVICE float sigmoid(float x) {

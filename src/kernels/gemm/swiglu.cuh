@@ -23,24 +23,9 @@ constexpr float kFastSwiGluGateFloor = -87.0f;
 // becomes a select. Checked bitwise against the definition for every float below 87 by
 // tests/gpu/test_gemm_swiglu.cu.
 __device__ __forceinline__ float exp_below_87(float x) {
-  using numerics::add_rn;
-  using numerics::mul_rn;
-  const float n = rintf(mul_rn(x, 1.44269502f));
-  constexpr float kLn2High = 0.693145751953125f;
-  constexpr float kLn2Low = 1.42860677e-06f;
-  const float r = add_rn(add_rn(x, -mul_rn(n, kLn2High)), -mul_rn(n, kLn2Low));
-  float p = 1.0f / 5040.0f;
-  p = add_rn(mul_rn(p, r), 1.0f / 720.0f);
-  p = add_rn(mul_rn(p, r), 1.0f / 120.0f);
-  p = add_rn(mul_rn(p, r), 1.0f / 24.0f);
-  p = add_rn(mul_rn(p, r), 1.0f / 6.0f);
-  p = add_rn(mul_rn(p, r), 0.5f);
-  p = add_rn(mul_rn(p, r), 1.0f);
-  p = add_rn(mul_rn(p, r), 1.0f);
   // n is in [-126, 126] whenever the result is used: 2^n is a normal float.
-  const float scale =
-      __uint_as_float((static_cast<uint32_t>(static_cast<int>(n)) + 127u) << 23);
-  const float result = mul_rn(p, scale);
+  const numerics::ExpParts parts = numerics::exp_parts(x);
+  const float result = numerics::mul_rn(parts.mantissa, numerics::power_of_two(parts.exponent));
   return x < -87.0f ? 0.0f : result;
 }
 
