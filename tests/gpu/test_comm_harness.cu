@@ -104,7 +104,12 @@ const std::vector<Communicator>& local_communicators(int ep) {
 }
 
 std::vector<bf16> run_layer(const Problem& problem, int ep, const RunOptions& options) {
-  const std::vector<Communicator>& comms = local_communicators(ep);
+  return run_layer(problem, local_communicators(ep), options);
+}
+
+std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicator>& comms,
+                            const RunOptions& options) {
+  const int ep = static_cast<int>(comms.size());
   const LayerShape& shape = problem.shape;
   const int64_t tokens = problem.num_tokens / ep, hidden = shape.hidden;
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;

@@ -55,6 +55,9 @@ const std::vector<Communicator>& local_communicators(int ep);
 // y (T_global, H) of the whole problem computed at EP = `ep`; a NaN-poisoned y shows unwritten
 // elements. Throws what ws.check throws (the first rank's error).
 std::vector<bf16> run_layer(const Problem& problem, int ep, const RunOptions& options);
+// The same over the caller's communicators (one per rank, all in this process).
+std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicator>& comms,
+                            const RunOptions& options);
 
 // The CPU reference's y at EP = `ep`.
 std::vector<bf16> reference_y(const Problem& problem, int ep);
