@@ -18,6 +18,12 @@ struct Case {
   bool shared_expert;
 };
 
+// How gtest names a case in its output (instead of the raw bytes of the struct).
+void PrintTo(const Case& which, std::ostream* out) {
+  *out << which.routing << (which.unused_slots > 0 ? ", unused slots" : "")
+       << (which.signed_weights ? ", signed weights" : "") << (which.shared_expert ? ", shared expert" : "");
+}
+
 Problem make_problem(const Case& which, int64_t num_tokens, uint64_t seed) {
   SyntheticSpec spec;
   spec.shape = find_preset("tiny").shape;  // H 256, I 128, E 16, top-4
@@ -157,3 +163,8 @@ TEST(CommLayerEp1, MatchesReferenceOnOneGpu) {
 
 }  // namespace
 }  // namespace mok::comm_test
+
+namespace mok::comm {
+// gtest prints a copy method by name (found by argument-dependent lookup).
+void PrintTo(CopyMethod method, std::ostream* out) { *out << mok::comm_test::method_name(method); }
+}  // namespace mok::comm
