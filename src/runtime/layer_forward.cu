@@ -1,0 +1,175 @@
+// The unfused GPU layer forward: buffers sized from shapes, weights in the GEMM engine's layouts,
+// and one enqueue of the whole composition per call (see layer_forward.hpp).
+#include "runtime/layer_forward.hpp"
+
+#include <cuda_runtime.h>
+
+#include "mok/error.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace mok {
+namespace {
+
+// The gate/up interleave block of gemm::interleave_gate_up: fused rows 16b..16b+7 are gate rows
+// 8b..8b+7, fused rows 16b+8..16b+15 are up rows 8b..8b+7.
+constexpr int64_t kInterleaveRows = 8;
+
+// The shared expert runs as a group of one expert over rows [0, T): offsets {0, T} on the device,
+// written by the stream itself so that T may change between calls without a host sync.
+__global__ void write_shared_offsets_kernel(int32_t* offsets, int32_t num_tokens) {
+  offsets[0] = 0;
+  offsets[1] = num_tokens;
+}
+
+template <class T>
+T* device_alloc(int64_t count) {
+  void* memory = nullptr;
+  MOK_CUDA_CHECK(cudaMalloc(&memory, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T)));
+  return static_cast<T*>(memory);
+}
+
+// fused (experts, 2 * inter, hidden) <- gate, up (experts, inter, hidden) on the host: every block
+// of 8 gate rows lands in the first half of a 16-row block, every block of up rows in the second.
+void upload_interleaved(bf16* fused, const bf16* gate, const bf16* up, int64_t experts,
+                        int64_t inter, int64_t hidden) {
+  const size_t block_bytes = static_cast<size_t>(kInterleaveRows * hidden) * sizeof(bf16);
+  const size_t num_blocks = static_cast<size_t>(experts * inter / kInterleaveRows);
+  MOK_CUDA_CHECK(cudaMemcpy2D(fused, 2 * block_bytes, gate, block_bytes, block_bytes, num_blocks,
+                              cudaMemcpyHostToDevice));
+  MOK_CUDA_CHECK(cudaMemcpy2D(fused + kInterleaveRows * hidden, 2 * block_bytes, up, block_bytes,
+                              block_bytes, num_blocks, cudaMemcpyHostToDevice));
+}
+
+int checked_int(int64_t value, const char* argument) {
+  MOK_CHECK_ARG(value >= 0 && value <= INT32_MAX, argument, value, " does not fit the GEMM's int32 "
+                "row indices");
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
+                           const LayerForwardOptions& options)
+    : shape_(shape), tokens_max_(tokens_max), options_(options),
+      workspace_(comm, shape, tokens_max, options.workspace) {
+  shape.validate(comm.num_ranks());
+  MOK_CHECK_ARG(shape.intermediate % 8 == 0, "shape.intermediate",
+                "the SwiGLU GEMM needs a multiple of 8 (gate/up blocks), got ", shape.intermediate);
+  MOK_CHECK_ARG(shape.shared_intermediate % 8 == 0, "shape.shared_intermediate",
+                "must be a multiple of 8, got ", shape.shared_intermediate);
+  MOK_CHECK_ARG(shape.hidden % 8 == 0, "shape.hidden", "must be a multiple of 8, got ",
+                shape.hidden);
+  const int64_t experts_local = workspace_.layout().experts_per_rank();
+  const int64_t hidden = shape.hidden, inter = shape.intermediate;
+  const int64_t shared_inter = shape.shared_intermediate;
+  checked_int(workspace_.layout().rows_capacity(), "rows capacity");
+
+  weights_.gate_up_elements = experts_local * 2 * inter * hidden;
+  weights_.down_elements = experts_local * hidden * inter;
+  weights_.gate_up = device_alloc<bf16>(weights_.gate_up_elements);
+  weights_.down = device_alloc<bf16>(weights_.down_elements);
+  if (shape.has_shared()) {
+    weights_.shared_gate_up_elements = 2 * shared_inter * hidden;
+    weights_.shared_down_elements = hidden * shared_inter;
+    weights_.shared_gate_up = device_alloc<bf16>(weights_.shared_gate_up_elements);
+    weights_.shared_down = device_alloc<bf16>(weights_.shared_down_elements);
+    shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
+    shared_output_ = device_alloc<float>(tokens_max * hidden);
+    shared_offsets_ = device_alloc<int32_t>(2);
+  }
+  routed_hidden_ = device_alloc<bf16>(workspace_.layout().rows_capacity() * inter);
+}
+
+LayerForward::~LayerForward() {
+  for (void* memory : {static_cast<void*>(weights_.gate_up), static_cast<void*>(weights_.down),
+                       static_cast<void*>(weights_.shared_gate_up),
+                       static_cast<void*>(weights_.shared_down), static_cast<void*>(routed_hidden_),
+                       static_cast<void*>(shared_hidden_), static_cast<void*>(shared_output_),
+                       static_cast<void*>(shared_offsets_)}) {
+    cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
+  }
+}
+
+void LayerForward::load_weights(const LayerWeights& weights) {
+  validate_weights(shape_, workspace_.num_ranks(), weights);
+  const int64_t experts_local = workspace_.layout().experts_per_rank();
+  const int64_t hidden = shape_.hidden, inter = shape_.intermediate;
+  upload_interleaved(weights_.gate_up, weights.gate.data, weights.up.data, experts_local, inter,
+                     hidden);
+  MOK_CUDA_CHECK(cudaMemcpy(weights_.down, weights.down.data,
+                            static_cast<size_t>(weights_.down_elements) * sizeof(bf16),
+                            cudaMemcpyHostToDevice));
+  if (shape_.has_shared()) {
+    upload_interleaved(weights_.shared_gate_up, weights.shared_gate.data, weights.shared_up.data, 1,
+                       shape_.shared_intermediate, hidden);
+    MOK_CUDA_CHECK(cudaMemcpy(weights_.shared_down, weights.shared_down.data,
+                              static_cast<size_t>(weights_.shared_down_elements) * sizeof(bf16),
+                              cudaMemcpyHostToDevice));
+  }
+}
+
+void LayerForward::set_options(const LayerForwardOptions& options) {
+  MOK_CHECK_ARG(options.workspace.block_m == options_.workspace.block_m &&
+                    options.workspace.timeout_ms == options_.workspace.timeout_ms,
+                "options.workspace", "is fixed when the layer is made");
+  options_ = options;
+}
+
+int64_t LayerForward::buffer_bytes() const {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  int64_t bytes = layout.window_bytes + layout.local_bytes;
+  bytes += layout.rows_capacity() * shape_.intermediate * 2;
+  if (shape_.has_shared()) {
+    bytes += tokens_max_ * (shape_.shared_intermediate * 2 + shape_.hidden * 4) + 8;
+  }
+  return bytes;
+}
+
+void LayerForward::run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream) {
+  const int tokens = checked_int(num_tokens, "num_tokens");
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int shared_inter = static_cast<int>(shape_.shared_intermediate);
+  write_shared_offsets_kernel<<<1, 1, 0, stream>>>(shared_offsets_, tokens);
+  MOK_CUDA_CHECK_LAUNCH();
+  // (T, H) -> (T, I_s) bf16, SwiGLU in the epilogue.
+  gemm::grouped_forward({1, tokens, 2 * shared_inter, hidden}, x, weights_.shared_gate_up,
+                        shared_offsets_, shared_hidden_, gemm::ForwardOutput::kSwiGluBf16, stream,
+                        options_.gemm);
+  // (T, I_s) -> (T, H) fp32: the combine adds it before its one bf16 rounding.
+  gemm::grouped_forward({1, tokens, hidden, shared_inter}, shared_hidden_, weights_.shared_down,
+                        shared_offsets_, shared_output_, gemm::ForwardOutput::kFp32, stream,
+                        options_.gemm);
+}
+
+void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
+                           int64_t num_tokens, cudaStream_t stream) {
+  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
+                " out of range [0, ", tokens_max_, "]");
+  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
+                                    y != nullptr),
+                "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const int experts_local = static_cast<int>(layout.experts_per_rank());
+  const int rows = static_cast<int>(layout.rows_capacity());
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.intermediate);
+
+  stage_tokens(workspace_, x, num_tokens, stream);
+  schedule(workspace_, topk_idx, num_tokens, stream);
+  const bool has_shared = shape_.has_shared() && num_tokens > 0;
+  if (has_shared) run_shared_expert(x, num_tokens, stream);
+  dispatch(workspace_, options_.copy, stream);
+  // expert_x (rows, H) -> routed_hidden (rows, I): each expert's rows start at a tile boundary;
+  // padding rows are computed but never combined.
+  gemm::grouped_forward({experts_local, rows, 2 * inter, hidden}, workspace_.expert_x(),
+                        weights_.gate_up, workspace_.expert_offsets(), routed_hidden_,
+                        gemm::ForwardOutput::kSwiGluBf16, stream, options_.gemm);
+  // routed_hidden (rows, I) -> expert_y (rows, H) bf16, the rows the combine moves.
+  gemm::grouped_forward({experts_local, rows, hidden, inter}, routed_hidden_, weights_.down,
+                        workspace_.expert_offsets(), workspace_.expert_y(),
+                        gemm::ForwardOutput::kBf16, stream, options_.gemm);
+  combine_push(workspace_, options_.copy, stream);
+  combine_reduce(workspace_, topk_w, has_shared ? shared_output_ : nullptr, y, num_tokens, stream);
+}
+
+}  // namespace mok

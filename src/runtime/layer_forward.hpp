@@ -1,0 +1,92 @@
+// The unfused GPU forward of one MoE layer on one expert-parallel rank, composed from the tested
+// engines: the communication steps of comm_ops.hpp and the grouped GEMMs of mok/gemm.hpp.
+//
+//   stage_tokens, schedule    x into the window, on-GPU all-gather of topk_idx, row order
+//   shared gate/up + down     the shared expert as a one-expert group over this rank's tokens,
+//                             fp32 output; enqueued before dispatch (hides the peers' skew)
+//   dispatch                  pull the routed rows into expert_x (global token order)
+//   routed gate/up (SwiGLU)   expert_x -> hidden (rows, I) bf16
+//   routed down               hidden -> expert_y (rows, H) bf16
+//   combine_push, _reduce     rows to their owners' slots; y = shared + Σ_j w_j · slot_j
+//
+// Everything is enqueued on the caller's stream with no host synchronisation, so a forward can be
+// captured in a CUDA graph. This is the composition the fused megakernel (issue 5) must match
+// bitwise. Construction and destruction are collective (see CommWorkspace).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/bf16.hpp"
+#include "mok/gemm.hpp"
+#include "mok/layer.hpp"
+#include "runtime/comm.hpp"
+#include "runtime/comm_ops.hpp"
+#include "runtime/workspace.hpp"
+
+namespace mok {
+
+struct LayerForwardOptions {
+  CopyConfig copy{32};  // dispatch and combine CTAs: 32 reach the NVLink ceiling (perf-notes/comm.md)
+  gemm::LaunchOptions gemm;      // expert GEMM grid; 0 SMs = every SM
+  WorkspaceOptions workspace;
+};
+
+// Device weights of one rank, in the layouts the GEMM engine reads.
+struct DeviceLayerWeights {
+  bf16* gate_up = nullptr;         // (E_l, 2I, H), gate/up interleaved in blocks of 8 rows
+  bf16* down = nullptr;            // (E_l, H, I)
+  bf16* shared_gate_up = nullptr;  // (1, 2I_s, H), interleaved; null when I_s = 0
+  bf16* shared_down = nullptr;     // (1, H, I_s)
+
+  int64_t gate_up_elements = 0, down_elements = 0;
+  int64_t shared_gate_up_elements = 0, shared_down_elements = 0;
+};
+
+class LayerForward {
+ public:
+  // tokens_max: the most tokens any call passes on any rank (the same on every rank).
+  LayerForward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
+               const LayerForwardOptions& options = {});
+  ~LayerForward();
+  LayerForward(const LayerForward&) = delete;
+  LayerForward& operator=(const LayerForward&) = delete;
+
+  // Copies this rank's weights (host, the layouts of LayerWeights) to the device, interleaving
+  // gate and up on the way (strided copies, no host copy of the weights). Synchronous.
+  void load_weights(const LayerWeights& weights);
+  // The device weights, e.g. for a benchmark that fills them on the device.
+  const DeviceLayerWeights& device_weights() const { return weights_; }
+
+  // x (T, H) bf16, topk_idx (T, k) int32, topk_w (T, k) fp32, y (T, H) bf16: device pointers on
+  // this rank's GPU; T <= tokens_max. Every rank calls it with the same options.
+  void forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
+               int64_t num_tokens, cudaStream_t stream);
+
+  // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
+  void check(cudaStream_t stream) const { workspace_.check(stream); }
+
+  void set_options(const LayerForwardOptions& options);
+  const LayerForwardOptions& options() const { return options_; }
+  CommWorkspace& workspace() { return workspace_; }
+  const LayerShape& shape() const { return shape_; }
+  int64_t tokens_max() const { return tokens_max_; }
+  // Device bytes this object holds besides the weights (workspace and intermediates).
+  int64_t buffer_bytes() const;
+
+ private:
+  void run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream);
+
+  LayerShape shape_;
+  int64_t tokens_max_ = 0;
+  LayerForwardOptions options_;
+  CommWorkspace workspace_;
+  DeviceLayerWeights weights_;
+  bf16* routed_hidden_ = nullptr;   // (rows_capacity, I)
+  bf16* shared_hidden_ = nullptr;   // (T_max, I_s)
+  float* shared_output_ = nullptr;  // (T_max, H)
+  int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
+};
+
+}  // namespace mok

@@ -1,0 +1,212 @@
+// The GPU layer forward for every rank of this process: inputs onto each GPU, warm-up, timed
+// forwards, y back (see layer_runner.hpp).
+#include "runtime/layer_runner.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "mok/error.hpp"
+#include "runtime/comm.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/device.hpp"
+#include "runtime/layer_forward.hpp"
+
+namespace mok {
+namespace {
+
+template <class T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(int64_t count) : count_(count) {
+    MOK_CUDA_CHECK(cudaMalloc(&data_, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() { cudaFree(data_); }
+  T* get() const { return data_; }
+  void upload(const T* host) {
+    MOK_CUDA_CHECK(cudaMemcpy(data_, host, static_cast<size_t>(count_) * sizeof(T),
+                              cudaMemcpyHostToDevice));
+  }
+
+ private:
+  T* data_ = nullptr;
+  int64_t count_ = 0;
+};
+
+// Uniform values in [-scale·√3, scale·√3) (standard deviation `scale`) from a counter-based hash of
+// (seed, stream, index): the same on every GPU and in every run.
+__global__ void fill_random_kernel(__nv_bfloat16* out, int64_t count, double scale, uint64_t seed,
+                                   uint64_t stream) {
+  const float half_width = static_cast<float>(scale * 1.7320508075688772);
+  for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < count;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed * 0x9e3779b97f4a7c15ull + stream * 0xbf58476d1ce4e5b9ull + index;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float unit = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    out[index] = __float2bfloat16_rn(half_width * (2.0f * unit - 1.0f));
+  }
+}
+
+void fill_random(bf16* out, int64_t count, double scale, uint64_t seed, uint64_t stream) {
+  if (count == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
+  fill_random_kernel<<<blocks, 256>>>(reinterpret_cast<__nv_bfloat16*>(out), count, scale, seed, stream);
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+// The communicators of this process's first `ep` GPUs, made once and kept until exit (NCCL
+// communicators are costly to make and the CLI may run EP=2 and then EP=1).
+const std::vector<Communicator>& communicators(int ep) {
+  static std::mutex mutex;
+  static auto* made = new std::map<int, std::vector<Communicator>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = made->find(ep);
+  if (found != made->end()) return found->second;
+  int num_devices = 0;
+  MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+  MOK_CHECK_ARG(ep <= num_devices, "--ep", "EP ", ep, " needs ", ep, " GPUs in this process, ",
+                num_devices, " visible");
+  std::vector<Communicator> comms;
+  if (ep == 1) {
+    comms.push_back(Communicator::single(0));
+  } else {
+    std::vector<int> devices;
+    for (int device = 0; device < ep; ++device) devices.push_back(device);
+    comms = Communicator::create_local(devices);
+  }
+  return made->emplace(ep, std::move(comms)).first->second;
+}
+
+double median(std::vector<float> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0.0 : values[values.size() / 2];
+}
+
+}  // namespace
+
+LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
+  const LayerShape& shape = spec.shape;
+  shape.validate(spec.ep);
+  const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
+  const int64_t global_tokens = tokens * spec.ep;
+  MOK_CHECK_ARG(spec.topk_idx != nullptr && spec.topk_w != nullptr &&
+                    static_cast<int64_t>(spec.topk_idx->size()) == global_tokens * top_k &&
+                    static_cast<int64_t>(spec.topk_w->size()) == global_tokens * top_k,
+                "topk_idx", "needs (", global_tokens, ", ", top_k, ") ids and weights");
+  MOK_CHECK_ARG(spec.problem == nullptr || spec.problem->num_tokens == global_tokens, "problem",
+                "holds ", spec.problem ? spec.problem->num_tokens : 0, " tokens, expected ",
+                global_tokens);
+  MOK_CHECK_ARG(spec.iterations >= 1, "iterations", "must be >= 1, got ", spec.iterations);
+  const std::vector<Communicator>& comms = communicators(spec.ep);
+
+  LayerRunResult result;
+  result.rank_ms.assign(spec.ep, 0.0);
+  if (spec.keep_y) result.y.resize(static_cast<size_t>(global_tokens * hidden));
+  std::vector<int64_t> buffer_bytes(spec.ep), weight_bytes(spec.ep);
+
+  for_each_rank(spec.ep, [&](int rank) {
+    MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
+    LayerForwardOptions options;
+    options.gemm.num_sms = spec.gemm_sms;
+    if (spec.copy_ctas > 0) options.copy.num_ctas = spec.copy_ctas;
+    LayerForward layer(comms[rank], shape, tokens, options);
+    DeviceArray<bf16> x(tokens * hidden);        // (T, H)
+    DeviceArray<int32_t> topk_idx(tokens * top_k);  // (T, k)
+    DeviceArray<float> topk_w(tokens * top_k);      // (T, k)
+    DeviceArray<bf16> y(tokens * hidden);        // (T, H)
+    topk_idx.upload(spec.topk_idx->data() + rank * tokens * top_k);
+    topk_w.upload(spec.topk_w->data() + rank * tokens * top_k);
+    const DeviceLayerWeights& weights = layer.device_weights();
+    if (spec.problem != nullptr) {
+      layer.load_weights(spec.problem->rank_inputs(rank, spec.ep).weights);
+      x.upload(spec.problem->x.data() + rank * tokens * hidden);
+    } else {
+      // Scales as Problem::generate: every intermediate near unit size. Streams by rank, so the
+      // ranks hold different experts and tokens.
+      const double in_scale = 1.0 / std::sqrt(static_cast<double>(hidden));
+      fill_random(weights.gate_up, weights.gate_up_elements, in_scale, spec.seed, 10 + rank);
+      fill_random(weights.down, weights.down_elements,
+                  1.0 / std::sqrt(static_cast<double>(shape.intermediate)), spec.seed, 20 + rank);
+      fill_random(weights.shared_gate_up, weights.shared_gate_up_elements, in_scale, spec.seed, 30);
+      fill_random(weights.shared_down, weights.shared_down_elements,
+                  1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(shape.shared_intermediate, 1))),
+                  spec.seed, 31);
+      fill_random(x.get(), tokens * hidden, 1.0, spec.seed, 40 + rank);
+      MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    buffer_bytes[rank] = layer.buffer_bytes();
+    weight_bytes[rank] = (weights.gate_up_elements + weights.down_elements +
+                          weights.shared_gate_up_elements + weights.shared_down_elements) * 2;
+
+    cudaStream_t stream = nullptr;
+    MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::unique_ptr<CUstream_st, void (*)(cudaStream_t)> stream_guard(
+        stream, [](cudaStream_t s) { cudaStreamDestroy(s); });
+    auto forward = [&] { layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream); };
+    for (int iteration = 0; iteration < spec.warmup; ++iteration) forward();
+    layer.check(stream);
+
+    std::vector<cudaEvent_t> events(2 * static_cast<size_t>(spec.iterations));
+    for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+      MOK_CUDA_CHECK(cudaEventRecord(events[2 * iteration], stream));
+      forward();
+      MOK_CUDA_CHECK(cudaEventRecord(events[2 * iteration + 1], stream));
+    }
+    layer.check(stream);
+    std::vector<float> times(spec.iterations);
+    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+      MOK_CUDA_CHECK(cudaEventElapsedTime(&times[iteration], events[2 * iteration],
+                                          events[2 * iteration + 1]));
+    }
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
+    result.rank_ms[rank] = median(times);
+    if (spec.keep_y) {
+      MOK_CUDA_CHECK(cudaMemcpy(result.y.data() + rank * tokens * hidden, y.get(),
+                                static_cast<size_t>(tokens * hidden) * sizeof(bf16),
+                                cudaMemcpyDeviceToHost));
+    }
+  });
+  result.forward_ms = *std::max_element(result.rank_ms.begin(), result.rank_ms.end());
+  result.buffer_bytes_per_rank = *std::max_element(buffer_bytes.begin(), buffer_bytes.end());
+  result.weight_bytes_per_rank = *std::max_element(weight_bytes.begin(), weight_bytes.end());
+  return result;
+}
+
+std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank) {
+  const runtime::GpuSummary gpus = runtime::query_gpus();
+  if (gpus.num_hopper_gpus < ep) {
+    return detail::concat("EP ", ep, " needs ", ep, " Hopper GPU(s); found ", gpus.description);
+  }
+  const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
+      ep, tokens_per_rank, shape.hidden, shape.top_k, shape.num_experts, WorkspaceOptions{}.block_m);
+  const double weights = 2.0 * (shape.num_experts / ep * 3.0 * shape.intermediate * shape.hidden +
+                                3.0 * shape.shared_intermediate * shape.hidden);
+  const double buffers =
+      static_cast<double>(layout.window_bytes + layout.local_bytes) +
+      2.0 * layout.rows_capacity() * shape.intermediate +
+      tokens_per_rank * (2.0 * shape.shared_intermediate + 4.0 * shape.hidden) +
+      tokens_per_rank * (4.0 * shape.hidden + 8.0 * shape.top_k);  // x, y, topk_idx, topk_w
+  for (int device = 0; device < ep; ++device) {
+    size_t free_bytes = 0, total_bytes = 0;
+    MOK_CUDA_CHECK(cudaSetDevice(device));
+    MOK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (weights + buffers > 0.9 * static_cast<double>(free_bytes)) {
+      return detail::concat("GPU ", device, " has ", static_cast<int64_t>(free_bytes >> 20),
+                            " MiB free; the layer needs about ",
+                            static_cast<int64_t>((weights + buffers) / (1 << 20)), " MiB per rank");
+    }
+  }
+  return "";
+}
+
+}  // namespace mok

@@ -1,0 +1,56 @@
+// Runs the GPU layer forward (LayerForward) for every rank of one process, times it and returns
+// y: what `mok run --backend cuda` and bench_layer share. Plain C++ interface (no CUDA headers),
+// so the command-line tool includes it as it is.
+//
+// Rank r of R drives GPU r and holds tokens [r*T, (r+1)*T) and experts [r*E/R, (r+1)*E/R) of the
+// global problem, as Problem::rank_inputs does. Timing: `warmup` forwards, then `iterations`
+// forwards each between two CUDA events on every rank's stream (no host sync between them); a
+// rank's figure is the median, the layer's figure the slowest rank's (DESIGN.md §5).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mok/bf16.hpp"
+#include "mok/shape.hpp"
+#include "mok/synthetic.hpp"
+
+namespace mok {
+
+struct LayerRunSpec {
+  LayerShape shape;
+  int ep = 1;
+  int64_t tokens_per_rank = 0;
+  // Global routing (T_global, k), e.g. a Problem's topk_idx and topk_w.
+  const std::vector<int32_t>* topk_idx = nullptr;
+  const std::vector<float>* topk_w = nullptr;
+  // x and weights from this problem (host), or, when null, seeded random values made on the
+  // device (for shapes whose host generation would take minutes: the timing does not depend on
+  // the values).
+  const Problem* problem = nullptr;
+  uint64_t seed = 0;
+  int gemm_sms = 0;   // 0 = every SM
+  int copy_ctas = 0;  // 0 = the layer's default
+  int warmup = 3;
+  int iterations = 20;
+  bool keep_y = true;  // download y (global, (T_global, H)) after the last forward
+};
+
+struct LayerRunResult {
+  std::vector<bf16> y;             // (T_global, H) when keep_y
+  double forward_ms = 0;           // median over iterations, slowest rank
+  std::vector<double> rank_ms;     // median of each rank
+  int64_t buffer_bytes_per_rank = 0;  // workspace and intermediates, weights excluded
+  int64_t weight_bytes_per_rank = 0;
+};
+
+// Throws mok::Error naming the argument (ep larger than the GPUs present, shapes) or the device
+// fault (rank, phase, cause) that a forward recorded.
+LayerRunResult run_layer_forward(const LayerRunSpec& spec);
+
+// Empty when `ep` Hopper GPUs are visible and each has room for its share of the layer (weights,
+// workspace, intermediates, inputs), else why not ("needs 2 GPUs, 1 visible").
+std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank);
+
+}  // namespace mok
