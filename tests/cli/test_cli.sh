@@ -27,7 +27,7 @@ expect() {
 }
 
 expect 0 '^PASS$' -- "$mok" run
-expect 0 'EP 2 vs EP 1: .* bitwise equal' -- "$mok" run --ep 2 --tokens 64 --routing single-expert
+expect 0 'EP 2 vs EP 1: .* bitwise equal' -- "$mok" run --backend cpu --ep 2 --tokens 64 --routing single-expert
 expect 0 'done \(not checked\)' -- "$mok" run --tokens 32 --routing skewed:1.5 --no-check --threads 1
 expect 0 'deepseek-v3 +7168 +2048 +2048 +256 +8' -- "$mok" presets
 expect 0 'usage: mok run' -- "$mok" run --help
@@ -39,7 +39,17 @@ expect 2 "routing: unknown routing 'zipf'" -- "$mok" run --routing zipf
 expect 2 "--tokens: expected an integer, got '12x'" -- "$mok" run --tokens 12x
 expect 2 '--tokens: must be in \[1, ' -- "$mok" run --tokens 0
 expect 2 'precision: fp8 is not implemented in this version' -- "$mok" run --precision fp8
-expect 2 'backend: the fused GPU layer is not implemented' -- "$mok" run --backend cuda
+# The CUDA backend runs where Hopper GPUs are, and says why not elsewhere.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c 'GPU [0-9]')
+if ((gpus >= 1)); then
+  expect 0 'bwd +not run' -- "$mok" run --backend cuda --tokens 200
+  expect 0 '^PASS$' -- "$mok" run --backend cuda --tokens 200 --routing skewed:1.5
+else
+  expect 2 'backend: cuda cannot run here: (EP 1 needs 1 Hopper GPU|this build has no CUDA backend)' -- "$mok" run --backend cuda
+fi
+if ((gpus >= 2)); then
+  expect 0 'EP 2 vs EP 1 on the GPU: .* bitwise equal' -- "$mok" run --backend cuda --ep 2 --tokens 300
+fi
 expect 2 "unknown preset 'nope'" -- "$mok" run --preset nope
 expect 2 "unknown command 'fly'" -- "$mok" fly
 
@@ -52,7 +62,7 @@ if [[ "$first" == "$second" && "$first" != "$other" ]]; then
 else
   echo "FAIL: checksums '$first' '$second' '$other'"; failures=$((failures + 1))
 fi
-expect 0 '^PASS$' -- "$mok" run --tokens 32 --json "$work/run.json"
+expect 0 '^PASS$' -- "$mok" run --backend cpu --tokens 32 --json "$work/run.json"
 if grep -q '"schema": "mok-bench/1"' "$work/run.json" && grep -q '"phase": "fwdbwd"' "$work/run.json"; then
   echo "ok:   --json writes a mok-bench/1 record"; passes=$((passes + 1))
 else

@@ -26,9 +26,14 @@ std::vector<Phase> phases(const RunConfig& config, const RunResult& result) {
   // Per rank: forward 6·T·H·(k·I + I_s), backward twice that (DESIGN.md §5).
   const double forward_flops = static_cast<double>(config.tokens_per_rank) *
                                static_cast<double>(config.shape.forward_flops_per_token());
+  if (!result.has_backward) return {{"fwd", result.forward_ms, forward_flops}};
   return {{"fwd", result.forward_ms, forward_flops},
           {"bwd", result.backward_ms, 2 * forward_flops},
           {"fwdbwd", result.forward_ms + result.backward_ms, 3 * forward_flops}};
+}
+
+double per_rank(const RunConfig& config, const RunResult& result, double ms) {
+  return result.times_per_rank ? ms : ms / static_cast<double>(config.ep);
 }
 
 bool report_line(const char* name, const ErrorStats& stats) {
@@ -52,7 +57,7 @@ std::vector<float> sum_over_ranks(const std::vector<float>& per_rank, int64_t ep
 void print_timings(const RunConfig& config, const RunResult& result) {
   // The CPU backend runs all R virtual ranks one after another: time per rank is time / R.
   for (const Phase& phase : phases(config, result)) {
-    const double per_rank_ms = phase.ms / static_cast<double>(config.ep);
+    const double per_rank_ms = per_rank(config, result, phase.ms);
     std::printf("%-8s %12.2f ms/rank  %10.4f useful TFLOP/s  %12.0f tokens/s/rank\n", phase.name,
                 per_rank_ms, useful_tflops(phase.flops, per_rank_ms),
                 static_cast<double>(config.tokens_per_rank) / (per_rank_ms * 1e-3));
@@ -104,12 +109,12 @@ void write_json(const std::string& path, const RunConfig& config, const RunResul
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   file << "{\n  \"schema\": \"mok-bench/1\",\n  \"commit\": \"" << MOK_GIT_COMMIT
-       << "\",\n  \"device\": \"cpu (reference backend)\",\n  \"date\": \"" << date
+       << "\",\n  \"device\": \"" << result.device << "\",\n  \"date\": \"" << date
        << "\",\n  \"cases\": [\n";
   const std::vector<Phase> all = phases(config, result);
   for (size_t index = 0; index < all.size(); ++index) {
     const Phase& phase = all[index];
-    const double per_rank_ms = phase.ms / static_cast<double>(config.ep);
+    const double per_rank_ms = per_rank(config, result, phase.ms);
     char line[640];
     std::snprintf(line, sizeof(line),
                   "    {\"name\": \"%s-ep%lld-%s\", \"preset\": \"%s\", \"ep\": %lld, "

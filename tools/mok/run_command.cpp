@@ -12,9 +12,7 @@
 #include "mok/compare.hpp"
 #include "mok/synthetic.hpp"
 #include "report.hpp"
-#if defined(MOK_WITH_CUDA)
-#include "runtime/device.hpp"
-#endif
+#include "run_cuda.hpp"
 
 namespace mok::cli {
 
@@ -22,20 +20,29 @@ namespace {
 
 constexpr const char* kRunHelp = R"(usage: mok run [options]
 
-Runs one MoE layer (shared + routed SwiGLU experts, top-k combine) forward and backward on
-synthetic data for EP virtual ranks, prints the time of each phase, useful TFLOP/s, tokens/s and
-a checksum of every EP-invariant output, and checks the result.
+Runs one MoE layer (shared + routed SwiGLU experts, top-k combine) on synthetic data for EP ranks,
+prints the time of each phase, useful TFLOP/s, tokens/s and a checksum of every EP-invariant
+output, and checks the result.
+
+backends:
+  cpu    the reference: forward and backward, EP virtual ranks one after another
+  cuda   the unfused GPU layer forward, one GPU per rank (EP GPUs in this process); forward
+         only (backward runs on the CPU backend). --check compares y on a sample of tokens
+         covering every expert that received tokens with the CPU reference, and for EP > 1 the
+         whole y bitwise with an EP=1 GPU run
 
 options:
   --preset NAME        layer shape (default tiny; 'mok presets' lists them)
   --tokens T           tokens per rank (default: the preset's)
   --ep R               expert-parallel ranks (default 1; must divide the number of experts)
-  --backend B          auto | cpu | cuda (default auto: the fastest one built for this machine)
+  --backend B          auto | cpu | cuda (default auto: cuda when EP Hopper GPUs are present and
+                       the layer fits them, else cpu)
   --precision P        bf16 (default; fp8 and mxfp8 come later)
   --routing R          uniform | skewed:ALPHA | single-expert (default uniform)
   --seed S             seed of the synthetic data (default 0)
   --threads N          CPU threads (default: all; results do not depend on it)
-  --check              compare with the fp64 oracle and, when R > 1, with an EP=1 run (default)
+  --check              compare with the fp64 oracle (cpu) or the CPU reference on a token sample
+                       (cuda) and, when R > 1, with an EP=1 run (default)
   --no-check           skip the comparison
   --json FILE          also write the figures as JSON (schema mok-bench/1)
 
@@ -93,13 +100,27 @@ double available_memory_bytes() {
   return 0;
 }
 
-std::string gpu_description() {
-#if defined(MOK_WITH_CUDA)
-  const runtime::GpuSummary gpus = runtime::query_gpus();
-  return gpus.description + (gpus.num_hopper_gpus ? " (the fused GPU layer is not built yet)" : "");
-#else
-  return "this build has no CUDA backend";
-#endif
+
+void print_header(const RunConfig& config, const std::string& precision) {
+  std::printf("mok run: preset %s (%s), %lld tokens/rank, EP %lld, %s, routing %s, seed %llu\n",
+              config.preset.c_str(), config.shape.describe().c_str(),
+              static_cast<long long>(config.tokens_per_rank), static_cast<long long>(config.ep),
+              precision.c_str(), config.routing.name().c_str(),
+              static_cast<unsigned long long>(config.seed));
+}
+
+int run_gpu(const RunConfig& config, const std::string& precision, const Args& args) {
+  print_header(config, precision);
+  std::printf("backend: cuda (unfused GPU layer forward, one GPU per rank); GPU: %s\n",
+              cuda_device_description().c_str());
+  std::fflush(stdout);
+  const Problem problem = Problem::generate(
+      {config.shape, config.tokens_per_rank * config.ep, config.routing, config.seed});
+  RunResult result;
+  const bool passed = run_cuda(config, problem, result);
+  if (args.has("json")) write_json(args.text("json", ""), config, result);
+  std::puts(!config.check ? "done (not checked)" : passed ? "PASS" : "FAIL");
+  return passed ? 0 : 1;
 }
 
 }  // namespace
@@ -131,10 +152,11 @@ int run_command(const std::vector<std::string>& words) {
   const std::string backend = args.text("backend", "auto");
   MOK_CHECK_ARG(backend == "auto" || backend == "cpu" || backend == "cuda", "--backend",
                 "unknown backend '", backend, "' (auto, cpu, cuda)");
-  MOK_CHECK_ARG(backend != "cuda", "--backend",
-                "the fused GPU layer is not implemented in this version (its GEMM and "
-                "communication engines are tested on their own); use --backend cpu");
-  config.backend = "cpu";
+  const std::string cuda_unfit = backend == "cpu" ? "not asked for" : cuda_backend_unfit_reason(config);
+  MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend", "cuda cannot run here: ",
+                cuda_unfit);
+  config.backend = cuda_unfit.empty() ? "cuda" : "cpu";
+  if (config.backend == "cuda") return run_gpu(config, precision, args);
 
   const int64_t num_tokens = config.tokens_per_rank * config.ep;
   const double needed = cpu_bytes_needed(config.shape, num_tokens, config.check);
@@ -146,12 +168,10 @@ int run_command(const std::vector<std::string>& words) {
 
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::printf("mok run: preset %s (%s), %lld tokens/rank, EP %lld, %s, routing %s, seed %llu\n",
-              config.preset.c_str(), config.shape.describe().c_str(),
-              static_cast<long long>(config.tokens_per_rank), static_cast<long long>(config.ep),
-              precision.c_str(), config.routing.name().c_str(),
-              static_cast<unsigned long long>(config.seed));
-  std::printf("backend: cpu (reference, %d threads); GPU: %s\n", threads, gpu_description().c_str());
+  print_header(config, precision);
+  std::printf("backend: cpu (reference, %d threads); GPU: %s%s%s\n", threads,
+              cuda_device_description().c_str(), backend == "auto" ? "; not used: " : "",
+              backend == "auto" ? cuda_unfit.c_str() : "");
   std::fflush(stdout);
 
   const Problem problem = Problem::generate({config.shape, num_tokens, config.routing, config.seed});
