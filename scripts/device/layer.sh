@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Layer part of the device check: the unfused GPU layer forward (LayerForward) — its GPU tests,
+# `mok run --backend cuda` at EP 1 and 2 with --check, and bench_layer next to the torch-native
+# layer (bench/baselines/torch_native.py, EP1 in one process, EP2 under torchrun), in the same
+# run. Results: layer-fwd-<commit>.json (mok-bench/1), layer-fwd-<commit>.png, logs.
+#
+#   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
+# BIN_DIR holds mok, mok_gpu_tests and bench_layer (default $MOK_BUILD_DIR, set by
+# scripts/device-check.sh). Results go to $MOK_RESULTS_DIR when device-check sets it, else $OUT.
+# MOK_PART_TESTS=0 skips the GPU tests (device-check has run them). MOK_LAYER_CASES picks
+# bench_layer cases (comma-separated names; default all).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${MOK_RESULTS_DIR:-${OUT:?set OUT to the results folder}}
+BIN=${1:-${MOK_BUILD_DIR:?pass the build folder}}
+COMMIT=${MOK_COMMIT:-$(cat "$BIN/COMMIT" 2>/dev/null || echo unknown)}
+mkdir -p "$OUT"
+LOG="$OUT/layer-log.txt"
+: > "$LOG"
+say() { echo "== $*" | tee -a "$LOG"; }
+status=0
+step() {  # step NAME TIMEOUT COMMAND...: runs it, logs it, remembers a failure
+  local name=$1 limit=$2
+  shift 2
+  say "$name"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local code=${PIPESTATUS[0]}
+  ((code == 0)) || { say "$name: exit $code"; status=1; }
+}
+
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+
+if [ "${MOK_PART_TESTS:-1}" = 1 ]; then
+  step "GPU tests (LayerForward*)" 180 "$BIN/mok_gpu_tests" --gtest_filter='LayerForward*'
+fi
+
+step "mok run --backend cuda, tiny, EP 2, --check" 120 \
+  "$BIN/mok" run --backend cuda --ep 2 --tokens 1000 --routing skewed:1.2 --json "$OUT/mok-run-cuda-tiny-ep2.json"
+step "mok run --backend cuda, qwen3-30b-a3b, EP 2, 4096 tokens/rank, --check" 240 \
+  "$BIN/mok" run --backend cuda --preset qwen3-30b-a3b --ep 2 --tokens 4096 \
+  --json "$OUT/mok-run-cuda-qwen3-30b-ep2.json"
+
+routing_dir=$(mktemp -d)
+cases=${MOK_LAYER_CASES:+--cases $MOK_LAYER_CASES}
+step "bench_layer (mok)" 200 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
+  --routing-dir "$routing_dir" $cases
+step "torch-native, EP 1" 200 python3 bench/baselines/torch_native.py measure \
+  --mok "$OUT/layer-mok.json" --ep 1 --out "$OUT/layer-torch-ep1.json"
+step "torch-native, EP 2 (torchrun)" 240 torchrun --standalone --nproc-per-node=2 \
+  bench/baselines/torch_native.py measure --mok "$OUT/layer-mok.json" --ep 2 \
+  --out "$OUT/layer-torch-ep2.json"
+step "results" 60 python3 bench/baselines/torch_native.py combine --mok "$OUT/layer-mok.json" \
+  --torch "$OUT/layer-torch-ep1.json" --torch "$OUT/layer-torch-ep2.json" --commit "$COMMIT" \
+  --out "$OUT/layer-fwd-$COMMIT.json" --png "$OUT/layer-fwd-$COMMIT.png"
+rm -rf "$routing_dir"
+exit $status
