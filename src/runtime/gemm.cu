@@ -51,12 +51,10 @@ template <GemmKind kKind, EpilogueKind kEpilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmParams& params,
             const LaunchConfig& config, cudaStream_t stream) {
   auto* kernel = &grouped_gemm_kernel<kKind, kEpilogue>;
-  static const bool attribute_set = [kernel] {
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        SharedLayout<kEpilogue>::kLaunchBytes));
-    return true;
-  }();
-  (void)attribute_set;
+  // NOTE: the attribute belongs to the current device, and one process may drive several GPUs
+  // (one host thread per rank): set it on every launch (a host-side call of about a microsecond).
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      SharedLayout<kEpilogue>::kLaunchBytes));
   kernel<<<config.num_ctas, TileConfig::kNumThreads, SharedLayout<kEpilogue>::kLaunchBytes,
            stream>>>(
       map_a, map_b, params);
