@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
     const std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     out << "{\"date\": \"" << date << "\", \"cases\": [\n";
-    bool first = true;
+    bool first = true, failed = false;
     for (const BenchCase& which : kCases) {
       if (!args.cases.empty() &&
           std::find(args.cases.begin(), args.cases.end(), which.name) == args.cases.end()) {
@@ -105,52 +105,69 @@ int main(int argc, char** argv) {
         std::printf("%-26s skipped: %s\n", which.name.c_str(), unfit.c_str());
         continue;
       }
-      const mok::Problem routing = routing_of(which, shape);
-      std::string routing_path;
-      if (!args.routing_dir.empty()) {
-        routing_path = args.routing_dir + "/" + which.name + ".bin";
-        write_routing(routing_path, routing);
+      try {
+        const mok::Problem routing = routing_of(which, shape);
+        std::string routing_path;
+        if (!args.routing_dir.empty()) {
+          routing_path = args.routing_dir + "/" + which.name + ".bin";
+          write_routing(routing_path, routing);
+        }
+        mok::LayerRunSpec spec;
+        spec.shape = shape;
+        spec.ep = which.ep;
+        spec.tokens_per_rank = which.tokens_per_rank;
+        spec.topk_idx = &routing.topk_idx;
+        spec.topk_w = &routing.topk_w;
+        spec.seed = 7;
+        spec.gemm_sms = args.gemm_sms;
+        spec.copy_ctas = args.copy_ctas;
+        spec.iterations = args.iters;
+        spec.keep_y = false;
+        const mok::LayerRunResult result = mok::run_layer_forward(spec);
+        const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
+        const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
+        std::printf("%-26s %8.3f ms/rank (ranks:", which.name.c_str(), result.forward_ms);
+        for (double ms : result.rank_ms) std::printf(" %.3f", ms);
+        std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
+                    which.tokens_per_rank / (result.forward_ms * 1e-3),
+                    result.buffer_bytes_per_rank / 1e9);
+        std::fflush(stdout);
+        char line[1024];
+        std::snprintf(line, sizeof(line),
+                      "%s  {\"name\": \"%s\", \"preset\": \"%s\", \"ep\": %d, \"tokens_per_rank\": %lld, "
+                      "\"routing\": \"%s\", \"routing_file\": \"%s\", \"mok_ms\": %.4f, "
+                      "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
+                      "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
+                      "\"num_experts\": %lld, \"top_k\": %lld",
+                      first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
+                      static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
+                      routing_path.c_str(), result.forward_ms, tflops, flops,
+                      static_cast<long long>(result.buffer_bytes_per_rank),
+                      static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
+                      static_cast<long long>(shape.shared_intermediate),
+                      static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k));
+        out << line;
+        out << ", \"phases_ms\": {";
+        for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
+          std::printf("%s%s %.3f", phase == 0 ? "    phases (ms, slowest rank): " : ", ",
+                      result.phase_names[phase].c_str(), result.phase_ms[phase]);
+          out << (phase == 0 ? "" : ", ") << "\"" << result.phase_names[phase]
+              << "\": " << result.phase_ms[phase];
+        }
+        std::printf("\n");
+        std::fflush(stdout);
+        out << "}}";
+        out.flush();
+        first = false;
+      } catch (const std::exception& error) {
+        // A failed case (e.g. a device timeout) is reported; the next case makes a new layer.
+        std::printf("%-26s FAILED: %s\n", which.name.c_str(), error.what());
+        std::fflush(stdout);
+        failed = true;
       }
-      mok::LayerRunSpec spec;
-      spec.shape = shape;
-      spec.ep = which.ep;
-      spec.tokens_per_rank = which.tokens_per_rank;
-      spec.topk_idx = &routing.topk_idx;
-      spec.topk_w = &routing.topk_w;
-      spec.seed = 7;
-      spec.gemm_sms = args.gemm_sms;
-      spec.copy_ctas = args.copy_ctas;
-      spec.iterations = args.iters;
-      spec.keep_y = false;
-      const mok::LayerRunResult result = mok::run_layer_forward(spec);
-      const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
-      const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
-      std::printf("%-26s %8.3f ms/rank (ranks:", which.name.c_str(), result.forward_ms);
-      for (double ms : result.rank_ms) std::printf(" %.3f", ms);
-      std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
-                  which.tokens_per_rank / (result.forward_ms * 1e-3),
-                  result.buffer_bytes_per_rank / 1e9);
-      std::fflush(stdout);
-      char line[768];
-      std::snprintf(line, sizeof(line),
-                    "%s  {\"name\": \"%s\", \"preset\": \"%s\", \"ep\": %d, \"tokens_per_rank\": %lld, "
-                    "\"routing\": \"%s\", \"routing_file\": \"%s\", \"mok_ms\": %.4f, "
-                    "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
-                    "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
-                    "\"num_experts\": %lld, \"top_k\": %lld}",
-                    first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
-                    static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
-                    routing_path.c_str(), result.forward_ms, tflops, flops,
-                    static_cast<long long>(result.buffer_bytes_per_rank),
-                    static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
-                    static_cast<long long>(shape.shared_intermediate),
-                    static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k));
-      out << line;
-      out.flush();
-      first = false;
     }
     out << "\n]}\n";
-    return 0;
+    return failed ? 1 : 0;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "bench_layer: error: %s\n", error.what());
     return 1;

@@ -107,7 +107,7 @@ class NativeLayer:
         num_sent = sum(send_list)
         pairs = order[:num_sent]
         x_send = x[pairs // top_k]
-        expert_send = (sorted_key[:num_sent] % local_experts).to(torch.int32)
+        expert_send = sorted_key[:num_sent] % local_experts  # int64
         if world > 1:
             x_recv = x.new_empty(sum(recv_list), hidden)
             dist.all_to_all_single(x_recv, x_send, recv_list, send_list)
@@ -143,13 +143,13 @@ def measure(args):
     import torch.distributed as dist
 
     world = args.ep
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         rank = dist.get_rank()
         assert dist.get_world_size() == world, f"expects {world} ranks, got {dist.get_world_size()}"
     else:
         rank = 0
-    torch.cuda.set_device(rank)
     mok = json.load(open(args.mok))
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
     for case in mok["cases"]:

@@ -48,6 +48,19 @@ int checked_int(int64_t value, const char* argument) {
 
 }  // namespace
 
+const char* phase_name(ForwardPhase phase) {
+  switch (phase) {
+    case ForwardPhase::kSchedule: return "schedule";
+    case ForwardPhase::kSharedExpert: return "shared-expert";
+    case ForwardPhase::kDispatch: return "dispatch";
+    case ForwardPhase::kGateUp: return "gate-up-swiglu";
+    case ForwardPhase::kDown: return "down";
+    case ForwardPhase::kCombinePush: return "combine-push";
+    case ForwardPhase::kCombineReduce: return "combine-reduce";
+  }
+  return "unknown";
+}
+
 LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
                            const LayerForwardOptions& options)
     : shape_(shape), tokens_max_(tokens_max), options_(options),
@@ -142,7 +155,8 @@ void LayerForward::run_shared_expert(const bf16* x, int64_t num_tokens, cudaStre
 }
 
 void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
-                           int64_t num_tokens, cudaStream_t stream) {
+                           int64_t num_tokens, cudaStream_t stream,
+                           const cudaEvent_t* phase_events) {
   MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
                 " out of range [0, ", tokens_max_, "]");
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
@@ -153,23 +167,35 @@ void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* 
   const int rows = static_cast<int>(layout.rows_capacity());
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.intermediate);
+  int recorded = 0;
+  auto phase_done = [&] {
+    if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));
+  };
 
+  phase_done();
   stage_tokens(workspace_, x, num_tokens, stream);
   schedule(workspace_, topk_idx, num_tokens, stream);
+  phase_done();
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
   if (has_shared) run_shared_expert(x, num_tokens, stream);
+  phase_done();
   dispatch(workspace_, options_.copy, stream);
+  phase_done();
   // expert_x (rows, H) -> routed_hidden (rows, I): each expert's rows start at a tile boundary;
   // padding rows are computed but never combined.
   gemm::grouped_forward({experts_local, rows, 2 * inter, hidden}, workspace_.expert_x(),
                         weights_.gate_up, workspace_.expert_offsets(), routed_hidden_,
                         gemm::ForwardOutput::kSwiGluBf16, stream, options_.gemm);
+  phase_done();
   // routed_hidden (rows, I) -> expert_y (rows, H) bf16, the rows the combine moves.
   gemm::grouped_forward({experts_local, rows, hidden, inter}, routed_hidden_, weights_.down,
                         workspace_.expert_offsets(), workspace_.expert_y(),
                         gemm::ForwardOutput::kBf16, stream, options_.gemm);
+  phase_done();
   combine_push(workspace_, options_.copy, stream);
+  phase_done();
   combine_reduce(workspace_, topk_w, has_shared ? shared_output_ : nullptr, y, num_tokens, stream);
+  phase_done();
 }
 
 }  // namespace mok

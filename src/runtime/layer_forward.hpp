@@ -44,6 +44,19 @@ struct DeviceLayerWeights {
   int64_t shared_gate_up_elements = 0, shared_down_elements = 0;
 };
 
+// The steps of one forward, in stream order, for a per-phase timing breakdown.
+enum class ForwardPhase : int {
+  kSchedule = 0,   // stage_tokens + schedule
+  kSharedExpert,   // shared gate/up + down GEMMs (empty without a shared expert)
+  kDispatch,
+  kGateUp,         // routed gate/up GEMM with SwiGLU
+  kDown,           // routed down GEMM
+  kCombinePush,
+  kCombineReduce,
+};
+inline constexpr int kNumForwardPhases = 7;
+const char* phase_name(ForwardPhase phase);
+
 class LayerForward {
  public:
   // tokens_max: the most tokens any call passes on any rank (the same on every rank).
@@ -61,8 +74,10 @@ class LayerForward {
 
   // x (T, H) bf16, topk_idx (T, k) int32, topk_w (T, k) fp32, y (T, H) bf16: device pointers on
   // this rank's GPU; T <= tokens_max. Every rank calls it with the same options.
+  // phase_events, when given: kNumForwardPhases + 1 events, recorded on the stream before the
+  // first phase and after each one.
   void forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
-               int64_t num_tokens, cudaStream_t stream);
+               int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }

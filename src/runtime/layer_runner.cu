@@ -112,6 +112,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   result.rank_ms.assign(spec.ep, 0.0);
   if (spec.keep_y) result.y.resize(static_cast<size_t>(global_tokens * hidden));
   std::vector<int64_t> buffer_bytes(spec.ep), weight_bytes(spec.ep);
+  std::vector<std::vector<double>> rank_phase_ms(spec.ep, std::vector<double>(kNumForwardPhases));
 
   for_each_rank(spec.ep, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
@@ -155,21 +156,30 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     for (int iteration = 0; iteration < spec.warmup; ++iteration) forward();
     layer.check(stream);
 
-    std::vector<cudaEvent_t> events(2 * static_cast<size_t>(spec.iterations));
+    // (iterations, phases + 1) events: before the first step and after each.
+    constexpr int kMarks = kNumForwardPhases + 1;
+    std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
     for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
     for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-      MOK_CUDA_CHECK(cudaEventRecord(events[2 * iteration], stream));
-      forward();
-      MOK_CUDA_CHECK(cudaEventRecord(events[2 * iteration + 1], stream));
+      layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream,
+                    &events[static_cast<size_t>(iteration) * kMarks]);
     }
     layer.check(stream);
     std::vector<float> times(spec.iterations);
+    std::vector<std::vector<float>> phase_times(kNumForwardPhases, times);
     for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-      MOK_CUDA_CHECK(cudaEventElapsedTime(&times[iteration], events[2 * iteration],
-                                          events[2 * iteration + 1]));
+      const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
+      MOK_CUDA_CHECK(cudaEventElapsedTime(&times[iteration], marks[0], marks[kNumForwardPhases]));
+      for (int phase = 0; phase < kNumForwardPhases; ++phase) {
+        MOK_CUDA_CHECK(cudaEventElapsedTime(&phase_times[phase][iteration], marks[phase],
+                                            marks[phase + 1]));
+      }
     }
     for (cudaEvent_t event : events) cudaEventDestroy(event);
     result.rank_ms[rank] = median(times);
+    for (int phase = 0; phase < kNumForwardPhases; ++phase) {
+      rank_phase_ms[rank][phase] = median(phase_times[phase]);
+    }
     if (spec.keep_y) {
       MOK_CUDA_CHECK(cudaMemcpy(result.y.data() + rank * tokens * hidden, y.get(),
                                 static_cast<size_t>(tokens * hidden) * sizeof(bf16),
@@ -177,6 +187,12 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     }
   });
   result.forward_ms = *std::max_element(result.rank_ms.begin(), result.rank_ms.end());
+  for (int phase = 0; phase < kNumForwardPhases; ++phase) {
+    result.phase_names.push_back(phase_name(static_cast<ForwardPhase>(phase)));
+    double slowest = 0;
+    for (int rank = 0; rank < spec.ep; ++rank) slowest = std::max(slowest, rank_phase_ms[rank][phase]);
+    result.phase_ms.push_back(slowest);
+  }
   result.buffer_bytes_per_rank = *std::max_element(buffer_bytes.begin(), buffer_bytes.end());
   result.weight_bytes_per_rank = *std::max_element(weight_bytes.begin(), weight_bytes.end());
   return result;

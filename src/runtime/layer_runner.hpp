@@ -41,6 +41,10 @@ struct LayerRunResult {
   std::vector<bf16> y;             // (T_global, H) when keep_y
   double forward_ms = 0;           // median over iterations, slowest rank
   std::vector<double> rank_ms;     // median of each rank
+  // Per step of the forward (LayerForward's phases, in order): the median over iterations, the
+  // slowest rank. Steps that wait for a peer include the wait.
+  std::vector<std::string> phase_names;
+  std::vector<double> phase_ms;
   int64_t buffer_bytes_per_rank = 0;  // workspace and intermediates, weights excluded
   int64_t weight_bytes_per_rank = 0;
 };
