@@ -121,13 +121,6 @@ void LayerForward::load_weights(const LayerWeights& weights) {
   }
 }
 
-void LayerForward::set_options(const LayerForwardOptions& options) {
-  MOK_CHECK_ARG(options.workspace.block_m == options_.workspace.block_m &&
-                    options.workspace.timeout_ms == options_.workspace.timeout_ms,
-                "options.workspace", "is fixed when the layer is made");
-  options_ = options;
-}
-
 int64_t LayerForward::buffer_bytes() const {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   int64_t bytes = layout.window_bytes + layout.local_bytes;

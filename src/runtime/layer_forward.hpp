@@ -82,7 +82,6 @@ class LayerForward {
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
 
-  void set_options(const LayerForwardOptions& options);
   const LayerForwardOptions& options() const { return options_; }
   CommWorkspace& workspace() { return workspace_; }
   const LayerShape& shape() const { return shape_; }
