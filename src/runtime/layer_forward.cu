@@ -2,6 +2,8 @@
 // and one enqueue of the whole composition per call (see layer_forward.hpp).
 #include "runtime/layer_forward.hpp"
 
+#include <algorithm>
+
 #include <cuda_runtime.h>
 
 #include "mok/error.hpp"
@@ -91,6 +93,10 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   routed_hidden_ = device_alloc<bf16>(workspace_.layout().rows_capacity() * inter);
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
+  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
 }
 
 LayerForward::~LayerForward() {
@@ -101,6 +107,9 @@ LayerForward::~LayerForward() {
                        static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
+  if (join_ != nullptr) cudaEventDestroy(join_);
+  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
 }
 
 void LayerForward::load_weights(const LayerWeights& weights) {
@@ -131,7 +140,15 @@ int64_t LayerForward::buffer_bytes() const {
   return bytes;
 }
 
-void LayerForward::run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream) {
+int LayerForward::shared_gemm_sms_beside_copy() const {
+  const int copy_ctas = options_.copy.num_ctas;
+  if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
+  const int free_sms = num_sms_ - copy_ctas;
+  return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
+}
+
+void LayerForward::run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream,
+                                     const gemm::LaunchOptions& gemm_options) {
   const int tokens = checked_int(num_tokens, "num_tokens");
   const int hidden = static_cast<int>(shape_.hidden);
   const int shared_inter = static_cast<int>(shape_.shared_intermediate);
@@ -140,11 +157,11 @@ void LayerForward::run_shared_expert(const bf16* x, int64_t num_tokens, cudaStre
   // (T, H) -> (T, I_s) bf16, SwiGLU in the epilogue.
   gemm::grouped_forward({1, tokens, 2 * shared_inter, hidden}, x, weights_.shared_gate_up,
                         shared_offsets_, shared_hidden_, gemm::ForwardOutput::kSwiGluBf16, stream,
-                        options_.gemm);
+                        gemm_options);
   // (T, I_s) -> (T, H) fp32: the combine adds it before its one bf16 rounding.
   gemm::grouped_forward({1, tokens, hidden, shared_inter}, shared_hidden_, weights_.shared_down,
                         shared_offsets_, shared_output_, gemm::ForwardOutput::kFp32, stream,
-                        options_.gemm);
+                        gemm_options);
 }
 
 void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
@@ -170,10 +187,27 @@ void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* 
   schedule(workspace_, topk_idx, num_tokens, stream);
   phase_done();
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
-  if (has_shared) run_shared_expert(x, num_tokens, stream);
-  phase_done();
-  dispatch(workspace_, options_.copy, stream);
-  phase_done();
+  const int shared_sms = has_shared ? shared_gemm_sms_beside_copy() : 0;
+  if (shared_sms > 0) {
+    // NOTE: the copy CTAs and the shared GEMMs' CTAs fill disjoint SMs, so the two run at once:
+    // the shared expert hides the dispatch, as the megakernel's task order will. Fork and join
+    // through events keep it one stream to the caller (and to a graph capture).
+    MOK_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    MOK_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
+    dispatch(workspace_, options_.copy, side_stream_);
+    MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+    gemm::LaunchOptions beside_copy = options_.gemm;
+    beside_copy.num_sms = shared_sms;
+    run_shared_expert(x, num_tokens, stream, beside_copy);
+    phase_done();
+    MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+    phase_done();
+  } else {
+    if (has_shared) run_shared_expert(x, num_tokens, stream, options_.gemm);
+    phase_done();
+    dispatch(workspace_, options_.copy, stream);
+    phase_done();
+  }
   // expert_x (rows, H) -> routed_hidden (rows, I): each expert's rows start at a tile boundary;
   // padding rows are computed but never combined.
   gemm::grouped_forward({experts_local, rows, 2 * inter, hidden}, workspace_.expert_x(),

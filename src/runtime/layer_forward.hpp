@@ -31,6 +31,9 @@ struct LayerForwardOptions {
   CopyConfig copy{32};  // dispatch and combine CTAs: 32 reach the NVLink ceiling (perf-notes/comm.md)
   gemm::LaunchOptions gemm;      // expert GEMM grid; 0 SMs = every SM
   WorkspaceOptions workspace;
+  // Run the dispatch beside the shared expert's GEMMs (copy CTAs on a side stream, the GEMMs on
+  // the other SMs) instead of after them. Same bits either way; needs copy.num_ctas > 0.
+  bool overlap_shared_with_dispatch = true;
 };
 
 // Device weights of one rank, in the layouts the GEMM engine reads.
@@ -48,7 +51,7 @@ struct DeviceLayerWeights {
 enum class ForwardPhase : int {
   kSchedule = 0,   // stage_tokens + schedule
   kSharedExpert,   // shared gate/up + down GEMMs (empty without a shared expert)
-  kDispatch,
+  kDispatch,       // with the overlap: only what the dispatch takes beyond the shared GEMMs
   kGateUp,         // routed gate/up GEMM with SwiGLU
   kDown,           // routed down GEMM
   kCombinePush,
@@ -90,7 +93,10 @@ class LayerForward {
   int64_t buffer_bytes() const;
 
  private:
-  void run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream);
+  void run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream,
+                         const gemm::LaunchOptions& gemm_options);
+  // The shared GEMMs' grid when they share the GPU with the copy CTAs; 0 = no overlap possible.
+  int shared_gemm_sms_beside_copy() const;
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;
@@ -101,6 +107,9 @@ class LayerForward {
   bf16* shared_hidden_ = nullptr;   // (T_max, I_s)
   float* shared_output_ = nullptr;  // (T_max, H)
   int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
+  int num_sms_ = 0;                    // of this rank's GPU
+  cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 
 }  // namespace mok

@@ -210,17 +210,19 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(LayerForwardEp2Settings, GemmAndCopySmCountsDoNotChangeABit) {
   MOK_REQUIRE_HOPPER_GPUS(2);
   const Problem problem = make_problem({"skewed:1.2", 0.1, true, true}, 2 * 300, 21, true);
-  std::vector<GpuRun> settings(3);
+  std::vector<GpuRun> settings(4);
   settings[1].layer.gemm.num_sms = 37;
   settings[1].layer.copy = {5, comm::CopyMethod::kVector, 256};
   settings[2].layer.gemm.num_sms = 8;
   settings[2].layer.copy = {64, comm::CopyMethod::kVector, 512};
+  settings[3].layer.overlap_shared_with_dispatch = false;  // shared expert, then dispatch
   const std::vector<bf16> expected = run_gpu_layer(problem, 2, settings[0]);
   expect_matches_reference(problem, 2, expected);
   for (size_t index = 1; index < settings.size(); ++index) {
     EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, settings[index]), expected), -1)
         << "setting " << index << " (GEMM SMs " << settings[index].layer.gemm.num_sms
-        << ", copy CTAs " << settings[index].layer.copy.num_ctas << ") differs";
+        << ", copy CTAs " << settings[index].layer.copy.num_ctas << ", overlap "
+        << settings[index].layer.overlap_shared_with_dispatch << ") differs";
   }
   GpuRun one_rank = settings[1];
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, one_rank), expected), -1)
