@@ -169,9 +169,10 @@ int run_command(const std::vector<std::string>& words) {
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   print_header(config, precision);
-  std::printf("backend: cpu (reference, %d threads); GPU: %s%s%s\n", threads,
-              cuda_device_description().c_str(), backend == "auto" ? "; not used: " : "",
-              backend == "auto" ? cuda_unfit.c_str() : "");
+  const std::string gpus = cuda_device_description();
+  const bool say_why = backend == "auto" && cuda_unfit != gpus;  // not twice the same words
+  std::printf("backend: cpu (reference, %d threads); GPU: %s%s%s\n", threads, gpus.c_str(),
+              say_why ? "; cuda not used: " : "", say_why ? cuda_unfit.c_str() : "");
   std::fflush(stdout);
 
   const Problem problem = Problem::generate({config.shape, num_tokens, config.routing, config.seed});
