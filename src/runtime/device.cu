@@ -12,9 +12,11 @@ GpuSummary query_gpus() {
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
     (void)cudaGetLastError();  // clear the sticky "no device" error
-    summary.description = status == cudaSuccess ? "no CUDA device visible"
-                                                : detail::concat("no usable CUDA device (",
-                                                                 cudaGetErrorString(status), ")");
+    summary.description =
+        status == cudaSuccess || status == cudaErrorNoDevice ? "no CUDA device visible"
+        : status == cudaErrorInsufficientDriver              ? "no CUDA driver on this machine"
+                                                             : detail::concat("no usable CUDA device (",
+                                                                              cudaGetErrorString(status), ")");
     return summary;
   }
   summary.num_gpus = count;

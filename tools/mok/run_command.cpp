@@ -170,7 +170,8 @@ int run_command(const std::vector<std::string>& words) {
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   print_header(config, precision);
   const std::string gpus = cuda_device_description();
-  const bool say_why = backend == "auto" && cuda_unfit != gpus;  // not twice the same words
+  // Why cuda was not picked, unless the GPU line already says it.
+  const bool say_why = backend == "auto" && cuda_unfit.find(gpus) == std::string::npos;
   std::printf("backend: cpu (reference, %d threads); GPU: %s%s%s\n", threads, gpus.c_str(),
               say_why ? "; cuda not used: " : "", say_why ? cuda_unfit.c_str() : "");
   std::fflush(stdout);
