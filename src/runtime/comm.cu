@@ -1,6 +1,8 @@
 #include "runtime/comm.hpp"
 
 #include <exception>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "mok/error.hpp"
@@ -102,6 +104,27 @@ Communicator Communicator::wrap(ncclComm_t comm) {
 #else
   throw Error("comm", "mok was built without NCCL: cannot wrap an NCCL communicator");
 #endif
+}
+
+const std::vector<Communicator>& local_communicators(int ep) {
+  static std::mutex mutex;
+  static auto* made = new std::map<int, std::vector<Communicator>>();  // kept until exit
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = made->find(ep);
+  if (found != made->end()) return found->second;
+  int num_devices = 0;
+  MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+  MOK_CHECK_ARG(ep >= 1 && ep <= num_devices, "--ep", "EP ", ep, " needs ", ep,
+                " GPUs in this process, ", num_devices, " visible");
+  std::vector<Communicator> comms;
+  if (ep == 1) {
+    comms.push_back(Communicator::single(0));
+  } else {
+    std::vector<int> devices;
+    for (int device = 0; device < ep; ++device) devices.push_back(device);
+    comms = Communicator::create_local(devices);
+  }
+  return made->emplace(ep, std::move(comms)).first->second;
 }
 
 void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn) {

@@ -45,6 +45,12 @@ class Communicator {
   std::shared_ptr<State> state_;
 };
 
+// The communicators of this process's first `ep` GPUs (EP = 1: one rank without NCCL), made on
+// first use and kept until the process ends: NCCL communicators are costly to make, and one
+// process (the CLI, a test binary) may run EP = 2 and then EP = 1. Throws mok::Error("--ep", ...)
+// when fewer GPUs are visible.
+const std::vector<Communicator>& local_communicators(int ep);
+
 // Runs fn(rank) for rank = 0..num_ranks-1 on one host thread each, joins them, and rethrows the
 // first exception (in rank order).
 void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn);

@@ -7,9 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <memory>
-#include <mutex>
 
 #include "mok/error.hpp"
 #include "runtime/comm.hpp"
@@ -63,29 +61,6 @@ void fill_random(bf16* out, int64_t count, double scale, uint64_t seed, uint64_t
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-// The communicators of this process's first `ep` GPUs, made once and kept until exit (NCCL
-// communicators are costly to make and the CLI may run EP=2 and then EP=1).
-const std::vector<Communicator>& communicators(int ep) {
-  static std::mutex mutex;
-  static auto* made = new std::map<int, std::vector<Communicator>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = made->find(ep);
-  if (found != made->end()) return found->second;
-  int num_devices = 0;
-  MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
-  MOK_CHECK_ARG(ep <= num_devices, "--ep", "EP ", ep, " needs ", ep, " GPUs in this process, ",
-                num_devices, " visible");
-  std::vector<Communicator> comms;
-  if (ep == 1) {
-    comms.push_back(Communicator::single(0));
-  } else {
-    std::vector<int> devices;
-    for (int device = 0; device < ep; ++device) devices.push_back(device);
-    comms = Communicator::create_local(devices);
-  }
-  return made->emplace(ep, std::move(comms)).first->second;
-}
-
 double median(std::vector<float> values) {
   std::sort(values.begin(), values.end());
   return values.empty() ? 0.0 : values[values.size() / 2];
@@ -106,7 +81,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
                 "holds ", spec.problem ? spec.problem->num_tokens : 0, " tokens, expected ",
                 global_tokens);
   MOK_CHECK_ARG(spec.iterations >= 1, "iterations", "must be >= 1, got ", spec.iterations);
-  const std::vector<Communicator>& comms = communicators(spec.ep);
+  const std::vector<Communicator>& comms = local_communicators(spec.ep);
 
   LayerRunResult result;
   result.rank_ms.assign(spec.ep, 0.0);

@@ -6,35 +6,15 @@
 #include <string>
 #include <tuple>
 
+#include "routing_cases.hpp"
 #include "test_comm_harness.cuh"
 
 namespace mok::comm_test {
 namespace {
 
-struct Case {
-  std::string routing;
-  double unused_slots;
-  bool signed_weights;
-  bool shared_expert;
-};
-
-// How gtest names a case in its output (instead of the raw bytes of the struct).
-void PrintTo(const Case& which, std::ostream* out) {
-  *out << which.routing << (which.unused_slots > 0 ? ", unused slots" : "")
-       << (which.signed_weights ? ", signed weights" : "") << (which.shared_expert ? ", shared expert" : "");
-}
-
-Problem make_problem(const Case& which, int64_t num_tokens, uint64_t seed) {
-  SyntheticSpec spec;
-  spec.shape = find_preset("tiny").shape;  // H 256, I 128, E 16, top-4
-  if (!which.shared_expert) spec.shape.shared_intermediate = 0;
-  spec.num_tokens = num_tokens;
-  spec.routing = Routing::parse(which.routing);
-  spec.seed = seed;
-  spec.signed_router_weights = which.signed_weights;
-  spec.unused_slot_fraction = which.unused_slots;
-  return Problem::generate(spec);
-}
+using testing::Case;
+using testing::case_name;
+using testing::make_problem;
 
 const char* method_name(comm::CopyMethod method) {
   return method == comm::CopyMethod::kBulk ? "Bulk" : "Vector";
@@ -136,11 +116,7 @@ INSTANTIATE_TEST_SUITE_P(
                                          Case{"uniform", 0.35, true, false}),
                        ::testing::Values(comm::CopyMethod::kVector, comm::CopyMethod::kBulk)),
     [](const auto& info) {
-      const Case& which = std::get<0>(info.param);
-      std::string name = which.routing + (which.unused_slots > 0 ? "_unused" : "") +
-                         (which.signed_weights ? "_signed" : "") + (which.shared_expert ? "_shared" : "");
-      for (char& c : name) if (c == ':' || c == '-' || c == '.') c = '_';
-      return name + "_" + method_name(std::get<1>(info.param));
+      return case_name(std::get<0>(info.param)) + "_" + method_name(std::get<1>(info.param));
     });
 
 TEST(CommLayerGraph, CapturedGraphReplaysEqualEagerAndReference) {

@@ -1,7 +1,5 @@
 #include "test_comm_harness.cuh"
 
-#include <map>
-#include <mutex>
 
 #include "mok/reference.hpp"
 
@@ -85,23 +83,6 @@ std::vector<T> host_copy(const View<const T>& view) {
 int64_t blocks_for(int64_t items) { return (items + 255) / 256; }
 
 }  // namespace
-
-const std::vector<Communicator>& local_communicators(int ep) {
-  static std::mutex mutex;
-  static auto* made = new std::map<int, std::vector<Communicator>>();  // kept until exit
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = made->find(ep);
-  if (found != made->end()) return found->second;
-  std::vector<Communicator> comms;
-  if (ep == 1) {
-    comms.push_back(Communicator::single(0));
-  } else {
-    std::vector<int> devices;
-    for (int device = 0; device < ep; ++device) devices.push_back(device);
-    comms = Communicator::create_local(devices);
-  }
-  return made->emplace(ep, std::move(comms)).first->second;
-}
 
 std::vector<bf16> run_layer(const Problem& problem, int ep, const RunOptions& options) {
   return run_layer(problem, local_communicators(ep), options);

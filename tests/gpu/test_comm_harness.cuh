@@ -49,9 +49,6 @@ struct RunOptions {
   std::function<void(int rank, int32_t* topk_idx_device)> tamper;
 };
 
-// The communicators of this process's first `ep` GPUs, made once and kept.
-const std::vector<Communicator>& local_communicators(int ep);
-
 // y (T_global, H) of the whole problem computed at EP = `ep`; a NaN-poisoned y shows unwritten
 // elements. Throws what ws.check throws (the first rank's error).
 std::vector<bf16> run_layer(const Problem& problem, int ep, const RunOptions& options);

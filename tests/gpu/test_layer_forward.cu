@@ -12,6 +12,7 @@
 #include "mok/compare.hpp"
 #include "runtime/device.hpp"
 #include "runtime/layer_forward.hpp"
+#include "routing_cases.hpp"
 #include "test_comm_harness.cuh"
 
 namespace mok::comm_test {
@@ -26,25 +27,13 @@ namespace {
     }                                                                                           \
   } while (0)
 
-struct Case {
-  std::string routing;
-  double unused_slots;
-  bool signed_weights;
-  bool shared_expert;
-};
+using testing::Case;
+using testing::case_name;
 
-// H 256 and I 128 (tiny) or H 512 and I 192: several K blocks and N tiles, a partial N tile.
-Problem make_problem(const Case& which, int64_t num_tokens, uint64_t seed, bool wider = false) {
-  SyntheticSpec spec;
-  spec.shape = find_preset("tiny").shape;  // H 256, I 128, I_s 128, E 16, top-4
-  if (wider) spec.shape = {512, 192, 64, 16, 6};
-  if (!which.shared_expert) spec.shape.shared_intermediate = 0;
-  spec.num_tokens = num_tokens;
-  spec.routing = Routing::parse(which.routing);
-  spec.seed = seed;
-  spec.signed_router_weights = which.signed_weights;
-  spec.unused_slot_fraction = which.unused_slots;
-  return Problem::generate(spec);
+// The tiny preset's shape, or H 512 and I 192: several K blocks and N tiles, a partial N tile.
+Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t seed, bool wider = false) {
+  return testing::make_problem(which, num_tokens, seed,
+                               wider ? LayerShape{512, 192, 64, 16, 6} : find_preset("tiny").shape);
 }
 
 struct GpuRun {
@@ -143,12 +132,6 @@ void expect_matches_reference(const Problem& problem, int ep, const std::vector<
       << "GPU vs oracle: " << gpu.describe() << "; CPU reference vs oracle: " << cpu.describe();
 }
 
-std::string case_name(const Case& which) {
-  std::string name = which.routing + (which.unused_slots > 0 ? "_unused" : "") +
-                     (which.signed_weights ? "_signed" : "") + (which.shared_expert ? "_shared" : "");
-  for (char& c : name) if (c == ':' || c == '-' || c == '.') c = '_';
-  return name;
-}
 
 // ---- EP = 1 on one GPU ------------------------------------------------------------------------
 
@@ -156,7 +139,7 @@ TEST(LayerForwardEp1, MatchesReferenceAndRepeatsBitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   for (bool wider : {false, true}) {
     SCOPED_TRACE(wider ? "H 512, I 192, top-6" : "H 256, I 128, top-4");
-    const Problem problem = make_problem({"uniform", 0.1, true, true}, 300, 11, wider);  // 300 % 128 != 0
+    const Problem problem = layer_problem({"uniform", 0.1, true, true}, 300, 11, wider);  // 300 % 128 != 0
     GpuRun run;
     run.repeats = 3;
     expect_matches_reference(problem, 1, run_gpu_layer(problem, 1, run));
@@ -165,7 +148,7 @@ TEST(LayerForwardEp1, MatchesReferenceAndRepeatsBitwise) {
 
 TEST(LayerForwardEp1, GraphReplayEqualsEager) {
   MOK_REQUIRE_HOPPER_GPUS(1);
-  const Problem problem = make_problem({"skewed:1.2", 0.1, true, true}, 200, 12);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 200, 12);
   GpuRun run;
   run.use_graph = true;  // run_gpu_layer throws if a replay differs from the eager run
   expect_matches_reference(problem, 1, run_gpu_layer(problem, 1, run));
@@ -189,7 +172,7 @@ class LayerForwardEp2 : public ::testing::TestWithParam<Case> {};
 
 TEST_P(LayerForwardEp2, MatchesReferenceAndEp1Bitwise) {
   MOK_REQUIRE_HOPPER_GPUS(2);
-  const Problem problem = make_problem(GetParam(), 2 * 173, 5);  // 173 tokens per rank
+  const Problem problem = layer_problem(GetParam(), 2 * 173, 5);  // 173 tokens per rank
   GpuRun run;
   run.repeats = 2;
   run.extra_capacity = 3;
@@ -209,7 +192,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(LayerForwardEp2Settings, GemmAndCopySmCountsDoNotChangeABit) {
   MOK_REQUIRE_HOPPER_GPUS(2);
-  const Problem problem = make_problem({"skewed:1.2", 0.1, true, true}, 2 * 300, 21, true);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 2 * 300, 21, true);
   std::vector<GpuRun> settings(4);
   settings[1].layer.gemm.num_sms = 37;
   settings[1].layer.copy = {5, comm::CopyMethod::kVector, 256};
@@ -231,7 +214,7 @@ TEST(LayerForwardEp2Settings, GemmAndCopySmCountsDoNotChangeABit) {
 
 TEST(LayerForwardEp2Graph, GraphReplayEqualsEagerAndReference) {
   MOK_REQUIRE_HOPPER_GPUS(2);
-  const Problem problem = make_problem({"uniform", 0.2, true, true}, 2 * 250, 31, true);
+  const Problem problem = layer_problem({"uniform", 0.2, true, true}, 2 * 250, 31, true);
   GpuRun run;
   run.use_graph = true;
   run.layer.copy = {8, comm::CopyMethod::kVector};
