@@ -1,22 +1,39 @@
 // Host-side argument checks shared by every backend.
 #include <cmath>
+#include <string>
 
 #include "mok/layer.hpp"
 
 namespace mok {
 
-void validate_weights(const LayerShape& shape, int64_t ep, const LayerWeights& weights) {
+namespace {
+
+// The six expert tensors of a rank, weights ("w_") or their gradients ("grad_"), have the same
+// shapes: routed (E_local, I, H), (E_local, I, H), (E_local, H, I); shared (I_s, H), (I_s, H),
+// (H, I_s) when there is a shared expert.
+template <class T>
+void check_expert_shapes(const LayerShape& shape, int64_t ep, const std::string& prefix,
+                         const View<T>& gate, const View<T>& up, const View<T>& down,
+                         const View<T>& shared_gate, const View<T>& shared_up,
+                         const View<T>& shared_down) {
   const int64_t local_experts = shape.num_experts / ep;
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
-  check_shape(weights.gate, "w_gate", {local_experts, inter, hidden});
-  check_shape(weights.up, "w_up", {local_experts, inter, hidden});
-  check_shape(weights.down, "w_down", {local_experts, hidden, inter});
+  check_shape(gate, (prefix + "gate").c_str(), {local_experts, inter, hidden});
+  check_shape(up, (prefix + "up").c_str(), {local_experts, inter, hidden});
+  check_shape(down, (prefix + "down").c_str(), {local_experts, hidden, inter});
   if (shape.has_shared()) {
     const int64_t shared = shape.shared_intermediate;
-    check_shape(weights.shared_gate, "w_shared_gate", {shared, hidden});
-    check_shape(weights.shared_up, "w_shared_up", {shared, hidden});
-    check_shape(weights.shared_down, "w_shared_down", {hidden, shared});
+    check_shape(shared_gate, (prefix + "shared_gate").c_str(), {shared, hidden});
+    check_shape(shared_up, (prefix + "shared_up").c_str(), {shared, hidden});
+    check_shape(shared_down, (prefix + "shared_down").c_str(), {hidden, shared});
   }
+}
+
+}  // namespace
+
+void validate_weights(const LayerShape& shape, int64_t ep, const LayerWeights& weights) {
+  check_expert_shapes(shape, ep, "w_", weights.gate, weights.up, weights.down, weights.shared_gate,
+                      weights.shared_up, weights.shared_down);
 }
 
 void validate_tokens(const LayerShape& shape, const TokenBatch& tokens) {
@@ -47,17 +64,8 @@ void validate_tokens(const LayerShape& shape, const TokenBatch& tokens) {
 }
 
 void validate_grads(const LayerShape& shape, int64_t ep, const WeightGrads& grads) {
-  const int64_t local_experts = shape.num_experts / ep;
-  const int64_t hidden = shape.hidden, inter = shape.intermediate;
-  check_shape(grads.gate, "grad_gate", {local_experts, inter, hidden});
-  check_shape(grads.up, "grad_up", {local_experts, inter, hidden});
-  check_shape(grads.down, "grad_down", {local_experts, hidden, inter});
-  if (shape.has_shared()) {
-    const int64_t shared = shape.shared_intermediate;
-    check_shape(grads.shared_gate, "grad_shared_gate", {shared, hidden});
-    check_shape(grads.shared_up, "grad_shared_up", {shared, hidden});
-    check_shape(grads.shared_down, "grad_shared_down", {hidden, shared});
-  }
+  check_expert_shapes(shape, ep, "grad_", grads.gate, grads.up, grads.down, grads.shared_gate,
+                      grads.shared_up, grads.shared_down);
 }
 
 }  // namespace mok
