@@ -1,0 +1,86 @@
+// The workspace layout is host/device arithmetic only: checked here without a GPU (these tests
+// run in CI), for the shapes the benchmarks use and small odd ones.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "kernels/comm/workspace_layout.cuh"
+
+namespace mok::comm {
+namespace {
+
+struct Region {
+  const char* name;
+  int64_t offset;
+  int64_t bytes;  // what the region must hold
+};
+
+// Regions in order, each aligned, each large enough, none overlapping, all inside `total`.
+void expect_disjoint_and_aligned(std::vector<Region> regions, int64_t total) {
+  std::sort(regions.begin(), regions.end(),
+            [](const Region& a, const Region& b) { return a.offset < b.offset; });
+  for (size_t index = 0; index < regions.size(); ++index) {
+    const Region& region = regions[index];
+    EXPECT_EQ(region.offset % kRegionAlignment, 0) << region.name;
+    const int64_t end = region.offset + region.bytes;
+    if (index + 1 < regions.size()) {
+      EXPECT_LE(end, regions[index + 1].offset) << region.name << " runs into " << regions[index + 1].name;
+    } else {
+      EXPECT_LE(end, total) << region.name << " runs past the end";
+    }
+  }
+}
+
+class Layout : public ::testing::TestWithParam<std::vector<int64_t>> {};
+
+TEST_P(Layout, RegionsAreDisjointAlignedAndLargeEnough) {
+  const std::vector<int64_t>& p = GetParam();  // ranks, T_max, H, k, E, block_m
+  const WorkspaceLayout layout =
+      WorkspaceLayout::make(static_cast<int32_t>(p[0]), p[1], p[2], p[3], p[4], p[5]);
+  const int64_t ranks = p[0], tokens = p[1], hidden = p[2], top_k = p[3], block_m = p[5];
+  const int64_t local_experts = layout.experts_per_rank();
+  EXPECT_EQ(local_experts, p[4] / ranks);
+  EXPECT_EQ(layout.row_bytes(), 2 * hidden);
+  // Worst case: every token of every rank sends all k rows here, and each expert pads its last tile.
+  EXPECT_EQ(layout.rows_capacity(), ranks * tokens * top_k + local_experts * (block_m - 1));
+
+  expect_disjoint_and_aligned(
+      {{"flags", layout.flags_offset, int64_t{kNumFlagKinds} * kMaxRanks * 4},
+       {"token_counts", layout.token_counts_offset, int64_t{kMaxRanks} * 4},
+       {"topk", layout.topk_offset, ranks * tokens * top_k * 4},
+       {"x", layout.x_offset, tokens * 2 * hidden},
+       {"slots", layout.slots_offset, tokens * top_k * 2 * hidden}},
+      layout.window_bytes);
+  expect_disjoint_and_aligned(
+      {{"state", layout.state_offset, static_cast<int64_t>(sizeof(DeviceState))},
+       {"counts", layout.counts_offset, local_experts * 4},
+       {"offsets", layout.offsets_offset, (local_experts + 1) * 4},
+       {"row_source", layout.row_source_offset, layout.rows_capacity() * 4},
+       {"local_row", layout.local_row_offset, tokens * top_k * 4},
+       {"expert_x", layout.expert_x_offset, layout.rows_capacity() * 2 * hidden},
+       {"expert_y", layout.expert_y_offset, layout.rows_capacity() * 2 * hidden}},
+      layout.local_bytes);
+}
+
+TEST(LayoutWindow, SameShapesGiveTheSameWindowOnEveryRank) {
+  // Peers address each other's windows with this rank's offsets: they must not depend on anything
+  // but the shapes.
+  const WorkspaceLayout a = WorkspaceLayout::make(2, 8192, 7168, 8, 256, 128);
+  const WorkspaceLayout b = WorkspaceLayout::make(2, 8192, 7168, 8, 256, 128);
+  EXPECT_EQ(a.window_bytes, b.window_bytes);
+  EXPECT_EQ(a.slots_offset, b.slots_offset);
+  EXPECT_EQ(a.x_offset, b.x_offset);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Layout,
+    ::testing::Values(std::vector<int64_t>{2, 8192, 7168, 8, 256, 128},   // deepseek-v3, EP 2
+                      std::vector<int64_t>{1, 8192, 7168, 8, 256, 128},   // deepseek-v3, EP 1
+                      std::vector<int64_t>{2, 16384, 2048, 8, 128, 128},  // qwen3-30b-a3b
+                      std::vector<int64_t>{8, 173, 256, 4, 16, 128},      // odd token count
+                      std::vector<int64_t>{2, 1, 8, 1, 2, 64}));          // smallest
+
+}  // namespace
+}  // namespace mok::comm
