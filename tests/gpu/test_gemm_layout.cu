@@ -1,0 +1,38 @@
+// The fused gate/up weight layout the SwiGLU GEMM reads, checked on the host (no GPU needed, runs
+// in CI): rows 16b..16b+7 are gate rows 8b..8b+7, rows 16b+8..16b+15 the matching up rows.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "mok/gemm.hpp"
+
+namespace mok::gemm {
+namespace {
+
+TEST(GateUpLayout, InterleavesBlocksOfEightRowsPerExpert) {
+  constexpr int kExperts = 3, kIntermediate = 24, kHidden = 16;
+  std::vector<bf16> gate(kExperts * kIntermediate * kHidden), up(gate.size());
+  for (size_t index = 0; index < gate.size(); ++index) {  // every element a distinct bit pattern
+    gate[index] = bf16::from_bits(static_cast<uint16_t>(index));
+    up[index] = bf16::from_bits(static_cast<uint16_t>(0x8000u | index));
+  }
+  const std::vector<bf16> fused = interleave_gate_up(gate, up, kExperts, kIntermediate, kHidden);
+  ASSERT_EQ(fused.size(), 2 * gate.size());
+  for (int expert = 0; expert < kExperts; ++expert) {
+    for (int row = 0; row < 2 * kIntermediate; ++row) {
+      const int block = row / 16, within = row % 16;
+      const bool is_up = within >= 8;
+      const int source_row = block * 8 + within % 8;
+      const std::vector<bf16>& source = is_up ? up : gate;
+      for (int column = 0; column < kHidden; ++column) {
+        const size_t fused_index = (static_cast<size_t>(expert) * 2 * kIntermediate + row) * kHidden + column;
+        const size_t source_index = (static_cast<size_t>(expert) * kIntermediate + source_row) * kHidden + column;
+        ASSERT_EQ(fused[fused_index].bits, source[source_index].bits)
+            << "expert " << expert << ", fused row " << row << ", column " << column;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mok::gemm
