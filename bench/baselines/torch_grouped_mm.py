@@ -18,22 +18,7 @@ import subprocess
 
 import torch
 
-
-def median_ms(fn, iterations):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iterations):
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
+from timing import median_ms  # bench/baselines/timing.py, beside this script
 
 
 def dense_tflops(iterations):

@@ -23,26 +23,7 @@ import json
 import math
 import os
 
-
-def median_ms(fn, iterations, warmup=3, barrier=None):
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iterations):
-        if barrier is not None:
-            barrier()
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
+from timing import median_ms  # bench/baselines/timing.py, beside this script
 
 
 def load_routing(path, num_tokens, top_k):
