@@ -81,13 +81,17 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
 
   weights_.gate_up_elements = experts_local * 2 * inter * hidden;
   weights_.down_elements = experts_local * hidden * inter;
-  weights_.gate_up = device_alloc<bf16>(weights_.gate_up_elements);
-  weights_.down = device_alloc<bf16>(weights_.down_elements);
+  if (options.allocate_weights) {
+    weights_.gate_up = device_alloc<bf16>(weights_.gate_up_elements);
+    weights_.down = device_alloc<bf16>(weights_.down_elements);
+  }
   if (shape.has_shared()) {
     weights_.shared_gate_up_elements = 2 * shared_inter * hidden;
     weights_.shared_down_elements = hidden * shared_inter;
-    weights_.shared_gate_up = device_alloc<bf16>(weights_.shared_gate_up_elements);
-    weights_.shared_down = device_alloc<bf16>(weights_.shared_down_elements);
+    if (options.allocate_weights) {
+      weights_.shared_gate_up = device_alloc<bf16>(weights_.shared_gate_up_elements);
+      weights_.shared_down = device_alloc<bf16>(weights_.shared_down_elements);
+    }
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
     shared_output_ = device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
@@ -113,6 +117,9 @@ LayerForward::~LayerForward() {
 }
 
 void LayerForward::load_weights(const LayerWeights& weights) {
+  MOK_CHECK_ARG(options_.allocate_weights, "load_weights",
+                "this LayerForward was made with allocate_weights = false: pass the device "
+                "weights to forward instead");
   validate_weights(shape_, workspace_.num_ranks(), weights);
   const int64_t experts_local = workspace_.layout().experts_per_rank();
   const int64_t hidden = shape_.hidden, inter = shape_.intermediate;
@@ -140,6 +147,20 @@ int64_t LayerForward::buffer_bytes() const {
   return bytes;
 }
 
+void LayerForward::check_device_weights(const DeviceLayerWeights& weights) const {
+  const auto check = [](const bf16* data, int64_t elements, int64_t expected, const char* name) {
+    MOK_CHECK_ARG(elements == expected, name, elements, " elements, the shape needs ", expected);
+    MOK_CHECK_ARG(expected == 0 || data != nullptr, name, "null pointer for ", expected,
+                  " elements");
+  };
+  check(weights.gate_up, weights.gate_up_elements, weights_.gate_up_elements, "weights.gate_up");
+  check(weights.down, weights.down_elements, weights_.down_elements, "weights.down");
+  check(weights.shared_gate_up, weights.shared_gate_up_elements, weights_.shared_gate_up_elements,
+        "weights.shared_gate_up");
+  check(weights.shared_down, weights.shared_down_elements, weights_.shared_down_elements,
+        "weights.shared_down");
+}
+
 int LayerForward::shared_gemm_sms_beside_copy() const {
   const int copy_ctas = options_.copy.num_ctas;
   if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
@@ -147,7 +168,8 @@ int LayerForward::shared_gemm_sms_beside_copy() const {
   return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
 }
 
-void LayerForward::run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream,
+void LayerForward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
+                                     int64_t num_tokens, cudaStream_t stream,
                                      const gemm::LaunchOptions& gemm_options) {
   const int tokens = checked_int(num_tokens, "num_tokens");
   const int hidden = static_cast<int>(shape_.hidden);
@@ -155,18 +177,20 @@ void LayerForward::run_shared_expert(const bf16* x, int64_t num_tokens, cudaStre
   write_shared_offsets_kernel<<<1, 1, 0, stream>>>(shared_offsets_, tokens);
   MOK_CUDA_CHECK_LAUNCH();
   // (T, H) -> (T, I_s) bf16, SwiGLU in the epilogue.
-  gemm::grouped_forward({1, tokens, 2 * shared_inter, hidden}, x, weights_.shared_gate_up,
+  gemm::grouped_forward({1, tokens, 2 * shared_inter, hidden}, x, weights.shared_gate_up,
                         shared_offsets_, shared_hidden_, gemm::ForwardOutput::kSwiGluBf16, stream,
                         gemm_options);
   // (T, I_s) -> (T, H) fp32: the combine adds it before its one bf16 rounding.
-  gemm::grouped_forward({1, tokens, hidden, shared_inter}, shared_hidden_, weights_.shared_down,
+  gemm::grouped_forward({1, tokens, hidden, shared_inter}, shared_hidden_, weights.shared_down,
                         shared_offsets_, shared_output_, gemm::ForwardOutput::kFp32, stream,
                         gemm_options);
 }
 
-void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
+void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
+                           const int32_t* topk_idx, const float* topk_w, bf16* y,
                            int64_t num_tokens, cudaStream_t stream,
                            const cudaEvent_t* phase_events) {
+  check_device_weights(weights);
   MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
                 " out of range [0, ", tokens_max_, "]");
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
@@ -198,12 +222,12 @@ void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* 
     MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
     gemm::LaunchOptions beside_copy = options_.gemm;
     beside_copy.num_sms = shared_sms;
-    run_shared_expert(x, num_tokens, stream, beside_copy);
+    run_shared_expert(weights, x, num_tokens, stream, beside_copy);
     phase_done();
     MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
     phase_done();
   } else {
-    if (has_shared) run_shared_expert(x, num_tokens, stream, options_.gemm);
+    if (has_shared) run_shared_expert(weights, x, num_tokens, stream, options_.gemm);
     phase_done();
     dispatch(workspace_, options_.copy, stream);
     phase_done();
@@ -211,11 +235,11 @@ void LayerForward::forward(const bf16* x, const int32_t* topk_idx, const float* 
   // expert_x (rows, H) -> routed_hidden (rows, I): each expert's rows start at a tile boundary;
   // padding rows are computed but never combined.
   gemm::grouped_forward({experts_local, rows, 2 * inter, hidden}, workspace_.expert_x(),
-                        weights_.gate_up, workspace_.expert_offsets(), routed_hidden_,
+                        weights.gate_up, workspace_.expert_offsets(), routed_hidden_,
                         gemm::ForwardOutput::kSwiGluBf16, stream, options_.gemm);
   phase_done();
   // routed_hidden (rows, I) -> expert_y (rows, H) bf16, the rows the combine moves.
-  gemm::grouped_forward({experts_local, rows, hidden, inter}, routed_hidden_, weights_.down,
+  gemm::grouped_forward({experts_local, rows, hidden, inter}, routed_hidden_, weights.down,
                         workspace_.expert_offsets(), workspace_.expert_y(),
                         gemm::ForwardOutput::kBf16, stream, options_.gemm);
   phase_done();

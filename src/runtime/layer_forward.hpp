@@ -34,6 +34,9 @@ struct LayerForwardOptions {
   // Run the dispatch beside the shared expert's GEMMs (copy CTAs on a side stream, the GEMMs on
   // the other SMs) instead of after them. Same bits either way; needs copy.num_ctas > 0.
   bool overlap_shared_with_dispatch = true;
+  // Allocate device weights for load_weights. Off when every call brings the caller's weights
+  // (forward(weights, ...)), e.g. a torch module's parameters: no second copy on the GPU.
+  bool allocate_weights = true;
 };
 
 // Device weights of one rank, in the layouts the GEMM engine reads.
@@ -80,7 +83,15 @@ class LayerForward {
   // phase_events, when given: kNumForwardPhases + 1 events, recorded on the stream before the
   // first phase and after each one.
   void forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
-               int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events = nullptr);
+               int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events = nullptr) {
+    forward(weights_, x, topk_idx, topk_w, y, num_tokens, stream, phase_events);
+  }
+  // The same with the caller's device weights in the layouts of DeviceLayerWeights (e.g. a torch
+  // module's parameters) instead of the ones load_weights copied; they must stay unchanged until
+  // the stream has run the forward. The element counts are checked against the shape.
+  void forward(const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
+               const float* topk_w, bf16* y, int64_t num_tokens, cudaStream_t stream,
+               const cudaEvent_t* phase_events = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
@@ -93,8 +104,9 @@ class LayerForward {
   int64_t buffer_bytes() const;
 
  private:
-  void run_shared_expert(const bf16* x, int64_t num_tokens, cudaStream_t stream,
-                         const gemm::LaunchOptions& gemm_options);
+  void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, int64_t num_tokens,
+                         cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
+  void check_device_weights(const DeviceLayerWeights& weights) const;
   // The shared GEMMs' grid when they share the GPU with the copy CTAs; 0 = no overlap possible.
   int shared_gemm_sms_beside_copy() const;
 

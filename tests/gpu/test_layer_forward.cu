@@ -41,6 +41,9 @@ struct GpuRun {
   int repeats = 1;          // eager runs after the first; each must give the first's bits
   bool use_graph = false;   // then also capture one forward and replay it twice
   int64_t extra_capacity = 0;
+  // The weights live in the test's own device buffers, passed to every forward (the torch path);
+  // the layer allocates none.
+  bool callers_weights = false;
 };
 
 // y (T_global, H) of the problem computed by LayerForward at EP = `ep`. Every buffer a step
@@ -52,11 +55,38 @@ std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const GpuRun& ru
   for_each_rank(ep, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
     const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
-    LayerForward layer(comms[rank], problem.shape, tokens + run.extra_capacity, run.layer);
-    layer.load_weights(inputs.weights);
+    LayerForwardOptions options = run.layer;
+    options.allocate_weights = !run.callers_weights;
+    LayerForward layer(comms[rank], problem.shape, tokens + run.extra_capacity, options);
     auto host = [](const auto& view) {
       return std::vector(view.data, view.data + view.numel());
     };
+    const LayerWeights& w = inputs.weights;
+    const LayerShape& shape = problem.shape;
+    const int local_experts = static_cast<int>(w.gate.shape[0]);
+    DeviceBuffer<bf16> gate_up(run.callers_weights ? gemm::interleave_gate_up(
+                                                         host(w.gate), host(w.up), local_experts,
+                                                         static_cast<int>(shape.intermediate),
+                                                         static_cast<int>(shape.hidden))
+                                                   : std::vector<bf16>{});
+    DeviceBuffer<bf16> down(run.callers_weights ? host(w.down) : std::vector<bf16>{});
+    const bool shared = run.callers_weights && shape.has_shared();
+    DeviceBuffer<bf16> shared_gate_up(shared ? gemm::interleave_gate_up(
+                                                   host(w.shared_gate), host(w.shared_up), 1,
+                                                   static_cast<int>(shape.shared_intermediate),
+                                                   static_cast<int>(shape.hidden))
+                                             : std::vector<bf16>{});
+    DeviceBuffer<bf16> shared_down(shared ? host(w.shared_down) : std::vector<bf16>{});
+    DeviceLayerWeights callers;
+    if (run.callers_weights) {
+      callers = {gate_up.get(), down.get(), shared ? shared_gate_up.get() : nullptr,
+                 shared ? shared_down.get() : nullptr,
+                 static_cast<int64_t>(gate_up.size()), static_cast<int64_t>(down.size()),
+                 shared ? static_cast<int64_t>(shared_gate_up.size()) : 0,
+                 shared ? static_cast<int64_t>(shared_down.size()) : 0};
+    } else {
+      layer.load_weights(inputs.weights);
+    }
     DeviceBuffer<bf16> x(host(inputs.tokens.x));                 // (T, H)
     DeviceBuffer<int32_t> topk_idx(host(inputs.tokens.topk_idx));  // (T, k)
     DeviceBuffer<float> topk_w(host(inputs.tokens.topk_w));       // (T, k)
@@ -74,7 +104,11 @@ std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const GpuRun& ru
       MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, rows * row_bytes, stream));
     };
     auto enqueue = [&] {
-      layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
+      if (run.callers_weights) {
+        layer.forward(callers, x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
+      } else {
+        layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
+      }
     };
     auto expect_same = [&](const char* what, int index, const std::vector<bf16>& expected) {
       const int64_t differs = first_difference(y.download(), expected);
@@ -199,13 +233,15 @@ TEST(LayerForwardEp2Settings, GemmAndCopySmCountsDoNotChangeABit) {
   settings[2].layer.gemm.num_sms = 8;
   settings[2].layer.copy = {64, comm::CopyMethod::kVector, 512};
   settings[3].layer.overlap_shared_with_dispatch = false;  // shared expert, then dispatch
+  settings.emplace_back().callers_weights = true;           // weights passed per call
   const std::vector<bf16> expected = run_gpu_layer(problem, 2, settings[0]);
   expect_matches_reference(problem, 2, expected);
   for (size_t index = 1; index < settings.size(); ++index) {
     EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, settings[index]), expected), -1)
         << "setting " << index << " (GEMM SMs " << settings[index].layer.gemm.num_sms
         << ", copy CTAs " << settings[index].layer.copy.num_ctas << ", overlap "
-        << settings[index].layer.overlap_shared_with_dispatch << ") differs";
+        << settings[index].layer.overlap_shared_with_dispatch << ", caller's weights "
+        << settings[index].callers_weights << ") differs";
   }
   GpuRun one_rank = settings[1];
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, one_rank), expected), -1)
