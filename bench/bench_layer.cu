@@ -1,10 +1,15 @@
-// The unfused GPU layer forward (LayerForward) at the benchmark presets: ms per rank (median of
-// the timed iterations, slowest rank), useful TFLOP/s and tokens/s per GPU. The torch-native
-// layer (bench/baselines/torch_native.py) reads the routing files this writes, so both run the
-// very same routing.
+// The GPU layer forward (LayerForward, fused or unfused) at the benchmark presets: ms per rank
+// (median of the timed iterations, slowest rank), useful TFLOP/s and tokens/s per GPU. The
+// torch-native layer (bench/baselines/torch_native.py) reads the routing files this writes, so
+// both run the very same routing.
 //
 //   bench_layer [--cases NAME,...] [--iters 20] [--out layer-mok.json] [--routing-dir DIR]
-//               [--gemm-sms N] [--copy-ctas N]
+//               [--gemm-sms N] [--copy-ctas N] [--fused 0|1]
+//               [--comm-ctas N,...] [--minibatch-rows N,...]
+//
+// --fused 1 runs the fused kernel (the default 0 the unfused composition); lists of communication
+// CTAs and minibatch rows sweep every combination per case (0 = the layer's default), one JSON
+// entry each.
 //
 // Weights and x are seeded random values made on the device (the timing does not depend on the
 // values); the routing is Problem::generate's, drawn for the case's expert count and top-k.
@@ -41,8 +46,18 @@ struct Args {
   std::vector<std::string> cases;
   int iters = 20;
   int gemm_sms = 0, copy_ctas = 0;
+  bool fused = false;
+  std::vector<int> comm_ctas{0}, minibatch_rows{0};
   std::string out = "layer-mok.json", routing_dir;
 };
+
+std::vector<int> int_list(const std::string& text) {
+  std::vector<int> values;
+  std::stringstream stream(text);
+  for (std::string part; std::getline(stream, part, ',');) values.push_back(std::stoi(part));
+  MOK_CHECK_ARG(!values.empty(), "list", "empty list '", text, "'");
+  return values;
+}
 
 Args parse(int argc, char** argv) {
   Args args;
@@ -54,6 +69,9 @@ Args parse(int argc, char** argv) {
     } else if (key == "--iters") args.iters = std::stoi(value);
     else if (key == "--gemm-sms") args.gemm_sms = std::stoi(value);
     else if (key == "--copy-ctas") args.copy_ctas = std::stoi(value);
+    else if (key == "--fused") args.fused = std::stoi(value) != 0;
+    else if (key == "--comm-ctas") args.comm_ctas = int_list(value);
+    else if (key == "--minibatch-rows") args.minibatch_rows = int_list(value);
     else if (key == "--out") args.out = value;
     else if (key == "--routing-dir") args.routing_dir = value;
     else throw mok::Error("arguments", "unknown option " + key);
@@ -80,6 +98,65 @@ void write_routing(const std::string& path, const mok::Problem& routing) {
              static_cast<std::streamsize>(routing.topk_idx.size() * sizeof(int32_t)));
   file.write(reinterpret_cast<const char*>(routing.topk_w.data()),
              static_cast<std::streamsize>(routing.topk_w.size() * sizeof(float)));
+}
+
+// One forward configuration of one case: runs it, prints a line, appends a JSON entry.
+void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::Problem& routing,
+               const std::string& routing_path, const Args& args, int comm_ctas,
+               int minibatch_rows, std::ofstream& out, bool& first) {
+  mok::LayerRunSpec spec;
+  spec.shape = shape;
+  spec.ep = which.ep;
+  spec.tokens_per_rank = which.tokens_per_rank;
+  spec.topk_idx = &routing.topk_idx;
+  spec.topk_w = &routing.topk_w;
+  spec.seed = 7;
+  spec.gemm_sms = args.gemm_sms;
+  spec.copy_ctas = args.copy_ctas;
+  spec.iterations = args.iters;
+  spec.fused = args.fused;
+  spec.fused_comm_ctas = comm_ctas;
+  spec.fused_minibatch_rows = minibatch_rows;
+  spec.keep_y = false;
+  const mok::LayerRunResult result = mok::run_layer_forward(spec);
+  const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
+  const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
+  std::printf("%-26s %s comm %2d mb %6d %8.3f ms/rank (ranks:", which.name.c_str(),
+              args.fused ? "fused" : "unfused", comm_ctas, minibatch_rows, result.forward_ms);
+  for (double ms : result.rank_ms) std::printf(" %.3f", ms);
+  std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
+              which.tokens_per_rank / (result.forward_ms * 1e-3),
+              result.buffer_bytes_per_rank / 1e9);
+  std::fflush(stdout);
+  char line[1024];
+  std::snprintf(line, sizeof(line),
+                "%s  {\"name\": \"%s\", \"preset\": \"%s\", \"ep\": %d, \"tokens_per_rank\": %lld, "
+                "\"routing\": \"%s\", \"routing_file\": \"%s\", \"mok_ms\": %.4f, "
+                "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
+                "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
+                "\"num_experts\": %lld, \"top_k\": %lld, \"fused\": %s, "
+                "\"comm_ctas\": %d, \"minibatch_rows\": %d",
+                first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
+                static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
+                routing_path.c_str(), result.forward_ms, tflops, flops,
+                static_cast<long long>(result.buffer_bytes_per_rank),
+                static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
+                static_cast<long long>(shape.shared_intermediate),
+                static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k),
+                args.fused ? "true" : "false", comm_ctas, minibatch_rows);
+  out << line;
+  out << ", \"phases_ms\": {";
+  for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
+    std::printf("%s%s %.3f", phase == 0 ? "    phases (ms, slowest rank): " : ", ",
+                result.phase_names[phase].c_str(), result.phase_ms[phase]);
+    out << (phase == 0 ? "" : ", ") << "\"" << result.phase_names[phase]
+        << "\": " << result.phase_ms[phase];
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+  out << "}}";
+  out.flush();
+  first = false;
 }
 
 }  // namespace
@@ -112,53 +189,12 @@ int main(int argc, char** argv) {
           routing_path = args.routing_dir + "/" + which.name + ".bin";
           write_routing(routing_path, routing);
         }
-        mok::LayerRunSpec spec;
-        spec.shape = shape;
-        spec.ep = which.ep;
-        spec.tokens_per_rank = which.tokens_per_rank;
-        spec.topk_idx = &routing.topk_idx;
-        spec.topk_w = &routing.topk_w;
-        spec.seed = 7;
-        spec.gemm_sms = args.gemm_sms;
-        spec.copy_ctas = args.copy_ctas;
-        spec.iterations = args.iters;
-        spec.keep_y = false;
-        const mok::LayerRunResult result = mok::run_layer_forward(spec);
-        const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
-        const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
-        std::printf("%-26s %8.3f ms/rank (ranks:", which.name.c_str(), result.forward_ms);
-        for (double ms : result.rank_ms) std::printf(" %.3f", ms);
-        std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
-                    which.tokens_per_rank / (result.forward_ms * 1e-3),
-                    result.buffer_bytes_per_rank / 1e9);
-        std::fflush(stdout);
-        char line[1024];
-        std::snprintf(line, sizeof(line),
-                      "%s  {\"name\": \"%s\", \"preset\": \"%s\", \"ep\": %d, \"tokens_per_rank\": %lld, "
-                      "\"routing\": \"%s\", \"routing_file\": \"%s\", \"mok_ms\": %.4f, "
-                      "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
-                      "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
-                      "\"num_experts\": %lld, \"top_k\": %lld",
-                      first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
-                      static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
-                      routing_path.c_str(), result.forward_ms, tflops, flops,
-                      static_cast<long long>(result.buffer_bytes_per_rank),
-                      static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
-                      static_cast<long long>(shape.shared_intermediate),
-                      static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k));
-        out << line;
-        out << ", \"phases_ms\": {";
-        for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
-          std::printf("%s%s %.3f", phase == 0 ? "    phases (ms, slowest rank): " : ", ",
-                      result.phase_names[phase].c_str(), result.phase_ms[phase]);
-          out << (phase == 0 ? "" : ", ") << "\"" << result.phase_names[phase]
-              << "\": " << result.phase_ms[phase];
+        for (const int comm_ctas : args.comm_ctas) {
+          for (const int minibatch_rows : args.minibatch_rows) {
+            bench_one(which, shape, routing, routing_path, args, comm_ctas, minibatch_rows, out,
+                      first);
+          }
         }
-        std::printf("\n");
-        std::fflush(stdout);
-        out << "}}";
-        out.flush();
-        first = false;
       } catch (const std::exception& error) {
         // A failed case (e.g. a device timeout) is reported; the next case makes a new layer.
         std::printf("%-26s FAILED: %s\n", which.name.c_str(), error.what());

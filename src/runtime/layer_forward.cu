@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/gemm/gemm_types.cuh"
 #include "mok/error.hpp"
 #include "runtime/cuda_check.hpp"
 
@@ -53,6 +54,7 @@ int checked_int(int64_t value, const char* argument) {
 const char* phase_name(ForwardPhase phase) {
   switch (phase) {
     case ForwardPhase::kSchedule: return "schedule";
+    case ForwardPhase::kFused: return "fused";
     case ForwardPhase::kSharedExpert: return "shared-expert";
     case ForwardPhase::kDispatch: return "dispatch";
     case ForwardPhase::kGateUp: return "gate-up-swiglu";
@@ -196,13 +198,8 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
                                     y != nullptr),
                 "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
-  const comm::WorkspaceLayout& layout = workspace_.layout();
-  const int experts_local = static_cast<int>(layout.experts_per_rank());
-  const int rows = static_cast<int>(layout.rows_capacity());
-  const int hidden = static_cast<int>(shape_.hidden);
-  const int inter = static_cast<int>(shape_.intermediate);
   int recorded = 0;
-  auto phase_done = [&] {
+  const std::function<void()> phase_done = [&] {
     if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));
   };
 
@@ -210,6 +207,55 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   stage_tokens(workspace_, x, num_tokens, stream);
   schedule(workspace_, topk_idx, num_tokens, stream);
   phase_done();
+  if (!options_.fused.enabled) {
+    phase_done();  // kFused: not run
+    run_unfused(weights, x, topk_w, y, num_tokens, stream, phase_done);
+    return;
+  }
+  FusedForwardBuffers buffers;
+  buffers.gate_up = weights.gate_up;
+  buffers.down = weights.down;
+  buffers.shared_gate_up = weights.shared_gate_up;
+  buffers.shared_down = weights.shared_down;
+  buffers.routed_hidden = routed_hidden_;
+  buffers.shared_hidden = shared_hidden_;
+  buffers.shared_output = shared_output_;
+  fused_forward(workspace_, shape_, buffers, num_tokens, fused_config(), stream);
+  phase_done();
+  // kSharedExpert .. kCombinePush ran inside the fused kernel.
+  for (int phase = static_cast<int>(ForwardPhase::kSharedExpert);
+       phase < static_cast<int>(ForwardPhase::kCombineReduce); ++phase) {
+    phase_done();
+  }
+  const bool has_shared = shape_.has_shared() && num_tokens > 0;
+  combine_reduce(workspace_, topk_w, has_shared ? shared_output_ : nullptr, y, num_tokens, stream);
+  phase_done();
+}
+
+FusedForwardConfig LayerForward::fused_config() const {
+  const FusedForwardOptions& fused = options_.fused;
+  MOK_CHECK_ARG(fused.comm_ctas >= 0, "fused.comm_ctas", "must be >= 0, got ", fused.comm_ctas);
+  MOK_CHECK_ARG(fused.minibatch_rows >= 0, "fused.minibatch_rows", "must be >= 0, got ",
+                fused.minibatch_rows);
+  FusedForwardConfig config;
+  config.comm_ctas = fused.comm_ctas > 0 ? fused.comm_ctas
+                                         : (workspace_.num_ranks() == 1 ? 8 : 20);
+  config.num_ctas = options_.gemm.num_sms > 0
+                        ? std::min(num_sms_, config.comm_ctas + options_.gemm.num_sms)
+                        : num_sms_;
+  const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 4096;
+  config.chunk_mblocks = gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M);
+  return config;
+}
+
+void LayerForward::run_unfused(const DeviceLayerWeights& weights, const bf16* x,
+                               const float* topk_w, bf16* y, int64_t num_tokens,
+                               cudaStream_t stream, const std::function<void()>& phase_done) {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const int experts_local = static_cast<int>(layout.experts_per_rank());
+  const int rows = static_cast<int>(layout.rows_capacity());
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.intermediate);
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
   const int shared_sms = has_shared ? shared_gemm_sms_beside_copy() : 0;
   if (shared_sms > 0) {

@@ -17,15 +17,25 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "mok/bf16.hpp"
 #include "mok/gemm.hpp"
 #include "mok/layer.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
+#include "runtime/fused_forward.hpp"
 #include "runtime/workspace.hpp"
 
 namespace mok {
+
+// The fused path: one persistent kernel runs dispatch, the shared and routed expert GEMMs and the
+// combine push (kernels/megakernel). 0 picks the default.
+struct FusedForwardOptions {
+  bool enabled = false;
+  int comm_ctas = 0;       // CTAs that move rows (the rest compute); default: 8 at EP = 1, else 20
+  int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 4096
+};
 
 struct LayerForwardOptions {
   CopyConfig copy{32};  // dispatch and combine CTAs: 32 reach the NVLink ceiling (perf-notes/comm.md)
@@ -37,6 +47,7 @@ struct LayerForwardOptions {
   // Allocate device weights for load_weights. Off when every call brings the caller's weights
   // (forward(weights, ...)), e.g. a torch module's parameters: no second copy on the GPU.
   bool allocate_weights = true;
+  FusedForwardOptions fused;
 };
 
 // Device weights of one rank, in the layouts the GEMM engine reads.
@@ -50,9 +61,12 @@ struct DeviceLayerWeights {
   int64_t shared_gate_up_elements = 0, shared_down_elements = 0;
 };
 
-// The steps of one forward, in stream order, for a per-phase timing breakdown.
+// The steps of one forward, for a per-phase timing breakdown. The unfused path runs kSchedule to
+// kCombineReduce but kFused; the fused one kSchedule, kFused, kCombineReduce (the phases a path
+// does not run take no time).
 enum class ForwardPhase : int {
   kSchedule = 0,   // stage_tokens + schedule
+  kFused,          // the fused kernel: dispatch, expert GEMMs and combine push (fused path only)
   kSharedExpert,   // shared gate/up + down GEMMs (empty without a shared expert)
   kDispatch,       // with the overlap: only what the dispatch takes beyond the shared GEMMs
   kGateUp,         // routed gate/up GEMM with SwiGLU
@@ -60,7 +74,7 @@ enum class ForwardPhase : int {
   kCombinePush,
   kCombineReduce,
 };
-inline constexpr int kNumForwardPhases = 7;
+inline constexpr int kNumForwardPhases = 8;
 const char* phase_name(ForwardPhase phase);
 
 class LayerForward {
@@ -107,6 +121,10 @@ class LayerForward {
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, int64_t num_tokens,
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
   void check_device_weights(const DeviceLayerWeights& weights) const;
+  void run_unfused(const DeviceLayerWeights& weights, const bf16* x, const float* topk_w, bf16* y,
+                   int64_t num_tokens, cudaStream_t stream, const std::function<void()>& phase_done);
+  // The fused kernel's grid, split and minibatch from the options and this GPU.
+  FusedForwardConfig fused_config() const;
   // The shared GEMMs' grid when they share the GPU with the copy CTAs; 0 = no overlap possible.
   int shared_gemm_sms_beside_copy() const;
 

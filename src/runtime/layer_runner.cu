@@ -94,6 +94,9 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     LayerForwardOptions options;
     options.gemm.num_sms = spec.gemm_sms;
     if (spec.copy_ctas > 0) options.copy.num_ctas = spec.copy_ctas;
+    options.fused.enabled = spec.fused;
+    options.fused.comm_ctas = spec.fused_comm_ctas;
+    options.fused.minibatch_rows = spec.fused_minibatch_rows;
     LayerForward layer(comms[rank], shape, tokens, options);
     DeviceArray<bf16> x(tokens * hidden);        // (T, H)
     DeviceArray<int32_t> topk_idx(tokens * top_k);  // (T, k)

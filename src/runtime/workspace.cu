@@ -33,6 +33,16 @@ const char* flag_kind_name(uint32_t kind) {
   return "unknown";
 }
 
+const char* task_counter_name(uint32_t kind) {
+  switch (static_cast<comm::TaskCounter>(kind)) {
+    case comm::TaskCounter::kRowsArrived: return "dispatched-rows";
+    case comm::TaskCounter::kHiddenReady: return "gate/up-tiles";
+    case comm::TaskCounter::kOutputReady: return "down-tiles";
+    case comm::TaskCounter::kSharedHiddenReady: return "shared-gate/up-tiles";
+  }
+  return "unknown";
+}
+
 }  // namespace
 
 CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
@@ -152,6 +162,14 @@ void CommWorkspace::check(cudaStream_t stream) const {
       throw Error("num_tokens", detail::concat("rank ", record.peer, " sent ", record.value,
                                                " tokens, outside [0, ", record.expected,
                                                "] (found on the device by ", where, ")"));
+    case comm::ErrorCode::kTaskTimeout:
+      throw Error("fused forward",
+                  detail::concat(where, ": timed out after ", view_.timeout_ns / 1000000ull,
+                                 " ms waiting for row block ", record.token, "'s ",
+                                 task_counter_name(record.flag_kind), " count to reach ",
+                                 record.expected, " (it holds ", static_cast<uint32_t>(record.value),
+                                 "): a CTA of the fused kernel did not run (are other kernels "
+                                 "holding SMs?) or a peer stalled"));
     case comm::ErrorCode::kTimeout:
       throw Error("comm", detail::concat(where, ": timed out after ",
                                          view_.timeout_ns / 1000000ull, " ms waiting for rank ",

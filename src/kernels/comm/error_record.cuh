@@ -20,6 +20,7 @@ enum class ErrorCode : uint32_t {
   kTimeout = 2,            // a flag did not reach the call's epoch in time
   kExpertOutOfRange = 3,   // topk_idx holds an id outside [-1, E)
   kTokenCountOutOfRange = 4,
+  kTaskTimeout = 5,        // a fused-forward task waited too long for a row block's counter
 };
 
 enum class Phase : uint32_t {
@@ -29,6 +30,7 @@ enum class Phase : uint32_t {
   kCombine = 3,   // pushing expert output rows to their owners
   kReduce = 4,    // the owner's fixed-order sum over its combine slots
   kBarrier = 5,
+  kExperts = 6,   // the fused forward's expert GEMM tasks waiting on each other
 };
 
 MOK_COMM_HOST_DEVICE const char* phase_name(Phase phase) {
@@ -39,6 +41,7 @@ MOK_COMM_HOST_DEVICE const char* phase_name(Phase phase) {
     case Phase::kCombine: return "combine";
     case Phase::kReduce: return "reduce";
     case Phase::kBarrier: return "barrier";
+    case Phase::kExperts: return "experts";
   }
   return "unknown";
 }

@@ -16,6 +16,9 @@
 //   local_row     (T_max, k) int32                    for this rank's own (t, j) served by a local
 //                                                     expert: its row in expert_y (the combine
 //                                                     reads it there instead of copying it)
+//   mblock_expert (mblocks_capacity) int32            local expert of each 128-row block of rows
+//   task_counters (kNumTaskCounters, mblocks_capacity) readiness counts of the fused forward's row
+//                 uint32                              blocks (kernels/megakernel), zeroed per call
 //   expert_x      (rows_capacity, H) bf16             dispatched rows, expert-major, global order
 //   expert_y      (rows_capacity, H) bf16             expert outputs, same rows
 #pragma once
@@ -28,6 +31,14 @@ namespace mok::comm {
 
 inline constexpr int kMaxRanks = 8;           // one NVLink (LSA) domain
 inline constexpr int64_t kRegionAlignment = 4096;
+// The fused forward's readiness counters, one per block of block_m rows (kernels/megakernel).
+enum class TaskCounter : int {
+  kRowsArrived = 0,        // expert rows the dispatch has copied into the block
+  kHiddenReady = 1,        // routed gate/up tiles of the block stored
+  kOutputReady = 2,        // routed down tiles of the block stored
+  kSharedHiddenReady = 3,  // shared gate/up tiles stored (block of this rank's tokens)
+};
+inline constexpr int kNumTaskCounters = 4;
 
 // Which readiness flag: each has one uint32 slot per source rank in every rank's window.
 enum class FlagKind : int {
@@ -44,6 +55,7 @@ struct DeviceState {
   uint32_t barrier_epoch;     // bumped by each standalone barrier
   uint32_t gather_arrivals;   // CTAs of the gather push that finished this call
   uint32_t combine_arrivals;  // CTAs of the combine push that finished this call
+  uint32_t fused_arrivals;    // communication CTAs of the fused forward that finished this call
   ErrorRecord error;
 };
 
@@ -62,7 +74,7 @@ struct WorkspaceLayout {
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
   int64_t slots_offset = 0, window_bytes = 0;
   int64_t state_offset = 0, counts_offset = 0, offsets_offset = 0, row_source_offset = 0;
-  int64_t local_row_offset = 0;
+  int64_t local_row_offset = 0, mblock_expert_offset = 0, task_counters_offset = 0;
   int64_t expert_x_offset = 0, expert_y_offset = 0, local_bytes = 0;
 
   MOK_COMM_HOST_DEVICE int64_t experts_per_rank() const { return num_experts / num_ranks; }
@@ -70,6 +82,11 @@ struct WorkspaceLayout {
   // Every token sends at most k rows to a rank; each expert wastes at most block_m - 1 rows.
   MOK_COMM_HOST_DEVICE int64_t rows_capacity() const {
     return num_ranks * tokens_max * top_k + experts_per_rank() * (block_m - 1);
+  }
+  // Row blocks of block_m rows: of the expert rows, and (for the task counters) of the tokens.
+  MOK_COMM_HOST_DEVICE int64_t mblocks_capacity() const {
+    const int64_t rows = rows_capacity() > tokens_max ? rows_capacity() : tokens_max;
+    return (rows + block_m - 1) / block_m;
   }
 
   // Sized from shapes only. The caller validates the arguments (see Workspace).
@@ -103,6 +120,8 @@ struct WorkspaceLayout {
     layout.offsets_offset = take((layout.experts_per_rank() + 1) * 4);
     layout.row_source_offset = take(layout.rows_capacity() * 4);
     layout.local_row_offset = take(tokens_max * top_k * 4);
+    layout.mblock_expert_offset = take(layout.mblocks_capacity() * 4);
+    layout.task_counters_offset = take(kNumTaskCounters * layout.mblocks_capacity() * 4);
     layout.expert_x_offset = take(layout.rows_capacity() * layout.row_bytes());
     layout.expert_y_offset = take(layout.rows_capacity() * layout.row_bytes());
     layout.local_bytes = cursor;
@@ -154,6 +173,14 @@ struct WorkspaceView {
   }
   MOK_COMM_HOST_DEVICE int32_t* local_row() const {  // (T_max, k)
     return reinterpret_cast<int32_t*>(local + layout.local_row_offset);
+  }
+  MOK_COMM_HOST_DEVICE int32_t* mblock_expert() const {
+    return reinterpret_cast<int32_t*>(local + layout.mblock_expert_offset);
+  }
+  // The counters of one kind, one per row block; kind 0's are the start of all of them.
+  MOK_COMM_HOST_DEVICE uint32_t* task_counters(TaskCounter kind) const {
+    return reinterpret_cast<uint32_t*>(local + layout.task_counters_offset) +
+           static_cast<int>(kind) * layout.mblocks_capacity();
   }
   MOK_COMM_HOST_DEVICE char* expert_x_row(int64_t row) const {
     return local + layout.expert_x_offset + row * layout.row_bytes();

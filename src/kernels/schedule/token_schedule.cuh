@@ -1,12 +1,13 @@
 // The expert-parallel schedule, built on the GPU with no host reads:
-//   1. begin_call      bump the call's epoch, zero the counters (one CTA)
+//   1. begin_call      bump the call's epoch, zero the counters (one CTA), the fused forward's too
 //   2. gather_push     push this rank's topk_idx (T, k) and T into every rank's window, then
 //                      signal the gather flag (its x is in the window too: pulls may start)
 //   3. count_rows      wait for every rank's gather flag, validate every id, count the rows of
 //                      each local expert
 //   4. order_rows      one CTA per local expert: offsets (each expert starts at a multiple of
 //                      block_m) and the expert's rows in global token order (rank * T_max + t,
-//                      then slot j), padding marked -1; for this rank's own tokens, the row of
+//                      then slot j), padding marked -1; the expert of each of its row blocks
+//                      (mblock_expert); for this rank's own tokens, the row of
 //                      each (t, j) (local_row), so the combine can read it in place
 // Kernel boundaries separate the steps; within a step nothing depends on timing.
 #pragma once
@@ -26,10 +27,16 @@ __device__ inline void begin_call(const WorkspaceView& view) {
   for (int64_t expert = threadIdx.x; expert < view.layout.experts_per_rank(); expert += blockDim.x) {
     view.counts()[expert] = 0;
   }
+  uint32_t* task_counters = view.task_counters(TaskCounter::kRowsArrived);
+  for (int64_t index = threadIdx.x; index < kNumTaskCounters * view.layout.mblocks_capacity();
+       index += blockDim.x) {
+    task_counters[index] = 0;
+  }
   if (threadIdx.x == 0) {
     state->epoch += 1;
     state->gather_arrivals = 0;
     state->combine_arrivals = 0;
+    state->fused_arrivals = 0;
   }
 }
 
@@ -189,6 +196,9 @@ __device__ inline void order_rows(const WorkspaceView& view) {
   }
   for (int64_t pad = count + threadIdx.x; pad < padded; pad += blockDim.x) {
     row_source[first_row + pad] = -1;
+  }
+  for (int64_t block = threadIdx.x; block < padded / layout.block_m; block += blockDim.x) {
+    view.mblock_expert()[first_row / layout.block_m + block] = static_cast<int32_t>(local_expert);
   }
 }
 

@@ -1,0 +1,292 @@
+// The fused forward of one MoE layer on one rank: one persistent launch, one CTA per SM, between
+// the schedule (before) and the combine reduce (after).
+//
+//   communication CTAs (blockIdx < num_comm_ctas)
+//     dispatch   pull every routed row into expert_x in row order, counting each row block's
+//                arrivals (TaskCounter::kRowsArrived)
+//     combine    for each row block whose down tiles are all stored (kOutputReady), push its rows
+//                of peers' tokens into their owners' slots; the last CTA out raises this rank's
+//                combine flag on every rank, which the reduce waits for
+//   compute CTAs (the rest): the GEMM engine's producer warpgroup and two consumer warpgroups run
+//     the task list of task_list.cuh. The producer waits for a task's inputs before loading its
+//     first k-block; the consumers, after a tile's stores complete, raise its row block's counter.
+//
+// Every output element is computed by the same tile code, in the same k order, as the unfused
+// composition (LayerForward with fused = false), so the two agree bitwise; no value depends on
+// which CTA ran a task or when.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/epilogue.cuh"
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/mainloop.cuh"
+#include "kernels/megakernel/sync.cuh"
+#include "kernels/megakernel/task_list.cuh"
+#include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/tma.cuh"
+
+namespace mok::megakernel {
+
+// Indexed by TaskKind: A (rows, K) and B (groups, N, K) of each GEMM.
+struct FusedForwardMaps {
+  CUtensorMap a[kNumTaskKinds];
+  CUtensorMap b[kNumTaskKinds];
+};
+
+struct FusedForwardParams {
+  comm::WorkspaceView view;
+  gemm::GroupedGemmParams gemm[kNumTaskKinds];  // n, k and output of each GEMM
+  int num_tokens;     // this rank's tokens this call
+  int num_comm_ctas;  // blockIdx.x below this communicates, the rest compute
+  int chunk_mblocks;  // row blocks per minibatch
+  int has_shared;
+};
+
+// Every task shares one stage ring, laid out for the SwiGLU epilogue (it has the staging tile).
+using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
+using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
+inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
+inline constexpr int kCopyUnroll = 8;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+// ---- communication ----------------------------------------------------------------------------
+
+// One warp copies one row (row_bytes, a multiple of 16). `source` may have been written during
+// this kernel (expert_y) or by a peer: loads bypass L1.
+__device__ inline void copy_row(const char* source, char* destination, int64_t row_bytes,
+                                int lane) {
+  const int4* from = reinterpret_cast<const int4*>(source);
+  int4* to = reinterpret_cast<int4*>(destination);
+  const int64_t vectors = row_bytes / 16;
+  for (int64_t base = lane; base < vectors; base += 32 * kCopyUnroll) {
+    int4 values[kCopyUnroll];
+#pragma unroll
+    for (int unroll = 0; unroll < kCopyUnroll; ++unroll) {
+      const int64_t index = base + unroll * 32;
+      if (index < vectors) values[unroll] = __ldcg(from + index);
+    }
+#pragma unroll
+    for (int unroll = 0; unroll < kCopyUnroll; ++unroll) {
+      const int64_t index = base + unroll * 32;
+      if (index < vectors) to[index] = values[unroll];
+    }
+  }
+}
+
+__device__ inline void communicate(const FusedForwardParams& params, uint32_t down_tiles) {
+  const comm::WorkspaceView& view = params.view;
+  const comm::WorkspaceLayout& layout = view.layout;
+  comm::DeviceState* state = view.state();
+  const uint32_t epoch = state->epoch;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int64_t num_rows = view.offsets()[layout.experts_per_rank()];
+  const int32_t* row_source = view.row_source();
+
+  // Rows in order, dealt to every communication warp in turn, so row blocks fill front to back.
+  uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < num_rows;
+       row += static_cast<int64_t>(params.num_comm_ctas) * warps) {
+    const int32_t packed = row_source[row];
+    if (packed < 0) continue;  // padding: never counted, never read
+    const comm::RowSource source = comm::unpack_row_source(layout, packed);
+    copy_row(view.x_row(source.rank, source.token), view.expert_x_row(row), layout.row_bytes(),
+             lane);
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      atomicAdd(arrived + row / gemm::TileConfig::BLOCK_M, 1u);
+    }
+  }
+
+  __shared__ int block_ready;
+  const int64_t num_mblocks = num_rows / gemm::TileConfig::BLOCK_M;
+  for (int64_t mblock = blockIdx.x; mblock < num_mblocks; mblock += params.num_comm_ctas) {
+    if (threadIdx.x == 0) {
+      block_ready = wait_counter(view, comm::TaskCounter::kOutputReady, static_cast<int>(mblock),
+                                 down_tiles, comm::Phase::kCombine)
+                        ? 1
+                        : 0;
+    }
+    __syncthreads();
+    const bool ready = block_ready != 0;
+    __syncthreads();
+    if (!ready) break;  // the call failed; the reduce reports it
+    const int64_t first = mblock * gemm::TileConfig::BLOCK_M;
+    for (int64_t row = first + warp; row < first + gemm::TileConfig::BLOCK_M; row += warps) {
+      const int32_t packed = row_source[row];
+      if (packed < 0) continue;
+      const comm::RowSource source = comm::unpack_row_source(layout, packed);
+      if (source.rank == view.rank) continue;  // read in place by the reduce
+      copy_row(view.expert_y_row(row), view.slot_row(source.rank, source.token, source.slot),
+               layout.row_bytes(), lane);
+    }
+  }
+
+  // The last communication CTA out tells every rank that this rank's rows are in its slots.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t previous = atomicAdd(&state->fused_arrivals, 1u);
+    if (previous == static_cast<uint32_t>(params.num_comm_ctas) - 1) {
+      __threadfence_system();
+      comm::signal_all_ranks(view, comm::FlagKind::kCombine, epoch);
+    }
+  }
+}
+
+// ---- compute ----------------------------------------------------------------------------------
+
+__device__ inline TaskShape task_shape(const FusedForwardParams& params) {
+  TaskShape shape;
+  shape.shared_mblocks =
+      params.has_shared ? gemm::ceil_div(params.num_tokens, gemm::TileConfig::BLOCK_M) : 0;
+  shape.routed_mblocks =
+      params.view.offsets()[params.view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
+  shape.chunk_mblocks = params.chunk_mblocks;
+  for (int kind = 0; kind < kNumTaskKinds; ++kind) {
+    shape.n_blocks[kind] = gemm::ceil_div(params.gemm[kind].n, gemm::TileConfig::BLOCK_N);
+  }
+  return shape;
+}
+
+// Producer lane 0, before a task's first load: its input rows are written and released.
+__device__ inline void wait_for_inputs(const FusedForwardParams& params, const TaskShape& shape,
+                                       const Task& task) {
+  const comm::WorkspaceView& view = params.view;
+  switch (task.kind) {
+    case TaskKind::kSharedGateUp:
+      return;  // x was staged before the launch
+    case TaskKind::kGateUp: {
+      const int rows = min(gemm::TileConfig::BLOCK_M,
+                           task.tile.row_begin + task.tile.row_count -
+                               task.mblock * gemm::TileConfig::BLOCK_M);
+      wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
+      break;
+    }
+    case TaskKind::kSharedDown:
+      wait_counter(view, comm::TaskCounter::kSharedHiddenReady, task.mblock,
+                   shape.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)],
+                   comm::Phase::kExperts);
+      break;
+    case TaskKind::kDown:
+      wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock,
+                   shape.n_blocks[static_cast<int>(TaskKind::kGateUp)], comm::Phase::kExperts);
+      break;
+  }
+  // The TMA loads that follow (async proxy) read what the acquire made visible.
+  comm::fence_async_proxy_global();
+}
+
+template <gemm::EpilogueKind kEpilogue>
+__device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, const Task& task,
+                                int consumer_idx, const Loop::Storage& smem, Loop::State& state,
+                                float (&accum)[gemm::TileConfig::BLOCK_N / 2]) {
+  using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
+  Store::init(gemm_params, task.tile, consumer_idx, accum);
+  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
+  Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum);
+}
+
+// All consumer threads, after a tile's bulk stores were issued: once they have landed, the row
+// block's counter of `kind` moves on.
+__device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskCounter kind,
+                                    int mblock) {
+  if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
+  consumer_barrier();
+  if (threadIdx.x == 128) raise_counter(view, kind, mblock);
+}
+
+__device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardParams& params,
+                               uint8_t* aligned_smem) {
+  const Loop::Storage smem = Loop::Storage::carve(aligned_smem);
+  if (threadIdx.x == 0) {
+    for (int stage = 0; stage < RingLayout::kNumStages; ++stage) {
+      ptx::mbarrier_init(&smem.full[stage], 1);
+      ptx::mbarrier_init(&smem.empty[stage], gemm::TileConfig::kNumConsumerWarpgroups * 4);
+    }
+    ptx::mbarrier_init(smem.tail, 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const TaskShape shape = task_shape(params);
+  const int compute_idx = static_cast<int>(blockIdx.x) - params.num_comm_ctas;
+  const int num_compute = static_cast<int>(gridDim.x) - params.num_comm_ctas;
+  TaskScheduler scheduler(shape, params.view, params.num_tokens, compute_idx, num_compute);
+  Task task;
+  Loop::State state;
+  const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
+  if (warpgroup_idx == 0) {
+    ptx::setmaxnreg_decrease<40>();
+    if (threadIdx.x / 32 == 0) {
+      const int lane = static_cast<int>(threadIdx.x % 32);
+      uint32_t tail_phase = 0;
+      while (scheduler.next(task)) {
+        if (lane == 0) wait_for_inputs(params, shape, task);
+        __syncwarp();
+        const int kind = static_cast<int>(task.kind);
+        Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                   tail_phase);
+      }
+    }
+  } else {
+    ptx::setmaxnreg_increase<232>();
+    const int consumer_idx = warpgroup_idx - 1;
+    float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
+    while (scheduler.next(task)) {
+      const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
+      switch (task.kind) {
+        case TaskKind::kSharedGateUp:
+        case TaskKind::kGateUp:
+          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
+                                                    accum);
+          publish_tile(params.view,
+                       task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
+                                                      : comm::TaskCounter::kSharedHiddenReady,
+                       task.mblock);
+          break;
+        case TaskKind::kSharedDown:
+          // fp32 from registers; read only by the reduce, after this kernel
+          run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
+                                                   accum);
+          break;
+        case TaskKind::kDown:
+          run_tile<gemm::EpilogueKind::kStoreBf16>(gemm_params, task, consumer_idx, smem, state,
+                                                   accum);
+          publish_tile(params.view, comm::TaskCounter::kOutputReady, task.mblock);
+          break;
+      }
+    }
+    if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
+  }
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+__global__ void __launch_bounds__(kThreads, 1)
+    fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
+                         const __grid_constant__ FusedForwardParams params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(1024) uint8_t dynamic_smem[];
+  // An earlier fault (e.g. a bad expert id found by the schedule) leaves the offsets undefined.
+  if (comm::cta_sees_error(params.view)) return;
+  if (static_cast<int>(blockIdx.x) < params.num_comm_ctas) {
+    communicate(params, static_cast<uint32_t>(
+                            gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kDown)].n,
+                                           gemm::TileConfig::BLOCK_N)));
+    return;
+  }
+  const uint32_t base_address = ptx::smem_address(dynamic_smem);
+  uint8_t* aligned = dynamic_smem + ((RingLayout::kAlignment - base_address % RingLayout::kAlignment) %
+                                     RingLayout::kAlignment);
+  compute(maps, params, aligned);
+#endif
+}
+
+}  // namespace mok::megakernel

@@ -1,0 +1,66 @@
+// Readiness between the CTAs of the fused forward: per-row-block counters in the workspace
+// (comm::TaskCounter), raised with a release after the data they cover is written and awaited
+// with an acquire (and a timeout into the error record) before it is read.
+//
+// Writers and readers use different proxies: the dispatch writes rows with ordinary stores and the
+// GEMM epilogues with bulk copies (async proxy); the mainloops read with TMA (async proxy) and the
+// combine with ordinary loads. A bulk copy's completion makes its writes visible to the generic
+// proxy, so every release below is generic; a reader that goes on with TMA fences the async proxy
+// after its acquire.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/comm/workspace_layout.cuh"
+
+namespace mok::megakernel {
+
+__device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* counter) {
+  uint32_t value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+
+// One thread: everything this thread (and, through an earlier barrier, its CTA) wrote is visible
+// before the counter moves.
+__device__ __forceinline__ void raise_counter(const comm::WorkspaceView& view,
+                                              comm::TaskCounter kind, int mblock) {
+  __threadfence();
+  atomicAdd(view.task_counters(kind) + mblock, 1u);
+}
+
+// One thread waits until the counter reaches `target`. False, after recording a timeout (or on
+// seeing an earlier error), when it never does; the caller then goes on without the data (the
+// call has failed and the host reports it).
+__device__ inline bool wait_counter(const comm::WorkspaceView& view, comm::TaskCounter kind,
+                                    int mblock, uint32_t target, comm::Phase phase) {
+  const uint32_t* counter = view.task_counters(kind) + mblock;
+  comm::ErrorRecord* error = &view.state()->error;
+  const uint64_t start_ns = comm::global_timer_ns();
+  for (uint32_t spin = 0;; ++spin) {
+    const uint32_t seen = load_acquire_gpu(counter);
+    if (seen >= target) return true;
+    if ((spin & 63u) == 63u) {
+      if (comm::has_error(error)) return false;
+      if (comm::global_timer_ns() - start_ns > view.timeout_ns) {
+        comm::ErrorDetail detail{phase};
+        detail.token = mblock;
+        detail.value = static_cast<int32_t>(seen);
+        detail.expected = target;
+        detail.flag_kind = static_cast<uint32_t>(kind);
+        comm::raise_error(error, comm::ErrorCode::kTaskTimeout, static_cast<uint32_t>(view.rank),
+                          detail);
+        return false;
+      }
+    }
+    __nanosleep(64);
+  }
+}
+
+// The 256 threads of the two consumer warpgroups (named barrier 1; 0 is __syncthreads).
+__device__ __forceinline__ void consumer_barrier() {
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+}
+
+}  // namespace mok::megakernel

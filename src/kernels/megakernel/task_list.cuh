@@ -1,0 +1,143 @@
+// The fused forward's compute tasks: every (128-row block, 256-column block) tile of the four
+// expert GEMMs of one layer, in one dependency order that every compute CTA derives on its own.
+//
+//   kSharedGateUp  x (T, H) -> shared_hidden (T, I_s), SwiGLU        needs nothing
+//   kGateUp        expert_x -> routed_hidden (rows, I), SwiGLU       needs the block's rows dispatched
+//   kSharedDown    shared_hidden -> shared_output (T, H) fp32        needs the block's shared gate/up
+//   kDown          routed_hidden -> expert_y (rows, H) bf16          needs the block's gate/up tiles
+//
+// Rows come in blocks of 128 (BLOCK_M): each local expert's rows start at a block boundary, so
+// block g covers rows [128 g, 128 g + 128) of the expert buffers and belongs to one expert
+// (mblock_expert[g]). The routed blocks are cut into minibatches of `chunk_mblocks` blocks; the
+// list of segments is
+//   SG | R0 | SD | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
+// (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared gate/up tiles run
+// while the first rows arrive, and each minibatch's down tiles wait one minibatch behind its
+// gate/up tiles, so their inputs are normally complete when they start. Within a segment the
+// tiles go column block outer, row block inner: the CTAs running side by side share a weight tile.
+//
+// Task t goes to compute CTA t mod C, and each CTA takes its tasks in increasing t. Every task
+// depends only on tasks earlier in the list (or on the dispatch, which depends on no task), so the
+// earliest unfinished task can always run: the order cannot deadlock while all CTAs are resident.
+#pragma once
+
+#include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/schedule/tile_scheduler.cuh"
+
+namespace mok::megakernel {
+
+enum class TaskKind : int { kSharedGateUp = 0, kGateUp = 1, kSharedDown = 2, kDown = 3 };
+inline constexpr int kNumTaskKinds = 4;
+
+__host__ __device__ constexpr bool is_shared(TaskKind kind) {
+  return kind == TaskKind::kSharedGateUp || kind == TaskKind::kSharedDown;
+}
+
+// The sizes that fix the task list of one call.
+struct TaskShape {
+  int shared_mblocks;  // ceil(T / 128) with a shared expert, else 0
+  int routed_mblocks;  // rows of the local experts (tile padded) / 128
+  int chunk_mblocks;   // row blocks per minibatch, >= 1
+  int n_blocks[kNumTaskKinds];  // 256-column blocks of each GEMM's output (before SwiGLU halving)
+
+  __device__ int num_chunks() const {
+    return (routed_mblocks + chunk_mblocks - 1) / chunk_mblocks;
+  }
+};
+
+struct Task {
+  TaskKind kind;
+  int mblock;             // row block: of the expert rows, or of this rank's tokens (shared)
+  gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take
+};
+
+class TaskScheduler {
+ public:
+  // first: this CTA's first task; stride: the number of compute CTAs.
+  __device__ TaskScheduler(const TaskShape& shape, const comm::WorkspaceView& view,
+                           int num_tokens, int first, int stride)
+      : shape_(shape), mblock_expert_(view.mblock_expert()), offsets_(view.offsets()),
+        counts_(view.counts()), num_tokens_(num_tokens), task_(first), stride_(stride) {
+    const int chunks = shape.num_chunks();
+    num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
+    load_segment(0);
+  }
+
+  __device__ bool next(Task& task) {
+    while (segment_ < num_segments_ && task_ >= segment_first_ + segment_size_) {
+      segment_first_ += segment_size_;
+      load_segment(segment_ + 1);
+    }
+    if (segment_ >= num_segments_) return false;
+    const int local = task_ - segment_first_;
+    const int n_block = local / segment_mblocks_;
+    const int mblock = segment_first_mblock_ + local % segment_mblocks_;
+    task.kind = kind_;
+    task.mblock = mblock;
+    if (is_shared(kind_)) {
+      task.tile = {0, mblock, n_block, 0, num_tokens_};
+    } else {
+      const int expert = mblock_expert_[mblock];
+      const int row_begin = offsets_[expert];
+      task.tile = {expert, mblock - row_begin / gemm::TileConfig::BLOCK_M, n_block, row_begin,
+                   counts_[expert]};
+    }
+    task_ += stride_;
+    return true;
+  }
+
+ private:
+  // Segment `index` of the list in the header comment: its kind and row blocks.
+  __device__ void load_segment(int index) {
+    segment_ = index;
+    if (index >= num_segments_) return;
+    int chunk = 0;
+    if (index == 0) {
+      kind_ = TaskKind::kSharedGateUp;
+    } else if (index == 1) {
+      kind_ = TaskKind::kGateUp;
+    } else if (index == 2) {
+      kind_ = TaskKind::kSharedDown;
+    } else {
+      const int j = index - 3;
+      const int chunks = shape_.num_chunks();
+      if (j % 2 == 1) {
+        kind_ = TaskKind::kDown;
+        chunk = j / 2;
+      } else if (j / 2 + 1 < chunks) {
+        kind_ = TaskKind::kGateUp;
+        chunk = j / 2 + 1;
+      } else {
+        kind_ = TaskKind::kDown;
+        chunk = chunks - 1;
+      }
+    }
+    if (is_shared(kind_)) {
+      segment_first_mblock_ = 0;
+      segment_mblocks_ = shape_.shared_mblocks;
+    } else {
+      segment_first_mblock_ = chunk * shape_.chunk_mblocks;
+      segment_mblocks_ = min(shape_.chunk_mblocks, shape_.routed_mblocks - segment_first_mblock_);
+      if (segment_mblocks_ < 0) segment_mblocks_ = 0;
+    }
+    segment_size_ = segment_mblocks_ * shape_.n_blocks[static_cast<int>(kind_)];
+  }
+
+  TaskShape shape_;
+  const int32_t* mblock_expert_;
+  const int32_t* offsets_;
+  const int32_t* counts_;
+  int num_tokens_;
+  int task_;
+  int stride_;
+  int num_segments_ = 0;
+  int segment_ = 0;
+  int segment_first_ = 0;  // first task index of the segment
+  int segment_size_ = 0;
+  int segment_first_mblock_ = 0;
+  int segment_mblocks_ = 1;
+  TaskKind kind_ = TaskKind::kSharedGateUp;
+};
+
+}  // namespace mok::megakernel

@@ -1,0 +1,85 @@
+// The fused forward's launch: tensor maps of the four GEMMs, their shapes, one launch.
+#include "runtime/fused_forward.hpp"
+
+#include "kernels/megakernel/forward_kernel.cuh"
+#include "mok/error.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/gemm_tensor_map.hpp"
+
+namespace mok {
+
+int fused_forward_shared_bytes() {
+  return static_cast<int>(megakernel::RingLayout::kLaunchBytes);
+}
+
+void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,
+                   int64_t num_tokens, const FusedForwardConfig& config, cudaStream_t stream) {
+  using megakernel::TaskKind;
+  using gemm::TileConfig;
+  const comm::WorkspaceLayout& layout = ws.layout();
+  MOK_CHECK_ARG(layout.block_m == TileConfig::BLOCK_M, "workspace.block_m",
+                "the fused forward needs row blocks of ", TileConfig::BLOCK_M, ", got ",
+                layout.block_m);
+  MOK_CHECK_ARG(config.comm_ctas >= 1 && config.comm_ctas < config.num_ctas, "comm_ctas",
+                "must be in [1, ", config.num_ctas, "), got ", config.comm_ctas);
+  MOK_CHECK_ARG(config.chunk_mblocks >= 1, "chunk_mblocks", "must be >= 1, got ",
+                config.chunk_mblocks);
+  const bool has_shared = shape.has_shared() && num_tokens > 0;
+  const uint64_t experts = static_cast<uint64_t>(layout.experts_per_rank());
+  const uint64_t rows = static_cast<uint64_t>(layout.rows_capacity());
+  const uint64_t tokens_max = static_cast<uint64_t>(layout.tokens_max);
+  const uint64_t hidden = static_cast<uint64_t>(shape.hidden);
+  const uint64_t inter = static_cast<uint64_t>(shape.intermediate);
+  const uint64_t shared_inter = static_cast<uint64_t>(shape.shared_intermediate);
+
+  megakernel::FusedForwardMaps maps{};
+  megakernel::FusedForwardParams params{};
+  auto set = [&](TaskKind kind, const CUtensorMap& a, const CUtensorMap& b, int n, int k,
+                 void* output) {
+    const int index = static_cast<int>(kind);
+    maps.a[index] = a;
+    maps.b[index] = b;
+    params.gemm[index] = {ws.expert_offsets(), static_cast<int>(experts), 0, n, k, output};
+  };
+  // Rows past a call's tokens or past an expert's rows are read but never stored (each output
+  // row depends on its input row only), so every A map spans its buffer's capacity.
+  set(TaskKind::kGateUp,
+      gemm::make_tensor_map_2d(ws.expert_x(), rows, hidden, TileConfig::BLOCK_M, "expert_x"),
+      gemm::make_tensor_map_3d(buffers.gate_up, experts, 2 * inter, hidden, TileConfig::BLOCK_N,
+                               64, "gate_up"),
+      static_cast<int>(2 * inter), static_cast<int>(hidden), buffers.routed_hidden);
+  set(TaskKind::kDown,
+      gemm::make_tensor_map_2d(buffers.routed_hidden, rows, inter, TileConfig::BLOCK_M,
+                               "routed_hidden"),
+      gemm::make_tensor_map_3d(buffers.down, experts, hidden, inter, TileConfig::BLOCK_N, 64,
+                               "down"),
+      static_cast<int>(hidden), static_cast<int>(inter), ws.expert_y());
+  if (has_shared) {
+    set(TaskKind::kSharedGateUp,
+        gemm::make_tensor_map_2d(ws.x(), tokens_max, hidden, TileConfig::BLOCK_M, "x"),
+        gemm::make_tensor_map_3d(buffers.shared_gate_up, 1, 2 * shared_inter, hidden,
+                                 TileConfig::BLOCK_N, 64, "shared_gate_up"),
+        static_cast<int>(2 * shared_inter), static_cast<int>(hidden), buffers.shared_hidden);
+    set(TaskKind::kSharedDown,
+        gemm::make_tensor_map_2d(buffers.shared_hidden, tokens_max, shared_inter,
+                                 TileConfig::BLOCK_M, "shared_hidden"),
+        gemm::make_tensor_map_3d(buffers.shared_down, 1, hidden, shared_inter, TileConfig::BLOCK_N,
+                                 64, "shared_down"),
+        static_cast<int>(hidden), static_cast<int>(shared_inter), buffers.shared_output);
+  }
+  params.view = ws.view();
+  params.num_tokens = static_cast<int>(num_tokens);
+  params.num_comm_ctas = config.comm_ctas;
+  params.chunk_mblocks = config.chunk_mblocks;
+  params.has_shared = has_shared ? 1 : 0;
+
+  const int shared_bytes = fused_forward_shared_bytes();
+  // NOTE: the attribute belongs to the current device; one process may drive several GPUs.
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(megakernel::fused_forward_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  megakernel::fused_forward_kernel<<<config.num_ctas, megakernel::kThreads, shared_bytes, stream>>>(
+      maps, params);
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mok

@@ -1,0 +1,39 @@
+// Launcher of the fused forward kernel (kernels/megakernel/forward_kernel.cuh): dispatch, the
+// shared and routed expert GEMMs and the combine push in one persistent launch. The schedule must
+// have run on the stream before it, and the combine reduce runs after it (runtime/comm_ops.hpp).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/bf16.hpp"
+#include "mok/layer.hpp"
+#include "runtime/workspace.hpp"
+
+namespace mok {
+
+// Device buffers of one call, in the layouts of LayerForward.
+struct FusedForwardBuffers {
+  const bf16* gate_up = nullptr;         // (E_l, 2I, H), gate/up interleaved
+  const bf16* down = nullptr;            // (E_l, H, I)
+  const bf16* shared_gate_up = nullptr;  // (2I_s, H), null without a shared expert
+  const bf16* shared_down = nullptr;     // (H, I_s)
+  bf16* routed_hidden = nullptr;         // (rows_capacity, I)
+  bf16* shared_hidden = nullptr;         // (T_max, I_s)
+  float* shared_output = nullptr;        // (T_max, H)
+};
+
+struct FusedForwardConfig {
+  int num_ctas = 0;       // the persistent grid: one CTA per SM
+  int comm_ctas = 0;      // of which communicate (>= 1, < num_ctas)
+  int chunk_mblocks = 0;  // minibatch, in row blocks of 128 (>= 1)
+};
+
+// Dynamic shared memory of one CTA.
+int fused_forward_shared_bytes();
+
+void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,
+                   int64_t num_tokens, const FusedForwardConfig& config, cudaStream_t stream);
+
+}  // namespace mok

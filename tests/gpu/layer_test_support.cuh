@@ -1,0 +1,170 @@
+// Shared by the GPU layer forward suites (unfused and fused): the problems, one run of
+// LayerForward on every rank with poisoned outputs and its determinism checks, and the comparison
+// with the CPU reference.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mok/compare.hpp"
+#include "mok/gemm.hpp"
+#include "runtime/device.hpp"
+#include "runtime/layer_forward.hpp"
+#include "routing_cases.hpp"
+#include "test_comm_harness.cuh"
+
+namespace mok::comm_test {
+
+#define MOK_REQUIRE_HOPPER_GPUS(count)                                                          \
+  do {                                                                                          \
+    const runtime::GpuSummary gpus_ = runtime::query_gpus();                                    \
+    if (gpus_.num_hopper_gpus < (count)) {                                                      \
+      GTEST_SKIP() << "needs " << (count) << " Hopper GPU(s) for the layer forward; found: "     \
+                   << gpus_.description;                                                        \
+    }                                                                                           \
+  } while (0)
+
+using testing::Case;
+using testing::case_name;
+
+// The tiny preset's shape, or H 512 and I 192: several K blocks and N tiles, a partial N tile.
+inline Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t seed, bool wider = false) {
+  return testing::make_problem(which, num_tokens, seed,
+                               wider ? LayerShape{512, 192, 64, 16, 6} : find_preset("tiny").shape);
+}
+
+struct GpuRun {
+  LayerForwardOptions layer;
+  int repeats = 1;          // eager runs after the first; each must give the first's bits
+  bool use_graph = false;   // then also capture one forward and replay it twice
+  int64_t extra_capacity = 0;
+  // The weights live in the test's own device buffers, passed to every forward (the torch path);
+  // the layer allocates none.
+  bool callers_weights = false;
+};
+
+// y (T_global, H) of the problem computed by LayerForward at EP = `ep`. Every buffer a step
+// writes is NaN-poisoned before each run, so an element nobody wrote shows.
+inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const GpuRun& run) {
+  const std::vector<Communicator>& comms = local_communicators(ep);
+  const int64_t tokens = problem.num_tokens / ep, hidden = problem.shape.hidden;
+  std::vector<bf16> y_all(static_cast<size_t>(problem.num_tokens * hidden));
+  for_each_rank(ep, [&](int rank) {
+    MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
+    const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
+    LayerForwardOptions options = run.layer;
+    options.allocate_weights = !run.callers_weights;
+    LayerForward layer(comms[rank], problem.shape, tokens + run.extra_capacity, options);
+    auto host = [](const auto& view) {
+      return std::vector(view.data, view.data + view.numel());
+    };
+    const LayerWeights& w = inputs.weights;
+    const LayerShape& shape = problem.shape;
+    const int local_experts = static_cast<int>(w.gate.shape[0]);
+    DeviceBuffer<bf16> gate_up(run.callers_weights ? gemm::interleave_gate_up(
+                                                         host(w.gate), host(w.up), local_experts,
+                                                         static_cast<int>(shape.intermediate),
+                                                         static_cast<int>(shape.hidden))
+                                                   : std::vector<bf16>{});
+    DeviceBuffer<bf16> down(run.callers_weights ? host(w.down) : std::vector<bf16>{});
+    const bool shared = run.callers_weights && shape.has_shared();
+    DeviceBuffer<bf16> shared_gate_up(shared ? gemm::interleave_gate_up(
+                                                   host(w.shared_gate), host(w.shared_up), 1,
+                                                   static_cast<int>(shape.shared_intermediate),
+                                                   static_cast<int>(shape.hidden))
+                                             : std::vector<bf16>{});
+    DeviceBuffer<bf16> shared_down(shared ? host(w.shared_down) : std::vector<bf16>{});
+    DeviceLayerWeights callers;
+    if (run.callers_weights) {
+      callers = {gate_up.get(), down.get(), shared ? shared_gate_up.get() : nullptr,
+                 shared ? shared_down.get() : nullptr,
+                 static_cast<int64_t>(gate_up.size()), static_cast<int64_t>(down.size()),
+                 shared ? static_cast<int64_t>(shared_gate_up.size()) : 0,
+                 shared ? static_cast<int64_t>(shared_down.size()) : 0};
+    } else {
+      layer.load_weights(inputs.weights);
+    }
+    DeviceBuffer<bf16> x(host(inputs.tokens.x));                 // (T, H)
+    DeviceBuffer<int32_t> topk_idx(host(inputs.tokens.topk_idx));  // (T, k)
+    DeviceBuffer<float> topk_w(host(inputs.tokens.topk_w));       // (T, k)
+    DeviceBuffer<bf16> y(static_cast<size_t>(tokens * hidden));   // (T, H)
+    cudaStream_t stream = nullptr;
+    MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CommWorkspace& ws = layer.workspace();
+    const size_t row_bytes = static_cast<size_t>(ws.layout().row_bytes());
+    const size_t rows = static_cast<size_t>(ws.layout().rows_capacity());
+    auto poison = [&] {
+      MOK_CUDA_CHECK(cudaMemsetAsync(y.get(), 0xff, y.size() * sizeof(bf16), stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.slots(), 0xff,
+                                     ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_x(), 0xff, rows * row_bytes, stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, rows * row_bytes, stream));
+    };
+    auto enqueue = [&] {
+      if (run.callers_weights) {
+        layer.forward(callers, x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
+      } else {
+        layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
+      }
+    };
+    auto expect_same = [&](const char* what, int index, const std::vector<bf16>& expected) {
+      const int64_t differs = first_difference(y.download(), expected);
+      MOK_CHECK_ARG(differs < 0, what, "rank ", rank, " run ", index,
+                    " differs from the first eager run at element ", differs);
+    };
+
+    poison();
+    enqueue();
+    layer.check(stream);
+    const std::vector<bf16> first = y.download();
+    for (int repeat = 0; repeat < run.repeats; ++repeat) {
+      poison();
+      enqueue();
+      layer.check(stream);
+      expect_same("repeat", repeat, first);
+    }
+    if (run.use_graph) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t graph_exec = nullptr;
+      MOK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      enqueue();
+      MOK_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      MOK_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
+      for (int replay = 0; replay < 2; ++replay) {
+        poison();
+        MOK_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
+        layer.check(stream);
+        expect_same("graph replay", replay, first);
+      }
+      MOK_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
+      MOK_CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+    std::memcpy(y_all.data() + rank * tokens * hidden, first.data(), first.size() * sizeof(bf16));
+  });
+  return y_all;
+}
+
+// The GPU sums K in another order than the CPU reference, so the two agree to rounding: the GPU's
+// error against the fp64 oracle must be within bf16 tolerance and within a small factor of the
+// CPU reference's own error (same rounding points, FlashAttention's rule).
+inline void expect_matches_reference(const Problem& problem, int ep, const std::vector<bf16>& y) {
+  const std::vector<bf16> reference_output = reference_y(problem, ep);
+  std::vector<double> oracle_y;
+  for (const reference::OracleResult& rank :
+       reference::oracle(problem.shape, problem.all_rank_inputs(ep), false)) {
+    oracle_y.insert(oracle_y.end(), rank.y.begin(), rank.y.end());
+  }
+  const ErrorStats gpu = compare(y, oracle_y);
+  const ErrorStats cpu = compare(reference_output, oracle_y);
+  EXPECT_EQ(gpu.non_finite, 0) << "unwritten (NaN) elements in y";
+  EXPECT_TRUE(gpu.within(kBf16Tolerance)) << "GPU vs oracle: " << gpu.describe();
+  EXPECT_LE(gpu.relative_l2, 2.0 * cpu.relative_l2 + 1e-4)
+      << "GPU vs oracle: " << gpu.describe() << "; CPU reference vs oracle: " << cpu.describe();
+}
+
+
+}  // namespace mok::comm_test
