@@ -37,7 +37,6 @@ const char* task_counter_name(uint32_t kind) {
   switch (static_cast<comm::TaskCounter>(kind)) {
     case comm::TaskCounter::kRowsArrived: return "dispatched-rows";
     case comm::TaskCounter::kHiddenReady: return "gate/up-tiles";
-    case comm::TaskCounter::kOutputReady: return "down-tiles";
     case comm::TaskCounter::kSharedHiddenReady: return "shared-gate/up-tiles";
   }
   return "unknown";

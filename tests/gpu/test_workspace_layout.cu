@@ -59,8 +59,6 @@ TEST_P(Layout, RegionsAreDisjointAlignedAndLargeEnough) {
        {"offsets", layout.offsets_offset, (local_experts + 1) * 4},
        {"row_source", layout.row_source_offset, layout.rows_capacity() * 4},
        {"local_row", layout.local_row_offset, tokens * top_k * 4},
-       {"mblock_expert", layout.mblock_expert_offset,
-        (layout.rows_capacity() + layout.block_m - 1) / layout.block_m * 4},
        {"task_counters", layout.task_counters_offset,
         kNumTaskCounters *
             ((std::max(layout.rows_capacity(), tokens) + layout.block_m - 1) / layout.block_m) *

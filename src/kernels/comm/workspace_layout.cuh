@@ -16,7 +16,6 @@
 //   local_row     (T_max, k) int32                    for this rank's own (t, j) served by a local
 //                                                     expert: its row in expert_y (the combine
 //                                                     reads it there instead of copying it)
-//   mblock_expert (mblocks_capacity) int32            local expert of each 128-row block of rows
 //   task_counters (kNumTaskCounters, mblocks_capacity) readiness counts of the fused forward's row
 //                 uint32                              blocks (kernels/megakernel), zeroed per call
 //   expert_x      (rows_capacity, H) bf16             dispatched rows, expert-major, global order
@@ -35,10 +34,9 @@ inline constexpr int64_t kRegionAlignment = 4096;
 enum class TaskCounter : int {
   kRowsArrived = 0,        // expert rows the dispatch has copied into the block
   kHiddenReady = 1,        // routed gate/up tiles of the block stored
-  kOutputReady = 2,        // routed down tiles of the block stored
-  kSharedHiddenReady = 3,  // shared gate/up tiles stored (block of this rank's tokens)
+  kSharedHiddenReady = 2,  // shared gate/up tiles stored (block of this rank's tokens)
 };
-inline constexpr int kNumTaskCounters = 4;
+inline constexpr int kNumTaskCounters = 3;
 
 // Which readiness flag: each has one uint32 slot per source rank in every rank's window.
 enum class FlagKind : int {
@@ -55,7 +53,7 @@ struct DeviceState {
   uint32_t barrier_epoch;     // bumped by each standalone barrier
   uint32_t gather_arrivals;   // CTAs of the gather push that finished this call
   uint32_t combine_arrivals;  // CTAs of the combine push that finished this call
-  uint32_t fused_arrivals;    // communication CTAs of the fused forward that finished this call
+  uint32_t down_tiles_done;   // routed down tiles of the fused forward stored this call
   ErrorRecord error;
 };
 
@@ -74,7 +72,7 @@ struct WorkspaceLayout {
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
   int64_t slots_offset = 0, window_bytes = 0;
   int64_t state_offset = 0, counts_offset = 0, offsets_offset = 0, row_source_offset = 0;
-  int64_t local_row_offset = 0, mblock_expert_offset = 0, task_counters_offset = 0;
+  int64_t local_row_offset = 0, task_counters_offset = 0;
   int64_t expert_x_offset = 0, expert_y_offset = 0, local_bytes = 0;
 
   MOK_COMM_HOST_DEVICE int64_t experts_per_rank() const { return num_experts / num_ranks; }
@@ -120,7 +118,6 @@ struct WorkspaceLayout {
     layout.offsets_offset = take((layout.experts_per_rank() + 1) * 4);
     layout.row_source_offset = take(layout.rows_capacity() * 4);
     layout.local_row_offset = take(tokens_max * top_k * 4);
-    layout.mblock_expert_offset = take(layout.mblocks_capacity() * 4);
     layout.task_counters_offset = take(kNumTaskCounters * layout.mblocks_capacity() * 4);
     layout.expert_x_offset = take(layout.rows_capacity() * layout.row_bytes());
     layout.expert_y_offset = take(layout.rows_capacity() * layout.row_bytes());
@@ -173,9 +170,6 @@ struct WorkspaceView {
   }
   MOK_COMM_HOST_DEVICE int32_t* local_row() const {  // (T_max, k)
     return reinterpret_cast<int32_t*>(local + layout.local_row_offset);
-  }
-  MOK_COMM_HOST_DEVICE int32_t* mblock_expert() const {
-    return reinterpret_cast<int32_t*>(local + layout.mblock_expert_offset);
   }
   // The counters of one kind, one per row block; kind 0's are the start of all of them.
   MOK_COMM_HOST_DEVICE uint32_t* task_counters(TaskCounter kind) const {

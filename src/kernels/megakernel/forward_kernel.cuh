@@ -1,15 +1,14 @@
 // The fused forward of one MoE layer on one rank: one persistent launch, one CTA per SM, between
 // the schedule (before) and the combine reduce (after).
 //
-//   communication CTAs (blockIdx < num_comm_ctas)
-//     dispatch   pull every routed row into expert_x in row order, counting each row block's
-//                arrivals (TaskCounter::kRowsArrived)
-//     combine    for each row block whose down tiles are all stored (kOutputReady), push its rows
-//                of peers' tokens into their owners' slots; the last CTA out raises this rank's
-//                combine flag on every rank, which the reduce waits for
+//   communication CTAs (blockIdx < num_comm_ctas): dispatch — pull every routed row into
+//     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived)
 //   compute CTAs (the rest): the GEMM engine's producer warpgroup and two consumer warpgroups run
 //     the task list of task_list.cuh. The producer waits for a task's inputs before loading its
-//     first k-block; the consumers, after a tile's stores complete, raise its row block's counter.
+//     first k-block; after a gate/up tile's stores complete, the consumers raise its row block's
+//     counter. The down tiles' epilogue is the combine push (combine_store.cuh): each row goes
+//     to its owner's slot. When the last down tile of this rank has landed, this rank's combine
+//     flag goes up on every rank, and the reduce (the next launch) waits for it.
 //
 // Every output element is computed by the same tile code, in the same k order, as the unfused
 // composition (LayerForward with fused = false), so the two agree bitwise; no value depends on
@@ -23,6 +22,7 @@
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/mainloop.cuh"
+#include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/ptx/barrier.cuh"
@@ -55,8 +55,7 @@ inline constexpr int kCopyUnroll = 8;
 
 // ---- communication ----------------------------------------------------------------------------
 
-// One warp copies one row (row_bytes, a multiple of 16). `source` may have been written during
-// this kernel (expert_y) or by a peer: loads bypass L1.
+// One warp copies one row (row_bytes, a multiple of 16) from a peer's window: loads bypass L1.
 __device__ inline void copy_row(const char* source, char* destination, int64_t row_bytes,
                                 int lane) {
   const int4* from = reinterpret_cast<const int4*>(source);
@@ -77,7 +76,7 @@ __device__ inline void copy_row(const char* source, char* destination, int64_t r
   }
 }
 
-__device__ inline void communicate(const FusedForwardParams& params, uint32_t down_tiles) {
+__device__ inline void communicate(const FusedForwardParams& params) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
   comm::DeviceState* state = view.state();
@@ -104,39 +103,9 @@ __device__ inline void communicate(const FusedForwardParams& params, uint32_t do
     }
   }
 
-  __shared__ int block_ready;
-  const int64_t num_mblocks = num_rows / gemm::TileConfig::BLOCK_M;
-  for (int64_t mblock = blockIdx.x; mblock < num_mblocks; mblock += params.num_comm_ctas) {
-    if (threadIdx.x == 0) {
-      block_ready = wait_counter(view, comm::TaskCounter::kOutputReady, static_cast<int>(mblock),
-                                 down_tiles, comm::Phase::kCombine)
-                        ? 1
-                        : 0;
-    }
-    __syncthreads();
-    const bool ready = block_ready != 0;
-    __syncthreads();
-    if (!ready) break;  // the call failed; the reduce reports it
-    const int64_t first = mblock * gemm::TileConfig::BLOCK_M;
-    for (int64_t row = first + warp; row < first + gemm::TileConfig::BLOCK_M; row += warps) {
-      const int32_t packed = row_source[row];
-      if (packed < 0) continue;
-      const comm::RowSource source = comm::unpack_row_source(layout, packed);
-      if (source.rank == view.rank) continue;  // read in place by the reduce
-      copy_row(view.expert_y_row(row), view.slot_row(source.rank, source.token, source.slot),
-               layout.row_bytes(), lane);
-    }
-  }
-
-  // The last communication CTA out tells every rank that this rank's rows are in its slots.
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t previous = atomicAdd(&state->fused_arrivals, 1u);
-    if (previous == static_cast<uint32_t>(params.num_comm_ctas) - 1) {
-      __threadfence_system();
-      comm::signal_all_ranks(view, comm::FlagKind::kCombine, epoch);
-    }
+  // A rank with no routed rows has no down tile to raise its combine flag.
+  if (num_rows == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    comm::signal_all_ranks(view, comm::FlagKind::kCombine, epoch);
   }
 }
 
@@ -148,6 +117,7 @@ __device__ inline TaskShape task_shape(const FusedForwardParams& params) {
       params.has_shared ? gemm::ceil_div(params.num_tokens, gemm::TileConfig::BLOCK_M) : 0;
   shape.routed_mblocks =
       params.view.offsets()[params.view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
+  shape.num_experts = static_cast<int>(params.view.layout.experts_per_rank());
   shape.chunk_mblocks = params.chunk_mblocks;
   for (int kind = 0; kind < kNumTaskKinds; ++kind) {
     shape.n_blocks[kind] = gemm::ceil_div(params.gemm[kind].n, gemm::TileConfig::BLOCK_N);
@@ -202,6 +172,24 @@ __device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskC
   if (threadIdx.x == 128) raise_counter(view, kind, mblock);
 }
 
+// All consumer threads, once their last bulk copies have landed: count this CTA's down tiles; the
+// CTA that completes the rank's count raises the combine flag on every rank.
+__device__ inline void finish_down_tiles(const FusedForwardParams& params, const TaskShape& shape,
+                                         uint32_t down_tiles) {
+  consumer_barrier();
+  if (threadIdx.x != 128) return;
+  const comm::WorkspaceView& view = params.view;
+  comm::DeviceState* state = view.state();
+  const uint32_t total = static_cast<uint32_t>(shape.routed_mblocks) *
+                         static_cast<uint32_t>(shape.n_blocks[static_cast<int>(TaskKind::kDown)]);
+  __threadfence_system();  // the rows this CTA wrote into peers' slots, before the count
+  const uint32_t previous = atomicAdd(&state->down_tiles_done, down_tiles);
+  if (previous + down_tiles == total) {
+    __threadfence_system();
+    comm::signal_all_ranks(view, comm::FlagKind::kCombine, state->epoch);
+  }
+}
+
 __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardParams& params,
                                uint8_t* aligned_smem) {
   const Loop::Storage smem = Loop::Storage::carve(aligned_smem);
@@ -239,6 +227,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     ptx::setmaxnreg_increase<232>();
     const int consumer_idx = warpgroup_idx - 1;
     float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
+    uint32_t down_tiles = 0;  // stored by this CTA
     while (scheduler.next(task)) {
       const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
       switch (task.kind) {
@@ -256,14 +245,19 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
                                                    accum);
           break;
-        case TaskKind::kDown:
-          run_tile<gemm::EpilogueKind::kStoreBf16>(gemm_params, task, consumer_idx, smem, state,
-                                                   accum);
-          publish_tile(params.view, comm::TaskCounter::kOutputReady, task.mblock);
+        case TaskKind::kDown: {
+          using Store = gemm::Epilogue<gemm::GemmKind::kForward, gemm::EpilogueKind::kStoreBf16>;
+          Store::init(gemm_params, task.tile, consumer_idx, accum);
+          Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
+          store_rows_to_owners<RingLayout::kStagingPitch>(params.view, gemm_params.n, task.tile,
+                                                          consumer_idx, smem.staging, accum);
+          ++down_tiles;
           break;
+        }
       }
     }
     if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
+    if (down_tiles > 0) finish_down_tiles(params, shape, down_tiles);
   }
 }
 
@@ -277,9 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // An earlier fault (e.g. a bad expert id found by the schedule) leaves the offsets undefined.
   if (comm::cta_sees_error(params.view)) return;
   if (static_cast<int>(blockIdx.x) < params.num_comm_ctas) {
-    communicate(params, static_cast<uint32_t>(
-                            gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kDown)].n,
-                                           gemm::TileConfig::BLOCK_N)));
+    communicate(params);
     return;
   }
   const uint32_t base_address = ptx::smem_address(dynamic_smem);

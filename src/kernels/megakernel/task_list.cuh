@@ -7,14 +7,17 @@
 //   kDown          routed_hidden -> expert_y (rows, H) bf16          needs the block's gate/up tiles
 //
 // Rows come in blocks of 128 (BLOCK_M): each local expert's rows start at a block boundary, so
-// block g covers rows [128 g, 128 g + 128) of the expert buffers and belongs to one expert
-// (mblock_expert[g]). The routed blocks are cut into minibatches of `chunk_mblocks` blocks; the
-// list of segments is
+// block g covers rows [128 g, 128 g + 128) of the expert buffers and belongs to one expert. The
+// routed blocks are cut into minibatches of about `chunk_mblocks` blocks along expert boundaries
+// (minibatch k holds the experts whose first block lies in [k B, (k + 1) B)); the list of
+// segments is
 //   SG | R0 | SD | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
 // (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared gate/up tiles run
 // while the first rows arrive, and each minibatch's down tiles wait one minibatch behind its
 // gate/up tiles, so their inputs are normally complete when they start. Within a segment the
-// tiles go column block outer, row block inner: the CTAs running side by side share a weight tile.
+// tiles go expert by expert, and within an expert column block outer, row block inner, as in the
+// standalone grouped GEMM: the CTAs running side by side share the expert's weight tiles and its
+// rows through L2.
 //
 // Task t goes to compute CTA t mod C, and each CTA takes its tasks in increasing t. Every task
 // depends only on tasks earlier in the list (or on the dispatch, which depends on no task), so the
@@ -36,6 +39,7 @@ __host__ __device__ constexpr bool is_shared(TaskKind kind) {
 
 // The sizes that fix the task list of one call.
 struct TaskShape {
+  int num_experts;     // local experts
   int shared_mblocks;  // ceil(T / 128) with a shared expert, else 0
   int routed_mblocks;  // rows of the local experts (tile padded) / 128
   int chunk_mblocks;   // row blocks per minibatch, >= 1
@@ -57,8 +61,8 @@ class TaskScheduler {
   // first: this CTA's first task; stride: the number of compute CTAs.
   __device__ TaskScheduler(const TaskShape& shape, const comm::WorkspaceView& view,
                            int num_tokens, int first, int stride)
-      : shape_(shape), mblock_expert_(view.mblock_expert()), offsets_(view.offsets()),
-        counts_(view.counts()), num_tokens_(num_tokens), task_(first), stride_(stride) {
+      : shape_(shape), offsets_(view.offsets()), counts_(view.counts()), num_tokens_(num_tokens),
+        task_(first), stride_(stride) {
     const int chunks = shape.num_chunks();
     num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
     load_segment(0);
@@ -70,18 +74,23 @@ class TaskScheduler {
       load_segment(segment_ + 1);
     }
     if (segment_ >= num_segments_) return false;
-    const int local = task_ - segment_first_;
-    const int n_block = local / segment_mblocks_;
-    const int mblock = segment_first_mblock_ + local % segment_mblocks_;
     task.kind = kind_;
-    task.mblock = mblock;
     if (is_shared(kind_)) {
-      task.tile = {0, mblock, n_block, 0, num_tokens_};
+      const int local = task_ - segment_first_;
+      const int mblock = local % shape_.shared_mblocks;
+      task.mblock = mblock;
+      task.tile = {0, mblock, local / shape_.shared_mblocks, 0, num_tokens_};
     } else {
-      const int expert = mblock_expert_[mblock];
-      const int row_begin = offsets_[expert];
-      task.tile = {expert, mblock - row_begin / gemm::TileConfig::BLOCK_M, n_block, row_begin,
-                   counts_[expert]};
+      // The segment's experts in order; the task lies inside the segment, so inside one of them.
+      while (task_ >= expert_first_task_ + expert_tiles_) {
+        expert_first_task_ += expert_tiles_;
+        load_expert(expert_ + 1);
+      }
+      const int local = task_ - expert_first_task_;
+      const int row_begin = offsets_[expert_];
+      const int m_block = local % expert_mblocks_;
+      task.mblock = row_begin / gemm::TileConfig::BLOCK_M + m_block;
+      task.tile = {expert_, m_block, local / expert_mblocks_, row_begin, counts_[expert_]};
     }
     task_ += stride_;
     return true;
@@ -113,19 +122,41 @@ class TaskScheduler {
         chunk = chunks - 1;
       }
     }
+    const int n_blocks = shape_.n_blocks[static_cast<int>(kind_)];
     if (is_shared(kind_)) {
-      segment_first_mblock_ = 0;
-      segment_mblocks_ = shape_.shared_mblocks;
-    } else {
-      segment_first_mblock_ = chunk * shape_.chunk_mblocks;
-      segment_mblocks_ = min(shape_.chunk_mblocks, shape_.routed_mblocks - segment_first_mblock_);
-      if (segment_mblocks_ < 0) segment_mblocks_ = 0;
+      segment_size_ = shape_.shared_mblocks * n_blocks;
+      return;
     }
-    segment_size_ = segment_mblocks_ * shape_.n_blocks[static_cast<int>(kind_)];
+    constexpr int kRows = gemm::TileConfig::BLOCK_M;
+    const int first = first_expert_at(chunk * shape_.chunk_mblocks * kRows);
+    const int end = first_expert_at((chunk + 1) * shape_.chunk_mblocks * kRows);
+    segment_size_ = (offsets_[end] - offsets_[first]) / kRows * n_blocks;
+    expert_first_task_ = segment_first_;
+    load_expert(first);
+  }
+
+  // The first local expert whose rows start at or after `row` (num_experts when none does).
+  __device__ int first_expert_at(int row) const {
+    int low = 0, high = shape_.num_experts;
+    while (low < high) {
+      const int middle = (low + high) / 2;
+      if (offsets_[middle] < row) {
+        low = middle + 1;
+      } else {
+        high = middle;
+      }
+    }
+    return low;
+  }
+
+  __device__ void load_expert(int expert) {
+    expert_ = expert;
+    if (expert >= shape_.num_experts) return;  // past the segment: never decoded
+    expert_mblocks_ = (offsets_[expert + 1] - offsets_[expert]) / gemm::TileConfig::BLOCK_M;
+    expert_tiles_ = expert_mblocks_ * shape_.n_blocks[static_cast<int>(kind_)];
   }
 
   TaskShape shape_;
-  const int32_t* mblock_expert_;
   const int32_t* offsets_;
   const int32_t* counts_;
   int num_tokens_;
@@ -135,9 +166,12 @@ class TaskScheduler {
   int segment_ = 0;
   int segment_first_ = 0;  // first task index of the segment
   int segment_size_ = 0;
-  int segment_first_mblock_ = 0;
-  int segment_mblocks_ = 1;
   TaskKind kind_ = TaskKind::kSharedGateUp;
+  // Routed segments: the expert the cursor is at, its first task, row blocks and tiles.
+  int expert_ = 0;
+  int expert_first_task_ = 0;
+  int expert_mblocks_ = 0;
+  int expert_tiles_ = 0;
 };
 
 }  // namespace mok::megakernel

@@ -6,8 +6,7 @@
 //                      each local expert
 //   4. order_rows      one CTA per local expert: offsets (each expert starts at a multiple of
 //                      block_m) and the expert's rows in global token order (rank * T_max + t,
-//                      then slot j), padding marked -1; the expert of each of its row blocks
-//                      (mblock_expert); for this rank's own tokens, the row of
+//                      then slot j), padding marked -1; for this rank's own tokens, the row of
 //                      each (t, j) (local_row), so the combine can read it in place
 // Kernel boundaries separate the steps; within a step nothing depends on timing.
 #pragma once
@@ -36,7 +35,7 @@ __device__ inline void begin_call(const WorkspaceView& view) {
     state->epoch += 1;
     state->gather_arrivals = 0;
     state->combine_arrivals = 0;
-    state->fused_arrivals = 0;
+    state->down_tiles_done = 0;
   }
 }
 
@@ -196,9 +195,6 @@ __device__ inline void order_rows(const WorkspaceView& view) {
   }
   for (int64_t pad = count + threadIdx.x; pad < padded; pad += blockDim.x) {
     row_source[first_row + pad] = -1;
-  }
-  for (int64_t block = threadIdx.x; block < padded / layout.block_m; block += blockDim.x) {
-    view.mblock_expert()[first_row / layout.block_m + block] = static_cast<int32_t>(local_expert);
   }
 }
 
