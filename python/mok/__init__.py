@@ -1,13 +1,15 @@
 """mok: a deterministic Mixture-of-Experts layer (shared + routed SwiGLU experts, top-k combine).
 
-`mok.functional` is the op-level API, `mok.nn.MoE` a module that drops into a model. CPU tensors
-run mok's CPU backend (the reference, with the GPU design's rounding points); the GPU layer is
-not in this build yet.
+`mok.functional` is the op-level API, `mok.nn.MoE` a module that drops into a model.
+CPU tensors run mok's CPU backend (the reference, with the GPU design's rounding points), forward
+and backward. CUDA tensors (Hopper) run mok's GPU layer forward, expert-parallel over a
+torch.distributed group; their backward is a plain-PyTorch reference (`mok._reference`) until
+mok's GPU backward is built.
 """
 
 from . import _ops  # noqa: F401  (loads the ops before anything uses them)
 from . import functional, nn
-from .functional import ExpertWeights, MoKConfig
+from .functional import ExpertWeights, FusedExpertWeights, MoKConfig
 
-__all__ = ["functional", "nn", "ExpertWeights", "MoKConfig"]
+__all__ = ["functional", "nn", "ExpertWeights", "FusedExpertWeights", "MoKConfig"]
 __version__ = "0.1.0"

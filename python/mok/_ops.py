@@ -1,5 +1,7 @@
-"""Loads the compiled torch ops (mok::forward, mok::backward) and registers their fake (meta)
-implementations, for torch.compile, and their autograd formula."""
+"""Loads the compiled torch ops (mok::forward, mok::backward and the workspace ops) and registers
+what is written in Python: the fake (meta) implementations, for torch.compile; the autograd formula
+of mok::forward; and the CUDA kernel of mok::backward, which is the plain-PyTorch REFERENCE of
+`mok._reference` (mok's GPU backward is not built yet; the GPU forward is mok's)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from . import _reference
 
 
 def _load_library() -> Path:
@@ -26,6 +30,11 @@ def _load_library() -> Path:
 
 
 LIBRARY_PATH = _load_library()
+HAVE_GPU_LAYER: bool = bool(torch.ops.mok.have_gpu_layer())
+
+# The process group of each workspace handle (handle 0, the automatic EP = 1 workspace: none), for
+# the reference backward's all_to_all. Written by mok.functional.create_workspace.
+WORKSPACE_GROUPS: dict = {}
 
 
 def _f32_like(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -35,45 +44,53 @@ def _f32_like(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor
 
 
 @torch.library.register_fake("mok::forward")
-def _forward_fake(x, topk_idx, topk_w, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down):
+def _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace=0):
     torch._check(x.dim() == 2, lambda: f"x: expected (T, H), got {x.dim()} dimensions")
     torch._check(topk_idx.shape == topk_w.shape, lambda: "topk_idx and topk_w: shapes differ")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("mok::backward")
-def _backward_fake(dy, x, topk_idx, topk_w, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down):
+def _backward_fake(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace=0):
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         _f32_like(topk_w, x.device),
-        _f32_like(w_gate, x.device),
-        _f32_like(w_up, x.device),
+        _f32_like(w_gate_up, x.device),
         _f32_like(w_down, x.device),
-        _f32_like(w_shared_gate, x.device),
-        _f32_like(w_shared_up, x.device),
+        _f32_like(w_shared_gate_up, x.device),
         _f32_like(w_shared_down, x.device),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-    ctx.has_shared = inputs[6] is not None
+    ctx.save_for_backward(*inputs[:7])
+    ctx.workspace = inputs[7] if len(inputs) > 7 else 0
+    ctx.num_inputs = len(inputs)
+    ctx.has_shared = inputs[5] is not None
 
 
 def _backward(ctx, grad_y):
-    x, topk_idx, topk_w, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down = ctx.saved_tensors
-    dx, d_topk_w, grad_gate, grad_up, grad_down, grad_sg, grad_su, grad_sd = torch.ops.mok.backward(
-        grad_y.contiguous(), x, topk_idx, topk_w, w_gate, w_up, w_down,
-        w_shared_gate, w_shared_up, w_shared_down,
+    x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down = ctx.saved_tensors
+    dx, d_topk_w, grad_gate_up, grad_down, grad_sgu, grad_sd = torch.ops.mok.backward(
+        grad_y.contiguous(), x, topk_idx, topk_w, w_gate_up, w_down,
+        w_shared_gate_up, w_shared_down, ctx.workspace,
     )
     # Autograd wants each gradient in its input's dtype; mok.functional.backward keeps fp32.
-    shared = (
-        (grad_sg.to(w_shared_gate.dtype), grad_su.to(w_shared_up.dtype), grad_sd.to(w_shared_down.dtype))
-        if ctx.has_shared
-        else (None, None, None)
-    )
-    return (dx, None, d_topk_w.to(topk_w.dtype), grad_gate.to(w_gate.dtype),
-            grad_up.to(w_up.dtype), grad_down.to(w_down.dtype), *shared)
+    shared = ((grad_sgu.to(w_shared_gate_up.dtype), grad_sd.to(w_shared_down.dtype))
+              if ctx.has_shared else (None, None))
+    grads = (dx, None, d_topk_w.to(topk_w.dtype), grad_gate_up.to(w_gate_up.dtype),
+             grad_down.to(w_down.dtype), *shared, None)
+    return grads[:ctx.num_inputs]
 
 
 torch.library.register_autograd("mok::forward", _backward, setup_context=_setup_context)
+
+
+def _backward_cuda(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace=0):
+    """mok::backward on CUDA tensors: the labelled plain-PyTorch reference (see mok._reference)."""
+    return _reference.backward(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
+                               w_shared_down, WORKSPACE_GROUPS.get(workspace))
+
+
+_CUDA_KERNELS = torch.library.Library("mok", "IMPL")
+_CUDA_KERNELS.impl("backward", _backward_cuda, "CUDA")

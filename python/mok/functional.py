@@ -1,29 +1,53 @@
 """The op-level API: config, workspace, schedule, forward, backward, recompute.
 
 Shapes and dtypes (T tokens on this rank, H hidden, I expert intermediate, I_s shared
-intermediate, E experts, k top-k):
+intermediate, E experts in all, E_l = E / R of them on this rank of R):
     x          (T, H)        bfloat16
     topk_idx   (T, k)        int32 or int64, global expert ids, distinct per row, -1 = unused slot
     topk_w     (T, k)        float32, any sign
-    w_gate     (E, I, H)     bfloat16   w_up the same, w_down (E, H, I)   ([.., out, in] layout)
-    w_shared_* (I_s, H), (I_s, H), (H, I_s) bfloat16, or None for no shared expert
+    weights, either layout ([.., out, in], bfloat16):
+      FusedExpertWeights (what mok computes on; no copy per call):
+        w_gate_up (E_l, 2I, H): gate and up rows interleaved in blocks of 8 (rows 16b..16b+7 are
+                  gate rows 8b..8b+7, rows 16b+8..16b+15 up rows 8b..8b+7; I % 8 == 0),
+        w_down (E_l, H, I), w_shared_gate_up (2I_s, H) interleaved alike, w_shared_down (H, I_s)
+      ExpertWeights (separate gate and up; fused into a new tensor on every call):
+        w_gate, w_up (E_l, I, H), w_down (E_l, H, I), w_shared_* (I_s, H), (I_s, H), (H, I_s)
+      Shared weights None: no shared expert. fuse_gate_up / split_gate_up convert.
     y, dx      (T, H)        bfloat16;  d_topk_w (T, k) float32;  weight gradients float32
+
+What runs where:
+    CPU tensors   forward and backward: mok's CPU backend (the reference, the GPU's rounding
+                  points), one rank.
+    CUDA tensors  forward: mok's GPU layer (LayerForward) on the current CUDA stream, no host
+                  synchronisation, EP over the workspace's process group, bitwise EP-invariant.
+                  backward: a plain-PyTorch REFERENCE (mok._reference: fp32 recompute, all_to_all
+                  over the group, host syncs), not mok's kernel; mok's GPU backward is not built yet.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import _ops  # noqa: F401
+from . import _ops
+from ._reference import fuse_gate_up, split_gate_up
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 SUPPORTED_PRECISIONS = ("bf16",)
 
+__all__ = [
+    "ExpertWeights", "FusedExpertWeights", "MoKConfig", "LayerShape", "Workspace", "create_workspace",
+    "get_workspace", "release_workspaces", "check_errors", "reset_after_error", "build_schedule", "forward",
+    "backward", "Gradients", "ForwardContext", "recompute_forward_context", "fuse_gate_up", "split_gate_up",
+]
+
 
 class ExpertWeights(NamedTuple):
+    """Separate gate and up weights. mok fuses them into a new tensor on every call: keep
+    FusedExpertWeights (e.g. mok.nn.MoE's parameters) to avoid that copy."""
+
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
@@ -31,11 +55,51 @@ class ExpertWeights(NamedTuple):
     w_shared_up: Optional[torch.Tensor] = None
     w_shared_down: Optional[torch.Tensor] = None
 
+    def fused(self) -> "FusedExpertWeights":
+        """The fused layout (new tensors; differentiable)."""
+        shared = (self.w_shared_gate, self.w_shared_up, self.w_shared_down)
+        if any(t is None for t in shared) and any(t is not None for t in shared):
+            raise ValueError("w_shared_gate, w_shared_up, w_shared_down: give all three or none")
+        has_shared = self.w_shared_gate is not None
+        return FusedExpertWeights(
+            fuse_gate_up(self.w_gate, self.w_up), self.w_down,
+            fuse_gate_up(self.w_shared_gate, self.w_shared_up) if has_shared else None,
+            self.w_shared_down)
+
+
+class FusedExpertWeights(NamedTuple):
+    """The layout mok computes on (module docstring): passed to the op as they are."""
+
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    w_shared_gate_up: Optional[torch.Tensor] = None
+    w_shared_down: Optional[torch.Tensor] = None
+
+    def unfused(self) -> ExpertWeights:
+        """Separate gate and up (new tensors)."""
+        gate, up = split_gate_up(self.w_gate_up)
+        shared = (*split_gate_up(self.w_shared_gate_up), self.w_shared_down) \
+            if self.w_shared_gate_up is not None else (None, None, None)
+        return ExpertWeights(gate, up, self.w_down, *shared)
+
+
+AnyExpertWeights = Union[ExpertWeights, FusedExpertWeights]
+
+
+def _fused(weights: AnyExpertWeights) -> FusedExpertWeights:
+    if isinstance(weights, FusedExpertWeights):
+        return weights
+    if isinstance(weights, ExpertWeights):
+        return weights.fused()
+    raise TypeError(f"weights: expected mok.functional.FusedExpertWeights or ExpertWeights, got {type(weights).__name__}")
+
 
 @dataclasses.dataclass(frozen=True)
 class MoKConfig:
     """Scheduling knobs of the GPU layer. None picks the heuristic's value. Results are bitwise
-    the same for every setting (the determinism contract); only speed changes."""
+    the same for every setting (the determinism contract); only speed changes. The current GPU
+    layer (separate kernels, not yet the megakernel) uses num_comm_sms (the dispatch and combine
+    CTAs) and ignores minibatch_tokens and ring_rows."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -62,11 +126,14 @@ class LayerShape:
     shared_intermediate: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Workspace:
-    """What one layer call needs besides its tensors, sized from shapes only. On the CPU backend
-    that is the shapes and the expert-parallel placement; the GPU layer adds its symmetric
-    memory window here."""
+    """What one layer call needs besides its tensors, sized from shapes only: on CUDA, the GPU
+    layer's buffers and NCCL window for `max_tokens_per_rank` tokens (the same on every rank) and
+    the communicator over `group`; on CPU, the shapes alone. A call with more tokens raises
+    ValueError: growing would need every rank to agree (a collective with a host sync), so size it
+    for the largest batch. Calls that pass no workspace use, at EP = 1 on CUDA, an automatic
+    one per (device, shape) that grows instead (synchronising the device once per growth)."""
 
     shape: LayerShape
     max_tokens_per_rank: int
@@ -74,8 +141,10 @@ class Workspace:
     config: MoKConfig
     ep_size: int = 1
     ep_rank: int = 0
+    group: object = None
+    handle: int = 0  # the extension's workspace (0: none, CPU)
 
-    def check(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: ExpertWeights) -> None:
+    def check(self, x: torch.Tensor, topk_idx: torch.Tensor, weights: AnyExpertWeights) -> None:
         shape = self.shape
         if x.device != self.device:
             raise ValueError(f"x: on {x.device}, the workspace is for {self.device}")
@@ -86,8 +155,19 @@ class Workspace:
         if topk_idx.shape != (x.shape[0], shape.top_k):
             raise ValueError(f"topk_idx: shape {tuple(topk_idx.shape)}, expected ({x.shape[0]}, {shape.top_k})")
         local = shape.num_experts // self.ep_size
-        if weights.w_gate.shape[0] != local:
-            raise ValueError(f"w_gate: {weights.w_gate.shape[0]} experts, this rank holds {local}")
+        first = weights[0]
+        if first.shape[0] != local:
+            raise ValueError(f"{weights._fields[0]}: {first.shape[0]} experts, this rank holds {local}")
+
+    def close(self) -> None:
+        """Frees the GPU workspace now (collective: every rank of the group at once). Otherwise it
+        lives until the process ends."""
+        if self.handle:
+            torch.ops.mok.destroy_workspace(self.handle)
+            _ops.WORKSPACE_GROUPS.pop(self.handle, None)
+            self.handle = 0
+        for key in [key for key, value in _WORKSPACES.items() if value is self]:
+            del _WORKSPACES[key]
 
 
 _WORKSPACES: dict = {}
@@ -99,9 +179,26 @@ def _ep_placement(group) -> tuple[int, int]:
     return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
 
 
+def _cuda_device(device) -> torch.device:
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _unique_id(group, ep_rank: int, device: torch.device) -> torch.Tensor:
+    """Rank 0's ncclGetUniqueId bytes, broadcast over the group (a collective)."""
+    import torch.distributed as dist
+
+    payload = [bytes(torch.ops.mok.nccl_unique_id().tolist()) if ep_rank == 0 else None]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group, device=device)
+    return torch.frombuffer(bytearray(payload[0]), dtype=torch.uint8)
+
+
 def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=None,
                      config: Optional[MoKConfig] = None) -> Workspace:
-    """A new workspace. `group` is the expert-parallel process group (None: this process alone)."""
+    """A new workspace. `group`: the expert-parallel torch.distributed process group (None: this
+    process alone); rank r of R holds experts r*E/R .. (r+1)*E/R - 1. On CUDA with R > 1 this is a
+    collective (every rank calls it with the same shape and capacity): rank 0 makes an NCCL unique
+    id, the group broadcasts it, and every rank makes its NCCL communicator and window from it."""
     device = torch.device(device)
     config = config or MoKConfig()
     if max_tokens_per_rank <= 0:
@@ -111,21 +208,58 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
     ep_size, ep_rank = _ep_placement(group)
     if shape.num_experts % ep_size:
         raise ValueError(f"group: E = {shape.num_experts} experts do not divide over {ep_size} ranks")
-    if device.type != "cpu":
-        raise NotImplementedError(f"mok: the GPU layer is not in this build yet ({device}); use CPU tensors")
-    if ep_size > 1:
-        raise NotImplementedError("mok: expert parallelism across processes needs the GPU layer, "
-                                  "which is not in this build yet")
-    return Workspace(shape, max_tokens_per_rank, device, config, ep_size, ep_rank)
+    if device.type == "cpu":
+        if ep_size > 1:
+            raise NotImplementedError("mok: expert parallelism over a process group runs on CUDA tensors; "
+                                      "CPU tensors run the CPU backend as one rank")
+        return Workspace(shape, max_tokens_per_rank, device, config)
+    if device.type != "cuda":
+        raise ValueError(f"device: mok runs on cpu or cuda, got {device}")
+    device = _cuda_device(device)
+    unique_id = _unique_id(group, ep_rank, device) if ep_size > 1 else torch.empty(0, dtype=torch.uint8)
+    handle = torch.ops.mok.create_workspace(
+        unique_id, ep_rank, ep_size, device.index, shape.hidden, shape.intermediate,
+        shape.shared_intermediate, shape.num_experts, shape.top_k, max_tokens_per_rank,
+        config.num_comm_sms or 0)
+    _ops.WORKSPACE_GROUPS[handle] = group if ep_size > 1 else None
+    return Workspace(shape, max_tokens_per_rank, device, config, ep_size, ep_rank, group, handle)
 
 
 def get_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=None,
                   config: Optional[MoKConfig] = None) -> Workspace:
-    """The cached workspace for (group, device, shape, capacity, config), created on first use."""
-    key = (id(group), str(torch.device(device)), shape, max_tokens_per_rank, config or MoKConfig())
+    """The cached workspace for (group, device, shape, capacity, config), created on first use
+    (collectively, see create_workspace)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = _cuda_device(device)
+    key = (id(group), str(device), shape, max_tokens_per_rank, config or MoKConfig())
     if key not in _WORKSPACES:
         _WORKSPACES[key] = create_workspace(shape, max_tokens_per_rank, device, group, config)
     return _WORKSPACES[key]
+
+
+def release_workspaces() -> None:
+    """Closes every cached workspace (collective), e.g. before destroying the process group."""
+    for workspace in list(_WORKSPACES.values()):
+        workspace.close()
+
+
+def check_errors(workspace: Optional[Workspace] = None, device=None) -> None:
+    """Synchronises the current CUDA stream and raises RuntimeError with the core's message
+    (rank, phase, cause: "topk_idx: expert id 99 out of range ...") if a forward recorded a device
+    fault. Without a workspace: this device's automatic workspaces. Forward itself never
+    synchronises, so faults surface here (or in the next check)."""
+    handle = workspace.handle if workspace is not None else 0
+    index = workspace.device.index if workspace is not None else _cuda_device(device or "cuda").index
+    torch.ops.mok.check(handle, index)
+
+
+def reset_after_error(workspace: Optional[Workspace] = None, device=None) -> None:
+    """Makes a workspace usable again after a device fault. For EP > 1 a collective: every rank,
+    once every rank's stream is idle, then a barrier before the next forward."""
+    handle = workspace.handle if workspace is not None else 0
+    index = workspace.device.index if workspace is not None else _cuda_device(device or "cuda").index
+    torch.ops.mok.reset_after_error(handle, index)
 
 
 @dataclasses.dataclass
@@ -152,41 +286,46 @@ def build_schedule(topk_idx: torch.Tensor, num_experts: int) -> Schedule:
     return Schedule(counts, offsets, rows // k, rows % k)
 
 
-def _weights_args(weights: ExpertWeights):
-    return (weights.w_gate, weights.w_up, weights.w_down,
-            weights.w_shared_gate, weights.w_shared_up, weights.w_shared_down)
-
-
-def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: ExpertWeights,
+def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: AnyExpertWeights,
             workspace: Optional[Workspace] = None) -> torch.Tensor:
-    """y = S(x) + sum_j topk_w[:, j] * F_{topk_idx[:, j]}(x). Differentiable (autograd runs
-    mok's backward)."""
+    """y = S(x) + sum_j topk_w[:, j] * F_{topk_idx[:, j]}(x), (T, H) bf16. Differentiable: autograd
+    runs mok::backward (CPU: mok's CPU backend; CUDA: the plain-PyTorch reference).
+
+    CUDA tensors run mok's GPU layer on the current stream without host synchronisation. EP > 1
+    needs `workspace` (get_workspace with the group); without one a CUDA call is EP = 1 on an
+    automatic workspace. Device faults (an expert id out of range) surface at check_errors()."""
+    fused = _fused(weights)
     if workspace is not None:
-        workspace.check(x, topk_idx, weights)
-    return torch.ops.mok.forward(x, topk_idx, topk_w, *_weights_args(weights))
+        workspace.check(x, topk_idx, fused)
+    return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, workspace.handle if workspace is not None else 0)
 
 
 @dataclasses.dataclass
 class Gradients:
     dx: torch.Tensor        # (T, H) bf16
     d_topk_w: torch.Tensor  # (T, k) fp32
-    weights: ExpertWeights  # fp32, the shapes of the weights (shared None when there is none)
+    weights: AnyExpertWeights  # fp32, the layout and shapes of the weights (shared None when none)
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-             weights: ExpertWeights, main_grads: Optional[ExpertWeights] = None,
+             weights: AnyExpertWeights, main_grads: Optional[AnyExpertWeights] = None,
              workspace: Optional[Workspace] = None) -> Gradients:
-    """Gradients of the layer for upstream gradient dy, all weight gradients in fp32. With
-    `main_grads` (fp32 buffers shaped like the weights), each gradient is also added to its buffer
-    in place. Recomputes the forward internally: nothing is saved between the calls."""
+    """Gradients of the layer for upstream gradient dy, all weight gradients in fp32 and in the
+    layout of `weights`. With `main_grads` (fp32 buffers of that layout), each gradient is also
+    added to its buffer in place. Recomputes the forward internally: nothing is saved between the
+    calls. CUDA tensors: the plain-PyTorch reference (module docstring)."""
+    fused = _fused(weights)
     if workspace is not None:
-        workspace.check(x, topk_idx, weights)
-    dx, d_topk_w, *grads = torch.ops.mok.backward(dy, x, topk_idx, topk_w, *_weights_args(weights))
-    has_shared = weights.w_shared_gate is not None
-    grads = ExpertWeights(*grads[:3], *(grads[3:] if has_shared else (None, None, None)))
+        workspace.check(x, topk_idx, fused)
+    dx, d_topk_w, *grads = torch.ops.mok.backward(dy, x, topk_idx, topk_w, *fused,
+                                                  workspace.handle if workspace is not None else 0)
+    has_shared = fused.w_shared_gate_up is not None
+    grads = FusedExpertWeights(*grads[:2], *(grads[2:] if has_shared else (None, None)))
+    if isinstance(weights, ExpertWeights):
+        grads = grads.unfused()
     if main_grads is not None:
         for name, grad in grads._asdict().items():
-            buffer = getattr(main_grads, name)
+            buffer = getattr(main_grads, name, None)
             if grad is None:
                 continue
             if buffer is None or buffer.shape != grad.shape or buffer.dtype != torch.float32:
@@ -203,10 +342,10 @@ class ForwardContext:
     x: torch.Tensor
     topk_idx: torch.Tensor
     topk_w: torch.Tensor
-    weights: ExpertWeights
+    weights: AnyExpertWeights
 
 
 def recompute_forward_context(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-                              weights: ExpertWeights) -> ForwardContext:
+                              weights: AnyExpertWeights) -> ForwardContext:
     """The context for backward after activation checkpointing dropped the forward's."""
     return ForwardContext(x, topk_idx, topk_w, weights)

@@ -118,10 +118,11 @@ def test_int64_indices_are_accepted():
 
 def test_opcheck_forward_and_backward():
     x, idx, w, weights = make_inputs(10, requires_grad=True)
-    torch.library.opcheck(torch.ops.mok.forward.default, (x, idx, w, *weights))
+    fused = [t.detach().requires_grad_(True) for t in weights.fused()]
+    torch.library.opcheck(torch.ops.mok.forward.default, (x, idx, w, *fused, 0))
     dy = torch.randn(T, H).to(torch.bfloat16)
-    detached = [t.detach() for t in weights]
-    torch.library.opcheck(torch.ops.mok.backward.default, (dy, x.detach(), idx, w.detach(), *detached))
+    detached = [t.detach() for t in fused]
+    torch.library.opcheck(torch.ops.mok.backward.default, (dy, x.detach(), idx, w.detach(), *detached, 0))
 
 
 def test_schedule_orders_rows_by_token():
@@ -145,7 +146,7 @@ def test_torch_compile_of_a_model_with_moe(backend):
     assert out.shape == (4, 10, H) and out.dtype == torch.bfloat16
     assert rel_l2(out, eager) < 1e-2
     out.float().square().mean().backward()
-    assert model[1].w_gate.grad is not None and model[0].weight.grad is not None
+    assert model[1].w_gate_up.grad is not None and model[0].weight.grad is not None
 
 
 def test_module_trains():
@@ -195,8 +196,22 @@ def test_workspace_checks_calls():
         mf.forward(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([w, w]), weights, workspace=workspace)
 
 
+def test_fused_layout_round_trip_and_same_bits():
+    x, idx, w, weights = make_inputs(15)
+    fused = weights.fused()
+    assert fused.w_gate_up.shape == (E, 2 * I, H) and fused.w_shared_gate_up.shape == (2 * I_S, H)
+    assert torch.equal(fused.w_gate_up[:, 8:16], weights.w_up[:, :8])  # rows 16b+8.. are up rows 8b..
+    for mine, theirs in zip(fused.unfused(), weights):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(mf.forward(x, idx, w, fused).view(torch.int16), mf.forward(x, idx, w, weights).view(torch.int16))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_get_a_clear_error():
+def test_cuda_forward_matches_the_cpu_backend():
+    """One GPU, EP = 1 (the automatic workspace); multi-GPU tests: test_torch_cuda.py."""
     x, idx, w, weights = make_inputs(14)
-    with pytest.raises(NotImplementedError, match="the GPU layer is not in this build yet"):
-        mf.forward(x.cuda(), idx.cuda(), w.cuda(), mf.ExpertWeights(*(t.cuda() for t in weights)))
+    fused = weights.fused()
+    on_gpu = mf.forward(x.cuda(), idx.cuda(), w.cuda(), mf.FusedExpertWeights(*(t.cuda() for t in fused)))
+    mf.check_errors(device="cuda")
+    assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.bfloat16
+    assert rel_l2(on_gpu.cpu(), mf.forward(x, idx, w, fused)) < 1e-2

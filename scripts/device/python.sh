@@ -1,13 +1,78 @@
 #!/usr/bin/env bash
 # The PyTorch front end on the GPU machine: `pip install .` the way a user would (no network
-# there, so without build isolation), then the pytest suite and the training example.
+# there, so without build isolation), then the pytest suites (the CPU one, and the CUDA one under
+# torchrun on 2 GPUs) and the training example (CPU; CUDA at EP 1 and, under torchrun, EP 2).
+#
+#   scripts/device/python.sh prebuild   HERE (no GPU, no torch needed): builds the core and the
+#                                       torch bridge, position-independent, into
+#                                       $MOK_TORCH_PREBUILT_DIR (default build-torch-prebuilt/) from
+#                                       the committed core (git HEAD) and the working tree's
+#                                       src/torch + CMakeLists.txt; that folder travels (carry).
+#   scripts/device/python.sh            THERE: installs (linking the prebuilt folder when it exists,
+#                                       so only src/torch/*.cpp compile there; else the whole core
+#                                       is compiled, which takes minutes), runs everything, logs
+#                                       to $MOK_RESULTS_DIR (default /tmp).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+prebuilt=${MOK_TORCH_PREBUILT_DIR:-$root/build-torch-prebuilt}
+
+if [[ ${1:-} == prebuild ]]; then
+  source_dir=$(mktemp -d)
+  git -C "$root" archive HEAD include src tools CMakeLists.txt | tar -x -C "$source_dir"
+  rm -rf "$source_dir/src/torch"
+  cp -r "$root/src/torch" "$source_dir/src/torch"
+  cp "$root/CMakeLists.txt" "$source_dir/CMakeLists.txt"
+  "$root/scripts/bootstrap.sh"
+  cmake -S "$source_dir" -B "$prebuilt" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF \
+    -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null
+  cmake --build "$prebuilt" -j "$(nproc)" --target mok_torch_bridge
+  echo "prebuilt core for the torch extension: $prebuilt (core at $(git -C "$root" rev-parse --short=12 HEAD))"
+  ls -l "$prebuilt"/lib*.a
+  exit 0
+fi
+
 results=${MOK_RESULTS_DIR:-/tmp}
 target=$(mktemp -d)
-python3 -m pip install --no-build-isolation --no-deps --no-index --target "$target" "$root" \
-  >"$results/pip-install.log" 2>&1 || { tail -n 40 "$results/pip-install.log"; exit 1; }
-echo "pip install: ok ($(ls "$target"/mok/_mok_torch*.so))"
+define=()
+if [[ -f $prebuilt/libmok_torch_bridge.a ]]; then
+  define=(-C "cmake.define.MOK_TORCH_PREBUILT_DIR=$prebuilt")
+fi
+start=$SECONDS
+python3 -m pip install --no-build-isolation --no-deps --no-index --target "$target" "${define[@]}" "$root" \
+  >"$results/pip-install.log" 2>&1 || { tail -n 60 "$results/pip-install.log"; exit 1; }
+echo "pip install: ok in $((SECONDS - start)) s ($(ls "$target"/mok/_mok_torch*.so)${define:+, prebuilt core})"
 cd "$root"
-PYTHONPATH="$target" python3 -m pytest -q python/tests 2>&1 | tee "$results/pytest.log"
-PYTHONPATH="$target" python3 examples/train_moe_block.py --steps 200 2>&1 | tee "$results/example.log"
+export PYTHONPATH="$target" PYTHONUNBUFFERED=1
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+
+# The CPU suite and the 2-GPU suite at once (the CPU one uses one GPU for one test only).
+timeout 170 python3 -m pytest -q python/tests/test_torch_cpu.py >"$results/pytest-cpu.log" 2>&1 &
+cpu_suite=$!
+cuda_status=0
+if ((gpus >= 2)); then
+  timeout 170 torchrun --nproc-per-node=2 -m pytest -q -p no:cacheprovider python/tests/test_torch_cuda.py \
+    >"$results/pytest-cuda.log" 2>&1 || cuda_status=$?
+else
+  python3 -m pytest -q python/tests/test_torch_cuda.py >"$results/pytest-cuda.log" 2>&1 || cuda_status=$?
+fi
+cpu_status=0
+wait $cpu_suite || cpu_status=$?
+echo "== pytest CPU suite (exit $cpu_status)"; tail -n 25 "$results/pytest-cpu.log"
+echo "== pytest CUDA suite, torchrun 2 ranks (exit $cuda_status)"; tail -n 40 "$results/pytest-cuda.log"
+
+steps=${MOK_EXAMPLE_STEPS:-300}
+example_status=0
+if ((gpus >= 1)); then
+  echo "== example, cuda, EP 1"
+  timeout 70 python3 examples/train_moe_block.py --device cuda --steps "$steps" 2>&1 \
+    | tee "$results/example-cuda-ep1.log" || example_status=1
+fi
+if ((gpus >= 2)); then
+  echo "== example, cuda, EP 2 (torchrun)"
+  timeout 80 torchrun --nproc-per-node=2 examples/train_moe_block.py --device cuda --steps "$steps" 2>&1 \
+    | tee "$results/example-cuda-ep2.log" || example_status=1
+fi
+if ((gpus == 0)); then
+  python3 examples/train_moe_block.py --steps 200 2>&1 | tee "$results/example-cpu.log" || example_status=1
+fi
+exit $((cpu_status || cuda_status || example_status))

@@ -1,187 +1,226 @@
-// torch custom ops over the C++ core: mok::forward and mok::backward. CPU tensors run the CPU
-// backend (one rank); the fake (meta) implementations and autograd live in python/mok/_ops.py.
-// Argument errors become Python ValueErrors carrying the core's message.
+// torch custom ops over the C++ core. The schemas, the CPU kernels (the CPU backend, one rank) and
+// the workspace ops live here; the CUDA kernel of mok::forward (the GPU layer) is in cuda_ops.cpp,
+// the CUDA kernel of mok::backward (a labelled plain-PyTorch reference) and every fake (meta)
+// implementation and autograd formula in python/mok/_ops.py. Argument errors become Python
+// ValueErrors carrying the core's message.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <optional>
+#include <cstring>
 #include <tuple>
+#include <vector>
 
-#include "mok/reference.hpp"
+#include "core_bridge.hpp"
+#include "torch_args.hpp"
 
 namespace mok::torch_ops {
 
 namespace {
 
-// Every message is built by mok::detail::concat and handed to torch as one string: torch's own
-// multi-argument formatting would instantiate iostreams inside this library (see error.hpp).
-#define MOK_TORCH_CHECK(condition, ...) TORCH_CHECK_VALUE(condition, ::mok::detail::concat(__VA_ARGS__))
+namespace bridge = ::mok::torch_bridge;
 
-using at::Tensor;
-using OptionalTensor = std::optional<Tensor>;
-
-// A checked, contiguous CPU tensor of `dtype`, viewed as mok::View<T>.
-template <class T>
-View<const T> view_of(const Tensor& tensor, const char* argument, at::ScalarType dtype) {
-  MOK_TORCH_CHECK(tensor.defined(), argument, ": tensor is undefined");
-  MOK_TORCH_CHECK(tensor.scalar_type() == dtype, argument, ": expected dtype ", c10::toString(dtype),
-                  ", got ", c10::toString(tensor.scalar_type()));
-  MOK_TORCH_CHECK(tensor.device().is_cpu(), argument, ": expected a CPU tensor, got one on ",
-                  tensor.device().str());
-  MOK_TORCH_CHECK(tensor.is_contiguous(), argument, ": expected a contiguous tensor");
-  return View<const T>(static_cast<const T*>(tensor.data_ptr()),
-                       std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end()));
+bridge::HostTensor host_tensor(const Tensor& tensor) {
+  return {tensor.data_ptr(), std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end())};
 }
 
-View<const bf16> bf16_view(const Tensor& tensor, const char* argument) {
-  return view_of<bf16>(tensor, argument, at::kBFloat16);
+// (.., 2n, H) interleaved -> the gate (half 0) or up (half 1) rows (.., n, H), as a new
+// contiguous tensor: the CPU backend reads the separate layouts.
+Tensor deinterleave(const Tensor& fused, int64_t half) {
+  std::vector<int64_t> blocks(fused.sizes().begin(), fused.sizes().end());
+  const int64_t hidden = blocks.back(), rows = blocks[blocks.size() - 2];
+  blocks.pop_back();
+  blocks.pop_back();
+  std::vector<int64_t> separate = blocks;
+  blocks.insert(blocks.end(), {rows / (2 * kInterleaveRows), 2, kInterleaveRows, hidden});
+  separate.insert(separate.end(), {rows / 2, hidden});
+  return fused.view(blocks).select(static_cast<int64_t>(blocks.size()) - 3, half)
+      .reshape(separate).contiguous();
 }
 
-template <class T>
-View<T> mutable_view(const Tensor& tensor) {
-  return View<T>(static_cast<T*>(tensor.data_ptr()),
-                 std::vector<int64_t>(tensor.sizes().begin(), tensor.sizes().end()));
+// gate, up (.., n, H) -> (.., 2n, H) interleaved in blocks of 8 rows.
+Tensor interleave(const Tensor& gate, const Tensor& up) {
+  std::vector<int64_t> blocks(gate.sizes().begin(), gate.sizes().end());
+  const int64_t hidden = blocks.back(), rows = blocks[blocks.size() - 2];
+  blocks.pop_back();
+  blocks.pop_back();
+  std::vector<int64_t> fused = blocks;
+  blocks.insert(blocks.end(), {rows / kInterleaveRows, kInterleaveRows, hidden});
+  fused.insert(fused.end(), {2 * rows, hidden});
+  return at::stack({gate.view(blocks), up.view(blocks)}, static_cast<int64_t>(blocks.size()) - 2)
+      .view(fused);
 }
 
-struct LayerArgs {
-  LayerShape shape;
-  Tensor topk_idx;  // int32, contiguous (converted from int64 when needed)
-  reference::RankInputs inputs;
+// The CPU backend's inputs, with the separate gate/up tensors they point into kept alive.
+struct CpuCall {
+  LayerCall layer;
+  Tensor topk_idx;  // int32
+  Tensor gate, up, shared_gate, shared_up;
+  bridge::CpuLayerInputs inputs;
 };
 
-LayerArgs layer_args(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
-                     const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
-                     const OptionalTensor& w_shared_gate, const OptionalTensor& w_shared_up,
-                     const OptionalTensor& w_shared_down) {
-  MOK_TORCH_CHECK(x.dim() == 2, "x: expected (T, H), got ", x.dim(), " dimensions");
-  MOK_TORCH_CHECK(w_gate.dim() == 3, "w_gate: expected (E, I, H), got ", w_gate.dim(), " dimensions");
-  MOK_TORCH_CHECK(topk_idx.dim() == 2, "topk_idx: expected (T, k), got ", topk_idx.dim(), " dimensions");
-  MOK_TORCH_CHECK(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong,
-                  "topk_idx: expected dtype int32 or int64, got ", c10::toString(topk_idx.scalar_type()));
-  const bool has_shared = w_shared_gate.has_value() && w_shared_gate->defined();
-  MOK_TORCH_CHECK(has_shared == (w_shared_up.has_value() && w_shared_up->defined()) &&
-                      has_shared == (w_shared_down.has_value() && w_shared_down->defined()),
-                  "w_shared_gate, w_shared_up, w_shared_down: give all three or none");
-
-  LayerArgs args;
-  args.shape = {x.size(1), w_gate.size(1), has_shared ? w_shared_gate->size(0) : 0, w_gate.size(0),
-                topk_idx.size(1)};
+CpuCall cpu_call(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
+                 const Tensor& w_gate_up, const Tensor& w_down, const OptionalTensor& w_shared_gate_up,
+                 const OptionalTensor& w_shared_down, int64_t workspace) {
+  CpuCall call;
+  call.layer = read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
+                               w_shared_down);
+  MOK_TORCH_CHECK(x.device().is_cpu(), "x: expected a CPU tensor, got one on ", x.device().str());
+  MOK_TORCH_CHECK(workspace == 0, "workspace: CPU tensors run the CPU backend, which takes no GPU ",
+                  "workspace (got handle ", workspace, ")");
+  const int64_t num_experts = call.layer.shape.num_experts;
   if (topk_idx.scalar_type() == at::kLong && topk_idx.numel() > 0) {
     const int64_t low = topk_idx.min().item<int64_t>(), high = topk_idx.max().item<int64_t>();
-    MOK_TORCH_CHECK(low >= -1 && high < args.shape.num_experts, "topk_idx: expert id ",
-                    low < -1 ? low : high, " out of range [0, ", args.shape.num_experts, ")");
+    MOK_TORCH_CHECK(low >= -1 && high < num_experts, "topk_idx: expert id ",
+                    low < -1 ? low : high, " out of range [0, ", num_experts, ")");
   }
-  args.topk_idx = topk_idx.to(at::kInt).contiguous();
-  args.inputs.tokens = {bf16_view(x, "x"), view_of<int32_t>(args.topk_idx, "topk_idx", at::kInt),
-                        view_of<float>(topk_w, "topk_w", at::kFloat)};
-  args.inputs.weights.gate = bf16_view(w_gate, "w_gate");
-  args.inputs.weights.up = bf16_view(w_up, "w_up");
-  args.inputs.weights.down = bf16_view(w_down, "w_down");
-  if (has_shared) {
-    args.inputs.weights.shared_gate = bf16_view(*w_shared_gate, "w_shared_gate");
-    args.inputs.weights.shared_up = bf16_view(*w_shared_up, "w_shared_up");
-    args.inputs.weights.shared_down = bf16_view(*w_shared_down, "w_shared_down");
+  call.topk_idx = topk_idx.to(at::kInt).contiguous();
+  call.gate = deinterleave(w_gate_up, 0);
+  call.up = deinterleave(w_gate_up, 1);
+  call.inputs.x = host_tensor(x);
+  call.inputs.topk_idx = host_tensor(call.topk_idx);
+  call.inputs.topk_w = host_tensor(topk_w);
+  call.inputs.gate = host_tensor(call.gate);
+  call.inputs.up = host_tensor(call.up);
+  call.inputs.down = host_tensor(w_down);
+  if (call.layer.has_shared) {
+    call.shared_gate = deinterleave(*w_shared_gate_up, 0);
+    call.shared_up = deinterleave(*w_shared_gate_up, 1);
+    call.inputs.shared_gate = host_tensor(call.shared_gate);
+    call.inputs.shared_up = host_tensor(call.shared_up);
+    call.inputs.shared_down = host_tensor(*w_shared_down);
   }
-  return args;
-}
-
-// Runs `body`, turning mok::Error into the ValueError Python users expect.
-template <class Body>
-auto translating_errors(Body&& body) {
-  try {
-    return body();
-  } catch (const Error& error) {
-    TORCH_CHECK_VALUE(false, std::string(error.what()));
-    throw;  // not reached: the check above throws
-  }
+  return call;
 }
 
 Tensor forward_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
-                   const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
-                   const OptionalTensor& w_shared_gate, const OptionalTensor& w_shared_up,
-                   const OptionalTensor& w_shared_down) {
-  return translating_errors([&] {
-    LayerArgs args = layer_args(x, topk_idx, topk_w, w_gate, w_up, w_down, w_shared_gate,
-                                w_shared_up, w_shared_down);
+                   const Tensor& w_gate_up, const Tensor& w_down,
+                   const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
+                   int64_t workspace) {
+  return core_errors_as_value_errors([&] {
+    CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
+                            w_shared_down, workspace);
     Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
-    reference::RankOutputs outputs;
-    outputs.y = mutable_view<bf16>(y);
-    reference::forward(args.shape, {&args.inputs, 1}, {&outputs, 1});
+    bridge::cpu_forward(call.layer.shape, call.inputs, y.data_ptr());
     return y;
   });
 }
 
-using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& topk_idx,
-                            const Tensor& topk_w, const Tensor& w_gate, const Tensor& w_up,
-                            const Tensor& w_down, const OptionalTensor& w_shared_gate,
-                            const OptionalTensor& w_shared_up, const OptionalTensor& w_shared_down) {
-  return translating_errors([&] {
-    LayerArgs args = layer_args(x, topk_idx, topk_w, w_gate, w_up, w_down, w_shared_gate,
-                                w_shared_up, w_shared_down);
-    args.inputs.dy = bf16_view(dy, "dy");
+                            const Tensor& topk_w, const Tensor& w_gate_up, const Tensor& w_down,
+                            const OptionalTensor& w_shared_gate_up,
+                            const OptionalTensor& w_shared_down, int64_t workspace) {
+  return core_errors_as_value_errors([&] {
+    CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
+                            w_shared_down, workspace);
+    check_tensor(dy, "dy", at::kBFloat16, x.device());
+    check_sizes(dy, "dy", {x.size(0), x.size(1)}, "(T, H)");
+    call.inputs.dy = host_tensor(dy);
     const at::TensorOptions fp32 = x.options().dtype(at::kFloat);
     Tensor dx = at::empty_like(x);
     Tensor d_topk_w = at::empty({topk_w.size(0), topk_w.size(1)}, fp32);
-    Tensor grad_gate = at::empty(w_gate.sizes(), fp32), grad_up = at::empty(w_up.sizes(), fp32);
+    Tensor grad_gate = at::empty(call.gate.sizes(), fp32), grad_up = at::empty(call.up.sizes(), fp32);
     Tensor grad_down = at::empty(w_down.sizes(), fp32);
-    const bool shared = args.shape.has_shared();
-    Tensor grad_shared_gate = at::empty(shared ? w_shared_gate->sizes() : at::IntArrayRef{0}, fp32);
-    Tensor grad_shared_up = at::empty(shared ? w_shared_up->sizes() : at::IntArrayRef{0}, fp32);
-    Tensor grad_shared_down = at::empty(shared ? w_shared_down->sizes() : at::IntArrayRef{0}, fp32);
-
-    reference::RankOutputs outputs;
-    outputs.dx = mutable_view<bf16>(dx);
-    outputs.d_topk_w = mutable_view<float>(d_topk_w);
-    outputs.grads = {mutable_view<float>(grad_gate), mutable_view<float>(grad_up),
-                     mutable_view<float>(grad_down)};
-    if (shared) {
-      outputs.grads.shared_gate = mutable_view<float>(grad_shared_gate);
-      outputs.grads.shared_up = mutable_view<float>(grad_shared_up);
-      outputs.grads.shared_down = mutable_view<float>(grad_shared_down);
+    Tensor grad_shared_gate, grad_shared_up;
+    Tensor grad_shared_down = at::empty({0}, fp32);
+    bridge::CpuLayerGradients grads;
+    grads.dx = dx.data_ptr();
+    grads.d_topk_w = d_topk_w.data_ptr<float>();
+    grads.gate = grad_gate.data_ptr<float>();
+    grads.up = grad_up.data_ptr<float>();
+    grads.down = grad_down.data_ptr<float>();
+    if (call.layer.has_shared) {
+      grad_shared_gate = at::empty(call.shared_gate.sizes(), fp32);
+      grad_shared_up = at::empty(call.shared_up.sizes(), fp32);
+      grad_shared_down = at::empty(w_shared_down->sizes(), fp32);
+      grads.shared_gate = grad_shared_gate.data_ptr<float>();
+      grads.shared_up = grad_shared_up.data_ptr<float>();
+      grads.shared_down = grad_shared_down.data_ptr<float>();
     }
-    reference::backward(args.shape, {&args.inputs, 1}, {&outputs, 1}, GradMode::kOverwrite);
-    return BackwardResult{dx, d_topk_w, grad_gate, grad_up, grad_down,
-                          grad_shared_gate, grad_shared_up, grad_shared_down};
+    bridge::cpu_backward(call.layer.shape, call.inputs, grads);
+    Tensor grad_shared_gate_up = call.layer.has_shared
+                                     ? interleave(grad_shared_gate, grad_shared_up)
+                                     : at::empty({0}, fp32);
+    return BackwardResult{dx, d_topk_w, interleave(grad_gate, grad_up), grad_down,
+                          grad_shared_gate_up, grad_shared_down};
   });
 }
 
-[[noreturn]] void no_gpu_layer(const char* op, const c10::Device& device) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, detail::concat(op, ": the GPU layer is not in this build yet; tensors on ",
-                                                     device.str(), " cannot run (CPU tensors use the CPU backend)"));
-  throw;  // not reached
+// ---- workspace ops (no tensor arguments that pick a device: one kernel for every backend) ------
+
+Tensor nccl_unique_id_op() {
+  return core_errors_as_value_errors([&] {
+    const std::vector<uint8_t> bytes = bridge::nccl_unique_id();
+    Tensor id = at::empty({static_cast<int64_t>(bytes.size())}, at::TensorOptions(at::kByte));
+    std::memcpy(id.data_ptr(), bytes.data(), bytes.size());
+    return id;
+  });
 }
 
-Tensor forward_cuda(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&) {
-  no_gpu_layer("mok::forward", x.device());
+int64_t create_workspace_op(const Tensor& unique_id, int64_t rank, int64_t num_ranks,
+                            int64_t device, int64_t hidden, int64_t intermediate,
+                            int64_t shared_intermediate, int64_t num_experts, int64_t top_k,
+                            int64_t max_tokens_per_rank, int64_t copy_ctas) {
+  return core_errors_as_value_errors([&] {
+    bridge::WorkspaceSpec spec;
+    spec.shape = {hidden, intermediate, shared_intermediate, num_experts, top_k};
+    spec.tokens_max = max_tokens_per_rank;
+    spec.device = static_cast<int>(device);
+    spec.rank = static_cast<int>(rank);
+    spec.num_ranks = static_cast<int>(num_ranks);
+    spec.copy_ctas = static_cast<int>(copy_ctas);
+    if (unique_id.defined() && unique_id.numel() > 0) {
+      MOK_TORCH_CHECK(unique_id.scalar_type() == at::kByte && unique_id.device().is_cpu() &&
+                          unique_id.is_contiguous(),
+                      "unique_id: expected a contiguous uint8 CPU tensor (nccl_unique_id)");
+      const auto* bytes = static_cast<const uint8_t*>(unique_id.data_ptr());
+      spec.unique_id.assign(bytes, bytes + unique_id.numel());
+    }
+    return bridge::create_workspace(spec);
+  });
 }
 
-BackwardResult backward_cuda(const Tensor& dy, const Tensor&, const Tensor&, const Tensor&,
-                             const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&,
-                             const OptionalTensor&, const OptionalTensor&) {
-  no_gpu_layer("mok::backward", dy.device());
+void destroy_workspace_op(int64_t workspace) {
+  core_errors_as_value_errors([&] { bridge::destroy_workspace(workspace); });
 }
+
+bool have_gpu_layer_op() { return bridge::have_gpu_layer(); }
 
 }  // namespace
 
+#if !defined(MOK_TORCH_WITH_CUDA)
+// An extension built without CUDA: the device checks have nothing to check.
+void check_op(int64_t, int64_t) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "mok::check: this build of mok has no GPU layer");
+}
+void reset_after_error_op(int64_t, int64_t) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "mok::reset_after_error: this build of mok has no GPU layer");
+}
+#endif
+
 TORCH_LIBRARY(mok, m) {
-  m.def("forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate, Tensor w_up, "
-        "Tensor w_down, Tensor? w_shared_gate, Tensor? w_shared_up, Tensor? w_shared_down) -> Tensor");
-  m.def("backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate, "
-        "Tensor w_up, Tensor w_down, Tensor? w_shared_gate, Tensor? w_shared_up, "
-        "Tensor? w_shared_down) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // workspace: a handle from create_workspace; 0 = none (CPU) or the automatic EP = 1 workspace
+  // of the tensors' GPU.
+  m.def("forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
+        "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> Tensor");
+  m.def("backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, "
+        "Tensor w_down, Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("nccl_unique_id() -> Tensor", &nccl_unique_id_op);
+  m.def("create_workspace(Tensor unique_id, int rank, int num_ranks, int device, int hidden, "
+        "int intermediate, int shared_intermediate, int num_experts, int top_k, "
+        "int max_tokens_per_rank, int copy_ctas) -> int",
+        &create_workspace_op);
+  m.def("destroy_workspace(int workspace) -> ()", &destroy_workspace_op);
+  m.def("check(int workspace, int device) -> ()", &check_op);
+  m.def("reset_after_error(int workspace, int device) -> ()", &reset_after_error_op);
+  m.def("have_gpu_layer() -> bool", &have_gpu_layer_op);
 }
 
 TORCH_LIBRARY_IMPL(mok, CPU, m) {
   m.impl("forward", &forward_cpu);
   m.impl("backward", &backward_cpu);
-}
-
-TORCH_LIBRARY_IMPL(mok, CUDA, m) {
-  m.impl("forward", &forward_cuda);
-  m.impl("backward", &backward_cuda);
 }
 
 }  // namespace mok::torch_ops

@@ -1,0 +1,83 @@
+// The CUDA kernel of mok::forward: the GPU layer forward (LayerForward) on torch's current CUDA
+// stream, with the caller's tensors as weights (no copy) and no host synchronisation. Also the
+// device-fault check and reset ops, which need the current stream.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "core_bridge.hpp"
+#include "torch_args.hpp"
+
+namespace mok::torch_ops {
+
+namespace {
+
+namespace bridge = ::mok::torch_bridge;
+
+const void* optional_data(const OptionalTensor& tensor) {
+  return tensor.has_value() && tensor->defined() ? tensor->data_ptr() : nullptr;
+}
+
+Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
+                    const Tensor& w_gate_up, const Tensor& w_down,
+                    const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
+                    int64_t workspace) {
+  return core_errors_as_value_errors([&] {
+    const LayerCall layer = read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down,
+                                            w_shared_gate_up, w_shared_down);
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    // int64 ids are narrowed on the device (no host read of their range); the layer's schedule
+    // checks every id there and check() reports one out of range.
+    const Tensor topk_idx32 = topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
+    Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
+
+    bridge::ForwardCall call;
+    call.local_shape = layer.shape;
+    call.weights.gate_up = w_gate_up.data_ptr();
+    call.weights.down = w_down.data_ptr();
+    call.weights.shared_gate_up = optional_data(w_shared_gate_up);
+    call.weights.shared_down = optional_data(w_shared_down);
+    call.x = x.data_ptr();
+    call.topk_idx = topk_idx32.data_ptr<int32_t>();
+    call.topk_w = topk_w.data_ptr<float>();
+    call.y = y.data_ptr();
+    call.num_tokens = x.size(0);
+    call.device = x.device().index();
+    call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    bridge::forward(workspace, call);
+    return y;
+  });
+}
+
+c10::DeviceIndex device_index(int64_t device) {
+  MOK_TORCH_CHECK(device >= 0 && device < c10::cuda::device_count(), "device: cuda:", device,
+                  " out of range: ", static_cast<int64_t>(c10::cuda::device_count()),
+                  " CUDA devices visible");
+  return static_cast<c10::DeviceIndex>(device);
+}
+
+}  // namespace
+
+void check_op(int64_t workspace, int64_t device) {
+  const c10::DeviceIndex index = device_index(device);
+  const c10::cuda::CUDAGuard device_guard(index);
+  void* stream = c10::cuda::getCurrentCUDAStream(index).stream();
+  core_errors_as_runtime_errors([&] { bridge::check(workspace, static_cast<int>(index), stream); });
+}
+
+void reset_after_error_op(int64_t workspace, int64_t device) {
+  const c10::DeviceIndex index = device_index(device);
+  const c10::cuda::CUDAGuard device_guard(index);
+  core_errors_as_runtime_errors(
+      [&] { bridge::reset_after_error(workspace, static_cast<int>(index)); });
+}
+
+TORCH_LIBRARY_IMPL(mok, CUDA, m) {
+  m.impl("forward", &forward_cuda);
+  // mok::backward's CUDA kernel is the plain-PyTorch reference in python/mok/_reference.py (the
+  // GPU backward is not built yet).
+}
+
+}  // namespace mok::torch_ops
