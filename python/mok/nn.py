@@ -33,8 +33,10 @@ class MoE(nn.Module):
     first CUDA call makes the workspace collectively (every rank calls the module). Its capacity is
     `max_tokens_per_rank`, or, when None, the largest token count of that first call over the
     ranks, rounded up to a multiple of 256; a later call with more tokens on a rank raises
-    ValueError. The router and the shared expert are replicated: average their gradients over the
-    group like data-parallel weights (examples/train_moe_block.py shows it).
+    ValueError. Making the workspace talks to the group, so it stays outside torch.compile: call
+    the module once eagerly before compiling with fullgraph=True. The router and the shared expert
+    are replicated: average their gradients over the group like data-parallel weights
+    (examples/train_moe_block.py shows it).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
