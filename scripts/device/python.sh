@@ -10,7 +10,7 @@
 #                                       src/torch + CMakeLists.txt; that folder travels (carry).
 #   scripts/device/python.sh            THERE: installs (linking the prebuilt folder when it exists,
 #                                       so only src/torch/*.cpp compile there; else the whole core
-#                                       is compiled, which takes minutes), runs everything, logs
+#                                       is compiled: about 30 s on 32 cores), runs everything, logs
 #                                       to $MOK_RESULTS_DIR (default /tmp).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
