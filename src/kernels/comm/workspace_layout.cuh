@@ -54,6 +54,7 @@ struct DeviceState {
   uint32_t gather_arrivals;   // CTAs of the gather push that finished this call
   uint32_t combine_arrivals;  // CTAs of the combine push that finished this call
   uint32_t down_tiles_done;   // routed down tiles of the fused forward stored this call
+  uint32_t next_task;         // the fused forward's next task ticket
   ErrorRecord error;
 };
 

@@ -2,9 +2,10 @@
 // the schedule (before) and the combine reduce (after).
 //
 //   communication CTAs (blockIdx < num_comm_ctas): dispatch — pull every routed row into
-//     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived)
-//   compute CTAs (the rest): the GEMM engine's producer warpgroup and two consumer warpgroups run
-//     the task list of task_list.cuh. The producer waits for a task's inputs before loading its
+//     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived) —
+//     then they compute too
+//   compute: the GEMM engine's producer warpgroup and two consumer warpgroups take tasks of the
+//     list of task_list.cuh by ticket. The producer waits for a task's inputs before loading its
 //     first k-block; after a gate/up tile's stores complete, the consumers raise its row block's
 //     counter. The down tiles' epilogue is the combine push (combine_store.cuh): each row goes
 //     to its owner's slot. When the last down tile of this rank has landed, this rank's combine
@@ -50,6 +51,9 @@ using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
 inline constexpr int kCopyUnroll = 8;
+// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
+inline constexpr uint32_t kProducerRegisters = 56;
+inline constexpr uint32_t kConsumerRegisters = 224;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -190,32 +194,72 @@ __device__ inline void finish_down_tiles(const FusedForwardParams& params, const
   }
 }
 
+// The tasks the producer took, decoded, handed to the consumers in order: kTaskSlots slots, each
+// with a full barrier (the producer wrote it) and an empty one (every consumer warp has read it).
+// A slot whose task.mblock is kNoTask tells the consumers to stop.
+inline constexpr int kTaskSlots = 4;
+inline constexpr int kNoTask = -1;
+
+struct TaskRing {
+  Task task[kTaskSlots];
+  uint64_t full[kTaskSlots];
+  uint64_t empty[kTaskSlots];
+};
+
+// The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
+// rank's counter as soon as the previous task's loads are issued, so a CTA that joins late (a
+// communication CTA done with the dispatch) or runs slow tiles simply takes fewer tasks.
 __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardParams& params,
                                uint8_t* aligned_smem) {
   const Loop::Storage smem = Loop::Storage::carve(aligned_smem);
+  __shared__ TaskRing handoff;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < RingLayout::kNumStages; ++stage) {
       ptx::mbarrier_init(&smem.full[stage], 1);
       ptx::mbarrier_init(&smem.empty[stage], gemm::TileConfig::kNumConsumerWarpgroups * 4);
     }
     ptx::mbarrier_init(smem.tail, 1);
+    for (int slot = 0; slot < kTaskSlots; ++slot) {
+      ptx::mbarrier_init(&handoff.full[slot], 1);
+      ptx::mbarrier_init(&handoff.empty[slot], gemm::TileConfig::kNumConsumerWarpgroups * 4);
+    }
     ptx::fence_barrier_init();
   }
   __syncthreads();
 
-  const TaskShape shape = task_shape(params);
-  const int compute_idx = static_cast<int>(blockIdx.x) - params.num_comm_ctas;
-  const int num_compute = static_cast<int>(gridDim.x) - params.num_comm_ctas;
-  TaskScheduler scheduler(shape, params.view, params.num_tokens, compute_idx, num_compute);
   Task task;
   Loop::State state;
+  int slot = 0;
+  uint32_t slot_phase = 0;
+  auto advance_slot = [&] {
+    if (++slot == kTaskSlots) {
+      slot = 0;
+      slot_phase ^= 1u;
+    }
+  };
+  const int lane = static_cast<int>(threadIdx.x % 32);
   const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
   if (warpgroup_idx == 0) {
-    ptx::setmaxnreg_decrease<40>();
+    ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
-      const int lane = static_cast<int>(threadIdx.x % 32);
+      const TaskShape shape = task_shape(params);
+      TaskScheduler scheduler(shape, params.view, params.num_tokens);
+      uint32_t* next_task = &params.view.state()->next_task;
       uint32_t tail_phase = 0;
-      while (scheduler.next(task)) {
+      for (;;) {
+        int ticket = 0;
+        if (lane == 0) ticket = static_cast<int>(atomicAdd(next_task, 1u));
+        ticket = __shfl_sync(0xffffffffu, ticket, 0);
+        const bool has_task = scheduler.decode(ticket, task);
+        if (!has_task) task.mblock = kNoTask;
+        if (lane == 0) {
+          ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
+          handoff.task[slot] = task;
+          ptx::mbarrier_arrive(&handoff.full[slot]);
+        }
+        __syncwarp();
+        advance_slot();
+        if (!has_task) break;
         if (lane == 0) wait_for_inputs(params, shape, task);
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
@@ -224,11 +268,17 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       }
     }
   } else {
-    ptx::setmaxnreg_increase<232>();
+    ptx::setmaxnreg_increase<kConsumerRegisters>();
     const int consumer_idx = warpgroup_idx - 1;
     float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
     uint32_t down_tiles = 0;  // stored by this CTA
-    while (scheduler.next(task)) {
+    for (;;) {
+      ptx::mbarrier_wait(&handoff.full[slot], slot_phase);
+      task = handoff.task[slot];
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&handoff.empty[slot]);
+      advance_slot();
+      if (task.mblock == kNoTask) break;
       const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
@@ -257,7 +307,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       }
     }
     if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
-    if (down_tiles > 0) finish_down_tiles(params, shape, down_tiles);
+    if (down_tiles > 0) finish_down_tiles(params, task_shape(params), down_tiles);
   }
 }
 
@@ -272,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (comm::cta_sees_error(params.view)) return;
   if (static_cast<int>(blockIdx.x) < params.num_comm_ctas) {
     communicate(params);
-    return;
+    __syncthreads();  // then compute like the others
   }
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
   uint8_t* aligned = dynamic_smem + ((RingLayout::kAlignment - base_address % RingLayout::kAlignment) %

@@ -19,9 +19,10 @@
 // standalone grouped GEMM: the CTAs running side by side share the expert's weight tiles and its
 // rows through L2.
 //
-// Task t goes to compute CTA t mod C, and each CTA takes its tasks in increasing t. Every task
-// depends only on tasks earlier in the list (or on the dispatch, which depends on no task), so the
-// earliest unfinished task can always run: the order cannot deadlock while all CTAs are resident.
+// CTAs take tasks by ticket (one atomic counter), so each CTA's tasks come in increasing order,
+// and a CTA runs its tasks in the order it took them. Every task depends only on tasks earlier in
+// the list (or on the dispatch, which depends on no task), so the earliest unfinished task can
+// always run: the order cannot deadlock while all CTAs are resident.
 #pragma once
 
 #include "kernels/comm/workspace_layout.cuh"
@@ -48,6 +49,12 @@ struct TaskShape {
   __device__ int num_chunks() const {
     return (routed_mblocks + chunk_mblocks - 1) / chunk_mblocks;
   }
+  __device__ int num_tasks() const {
+    return shared_mblocks * (n_blocks[static_cast<int>(TaskKind::kSharedGateUp)] +
+                             n_blocks[static_cast<int>(TaskKind::kSharedDown)]) +
+           routed_mblocks * (n_blocks[static_cast<int>(TaskKind::kGateUp)] +
+                             n_blocks[static_cast<int>(TaskKind::kDown)]);
+  }
 };
 
 struct Task {
@@ -56,19 +63,20 @@ struct Task {
   gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take
 };
 
+// Decodes task tickets; the tickets one scheduler sees must not decrease (its cursors only move
+// forward).
 class TaskScheduler {
  public:
-  // first: this CTA's first task; stride: the number of compute CTAs.
-  __device__ TaskScheduler(const TaskShape& shape, const comm::WorkspaceView& view,
-                           int num_tokens, int first, int stride)
-      : shape_(shape), offsets_(view.offsets()), counts_(view.counts()), num_tokens_(num_tokens),
-        task_(first), stride_(stride) {
+  __device__ TaskScheduler(const TaskShape& shape, const comm::WorkspaceView& view, int num_tokens)
+      : shape_(shape), offsets_(view.offsets()), counts_(view.counts()), num_tokens_(num_tokens) {
     const int chunks = shape.num_chunks();
     num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
     load_segment(0);
   }
 
-  __device__ bool next(Task& task) {
+  // Fills `task` for `ticket`; false when the ticket is past the last task.
+  __device__ bool decode(int ticket, Task& task) {
+    task_ = ticket;
     while (segment_ < num_segments_ && task_ >= segment_first_ + segment_size_) {
       segment_first_ += segment_size_;
       load_segment(segment_ + 1);
@@ -92,7 +100,6 @@ class TaskScheduler {
       task.mblock = row_begin / gemm::TileConfig::BLOCK_M + m_block;
       task.tile = {expert_, m_block, local / expert_mblocks_, row_begin, counts_[expert_]};
     }
-    task_ += stride_;
     return true;
   }
 
@@ -160,8 +167,7 @@ class TaskScheduler {
   const int32_t* offsets_;
   const int32_t* counts_;
   int num_tokens_;
-  int task_;
-  int stride_;
+  int task_ = 0;
   int num_segments_ = 0;
   int segment_ = 0;
   int segment_first_ = 0;  // first task index of the segment

@@ -36,6 +36,7 @@ __device__ inline void begin_call(const WorkspaceView& view) {
     state->gather_arrivals = 0;
     state->combine_arrivals = 0;
     state->down_tiles_done = 0;
+    state->next_task = 0;
   }
 }
 
