@@ -1,10 +1,12 @@
 // Benchmark of the grouped expert GEMMs at one rank of EP2 with balanced routing
 // (2 ranks x 8192 tokens x top-8 = 65,536 rows over the rank's experts), per preset:
 // gate/up (plain and SwiGLU-fused), down, dgrad and wgrad. Median of timed iterations with CUDA
-// events after warm-up, on random (never zero) data. Writes one JSON object per case to --out;
-// bench/baselines/torch_grouped_mm.py adds torch's figures measured in the same device run.
+// events after warm-up, on random (never zero) data. Every case runs on both engines, the
+// cooperative and the ping-pong kernel, back to back (same clocks). Writes one JSON object per
+// case and engine to --out; bench/baselines/torch_grouped_mm.py adds torch's figures measured in
+// the same device run.
 //
-//   bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE]
+//   bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE] [--engine cooperative|pingpong]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -14,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mok/gemm.hpp"
@@ -76,7 +79,7 @@ double median_ms(const std::function<void()>& launch, int iterations) {
 }
 
 struct CaseResult {
-  std::string preset, phase;
+  std::string preset, phase, engine;
   int num_experts, rows_per_expert, n, k;
   double ms, tflops;
 };
@@ -84,12 +87,13 @@ struct CaseResult {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out_path = "gemm-mok.json", only;
+  std::string out_path = "gemm-mok.json", only, only_engine;
   int iterations = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--out")) out_path = argv[i + 1];
     else if (!std::strcmp(argv[i], "--iterations")) iterations = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--engine")) only_engine = argv[i + 1];
   }
   constexpr int kEp = 2, kTokensPerRank = 8192;
   std::vector<CaseResult> results;
@@ -122,27 +126,34 @@ int main(int argc, char** argv) {
     struct Case {
       const char* phase;
       GroupedShape shape;
-      std::function<void()> launch;
+      std::function<void(const LaunchOptions&)> launch;
     };
     const std::vector<Case> cases = {
-        {"gemm-gateup", gate_up, [&] { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, gate_up_out.data, ForwardOutput::kBf16, nullptr); }},
-        {"gemm-gateup-swiglu", gate_up, [&] { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, h.data, ForwardOutput::kSwiGluBf16, nullptr); }},
-        {"gemm-down", down, [&] { grouped_forward(down, h.bf16(), w_down.bf16(), offs, down_out.data, ForwardOutput::kBf16, nullptr); }},
-        {"gemm-dgrad-gateup", gate_up, [&] { grouped_dgrad(gate_up, gate_up_out.bf16(), w_gate_up.bf16(), offs, x.bf16(), nullptr); }},
-        {"gemm-dgrad-down", down, [&] { grouped_dgrad(down, down_out.bf16(), w_down.bf16(), offs, h.bf16(), nullptr); }},
-        {"gemm-wgrad-gateup", gate_up, [&] { grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr); }},
-        {"gemm-wgrad-down", down, [&] { grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr); }},
+        {"gemm-gateup", gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, gate_up_out.data, ForwardOutput::kBf16, nullptr, o); }},
+        {"gemm-gateup-swiglu", gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, h.data, ForwardOutput::kSwiGluBf16, nullptr, o); }},
+        {"gemm-down", down, [&](const LaunchOptions& o) { grouped_forward(down, h.bf16(), w_down.bf16(), offs, down_out.data, ForwardOutput::kBf16, nullptr, o); }},
+        {"gemm-dgrad-gateup", gate_up, [&](const LaunchOptions& o) { grouped_dgrad(gate_up, gate_up_out.bf16(), w_gate_up.bf16(), offs, x.bf16(), nullptr, o); }},
+        {"gemm-dgrad-down", down, [&](const LaunchOptions& o) { grouped_dgrad(down, down_out.bf16(), w_down.bf16(), offs, h.bf16(), nullptr, o); }},
+        {"gemm-wgrad-gateup", gate_up, [&](const LaunchOptions& o) { grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
+        {"gemm-wgrad-down", down, [&](const LaunchOptions& o) { grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
     };
+    const std::pair<const char*, GemmEngine> engines[] = {
+        {"cooperative", GemmEngine::kCooperative}, {"pingpong", GemmEngine::kPingpong}};
     for (const Case& c : cases) {
       if (!only.empty() && only != std::string(preset_name) + "/" + c.phase) continue;
-      const double ms = median_ms(c.launch, iterations);
-      const double flops = 2.0 * rows_total * double(c.shape.n) * c.shape.k;
-      results.push_back({preset_name, c.phase, experts, rows, c.shape.n, c.shape.k, ms,
-                         flops / ms / 1e9});
-      std::printf("%-16s %-20s E %3d rows %5d n %5d k %5d  %8.3f ms  %6.1f TFLOP/s\n",
-                  preset_name, c.phase, experts, rows, c.shape.n, c.shape.k, ms,
-                  results.back().tflops);
-      std::fflush(stdout);
+      for (const auto& [engine_name, engine] : engines) {
+        if (!only_engine.empty() && only_engine != engine_name) continue;
+        LaunchOptions options;
+        options.engine = engine;
+        const double ms = median_ms([&] { c.launch(options); }, iterations);
+        const double flops = 2.0 * rows_total * double(c.shape.n) * c.shape.k;
+        results.push_back({preset_name, c.phase, engine_name, experts, rows, c.shape.n,
+                           c.shape.k, ms, flops / ms / 1e9});
+        std::printf("%-16s %-20s %-12s E %3d rows %5d n %5d k %5d  %8.3f ms  %6.1f TFLOP/s\n",
+                    preset_name, c.phase, engine_name, experts, rows, c.shape.n, c.shape.k, ms,
+                    results.back().tflops);
+        std::fflush(stdout);
+      }
     }
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
   }
@@ -151,7 +162,7 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < results.size(); ++i) {
     const CaseResult& r = results[i];
     out << "  {\"preset\": \"" << r.preset << "\", \"phase\": \"" << r.phase
-        << "\", \"num_experts\": " << r.num_experts << ", \"rows_per_expert\": "
+        << "\", \"engine\": \"" << r.engine << "\", \"num_experts\": " << r.num_experts << ", \"rows_per_expert\": "
         << r.rows_per_expert << ", \"n\": " << r.n << ", \"k\": " << r.k
         << ", \"mok_ms\": " << r.ms << ", \"useful_tflops\": " << r.tflops << "}"
         << (i + 1 < results.size() ? ",\n" : "\n");

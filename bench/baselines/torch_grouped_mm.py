@@ -7,6 +7,8 @@ dense bf16 GEMM rate (8192^3), and writes bench/results JSON in schema mok-bench
   dgrad    torch._grouped_mm(dy, W, offs=offs)                    dx = dy W per expert
   wgrad    torch._grouped_mm(dy.t(), x, offs=offs)                dW = dy^T x per expert
 The SwiGLU-fused case is compared with the plain torch gate/up GEMM (torch has no fused one).
+mok runs every case on each engine (cooperative, ping-pong); torch is timed once per case and
+each engine's figure is set beside it.
 Median of >= 20 CUDA-event-timed iterations after warm-up, random data; mok's and torch's figures
 are each the mean over passes (mok before and after torch, torch twice), since the clocks drift
 under the power cap during a run.
@@ -65,8 +67,12 @@ def measure(args):
     # The clocks drift with the power cap over a run: torch is timed in several passes over all
     # cases (as mok is), and each side's figure is the mean of its passes' medians.
     for _ in range(args.passes):
+        timed = set()
         for case in mok_cases:
             key = f"{case['preset']}/{case['phase']}"
+            if key in timed:  # the same GEMM on another mok engine
+                continue
+            timed.add(key)
             try:
                 timings["cases"].setdefault(key, []).append(torch_case(case, args.iterations))
             except Exception as error:  # report, never invent a figure
@@ -82,15 +88,18 @@ def combine(args):
     cases = []
     for case in mok_passes[0]:
         key = f"{case['preset']}/{case['phase']}"
+        engine = case.get("engine", "cooperative")
         mok_runs = [c["mok_ms"] for p in mok_passes for c in p
-                    if f"{c['preset']}/{c['phase']}" == key]
+                    if f"{c['preset']}/{c['phase']}" == key
+                    and c.get("engine", "cooperative") == engine]
         mok_ms = sum(mok_runs) / len(mok_runs)
         torch_runs = timings["cases"].get(key, [])
         baseline_ms = sum(torch_runs) / len(torch_runs) if torch_runs else None
         flops = 2.0 * case["num_experts"] * case["rows_per_expert"] * case["n"] * case["k"]
         cases.append({
-            "name": key,
+            "name": f"{key} [{engine}]",
             "preset": case["preset"],
+            "engine": engine,
             "ep": 2,
             "tokens_per_rank": 8192,
             "precision": "bf16",
@@ -123,7 +132,17 @@ def combine(args):
         torch_tf = f"{c['baseline_tflops']:8.0f}" if c["baseline_tflops"] else "     n/a"
         torch_ms = f"{c['baseline_ms']:9.3f}" if c["baseline_ms"] else "      n/a"
         speedup = f"{c['speedup']:7.3f}" if c["speedup"] else "    n/a"
-        print(f"{c['name']:40s} {c['mok_ms']:8.3f} {c['useful_tflops']:7.0f} {torch_ms} {torch_tf} {speedup}")
+        print(f"{c['name']:54s} {c['mok_ms']:8.3f} {c['useful_tflops']:7.0f} {torch_ms} {torch_tf} {speedup}")
+    # Side by side: ping-pong against cooperative, per case.
+    by_key = {(c["preset"], c["phase"], c["engine"]): c for c in cases}
+    print(f"{'case':40s} {'coop TF':>8s} {'pp TF':>7s} {'pp/coop':>8s} {'coop/torch':>10s} {'pp/torch':>9s}")
+    for (preset, phase, engine), c in by_key.items():
+        if engine != "pingpong" or (preset, phase, "cooperative") not in by_key:
+            continue
+        coop = by_key[(preset, phase, "cooperative")]
+        vs_torch = lambda x: f"{x['speedup']:.3f}" if x["speedup"] else "n/a"
+        print(f"{preset + '/' + phase:40s} {coop['useful_tflops']:8.0f} {c['useful_tflops']:7.0f} "
+              f"{coop['mok_ms'] / c['mok_ms']:8.3f} {vs_torch(coop):>10s} {vs_torch(c):>9s}")
 
 
 def main():

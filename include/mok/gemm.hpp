@@ -25,8 +25,17 @@ struct GroupedShape {
   int k = 0;              // in features of the forward GEMM (columns of W_e)
 };
 
+// Which kernel runs a grouped GEMM. Both sum every output element over the same k-blocks in the
+// same order, so the results are bitwise equal whichever runs; only the speed differs.
+enum class GemmEngine {
+  kAuto,         // the faster one for the case, as measured (docs/perf-notes/gemm.md)
+  kCooperative,  // two consumer warpgroups share one 128 x 256 tile (epilogues stall the MMAs)
+  kPingpong,     // each consumer warpgroup owns a 128 x 128 tile; their mainloops alternate
+};
+
 struct LaunchOptions {
   int num_sms = 0;  // CTAs of the persistent grid; 0 = every SM of the current device
+  GemmEngine engine = GemmEngine::kAuto;
 };
 
 enum class ForwardOutput {

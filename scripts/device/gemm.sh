@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch
-# (mok and torch timed in two passes each), the chart, a SASS check and Nsight Compute profiles of
-# the plain and SwiGLU-fused gate/up GEMM, on GPU 0. Results and logs go to the results folder.
+# (mok on both engines, cooperative and ping-pong, and torch timed in two passes each), the
+# chart, a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused gate/up GEMM
+# on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative pingpong), on GPU 0. Results and
+# logs go to the results folder.
 #
 #   OUT=/tmp/out scripts/device/gemm.sh [BIN_DIR]
 # BIN_DIR holds mok_gpu_tests (or a GEMM-only mok_gemm_tests) and bench_gemm, e.g. built here with
@@ -68,14 +70,17 @@ python3 bench/plot_gemm.py "$RESULTS" "$OUT/gemm.png" 2>&1 | tee -a "$LOG"
 
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   : > "$OUT/gemm-ncu.txt"
+  NCU_SECTIONS=${MOK_GEMM_NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats WarpStateStats SchedulerStats}
   for NCU_CASE in ${MOK_GEMM_NCU_CASES:-qwen3-235b-a22b/gemm-gateup qwen3-235b-a22b/gemm-gateup-swiglu}; do
-    say "Nsight Compute: $NCU_CASE"
-    echo "==== $NCU_CASE" >> "$OUT/gemm-ncu.txt"
-    timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-      -k regex:grouped_gemm --launch-skip 2 --launch-count 1 \
-      "$BIN/bench_gemm" --only "$NCU_CASE" --iterations 1 --out /tmp/ncu.json \
-      >> "$OUT/gemm-ncu.txt" 2>&1
+    for NCU_ENGINE in ${MOK_GEMM_NCU_ENGINES:-cooperative pingpong}; do
+      say "Nsight Compute: $NCU_CASE ($NCU_ENGINE)"
+      echo "==== $NCU_CASE ($NCU_ENGINE)" >> "$OUT/gemm-ncu.txt"
+      # shellcheck disable=SC2046  # one --section per word
+      timeout 120 ncu --clock-control none $(printf -- '--section %s ' $NCU_SECTIONS) \
+        -k regex:'grouped_gemm|pingpong_gemm' --launch-skip 2 --launch-count 1 \
+        "$BIN/bench_gemm" --only "$NCU_CASE" --engine "$NCU_ENGINE" --iterations 1 \
+        --out /tmp/ncu.json >> "$OUT/gemm-ncu.txt" 2>&1
+    done
   done
   grep -E "^====|Duration|SM Frequency|Elapsed Cycles|Compute \(SM\)|L2 Cache Throughput|DRAM Throughput|Issued Warp" \
     "$OUT/gemm-ncu.txt" | tee -a "$LOG"

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
+#include "kernels/gemm/pingpong_gemm_kernel.cuh"
 #include "mok/error.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/gemm_tensor_map.hpp"
@@ -16,6 +17,11 @@ namespace {
 
 struct LaunchConfig {
   int num_ctas;
+  int pingpong_block_m;  // ping-pong kernel, (BLOCK_M, 16384 / BLOCK_M) tiles; 0: cooperative
+  int block_m() const { return pingpong_block_m > 0 ? pingpong_block_m : TileConfig::BLOCK_M; }
+  int block_n() const {
+    return pingpong_block_m > 0 ? 128 * 128 / pingpong_block_m : TileConfig::BLOCK_N;
+  }
 };
 
 int device_sm_count() {
@@ -26,13 +32,39 @@ int device_sm_count() {
   return count;
 }
 
-// Persistent grid: one CTA per SM, fewer when the tile count is known to be smaller (wgrad).
-LaunchConfig pick_config(const LaunchOptions& options, long long known_tiles) {
-  MOK_CHECK_ARG(options.num_sms >= 0, "options.num_sms", "must be >= 0, got ", options.num_sms);
-  long long num_ctas = options.num_sms > 0 ? options.num_sms : device_sm_count();
-  if (known_tiles >= 0) num_ctas = std::min(num_ctas, std::max(known_tiles, 1LL));
-  return {static_cast<int>(num_ctas)};
+// The engine for a case; returns the ping-pong tile's BLOCK_M, or 0 for the cooperative kernel.
+// kAuto follows runs 5 and 6 of docs/perf-notes/gemm.md: the ping-pong mainloop runs at ~92 % of
+// the cooperative one's rate per clock, which only the short-K plain forward GEMM (qwen3-30b down,
+// K = 768: 1.06-1.07x in both runs) wins back; everything else stays cooperative.
+int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
+                int reduction_length) {
+  switch (options.engine) {
+    case GemmEngine::kCooperative: return 0;
+    case GemmEngine::kPingpong: return 128;
+    case GemmEngine::kAuto: break;
+  }
+  constexpr int kPingpongMaxK = 1024;
+  return kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 &&
+                 reduction_length <= kPingpongMaxK
+             ? 128
+             : 0;
 }
+
+// Persistent grid: one CTA per SM, fewer when the tile count is known to be smaller (wgrad).
+// known_tiles(block_m, block_n) < 0: unknown on the host.
+template <class KnownTiles>
+LaunchConfig pick_config(const LaunchOptions& options, int pingpong_block_m,
+                         KnownTiles known_tiles) {
+  MOK_CHECK_ARG(options.num_sms >= 0, "options.num_sms", "must be >= 0, got ", options.num_sms);
+  LaunchConfig config{0, pingpong_block_m};
+  long long num_ctas = options.num_sms > 0 ? options.num_sms : device_sm_count();
+  const long long tiles = known_tiles(config.block_m(), config.block_n());
+  if (tiles >= 0) num_ctas = std::min(num_ctas, std::max(tiles, 1LL));
+  config.num_ctas = static_cast<int>(num_ctas);
+  return config;
+}
+
+long long unknown_tiles(int, int) { return -1; }
 
 void check_shape(const GroupedShape& shape, const int* expert_offsets) {
   MOK_CHECK_ARG(shape.num_experts >= 0, "shape.num_experts", "must be >= 0, got ",
@@ -47,18 +79,40 @@ void check_shape(const GroupedShape& shape, const int* expert_offsets) {
                 "is null");
 }
 
-template <GemmKind kKind, EpilogueKind kEpilogue>
-void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmParams& params,
-            const LaunchConfig& config, cudaStream_t stream) {
-  auto* kernel = &grouped_gemm_kernel<kKind, kEpilogue>;
+using GemmKernel = void (*)(CUtensorMap, CUtensorMap, GroupedGemmParams);
+
+void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
+                   const CUtensorMap& map_a, const CUtensorMap& map_b,
+                   const GroupedGemmParams& params, int num_ctas, cudaStream_t stream) {
   // NOTE: the attribute belongs to the current device, and one process may drive several GPUs
   // (one host thread per rank): set it on every launch (a host-side call of about a microsecond).
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      SharedLayout<kEpilogue>::kLaunchBytes));
-  kernel<<<config.num_ctas, TileConfig::kNumThreads, SharedLayout<kEpilogue>::kLaunchBytes,
-           stream>>>(
-      map_a, map_b, params);
+                                      static_cast<int>(smem_bytes)));
+  kernel<<<num_ctas, num_threads, smem_bytes, stream>>>(map_a, map_b, params);
   MOK_CUDA_CHECK_LAUNCH();
+}
+
+template <GemmKind kKind, EpilogueKind kEpilogue>
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmParams& params,
+            const LaunchConfig& config, cudaStream_t stream) {
+  if (config.pingpong_block_m == 128) {
+    launch_kernel(&pingpong_gemm_kernel<kKind, kEpilogue, 128>, PingpongConfig<128>::kNumThreads,
+                  PingpongSharedLayout<kEpilogue, 128>::kLaunchBytes, map_a, map_b, params,
+                  config.num_ctas, stream);
+  } else {
+    launch_kernel(&grouped_gemm_kernel<kKind, kEpilogue>, TileConfig::kNumThreads,
+                  SharedLayout<kEpilogue>::kLaunchBytes, map_a, map_b, params, config.num_ctas,
+                  stream);
+  }
+}
+
+EpilogueKind forward_epilogue(ForwardOutput output) {
+  switch (output) {
+    case ForwardOutput::kSwiGluBf16: return EpilogueKind::kSwiGluBf16;
+    case ForwardOutput::kFp32: return EpilogueKind::kStoreFp32;
+    case ForwardOutput::kBf16: break;
+  }
+  return EpilogueKind::kStoreBf16;
 }
 
 }  // namespace
@@ -70,12 +124,14 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
   MOK_CHECK_ARG(output != ForwardOutput::kSwiGluBf16 || shape.n % 16 == 0, "shape.n",
                 "SwiGLU needs gate/up blocks of 8: n must be a multiple of 16, got ", shape.n);
   if (shape.num_experts == 0) return;
+  const LaunchConfig config = pick_config(
+      options, pick_engine(options, GemmKind::kForward, forward_epilogue(output), shape.k),
+      unknown_tiles);
   const CUtensorMap map_a = make_tensor_map_2d(x, shape.capacity_rows, shape.k,
-                                               TileConfig::BLOCK_M, "x");
+                                               config.block_m(), "x");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
-                                               TileConfig::BLOCK_N, 64, "w");
+                                               config.block_n(), 64, "w");
   const GroupedGemmParams params{expert_offsets, shape.num_experts, 0, shape.n, shape.k, y};
-  const LaunchConfig config = pick_config(options, -1);
   switch (output) {
     case ForwardOutput::kBf16:
       launch<GemmKind::kForward, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
@@ -95,13 +151,19 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
   check_shape(shape, expert_offsets);
   if (shape.num_experts == 0) return;
   // C[rows, k] = dY[rows, n] · W[n, k]: the reduction runs over n, W is read n-rows by k-columns.
+  // Every engine reads W in (64, 64) boxes and dY in (BLOCK_M, 64) boxes.
+  static_assert(PingpongConfig<128>::BLOCK_K == TileConfig::BLOCK_K &&
+                    PingpongConfig<128>::kChunk == TileConfig::kChunk,
+                "one weight map for every engine");
+  const LaunchConfig config = pick_config(
+      options, pick_engine(options, GemmKind::kDgrad, EpilogueKind::kStoreBf16, shape.n),
+      unknown_tiles);
   const CUtensorMap map_a = make_tensor_map_2d(dy, shape.capacity_rows, shape.n,
-                                               TileConfig::BLOCK_M, "dy");
+                                               config.block_m(), "dy");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
                                                TileConfig::BLOCK_K, TileConfig::kChunk, "w");
   const GroupedGemmParams params{expert_offsets, shape.num_experts, 0, shape.k, shape.n, dx};
-  launch<GemmKind::kDgrad, EpilogueKind::kStoreBf16>(map_a, map_b, params,
-                                                     pick_config(options, -1), stream);
+  launch<GemmKind::kDgrad, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
 }
 
 void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
@@ -115,10 +177,15 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
   const CUtensorMap map_b = make_tensor_map_2d(x, shape.capacity_rows, shape.k,
                                                TileConfig::BLOCK_K, "x");
   const GroupedGemmParams params{expert_offsets, shape.num_experts, shape.n, shape.k, 0, dw};
-  const long long tiles = static_cast<long long>(shape.num_experts) *
-                          ceil_div(shape.n, TileConfig::BLOCK_M) *
-                          ceil_div(shape.k, TileConfig::BLOCK_N);
-  const LaunchConfig config = pick_config(options, tiles);
+  const EpilogueKind epilogue = output == WgradOutput::kFp32   ? EpilogueKind::kStoreFp32
+                                : output == WgradOutput::kBf16 ? EpilogueKind::kStoreBf16
+                                                               : EpilogueKind::kAccumulateFp32;
+  const auto num_tiles = [&](int block_m, int block_n) {
+    return static_cast<long long>(shape.num_experts) * ceil_div(shape.n, block_m) *
+           ceil_div(shape.k, block_n);
+  };
+  const LaunchConfig config =
+      pick_config(options, pick_engine(options, GemmKind::kWgrad, epilogue, -1), num_tiles);
   switch (output) {
     case WgradOutput::kFp32:
       launch<GemmKind::kWgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);

@@ -56,17 +56,19 @@ class GroupedGemmBackward : public ::testing::Test {
     offsets_->upload(p_->offsets);
   }
 
-  std::vector<bf16> run_dgrad() {
+  std::vector<bf16> run_dgrad(int num_sms = 0, GemmEngine engine = GemmEngine::kAuto) {
     DeviceBuffer<bf16> dx(static_cast<size_t>(p_->capacity) * kIn);
     dx.poison();
-    grouped_dgrad(p_->shape(), dy_->get(), w_->get(), offsets_->get(), dx.get(), nullptr);
+    grouped_dgrad(p_->shape(), dy_->get(), w_->get(), offsets_->get(), dx.get(), nullptr,
+                  LaunchOptions{num_sms, engine});
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     return dx.download();
   }
 
   // `initial` (fp32 main_grad) is uploaded for kAccumulateFp32; the output is poisoned otherwise.
   template <class T>
-  std::vector<T> run_wgrad(WgradOutput output, int num_sms, const std::vector<float>* initial) {
+  std::vector<T> run_wgrad(WgradOutput output, int num_sms, const std::vector<float>* initial,
+                           GemmEngine engine = GemmEngine::kAuto) {
     DeviceBuffer<T> dw(static_cast<size_t>(p_->num_experts) * kOut * kIn);
     if constexpr (std::is_same_v<T, float>) {
       if (initial != nullptr) dw.upload(*initial);
@@ -75,7 +77,7 @@ class GroupedGemmBackward : public ::testing::Test {
       dw.poison();
     }
     grouped_wgrad(p_->shape(), dy_->get(), x_->get(), offsets_->get(), dw.get(), output, nullptr,
-                  LaunchOptions{num_sms});
+                  LaunchOptions{num_sms, engine});
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     return dw.download();
   }
@@ -185,6 +187,37 @@ TEST_F(GroupedGemmBackward, WgradAccumulatesIntoMainGrad) {
   }
   EXPECT_TRUE(bitwise_equal(dw, run_wgrad<float>(WgradOutput::kAccumulateFp32, 5, &main_grad)))
       << "wgrad accumulate: 5-CTA grid differs from the full grid";
+}
+
+// Both engines sum every element over the same k-blocks in the same order: bitwise equal dgrad
+// and wgrad results (fresh fp32, bf16, accumulated), the ping-pong one on several grid sizes.
+TEST_F(GroupedGemmBackward, PingpongEqualsCooperativeBitwise) {
+  constexpr GemmEngine kPingpong = GemmEngine::kPingpong;
+  const auto dx = run_dgrad(0, GemmEngine::kCooperative);
+  for (int num_sms : {0, 1, 3}) {
+    EXPECT_TRUE(bitwise_equal(dx, run_dgrad(num_sms, kPingpong)))
+        << "dgrad: ping-pong on " << num_sms << " CTAs differs from cooperative";
+  }
+  const size_t count = static_cast<size_t>(p_->num_experts) * kOut * kIn;
+  std::vector<float> main_grad(count);
+  const auto seed_values = random_bf16(count, 25, 4.0f);
+  for (size_t i = 0; i < count; ++i) main_grad[i] = seed_values[i].to_float();
+  const auto fp32 = run_wgrad<float>(WgradOutput::kFp32, 0, nullptr, GemmEngine::kCooperative);
+  const auto bf16_result =
+      run_wgrad<bf16>(WgradOutput::kBf16, 0, nullptr, GemmEngine::kCooperative);
+  const auto accumulated =
+      run_wgrad<float>(WgradOutput::kAccumulateFp32, 0, &main_grad, GemmEngine::kCooperative);
+  for (int num_sms : {0, 1, 7, 33}) {
+    EXPECT_TRUE(bitwise_equal(fp32, run_wgrad<float>(WgradOutput::kFp32, num_sms, nullptr,
+                                                     kPingpong)))
+        << "wgrad fp32: ping-pong on " << num_sms << " CTAs differs from cooperative";
+    EXPECT_TRUE(bitwise_equal(bf16_result, run_wgrad<bf16>(WgradOutput::kBf16, num_sms,
+                                                           nullptr, kPingpong)))
+        << "wgrad bf16: ping-pong on " << num_sms << " CTAs differs from cooperative";
+    EXPECT_TRUE(bitwise_equal(accumulated, run_wgrad<float>(WgradOutput::kAccumulateFp32,
+                                                            num_sms, &main_grad, kPingpong)))
+        << "wgrad accumulate: ping-pong on " << num_sms << " CTAs differs from cooperative";
+  }
 }
 
 }  // namespace

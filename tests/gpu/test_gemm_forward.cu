@@ -83,11 +83,12 @@ class GroupedGemmForward : public ::testing::Test {
   }
 
   template <class T>
-  std::vector<T> run(ForwardOutput output, int width, int num_sms = 0) {
+  std::vector<T> run(ForwardOutput output, int width, int num_sms = 0,
+                     GemmEngine engine = GemmEngine::kAuto) {
     DeviceBuffer<T> y(static_cast<size_t>(problem_->capacity) * width);
     y.poison();
     grouped_forward(problem_->shape(), x_->get(), w_->get(), offsets_->get(), y.get(), output,
-                    nullptr, LaunchOptions{num_sms});
+                    nullptr, LaunchOptions{num_sms, engine});
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     return y.download();
   }
@@ -149,6 +150,28 @@ TEST_F(GroupedGemmForward, SwiGluFusedEqualsUnfusedBitwise) {
   }
   EXPECT_EQ(mismatches, 0u) << "SwiGLU fused epilogue differs from GEMM + swiglu";
   expect_accuracy(h, host, oracle, written, 2.0, "forward SwiGLU");
+}
+
+// Both engines sum every element over the same k-blocks in the same order: bitwise equal results
+// for every output kind, whatever the grid (the ping-pong one on 1 and 3 CTAs: both consumers
+// of one CTA taking turns over every tile, and an odd tile count per CTA).
+TEST_F(GroupedGemmForward, PingpongEqualsCooperativeBitwise) {
+  constexpr GemmEngine kCooperative = GemmEngine::kCooperative;
+  const auto bf16_result = run<bf16>(ForwardOutput::kBf16, kFusedWidth, 0, kCooperative);
+  const auto fp32_result = run<float>(ForwardOutput::kFp32, kFusedWidth, 0, kCooperative);
+  const auto swiglu_result = run<bf16>(ForwardOutput::kSwiGluBf16, kIntermediate, 0, kCooperative);
+  constexpr GemmEngine kPingpong = GemmEngine::kPingpong;
+  for (int num_sms : {0, 1, 3}) {
+    EXPECT_TRUE(bitwise_equal(bf16_result,
+                              run<bf16>(ForwardOutput::kBf16, kFusedWidth, num_sms, kPingpong)))
+        << "forward bf16: ping-pong on " << num_sms << " CTAs differs from cooperative";
+    EXPECT_TRUE(bitwise_equal(fp32_result,
+                              run<float>(ForwardOutput::kFp32, kFusedWidth, num_sms, kPingpong)))
+        << "forward fp32: ping-pong on " << num_sms << " CTAs differs from cooperative";
+    EXPECT_TRUE(bitwise_equal(
+        swiglu_result, run<bf16>(ForwardOutput::kSwiGluBf16, kIntermediate, num_sms, kPingpong)))
+        << "forward SwiGLU: ping-pong on " << num_sms << " CTAs differs from cooperative";
+  }
 }
 
 }  // namespace

@@ -1,0 +1,76 @@
+// Persistent tile scheduler of the ping-pong engine: GroupedTileScheduler's order over
+// (BLOCK_M, BLOCK_N) tiles. CTA b takes linear tiles b, b + grid, ...; the producer and both
+// consumers run their own copy and see the same sequence, and the consumers take its tiles in turn.
+// Which CTA computes a tile never changes what is computed for it (no split-K), so the results
+// are bitwise independent of the grid size.
+#pragma once
+
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/pingpong_types.cuh"
+#include "kernels/schedule/tile_scheduler.cuh"
+
+namespace mok::gemm {
+
+template <GemmKind kKind, int kBlockM>
+class PingpongTileScheduler {
+ public:
+  using Config = PingpongConfig<kBlockM>;
+  static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
+
+  __device__ explicit PingpongTileScheduler(const GroupedGemmParams& params)
+      : offsets_(params.group_offsets),
+        num_groups_(params.num_groups),
+        num_n_blocks_(ceil_div(params.n, Config::BLOCK_N)),
+        num_fixed_m_blocks_(kRowsAreM ? 0 : ceil_div(params.m, Config::BLOCK_M)),
+        tile_idx_(static_cast<int>(blockIdx.x)) {
+    load_group(0);
+  }
+
+  // Whether next_tile will find one.
+  __device__ bool has_next_tile() {
+    while (group_ < num_groups_ && tile_idx_ >= group_first_tile_ + group_num_tiles_) {
+      group_first_tile_ += group_num_tiles_;
+      load_group(group_ + 1);
+    }
+    return group_ < num_groups_;
+  }
+
+  // Fills `tile` with this CTA's next tile; false when there is none left.
+  __device__ bool next_tile(GroupedTile& tile) {
+    if (!has_next_tile()) return false;
+    const int local_idx = tile_idx_ - group_first_tile_;
+    if constexpr (kRowsAreM) {
+      // M blocks inner: the CTAs running side by side share one weight tile through L2.
+      const int num_m_blocks = ceil_div(row_count_, Config::BLOCK_M);
+      tile = {group_, local_idx % num_m_blocks, local_idx / num_m_blocks, row_begin_, row_count_};
+    } else {
+      tile = {group_, local_idx / num_n_blocks_, local_idx % num_n_blocks_, row_begin_, row_count_};
+    }
+    tile_idx_ += static_cast<int>(gridDim.x);
+    return true;
+  }
+
+ private:
+  __device__ void load_group(int group) {
+    group_ = group;
+    if (group >= num_groups_) return;
+    row_begin_ = offsets_[group];
+    row_count_ = offsets_[group + 1] - row_begin_;
+    const int num_m_blocks =
+        kRowsAreM ? ceil_div(row_count_, Config::BLOCK_M) : num_fixed_m_blocks_;
+    group_num_tiles_ = num_m_blocks * num_n_blocks_;
+  }
+
+  const int* offsets_;
+  int num_groups_;
+  int num_n_blocks_;
+  int num_fixed_m_blocks_;
+  int tile_idx_;
+  int group_ = 0;
+  int group_first_tile_ = 0;
+  int group_num_tiles_ = 0;
+  int row_begin_ = 0;
+  int row_count_ = 0;
+};
+
+}  // namespace mok::gemm

@@ -1,0 +1,72 @@
+// The ping-pong engine's tile and shared-memory layout. Each consumer warpgroup owns a whole
+// (BLOCK_M, BLOCK_N) tile with 128 fp32 accumulators per thread; the two consumers take the CTA's
+// tiles in turn and their mainloops alternate, so one warpgroup's epilogue runs beside the
+// other's MMAs. The cooperative engine (gemm_types.cuh) shares one (128, 256) tile between them
+// instead and stalls the tensor cores through every epilogue. The launchers use (128, 128);
+// (64, 256) compiles too but measured 0.65-0.90x the cooperative kernel (one accumulator chain,
+// 3 stages), and (128, 128) itself ~0.9x outside short-K forward GEMMs: docs/perf-notes/gemm.md.
+//
+// Per output element the K-sum is the cooperative engine's: the same k-blocks of 64 in natural
+// order, the same wgmma k16 steps; only the N width of one wgmma may differ (128 or 256).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/gemm/gemm_types.cuh"
+
+namespace mok::gemm {
+
+template <int kBlockM>
+struct PingpongConfig {
+  static_assert(kBlockM == 64 || kBlockM == 128, "one or two wgmma row blocks of 64");
+  static constexpr int BLOCK_M = kBlockM;  // one consumer warpgroup: BLOCK_M / 64 wgmma rows
+  static constexpr int BLOCK_N = 128 * 128 / kBlockM;  // 128 accumulators per thread
+  static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of bf16
+  static constexpr int kNumConsumerWarpgroups = 2;
+  static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
+  static constexpr int kChunk = 64;    // MN-major tiles are loaded as 64-wide chunks
+  static constexpr uint32_t kChunkBytes = kChunk * BLOCK_K * 2;  // (BLOCK_K, 64) bf16
+  static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;     // (BLOCK_M, BLOCK_K) bf16
+  static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;     // (BLOCK_N, BLOCK_K) bf16
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  static constexpr uint32_t kRowBlockBytes = 64 * BLOCK_K * 2;  // 64 rows of A (or one chunk)
+  static_assert(kRowBlockBytes == kChunkBytes, "an MN-major A chunk is one wgmma row block");
+};
+
+// Named barriers of the ping-pong kernel: kMainloopTurn + c is "consumer c may start its
+// mainloop", arrived at by the other consumer when its own mainloop is done.
+enum class PingpongBarrier : uint32_t {
+  kMainloopTurn = 1,  // 1, 2: one per consumer warpgroup (0 is __syncthreads')
+};
+
+// Dynamic shared memory: the stage ring, one bf16 staging tile per consumer, the barriers. The
+// same struct sizes the launch on the host and finds the buffers on the device.
+template <EpilogueKind kEpilogue, int kBlockM>
+struct PingpongSharedLayout {
+  using Config = PingpongConfig<kBlockM>;
+  static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
+  static constexpr uint32_t kAlignment = 1024;
+  // NOTE: 16 bytes of padding per staging row spread a warp's 8 fragment rows over all banks.
+  static constexpr uint32_t kStagingPitch = Config::BLOCK_N * 2 + 16;
+  static constexpr uint32_t kStagingBytesPerConsumer =
+      kStagedStore ? Config::BLOCK_M * kStagingPitch : 0;
+  // As many stages as fit beside the staging tiles, barriers and alignment slack (at most 6).
+  static constexpr uint32_t kSpareBytes = 227 * 1024 - kAlignment - 256 -
+                                          Config::kNumConsumerWarpgroups * kStagingBytesPerConsumer;
+  static constexpr int kFittingStages = static_cast<int>(kSpareBytes / Config::kStageBytes);
+  static constexpr int kNumStages = kFittingStages < 6 ? kFittingStages : 6;
+  static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
+  static constexpr uint32_t kBOffset = kNumStages * Config::kABytes;
+  // (kNumConsumerWarpgroups, BLOCK_M, kStagingPitch bytes)
+  static constexpr uint32_t kStagingOffset = kBOffset + kNumStages * Config::kBBytes;
+  static constexpr uint32_t kBarrierOffset =
+      kStagingOffset + Config::kNumConsumerWarpgroups * kStagingBytesPerConsumer;
+  // full[kNumStages], empty[kNumStages], tail (the wgrad row-tail staging barrier)
+  static constexpr uint32_t kNumBarriers = 2 * kNumStages + 1;
+  static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
+  static constexpr uint32_t kLaunchBytes = kBytes + kAlignment;  // slack to align the base
+  static_assert(kStagingPitch % 16 == 0, "bulk copies need 16-byte aligned rows");
+  static_assert(kLaunchBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
+};
+
+}  // namespace mok::gemm
