@@ -26,7 +26,7 @@ __global__ void gather_push_kernel(comm::WorkspaceView view, const int32_t* topk
 __global__ void count_rows_kernel(comm::WorkspaceView view) { comm::count_rows(view); }
 
 __global__ void __launch_bounds__(comm::kOrderThreads) order_rows_kernel(comm::WorkspaceView view) {
-  comm::order_rows(view);
+  comm::order_rows(view, blockIdx.x);
 }
 
 template <comm::CopyMethod kMethod>
@@ -91,13 +91,17 @@ void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStre
                                  cudaMemcpyDeviceToDevice, stream));
 }
 
+void begin_call(CommWorkspace& ws, cudaStream_t stream) {
+  begin_call_kernel<<<1, 256, 0, stream>>>(ws.view());
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
 void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream) {
   check_num_tokens(ws, num_tokens);
   MOK_CHECK_ARG(num_tokens == 0 || topk_idx != nullptr, "topk_idx", "null pointer for ", num_tokens,
                 " tokens");
   const comm::WorkspaceLayout& layout = ws.layout();
-  begin_call_kernel<<<1, 256, 0, stream>>>(ws.view());
-  MOK_CUDA_CHECK_LAUNCH();
+  begin_call(ws, stream);
   const int64_t num_ids = num_tokens * layout.top_k;
   const int gather_ctas =
       static_cast<int>(std::clamp<int64_t>(ceil_div(num_ids, kGatherThreads * 8), 1, ws.num_sms()));

@@ -31,6 +31,10 @@ struct CopyConfig {
 // x (T, H) bf16 on this device -> ws.x().
 void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStream_t stream);
 
+// The first step of a call (bumps the epoch, zeroes the counters); `schedule` begins with it, the
+// fused forward (fused_forward.hpp) needs it before its launch.
+void begin_call(CommWorkspace& ws, cudaStream_t stream);
+
 // topk_idx (T, k) int32 on this device; T = num_tokens <= tokens_max. ws.x() must hold the tokens.
 void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream);
 

@@ -13,7 +13,8 @@ int fused_forward_shared_bytes() {
 }
 
 void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,
-                   int64_t num_tokens, const FusedForwardConfig& config, cudaStream_t stream) {
+                   const bf16* x, const int32_t* topk_idx, int64_t num_tokens,
+                   const FusedForwardConfig& config, cudaStream_t stream) {
   using megakernel::TaskKind;
   using gemm::TileConfig;
   const comm::WorkspaceLayout& layout = ws.layout();
@@ -24,6 +25,9 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                 "must be in [1, ", config.num_ctas, "), got ", config.comm_ctas);
   MOK_CHECK_ARG(config.chunk_mblocks >= 1, "chunk_mblocks", "must be >= 1, got ",
                 config.chunk_mblocks);
+  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr), "forward",
+                "null x or topk_idx for ", num_tokens, " tokens");
+  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(x) % 16 == 0, "x", "must be 16-byte aligned");
   const bool has_shared = shape.has_shared() && num_tokens > 0;
   const uint64_t experts = static_cast<uint64_t>(layout.experts_per_rank());
   const uint64_t rows = static_cast<uint64_t>(layout.rows_capacity());
@@ -41,8 +45,8 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
     maps.b[index] = b;
     params.gemm[index] = {ws.expert_offsets(), static_cast<int>(experts), 0, n, k, output};
   };
-  // Rows past a call's tokens or past an expert's rows are read but never stored (each output
-  // row depends on its input row only), so every A map spans its buffer's capacity.
+  // Rows past an expert's rows are read but never stored (each output row depends on its input
+  // row only), so the A maps of the intermediates span their buffers' capacity.
   set(TaskKind::kGateUp,
       gemm::make_tensor_map_2d(ws.expert_x(), rows, hidden, TileConfig::BLOCK_M, "expert_x"),
       gemm::make_tensor_map_3d(buffers.gate_up, experts, 2 * inter, hidden, TileConfig::BLOCK_N,
@@ -56,7 +60,8 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
       static_cast<int>(hidden), static_cast<int>(inter), ws.expert_y());
   if (has_shared) {
     set(TaskKind::kSharedGateUp,
-        gemm::make_tensor_map_2d(ws.x(), tokens_max, hidden, TileConfig::BLOCK_M, "x"),
+        gemm::make_tensor_map_2d(x, static_cast<uint64_t>(num_tokens), hidden,
+                                 TileConfig::BLOCK_M, "x"),
         gemm::make_tensor_map_3d(buffers.shared_gate_up, 1, 2 * shared_inter, hidden,
                                  TileConfig::BLOCK_N, 64, "shared_gate_up"),
         static_cast<int>(2 * shared_inter), static_cast<int>(hidden), buffers.shared_hidden);
@@ -68,6 +73,8 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
         static_cast<int>(hidden), static_cast<int>(shared_inter), buffers.shared_output);
   }
   params.view = ws.view();
+  params.x = reinterpret_cast<const __nv_bfloat16*>(x);
+  params.topk_idx = topk_idx;
   params.num_tokens = static_cast<int>(num_tokens);
   params.num_comm_ctas = config.comm_ctas;
   params.chunk_mblocks = config.chunk_mblocks;

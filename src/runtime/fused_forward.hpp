@@ -1,6 +1,7 @@
-// Launcher of the fused forward kernel (kernels/megakernel/forward_kernel.cuh): dispatch, the
-// shared and routed expert GEMMs and the combine push in one persistent launch. The schedule must
-// have run on the stream before it, and the combine reduce runs after it (runtime/comm_ops.hpp).
+// Launcher of the fused forward kernel (kernels/megakernel/forward_kernel.cuh): the schedule, the
+// dispatch, the shared and routed expert GEMMs and the combine push in one persistent launch.
+// begin_call must run on the stream before it and the combine reduce after it
+// (runtime/comm_ops.hpp): three launches per forward.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,7 +34,9 @@ struct FusedForwardConfig {
 // Dynamic shared memory of one CTA.
 int fused_forward_shared_bytes();
 
+// x (T, H) bf16 and topk_idx (T, k) int32: the caller's, on this device; T = num_tokens.
 void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,
-                   int64_t num_tokens, const FusedForwardConfig& config, cudaStream_t stream);
+                   const bf16* x, const int32_t* topk_idx, int64_t num_tokens,
+                   const FusedForwardConfig& config, cudaStream_t stream);
 
 }  // namespace mok

@@ -204,14 +204,17 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   };
 
   phase_done();
-  stage_tokens(workspace_, x, num_tokens, stream);
-  schedule(workspace_, topk_idx, num_tokens, stream);
-  phase_done();
   if (!options_.fused.enabled) {
+    stage_tokens(workspace_, x, num_tokens, stream);
+    schedule(workspace_, topk_idx, num_tokens, stream);
+    phase_done();
     phase_done();  // kFused: not run
     run_unfused(weights, x, topk_w, y, num_tokens, stream, phase_done);
     return;
   }
+  // Three launches: begin_call, the fused kernel (schedule to combine push), the reduce.
+  begin_call(workspace_, stream);
+  phase_done();  // kSchedule: the rest of the schedule runs inside the fused kernel
   FusedForwardBuffers buffers;
   buffers.gate_up = weights.gate_up;
   buffers.down = weights.down;
@@ -220,7 +223,7 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   buffers.routed_hidden = routed_hidden_;
   buffers.shared_hidden = shared_hidden_;
   buffers.shared_output = shared_output_;
-  fused_forward(workspace_, shape_, buffers, num_tokens, fused_config(), stream);
+  fused_forward(workspace_, shape_, buffers, x, topk_idx, num_tokens, fused_config(), stream);
   phase_done();
   // kSharedExpert .. kCombinePush ran inside the fused kernel.
   for (int phase = static_cast<int>(ForwardPhase::kSharedExpert);

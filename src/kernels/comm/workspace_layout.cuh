@@ -55,6 +55,9 @@ struct DeviceState {
   uint32_t combine_arrivals;  // CTAs of the combine push that finished this call
   uint32_t down_tiles_done;   // routed down tiles of the fused forward stored this call
   uint32_t next_task;         // the fused forward's next task ticket
+  uint32_t schedule_epoch;    // the fused forward's schedule is complete for this epoch
+  uint32_t barrier_count;     // the fused forward's communication CTAs in the current barrier
+  uint32_t barrier_generation;  // barriers passed (never reset)
   ErrorRecord error;
 };
 

@@ -1,9 +1,10 @@
 // The fused forward of one MoE layer on one rank: one persistent launch, one CTA per SM, between
 // the schedule (before) and the combine reduce (after).
 //
-//   communication CTAs (blockIdx < num_comm_ctas): dispatch — pull every routed row into
-//     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived) —
-//     then they compute too
+//   communication CTAs (blockIdx < num_comm_ctas): the schedule — stage x into the window, push
+//     topk_idx to every rank, count and order the rows of the local experts (token_schedule.cuh)
+//     — then the dispatch — pull every routed row into expert_x in row order, counting each row
+//     block's arrivals (TaskCounter::kRowsArrived) — then they compute too
 //   compute: the GEMM engine's producer warpgroup and two consumer warpgroups take tasks of the
 //     list of task_list.cuh by ticket. The producer waits for a task's inputs before loading its
 //     first k-block; after a gate/up tile's stores complete, the consumers raise its row block's
@@ -17,6 +18,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 
 #include "kernels/comm/flags.cuh"
 #include "kernels/comm/workspace_layout.cuh"
@@ -28,6 +30,7 @@
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
+#include "kernels/schedule/token_schedule.cuh"
 
 namespace mok::megakernel {
 
@@ -39,6 +42,8 @@ struct FusedForwardMaps {
 
 struct FusedForwardParams {
   comm::WorkspaceView view;
+  const __nv_bfloat16* x;    // (T, H), the caller's tokens
+  const int32_t* topk_idx;   // (T, k)
   gemm::GroupedGemmParams gemm[kNumTaskKinds];  // n, k and output of each GEMM
   int num_tokens;     // this rank's tokens this call
   int num_comm_ctas;  // blockIdx.x below this communicates, the rest compute
@@ -59,7 +64,8 @@ inline constexpr uint32_t kConsumerRegisters = 224;
 
 // ---- communication ----------------------------------------------------------------------------
 
-// One warp copies one row (row_bytes, a multiple of 16) from a peer's window: loads bypass L1.
+// One warp copies one row (row_bytes, a multiple of 16), e.g. from a peer's window: loads bypass
+// L1.
 __device__ inline void copy_row(const char* source, char* destination, int64_t row_bytes,
                                 int lane) {
   const int4* from = reinterpret_cast<const int4*>(source);
@@ -80,6 +86,42 @@ __device__ inline void copy_row(const char* source, char* destination, int64_t r
   }
 }
 
+// The schedule on the communication CTAs: the steps of token_schedule.cuh, with barriers across
+// these CTAs in place of kernel boundaries. Ends by publishing schedule_epoch, which the compute
+// producers wait for before their first routed task (also when it failed: they then find the
+// error and skip the routed tasks).
+// NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
+__device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch) {
+  const comm::WorkspaceView& view = params.view;
+  const comm::WorkspaceLayout& layout = view.layout;
+  const int cta = static_cast<int>(blockIdx.x), num_ctas = params.num_comm_ctas;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  // x into the window (peers pull it once they see the gather flag), topk_idx to every rank.
+  for (int64_t token = static_cast<int64_t>(cta) * warps + threadIdx.x / 32;
+       token < params.num_tokens; token += static_cast<int64_t>(num_ctas) * warps) {
+    const char* source = reinterpret_cast<const char*>(params.x) + token * layout.row_bytes();
+    copy_row(source, view.x_row(view.rank, token), layout.row_bytes(), lane);
+  }
+  comm::gather_copy(view, params.topk_idx, params.num_tokens, cta, num_ctas);
+  bool ok = ctas_barrier(view, num_ctas);
+  if (ok && cta == 0 && threadIdx.x == 0) {
+    __threadfence_system();
+    comm::signal_all_ranks(view, comm::FlagKind::kGather, epoch);
+  }
+  if (ok) comm::count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
+  ok = ok && ctas_barrier(view, num_ctas);
+  if (ok) {
+    for (int64_t expert = cta; expert < layout.experts_per_rank(); expert += num_ctas) {
+      comm::order_rows(view, expert);
+    }
+  }
+  ok = ok && ctas_barrier(view, num_ctas);
+  // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
+  // released here, find the error and take no routed task.
+  if (cta == 0 && threadIdx.x == 0) store_release_gpu(&view.state()->schedule_epoch, epoch);
+}
+
 __device__ inline void communicate(const FusedForwardParams& params) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
@@ -88,6 +130,8 @@ __device__ inline void communicate(const FusedForwardParams& params) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
+  make_schedule(params, epoch);
+  if (comm::cta_sees_error(view)) return;
   const int64_t num_rows = view.offsets()[layout.experts_per_rank()];
   const int32_t* row_source = view.row_source();
 
@@ -119,14 +163,37 @@ __device__ inline TaskShape task_shape(const FusedForwardParams& params) {
   TaskShape shape;
   shape.shared_mblocks =
       params.has_shared ? gemm::ceil_div(params.num_tokens, gemm::TileConfig::BLOCK_M) : 0;
-  shape.routed_mblocks =
-      params.view.offsets()[params.view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
+  shape.routed_mblocks = 0;  // known once the schedule is (routed_mblocks())
   shape.num_experts = static_cast<int>(params.view.layout.experts_per_rank());
   shape.chunk_mblocks = params.chunk_mblocks;
   for (int kind = 0; kind < kNumTaskKinds; ++kind) {
     shape.n_blocks[kind] = gemm::ceil_div(params.gemm[kind].n, gemm::TileConfig::BLOCK_N);
   }
   return shape;
+}
+
+// Producer lane 0: waits until the communication CTAs have made this call's schedule, then reads
+// the routed row blocks; 0 when the schedule failed (the error is recorded).
+__device__ inline int routed_mblocks(const FusedForwardParams& params) {
+  const comm::WorkspaceView& view = params.view;
+  comm::DeviceState* state = view.state();
+  const uint32_t epoch = state->epoch;
+  const uint64_t start_ns = comm::global_timer_ns();
+  for (uint32_t spin = 0; load_acquire_gpu(&state->schedule_epoch) != epoch; ++spin) {
+    if ((spin & 63u) == 63u) {
+      if (comm::has_error(&state->error)) return 0;
+      if (comm::global_timer_ns() - start_ns > view.timeout_ns) {
+        comm::ErrorDetail detail{comm::Phase::kSchedule};
+        detail.expected = epoch;
+        comm::raise_error(&state->error, comm::ErrorCode::kTimeout,
+                          static_cast<uint32_t>(view.rank), detail);
+        return 0;
+      }
+    }
+    __nanosleep(64);
+  }
+  if (comm::has_error(&state->error)) return 0;
+  return view.offsets()[view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
 }
 
 // Producer lane 0, before a task's first load: its input rows are written and released.
@@ -178,14 +245,17 @@ __device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskC
 
 // All consumer threads, once their last bulk copies have landed: count this CTA's down tiles; the
 // CTA that completes the rank's count raises the combine flag on every rank.
-__device__ inline void finish_down_tiles(const FusedForwardParams& params, const TaskShape& shape,
-                                         uint32_t down_tiles) {
+__device__ inline void finish_down_tiles(const FusedForwardParams& params, uint32_t down_tiles) {
   consumer_barrier();
   if (threadIdx.x != 128) return;
   const comm::WorkspaceView& view = params.view;
   comm::DeviceState* state = view.state();
-  const uint32_t total = static_cast<uint32_t>(shape.routed_mblocks) *
-                         static_cast<uint32_t>(shape.n_blocks[static_cast<int>(TaskKind::kDown)]);
+  // The schedule is known here: this CTA ran down tiles, handed over after the producer's acquire.
+  const uint32_t total =
+      static_cast<uint32_t>(view.offsets()[view.layout.experts_per_rank()] /
+                            gemm::TileConfig::BLOCK_M) *
+      static_cast<uint32_t>(gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kDown)].n,
+                                           gemm::TileConfig::BLOCK_N));
   __threadfence_system();  // the rows this CTA wrote into peers' slots, before the count
   const uint32_t previous = atomicAdd(&state->down_tiles_done, down_tiles);
   if (previous + down_tiles == total) {
@@ -246,10 +316,17 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       TaskScheduler scheduler(shape, params.view, params.num_tokens);
       uint32_t* next_task = &params.view.state()->next_task;
       uint32_t tail_phase = 0;
+      bool routed_known = false;
       for (;;) {
         int ticket = 0;
         if (lane == 0) ticket = static_cast<int>(atomicAdd(next_task, 1u));
         ticket = __shfl_sync(0xffffffffu, ticket, 0);
+        if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
+          int mblocks = 0;
+          if (lane == 0) mblocks = routed_mblocks(params);
+          scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
+          routed_known = true;
+        }
         const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
         if (lane == 0) {
@@ -307,7 +384,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       }
     }
     if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
-    if (down_tiles > 0) finish_down_tiles(params, task_shape(params), down_tiles);
+    if (down_tiles > 0) finish_down_tiles(params, down_tiles);
   }
 }
 

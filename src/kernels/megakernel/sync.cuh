@@ -58,6 +58,43 @@ __device__ inline bool wait_counter(const comm::WorkspaceView& view, comm::TaskC
   }
 }
 
+__device__ __forceinline__ void store_release_gpu(uint32_t* flag, uint32_t value) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+}
+
+// The whole CTA: a barrier across the first `num_ctas` CTAs of the grid (all resident). The last
+// to arrive resets the count and bumps the generation the others wait on. False, for every thread,
+// when an error was recorded (the wait gives up).
+__device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_ctas) {
+  comm::DeviceState* state = view.state();
+  __shared__ int passed;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t generation = load_acquire_gpu(&state->barrier_generation);
+    __threadfence();
+    bool ok = true;
+    if (atomicAdd(&state->barrier_count, 1u) == static_cast<uint32_t>(num_ctas) - 1) {
+      state->barrier_count = 0;
+      __threadfence();
+      atomicAdd(&state->barrier_generation, 1u);
+    } else {
+      for (uint32_t spin = 0; load_acquire_gpu(&state->barrier_generation) == generation; ++spin) {
+        if ((spin & 63u) == 63u && comm::has_error(&state->error)) {
+          ok = false;
+          break;
+        }
+        __nanosleep(64);
+      }
+    }
+    __threadfence();
+    passed = ok ? 1 : 0;
+  }
+  __syncthreads();
+  const bool result = passed != 0;
+  __syncthreads();
+  return result;
+}
+
 // The 256 threads of the two consumer warpgroups (named barrier 1; 0 is __syncthreads).
 __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync 1, 256;" ::: "memory");

@@ -49,12 +49,6 @@ struct TaskShape {
   __device__ int num_chunks() const {
     return (routed_mblocks + chunk_mblocks - 1) / chunk_mblocks;
   }
-  __device__ int num_tasks() const {
-    return shared_mblocks * (n_blocks[static_cast<int>(TaskKind::kSharedGateUp)] +
-                             n_blocks[static_cast<int>(TaskKind::kSharedDown)]) +
-           routed_mblocks * (n_blocks[static_cast<int>(TaskKind::kGateUp)] +
-                             n_blocks[static_cast<int>(TaskKind::kDown)]);
-  }
 };
 
 struct Task {
@@ -67,11 +61,22 @@ struct Task {
 // forward).
 class TaskScheduler {
  public:
+  // Until set_routed_mblocks, only the first segment (the shared gate/up tasks) is known.
   __device__ TaskScheduler(const TaskShape& shape, const comm::WorkspaceView& view, int num_tokens)
       : shape_(shape), offsets_(view.offsets()), counts_(view.counts()), num_tokens_(num_tokens) {
-    const int chunks = shape.num_chunks();
-    num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
+    num_segments_ = 1;
     load_segment(0);
+  }
+
+  __device__ int shared_gate_up_tasks() const {
+    return shape_.shared_mblocks * shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
+  }
+
+  // The routed row blocks of the call, from the schedule: every segment is known from here on.
+  __device__ void set_routed_mblocks(int routed_mblocks) {
+    shape_.routed_mblocks = routed_mblocks;
+    const int chunks = shape_.num_chunks();
+    num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
   }
 
   // Fills `task` for `ticket`; false when the ticket is past the last task.

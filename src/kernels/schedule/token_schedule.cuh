@@ -37,6 +37,23 @@ __device__ inline void begin_call(const WorkspaceView& view) {
     state->combine_arrivals = 0;
     state->down_tiles_done = 0;
     state->next_task = 0;
+    state->barrier_count = 0;
+  }
+}
+
+// This rank's topk_idx (T, k) and T into every rank's window; CTA `cta` of `num_ctas` takes its
+// share. The caller signals the gather flag once every CTA's stores are done.
+__device__ inline void gather_copy(const WorkspaceView& view, const int32_t* topk_idx,
+                                   int32_t num_tokens, int cta, int num_ctas) {
+  const int64_t num_ids = static_cast<int64_t>(num_tokens) * view.layout.top_k;  // (T, k)
+  const int64_t stride = static_cast<int64_t>(num_ctas) * blockDim.x;
+  for (int owner = 0; owner < view.layout.num_ranks; ++owner) {
+    int32_t* destination = view.topk(owner, view.rank);
+    for (int64_t index = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x; index < num_ids;
+         index += stride) {
+      destination[index] = topk_idx[index];
+    }
+    if (cta == 0 && threadIdx.x == 0) view.token_counts(owner)[view.rank] = num_tokens;
   }
 }
 
@@ -45,28 +62,22 @@ __device__ inline void gather_push(const WorkspaceView& view, const int32_t* top
   DeviceState* state = view.state();
   if (cta_sees_error(view)) return;
   const uint32_t epoch = state->epoch;
-  const int64_t num_ids = static_cast<int64_t>(num_tokens) * view.layout.top_k;  // (T, k)
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int owner = 0; owner < view.layout.num_ranks; ++owner) {
-    int32_t* destination = view.topk(owner, view.rank);
-    for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < num_ids; index += stride) {
-      destination[index] = topk_idx[index];
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) view.token_counts(owner)[view.rank] = num_tokens;
-  }
+  gather_copy(view, topk_idx, num_tokens, static_cast<int>(blockIdx.x),
+              static_cast<int>(gridDim.x));
   if (last_block_arrived(&state->gather_arrivals)) {
     signal_all_ranks(view, FlagKind::kGather, epoch);
   }
 }
 
-__device__ inline void count_rows(const WorkspaceView& view) {
+// CTA `cta` of `num_ctas` (all of the grid by default) counts its share of the ids.
+__device__ inline void count_rows(const WorkspaceView& view, int cta, int num_ctas) {
   DeviceState* state = view.state();
   if (cta_sees_error(view)) return;
   if (!wait_flags_all_ranks(view, FlagKind::kGather, state->epoch, Phase::kGather)) return;
   const WorkspaceLayout& layout = view.layout;
   const int64_t experts_per_rank = layout.experts_per_rank();
   const int64_t first_expert = view.rank * experts_per_rank;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t stride = static_cast<int64_t>(num_ctas) * blockDim.x;
   for (int source = 0; source < layout.num_ranks; ++source) {
     const int32_t num_tokens = view.token_counts(view.rank)[source];
     if (num_tokens < 0 || num_tokens > layout.tokens_max) {
@@ -78,8 +89,8 @@ __device__ inline void count_rows(const WorkspaceView& view) {
       return;
     }
     const int32_t* ids = view.topk(view.rank, source);  // (T_source, k)
-    for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < num_tokens * layout.top_k;
-         index += stride) {
+    for (int64_t index = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x;
+         index < num_tokens * layout.top_k; index += stride) {
       const int32_t expert = ids[index];
       if (expert < -1 || expert >= layout.num_experts) {
         ErrorDetail detail{Phase::kSchedule};
@@ -97,6 +108,10 @@ __device__ inline void count_rows(const WorkspaceView& view) {
       }
     }
   }
+}
+
+__device__ inline void count_rows(const WorkspaceView& view) {
+  count_rows(view, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
 __device__ __forceinline__ int64_t padded_rows(int64_t count, int64_t block_m) {
@@ -132,12 +147,11 @@ __device__ inline int32_t exclusive_scan_cta(int32_t value, int32_t& total) {
   return warp_base + inclusive - value;
 }
 
-// blockIdx.x = local expert. Launch with kOrderThreads threads.
-__device__ inline void order_rows(const WorkspaceView& view) {
+// The whole CTA orders the rows of one local expert (any number of threads, a multiple of 32).
+__device__ inline void order_rows(const WorkspaceView& view, int64_t local_expert) {
   DeviceState* state = view.state();
   if (cta_sees_error(view)) return;
   const WorkspaceLayout& layout = view.layout;
-  const int64_t local_expert = blockIdx.x;
   const int64_t experts_per_rank = layout.experts_per_rank();
   const int32_t expert = static_cast<int32_t>(view.rank * experts_per_rank + local_expert);
   const int32_t* counts = view.counts();
