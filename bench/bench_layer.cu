@@ -4,12 +4,12 @@
 // both run the very same routing.
 //
 //   bench_layer [--cases NAME,...] [--iters 20] [--out layer-mok.json] [--routing-dir DIR]
-//               [--gemm-sms N] [--copy-ctas N] [--fused 0|1]
+//               [--gemm-sms N] [--copy-ctas N] [--fused 0|1] [--schedule-in-kernel 0|1]
 //               [--comm-ctas N,...] [--minibatch-rows N,...]
 //
-// --fused 1 runs the fused kernel (the default 0 the unfused composition); lists of communication
-// CTAs and minibatch rows sweep every combination per case (0 = the layer's default), one JSON
-// entry each.
+// --fused 0 runs the unfused composition instead of the fused kernel (the default); lists of
+// communication CTAs and minibatch rows sweep every combination per case (0 = the layer's
+// default), one JSON entry each.
 //
 // Weights and x are seeded random values made on the device (the timing does not depend on the
 // values); the routing is Problem::generate's, drawn for the case's expert count and top-k.
@@ -46,7 +46,7 @@ struct Args {
   std::vector<std::string> cases;
   int iters = 20;
   int gemm_sms = 0, copy_ctas = 0;
-  bool fused = false;
+  bool fused = true, schedule_in_kernel = true;
   std::vector<int> comm_ctas{0}, minibatch_rows{0};
   std::string out = "layer-mok.json", routing_dir;
 };
@@ -70,6 +70,7 @@ Args parse(int argc, char** argv) {
     else if (key == "--gemm-sms") args.gemm_sms = std::stoi(value);
     else if (key == "--copy-ctas") args.copy_ctas = std::stoi(value);
     else if (key == "--fused") args.fused = std::stoi(value) != 0;
+    else if (key == "--schedule-in-kernel") args.schedule_in_kernel = std::stoi(value) != 0;
     else if (key == "--comm-ctas") args.comm_ctas = int_list(value);
     else if (key == "--minibatch-rows") args.minibatch_rows = int_list(value);
     else if (key == "--out") args.out = value;
@@ -117,12 +118,14 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.fused = args.fused;
   spec.fused_comm_ctas = comm_ctas;
   spec.fused_minibatch_rows = minibatch_rows;
+  spec.fused_schedule_in_kernel = args.schedule_in_kernel;
   spec.keep_y = false;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
   std::printf("%-26s %s comm %2d mb %6d %8.3f ms/rank (ranks:", which.name.c_str(),
-              args.fused ? "fused" : "unfused", comm_ctas, minibatch_rows, result.forward_ms);
+              !args.fused ? "unfused" : args.schedule_in_kernel ? "fused" : "fused+sched", comm_ctas,
+              minibatch_rows, result.forward_ms);
   for (double ms : result.rank_ms) std::printf(" %.3f", ms);
   std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
               which.tokens_per_rank / (result.forward_ms * 1e-3),
@@ -135,7 +138,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
                 "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
                 "\"num_experts\": %lld, \"top_k\": %lld, \"fused\": %s, "
-                "\"comm_ctas\": %d, \"minibatch_rows\": %d",
+                "\"comm_ctas\": %d, \"minibatch_rows\": %d, \"schedule_in_kernel\": %s",
                 first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
                 static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
                 routing_path.c_str(), result.forward_ms, tflops, flops,
@@ -143,7 +146,8 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
                 static_cast<long long>(shape.shared_intermediate),
                 static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k),
-                args.fused ? "true" : "false", comm_ctas, minibatch_rows);
+                args.fused ? "true" : "false", comm_ctas, minibatch_rows,
+                args.schedule_in_kernel ? "true" : "false");
   out << line;
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Layer part of the device check: the unfused GPU layer forward (LayerForward) — its GPU tests,
-# `mok run --backend cuda` at EP 1 and 2 with --check, and bench_layer next to the torch-native
-# layer (bench/baselines/torch_native.py, EP1 in one process, EP2 under torchrun), in the same
-# run. Results: layer-fwd-<commit>.json (mok-bench/1), layer-fwd-<commit>.png, logs.
+# Layer part of the device check: the GPU layer forward (LayerForward, fused kernel by default) —
+# its GPU tests, `mok run --backend cuda` at EP 2 with --check, bench_layer for the fused kernel
+# (schedule in the kernel, and after the schedule's own kernels), the unfused composition, a sweep
+# of communication CTAs and minibatch sizes, and the torch-native layer
+# (bench/baselines/torch_native.py, EP1 in one process, EP2 under torchrun), all in the same run.
+# Results: layer-fwd-<commit>.json (mok-bench/1, the fused defaults against torch),
+# layer-fwd-<commit>.png, layer-mok-*.json, layer-sweep.json, logs.
 #
 #   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
 # BIN_DIR holds mok, mok_gpu_tests and bench_layer (default $MOK_BUILD_DIR, set by
@@ -32,7 +35,8 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, logs it, remembers a failure
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 
 if [ "${MOK_PART_TESTS:-1}" = 1 ]; then
-  step "GPU tests (LayerForward*)" 180 "$BIN/mok_gpu_tests" --gtest_filter='LayerForward*'
+  step "GPU tests (layer forward, fused and unfused)" 240 "$BIN/mok_gpu_tests" \
+    --gtest_filter='*LayerForward*:*Fused*'
 fi
 
 step "mok run --backend cuda, tiny, EP 2, --check" 120 \
@@ -43,8 +47,15 @@ step "mok run --backend cuda, qwen3-30b-a3b, EP 2, 4096 tokens/rank, --check" 24
 
 routing_dir=$(mktemp -d)
 cases=${MOK_LAYER_CASES:+--cases $MOK_LAYER_CASES}
-step "bench_layer (mok)" 200 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
+step "bench_layer (mok, fused)" 200 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
   --routing-dir "$routing_dir" $cases
+step "bench_layer (mok, fused after the schedule kernels)" 200 "$BIN/bench_layer" --iters 20 \
+  --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" $cases
+step "bench_layer (mok, unfused)" 200 "$BIN/bench_layer" --iters 20 --fused 0 \
+  --out "$OUT/layer-mok-unfused.json" $cases
+step "bench_layer sweep (communication CTAs x minibatch rows)" 240 "$BIN/bench_layer" --iters 10 \
+  --cases ${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2} --comm-ctas 8,16,24,32 \
+  --minibatch-rows 2048,4096,8192 --out "$OUT/layer-sweep.json"
 step "torch-native, EP 1" 200 python3 bench/baselines/torch_native.py measure \
   --mok "$OUT/layer-mok.json" --ep 1 --out "$OUT/layer-torch-ep1.json"
 step "torch-native, EP 2 (torchrun)" 240 torchrun --standalone --nproc-per-node=2 \

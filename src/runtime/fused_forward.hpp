@@ -29,6 +29,9 @@ struct FusedForwardConfig {
   int num_ctas = 0;       // the persistent grid: one CTA per SM
   int comm_ctas = 0;      // of which communicate (>= 1, < num_ctas)
   int chunk_mblocks = 0;  // minibatch, in row blocks of 128 (>= 1)
+  // The kernel makes the schedule itself (after begin_call), else stage_tokens and schedule ran
+  // before it.
+  bool schedule_in_kernel = true;
 };
 
 // Dynamic shared memory of one CTA.

@@ -212,9 +212,15 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
     run_unfused(weights, x, topk_w, y, num_tokens, stream, phase_done);
     return;
   }
-  // Three launches: begin_call, the fused kernel (schedule to combine push), the reduce.
-  begin_call(workspace_, stream);
-  phase_done();  // kSchedule: the rest of the schedule runs inside the fused kernel
+  const FusedForwardConfig config = fused_config();
+  if (config.schedule_in_kernel) {
+    // Three launches: begin_call, the fused kernel (schedule to combine push), the reduce.
+    begin_call(workspace_, stream);
+  } else {
+    stage_tokens(workspace_, x, num_tokens, stream);
+    schedule(workspace_, topk_idx, num_tokens, stream);
+  }
+  phase_done();  // kSchedule (in the kernel: begin_call only)
   FusedForwardBuffers buffers;
   buffers.gate_up = weights.gate_up;
   buffers.down = weights.down;
@@ -223,7 +229,7 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   buffers.routed_hidden = routed_hidden_;
   buffers.shared_hidden = shared_hidden_;
   buffers.shared_output = shared_output_;
-  fused_forward(workspace_, shape_, buffers, x, topk_idx, num_tokens, fused_config(), stream);
+  fused_forward(workspace_, shape_, buffers, x, topk_idx, num_tokens, config, stream);
   phase_done();
   // kSharedExpert .. kCombinePush ran inside the fused kernel.
   for (int phase = static_cast<int>(ForwardPhase::kSharedExpert);
@@ -248,6 +254,7 @@ FusedForwardConfig LayerForward::fused_config() const {
                         : num_sms_;
   const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 4096;
   config.chunk_mblocks = gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M);
+  config.schedule_in_kernel = fused.schedule_in_kernel;
   return config;
 }
 

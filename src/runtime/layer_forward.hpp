@@ -32,9 +32,12 @@ namespace mok {
 // The fused path: one persistent kernel runs dispatch, the shared and routed expert GEMMs and the
 // combine push (kernels/megakernel). 0 picks the default.
 struct FusedForwardOptions {
-  bool enabled = false;
+  bool enabled = true;  // off: the unfused composition (reference for the fused kernel's bits)
   int comm_ctas = 0;       // CTAs that move rows (the rest compute); default: 8 at EP = 1, else 20
   int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 4096
+  // The fused kernel makes the schedule (three launches per forward: begin_call, the kernel, the
+  // reduce); off: the schedule's own kernels run before it (seven). Same bits either way.
+  bool schedule_in_kernel = true;
 };
 
 struct LayerForwardOptions {

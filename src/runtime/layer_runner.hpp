@@ -32,10 +32,11 @@ struct LayerRunSpec {
   uint64_t seed = 0;
   int gemm_sms = 0;   // 0 = every SM
   int copy_ctas = 0;  // 0 = the layer's default
-  // The fused kernel (LayerForwardOptions::fused); 0 = its default.
-  bool fused = false;
+  // The fused kernel (LayerForwardOptions::fused), else the unfused composition; 0 = default.
+  bool fused = true;
   int fused_comm_ctas = 0;
   int fused_minibatch_rows = 0;
+  bool fused_schedule_in_kernel = true;
   int warmup = 3;
   int iterations = 20;
   bool keep_y = true;  // download y (global, (T_global, H)) after the last forward

@@ -37,6 +37,7 @@ inline Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t see
 }
 
 struct GpuRun {
+  GpuRun() { layer.fused.enabled = false; }  // the unfused composition unless a test asks
   LayerForwardOptions layer;
   int repeats = 1;          // eager runs after the first; each must give the first's bits
   bool use_graph = false;   // then also capture one forward and replay it twice

@@ -76,6 +76,10 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
         << "comm CTAs " << setting.comm_ctas << ", minibatch rows " << setting.minibatch_rows
         << ", compute SMs " << setting.compute_sms << " differs from the unfused forward";
   }
+  GpuRun separate_schedule = fused_run(3, 256);
+  separate_schedule.layer.fused.schedule_in_kernel = false;  // the schedule's own kernels first
+  EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, separate_schedule), expected), -1)
+      << "the fused kernel after the schedule kernels differs from the unfused forward";
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, fused_run(2, 128, 5)), expected), -1)
       << "EP=1 differs from EP=2";
 }

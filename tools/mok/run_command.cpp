@@ -26,7 +26,7 @@ output, and checks the result.
 
 backends:
   cpu    the reference: forward and backward, EP virtual ranks one after another
-  cuda   the unfused GPU layer forward, one GPU per rank (EP GPUs in this process); forward
+  cuda   the fused GPU layer forward, one GPU per rank (EP GPUs in this process); forward
          only (backward runs on the CPU backend). --check compares y on a sample of tokens
          covering every expert that received tokens with the CPU reference, and for EP > 1 the
          whole y bitwise with an EP=1 GPU run
@@ -111,7 +111,7 @@ void print_header(const RunConfig& config, const std::string& precision) {
 
 int run_gpu(const RunConfig& config, const std::string& precision, const Args& args) {
   print_header(config, precision);
-  std::printf("backend: cuda (unfused GPU layer forward, one GPU per rank); GPU: %s\n",
+  std::printf("backend: cuda (fused GPU layer forward, one GPU per rank); GPU: %s\n",
               cuda_device_description().c_str());
   std::fflush(stdout);
   const Problem problem = Problem::generate(

@@ -1,4 +1,4 @@
-// mok run --backend cuda: the unfused GPU layer forward on every rank's GPU, timed, and checked
+// mok run --backend cuda: the fused GPU layer forward on every rank's GPU, timed, and checked
 // against the CPU reference on a sample of tokens (and, for EP > 1, bitwise against EP = 1).
 #include "run_cuda.hpp"
 

@@ -1,4 +1,4 @@
-// The CUDA backend of `mok run`: the unfused GPU layer forward (src/runtime/layer_forward.hpp)
+// The CUDA backend of `mok run`: the fused GPU layer forward (src/runtime/layer_forward.hpp)
 // on one GPU per rank, all ranks in this process. Forward only: backward runs on the CPU backend.
 #pragma once
 

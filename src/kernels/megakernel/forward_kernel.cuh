@@ -1,10 +1,11 @@
 // The fused forward of one MoE layer on one rank: one persistent launch, one CTA per SM, between
 // the schedule (before) and the combine reduce (after).
 //
-//   communication CTAs (blockIdx < num_comm_ctas): the schedule — stage x into the window, push
-//     topk_idx to every rank, count and order the rows of the local experts (token_schedule.cuh)
-//     — then the dispatch — pull every routed row into expert_x in row order, counting each row
-//     block's arrivals (TaskCounter::kRowsArrived) — then they compute too
+//   every CTA first: the schedule — stage x into the window, push topk_idx to every rank, count
+//     and order the rows of the local experts (token_schedule.cuh)
+//   communication CTAs (blockIdx < num_comm_ctas): the dispatch — pull every routed row into
+//     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived) —
+//     then they compute too
 //   compute: the GEMM engine's producer warpgroup and two consumer warpgroups take tasks of the
 //     list of task_list.cuh by ticket. The producer waits for a task's inputs before loading its
 //     first k-block; after a gate/up tile's stores complete, the consumers raise its row block's
@@ -49,6 +50,7 @@ struct FusedForwardParams {
   int num_comm_ctas;  // blockIdx.x below this communicates, the rest compute
   int chunk_mblocks;  // row blocks per minibatch
   int has_shared;
+  int schedule_in_kernel;  // 0: the schedule kernels (comm_ops.hpp) ran before the launch
 };
 
 // Every task shares one stage ring, laid out for the SwiGLU epilogue (it has the staging tile).
@@ -86,15 +88,16 @@ __device__ inline void copy_row(const char* source, char* destination, int64_t r
   }
 }
 
-// The schedule on the communication CTAs: the steps of token_schedule.cuh, with barriers across
-// these CTAs in place of kernel boundaries. Ends by publishing schedule_epoch, which the compute
-// producers wait for before their first routed task (also when it failed: they then find the
-// error and skip the routed tasks).
+// The schedule, on every CTA: the steps of token_schedule.cuh, with barriers across the grid in
+// place of kernel boundaries (ordering the rows is one CTA per expert, too much for the
+// communication CTAs alone: measured 30 % slower on qwen3-30b-a3b). Ends by publishing
+// schedule_epoch, which the compute producers also wait for before their first routed task (a
+// failed schedule publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
 __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
-  const int cta = static_cast<int>(blockIdx.x), num_ctas = params.num_comm_ctas;
+  const int cta = static_cast<int>(blockIdx.x), num_ctas = static_cast<int>(gridDim.x);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warps = static_cast<int>(blockDim.x / 32);
   // x into the window (peers pull it once they see the gather flag), topk_idx to every rank.
@@ -130,7 +133,6 @@ __device__ inline void communicate(const FusedForwardParams& params) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
-  make_schedule(params, epoch);
   if (comm::cta_sees_error(view)) return;
   const int64_t num_rows = view.offsets()[layout.experts_per_rank()];
   const int32_t* row_source = view.row_source();
@@ -179,7 +181,8 @@ __device__ inline int routed_mblocks(const FusedForwardParams& params) {
   comm::DeviceState* state = view.state();
   const uint32_t epoch = state->epoch;
   const uint64_t start_ns = comm::global_timer_ns();
-  for (uint32_t spin = 0; load_acquire_gpu(&state->schedule_epoch) != epoch; ++spin) {
+  for (uint32_t spin = 0;
+       params.schedule_in_kernel && load_acquire_gpu(&state->schedule_epoch) != epoch; ++spin) {
     if ((spin & 63u) == 63u) {
       if (comm::has_error(&state->error)) return 0;
       if (comm::global_timer_ns() - start_ns > view.timeout_ns) {
@@ -397,6 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // An earlier fault (e.g. a bad expert id found by the schedule) leaves the offsets undefined.
   if (comm::cta_sees_error(params.view)) return;
+  if (params.schedule_in_kernel) make_schedule(params, params.view.state()->epoch);
   if (static_cast<int>(blockIdx.x) < params.num_comm_ctas) {
     communicate(params);
     __syncthreads();  // then compute like the others

@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_release_gpu(uint32_t* flag, uint32_t value
 
 // The whole CTA: a barrier across the first `num_ctas` CTAs of the grid (all resident). The last
 // to arrive resets the count and bumps the generation the others wait on. False, for every thread,
-// when an error was recorded (the wait gives up).
+// when an error was recorded or the wait timed out (recorded as a task timeout of row block -1).
 __device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_ctas) {
   comm::DeviceState* state = view.state();
   __shared__ int passed;
@@ -78,10 +78,22 @@ __device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_cta
       __threadfence();
       atomicAdd(&state->barrier_generation, 1u);
     } else {
+      const uint64_t start_ns = comm::global_timer_ns();
       for (uint32_t spin = 0; load_acquire_gpu(&state->barrier_generation) == generation; ++spin) {
-        if ((spin & 63u) == 63u && comm::has_error(&state->error)) {
-          ok = false;
-          break;
+        if ((spin & 63u) == 63u) {
+          if (!comm::has_error(&state->error) &&
+              comm::global_timer_ns() - start_ns > view.timeout_ns) {
+            // A CTA of the grid never arrived (not resident: other kernels hold SMs?).
+            comm::ErrorDetail detail{comm::Phase::kSchedule};
+            detail.value = static_cast<int32_t>(state->barrier_count);
+            detail.expected = static_cast<uint32_t>(num_ctas);
+            comm::raise_error(&state->error, comm::ErrorCode::kTaskTimeout,
+                              static_cast<uint32_t>(view.rank), detail);
+          }
+          if (comm::has_error(&state->error)) {
+            ok = false;
+            break;
+          }
         }
         __nanosleep(64);
       }
