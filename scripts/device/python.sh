@@ -23,6 +23,8 @@ if [[ ${1:-} == prebuild ]]; then
   cp -r "$root/src/torch" "$source_dir/src/torch"
   cp "$root/CMakeLists.txt" "$source_dir/CMakeLists.txt"
   "$root/scripts/bootstrap.sh"
+  # The sources sit in a fresh temporary folder each time: a cache made from another one is stale.
+  rm -rf "$prebuilt"
   cmake -S "$source_dir" -B "$prebuilt" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOK_BUILD_TESTS=OFF \
     -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null
   cmake --build "$prebuilt" -j "$(nproc)" --target mok_torch_bridge
