@@ -23,9 +23,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 
 export MOK_BUILD_DIR=${MOK_BUILD_DIR:-$root/build-device}
-# The commit: from git where the checkout has its history, else from the COMMIT file that
-# scripts/build-for-device.sh leaves beside carried binaries.
-MOK_COMMIT=$(git -C "$root" rev-parse --verify -q --short=12 HEAD 2>/dev/null || cat "$MOK_BUILD_DIR/COMMIT" 2>/dev/null || echo unknown)
+# The commit: from the COMMIT file that scripts/build-for-device.sh leaves beside carried
+# binaries (a checkout there may hold some other history), else from git.
+if [[ "${MOK_PREBUILT:-0}" == 1 && -f "$MOK_BUILD_DIR/COMMIT" ]]; then
+  MOK_COMMIT=$(cat "$MOK_BUILD_DIR/COMMIT")
+else
+  MOK_COMMIT=$(git -C "$root" rev-parse --verify -q --short=12 HEAD 2>/dev/null || echo unknown)
+fi
 export MOK_COMMIT
 echo "== mok device check, $(date -u +%FT%TZ), commit $MOK_COMMIT"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
