@@ -201,6 +201,7 @@ def combine(args):
             "baseline_tflops": round(case["flops_per_rank"] / (baseline_ms * 1e-3) * 1e-12, 2) if baseline_ms else None,
             "gbps": None,
             "dense_gemm_tflops": round(dense, 1) if dense else None,
+            "mok_variant": "unfused" if case.get("fused") is False else "fused",
             "mok_buffer_bytes_per_rank": case["buffer_bytes_per_rank"],
             "baseline_peak_extra_bytes": baseline.get("peak_extra_bytes"),
         })
@@ -231,7 +232,9 @@ def plot(record, path):
     figure, axis = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 5))
     mok = [c["useful_tflops"] for c in cases]
     base = [c["baseline_tflops"] or 0.0 for c in cases]
-    axis.bar([p - 0.2 for p in positions], mok, width=0.4, label="mok (unfused GPU layer)")
+    variants = {c.get("mok_variant", "unfused") for c in cases}
+    label = "mok (fused kernel)" if variants == {"fused"} else "mok (unfused GPU layer)"
+    axis.bar([p - 0.2 for p in positions], mok, width=0.4, label=label)
     axis.bar([p + 0.2 for p in positions], base, width=0.4, label="torch-native")
     for p, c in zip(positions, cases):
         if c["speedup"]:
