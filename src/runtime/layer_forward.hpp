@@ -33,7 +33,7 @@ namespace mok {
 // combine push (kernels/megakernel). 0 picks the default.
 struct FusedForwardOptions {
   bool enabled = true;  // off: the unfused composition (reference for the fused kernel's bits)
-  int comm_ctas = 0;       // CTAs that move rows (the rest compute); default: 8 at EP = 1, else 20
+  int comm_ctas = 0;       // CTAs that dispatch before they compute; default: default_comm_ctas()
   int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 4096
   // The fused kernel makes the schedule (three launches per forward: begin_call, the kernel, the
   // reduce); off: the schedule's own kernels run before it (seven). Same bits either way.
@@ -128,6 +128,7 @@ class LayerForward {
                    int64_t num_tokens, cudaStream_t stream, const std::function<void()>& phase_done);
   // The fused kernel's grid, split and minibatch from the options and this GPU.
   FusedForwardConfig fused_config() const;
+  int default_comm_ctas() const;
   // The shared GEMMs' grid when they share the GPU with the copy CTAs; 0 = no overlap possible.
   int shared_gemm_sms_beside_copy() const;
 
