@@ -97,9 +97,13 @@ def _fused(weights: AnyExpertWeights) -> FusedExpertWeights:
 @dataclasses.dataclass(frozen=True)
 class MoKConfig:
     """Scheduling knobs of the GPU layer. None picks the heuristic's value. Results are bitwise
-    the same for every setting (the determinism contract); only speed changes. The current GPU
-    layer (separate kernels, not yet the megakernel) uses num_comm_sms (the dispatch and combine
-    CTAs) and ignores minibatch_tokens and ring_rows."""
+    the same for every setting (the determinism contract); only speed changes.
+
+    num_comm_sms: CTAs of the fused kernel that dispatch before they compute.
+    minibatch_tokens: the fused kernel's minibatch, as tokens' worth of routed rows
+        (minibatch_tokens * top_k rows of this rank's experts).
+    ring_rows: not supported: the receive buffers are sized for the worst case (every token's k
+        rows on one rank), so no routing overflows them; setting it raises."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -111,6 +115,9 @@ class MoKConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"MoKConfig.{name}: must be a positive int or None, got {value!r}")
+        if self.ring_rows is not None:
+            raise ValueError("MoKConfig.ring_rows: ring buffers are not built in this version (the receive "
+                             "buffers are sized for the worst case, so no routing overflows them); leave it None")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
         if self.precision not in SUPPORTED_PRECISIONS:
@@ -220,7 +227,7 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
     handle = torch.ops.mok.create_workspace(
         unique_id, ep_rank, ep_size, device.index, shape.hidden, shape.intermediate,
         shape.shared_intermediate, shape.num_experts, shape.top_k, max_tokens_per_rank,
-        config.num_comm_sms or 0)
+        config.num_comm_sms or 0, (config.minibatch_tokens or 0) * shape.top_k)
     _ops.WORKSPACE_GROUPS[handle] = group if ep_size > 1 else None
     return Workspace(shape, max_tokens_per_rank, device, config, ep_size, ep_rank, group, handle)
 

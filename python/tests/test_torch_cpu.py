@@ -184,6 +184,8 @@ def test_errors_carry_the_core_message():
         mf.MoKConfig(precision="fp8")
     with pytest.raises(ValueError, match="num_comm_sms"):
         mf.MoKConfig(num_comm_sms=0)
+    with pytest.raises(ValueError, match="ring_rows: ring buffers are not built"):
+        mf.MoKConfig(ring_rows=4096)
 
 
 def test_workspace_checks_calls():

@@ -163,7 +163,7 @@ def test_bitwise_repeat_ep1_equals_ep2_and_knobs(group):
     assert torch.equal(bits(whole[rank() * T:(rank() + 1) * T]), bits(first)), "EP=1 and EP=2 differ"
     # Scheduling knobs and the index dtype change nothing. (No poisoning: the int64 ids' int32
     # copy is allocated before y; equal bits to `first` show every element written anyway.)
-    fewer_copy_sms = ep2_workspace(group, config=mf.MoKConfig(num_comm_sms=4))
+    fewer_copy_sms = ep2_workspace(group, config=mf.MoKConfig(num_comm_sms=4, minibatch_tokens=32))
     x, idx, w, weights = share
     assert torch.equal(bits(mf.forward(x, idx.long(), w, weights, workspace=fewer_copy_sms)), bits(first))
     mf.check_errors(fewer_copy_sms)

@@ -77,7 +77,8 @@ struct WorkspaceSpec {
   int device = 0;
   int rank = 0, num_ranks = 1;
   std::vector<uint8_t> unique_id;  // nccl_unique_id() of rank 0; empty when num_ranks == 1
-  int copy_ctas = 0;        // dispatch/combine CTAs; 0 = the layer's default
+  int copy_ctas = 0;        // communication CTAs (fused kernel and unfused copies); 0 = default
+  int minibatch_rows = 0;   // the fused kernel's routed rows per minibatch; 0 = default
 };
 
 // Collective when num_ranks > 1 (every rank at once): makes the NCCL communicator from the unique
