@@ -66,8 +66,9 @@ struct ExpParts {
   float exponent;  // n, an integer
 };
 
-MOK_HOST_DEVICE ExpParts exp_parts(float x) {
-  const float n = round_to_integer(mul_rn(x, 1.44269502f));
+// exp(x - n ln 2) for the integer n = round(x / ln 2), given n: the part of exp_parts after the
+// rounding (the GPU epilogue rounds another, bit-identical way).
+MOK_HOST_DEVICE float exp_reduced(float x, float n) {
   constexpr float kLn2High = 0.693145751953125f;  // few mantissa bits: n * kLn2High is exact
   constexpr float kLn2Low = 1.42860677e-06f;
   const float r = add_rn(add_rn(x, -mul_rn(n, kLn2High)), -mul_rn(n, kLn2Low));
@@ -79,7 +80,12 @@ MOK_HOST_DEVICE ExpParts exp_parts(float x) {
   p = add_rn(mul_rn(p, r), 0.5f);
   p = add_rn(mul_rn(p, r), 1.0f);
   p = add_rn(mul_rn(p, r), 1.0f);
-  return {p, n};
+  return p;
+}
+
+MOK_HOST_DEVICE ExpParts exp_parts(float x) {
+  const float n = round_to_integer(mul_rn(x, 1.44269502f));
+  return {exp_reduced(x, n), n};
 }
 
 // 2^n for an integer n in [-126, 127].

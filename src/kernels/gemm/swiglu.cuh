@@ -22,10 +22,20 @@ constexpr float kFastSwiGluGateFloor = -87.0f;
 // below 87 neither the NaN nor the overflow case can occur, and the flush to zero under -87
 // becomes a select. Checked bitwise against the definition for every float below 87 by
 // tests/gpu/test_gemm_swiglu.cu.
+//
+// No float/integer conversion either (two per element in the definition, rintf and the int cast
+// of 2^n, which ncu suggests compete with the tensor cores): v + 1.5·2^23 rounds v = x / ln 2 to
+// the nearest integer, ties to even, for |v| < 2^22 (the sum's ulp is 1), subtracting it back is
+// exact, and the sum's low mantissa bits hold n itself. Outside |v| < 2^22 (x below about -2.9e6)
+// the result is the flushed 0 anyway.
 __device__ __forceinline__ float exp_below_87(float x) {
+  constexpr float kRoundShift = 12582912.0f;  // 1.5 * 2^23
+  constexpr uint32_t kShiftBits = 0x4B400000u;  // its bits: n = bits(v + kRoundShift) - these
+  const float shifted = numerics::add_rn(numerics::mul_rn(x, 1.44269502f), kRoundShift);
+  const float n = numerics::add_rn(shifted, -kRoundShift);
   // n is in [-126, 126] whenever the result is used: 2^n is a normal float.
-  const numerics::ExpParts parts = numerics::exp_parts(x);
-  const float result = numerics::mul_rn(parts.mantissa, numerics::power_of_two(parts.exponent));
+  const float scale = __uint_as_float((__float_as_uint(shifted) - kShiftBits + 127u) << 23);
+  const float result = numerics::mul_rn(numerics::exp_reduced(x, n), scale);
   return x < -87.0f ? 0.0f : result;
 }
 
