@@ -1,0 +1,115 @@
+// The fused forward's communication: the schedule (every CTA) and the dispatch (the first
+// num_comm_ctas CTAs), see forward_kernel.cuh.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/megakernel/forward_params.cuh"
+#include "kernels/megakernel/sync.cuh"
+#include "kernels/schedule/token_schedule.cuh"
+
+namespace mok::megakernel {
+
+inline constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+// One warp copies one row (row_bytes, a multiple of 16), e.g. from a peer's window: loads bypass
+// L1.
+__device__ inline void copy_row(const char* source, char* destination, int64_t row_bytes,
+                                int lane) {
+  const int4* from = reinterpret_cast<const int4*>(source);
+  int4* to = reinterpret_cast<int4*>(destination);
+  const int64_t vectors = row_bytes / 16;
+  for (int64_t base = lane; base < vectors; base += 32 * kCopyUnroll) {
+    int4 values[kCopyUnroll];
+#pragma unroll
+    for (int unroll = 0; unroll < kCopyUnroll; ++unroll) {
+      const int64_t index = base + unroll * 32;
+      if (index < vectors) values[unroll] = __ldcg(from + index);
+    }
+#pragma unroll
+    for (int unroll = 0; unroll < kCopyUnroll; ++unroll) {
+      const int64_t index = base + unroll * 32;
+      if (index < vectors) to[index] = values[unroll];
+    }
+  }
+}
+
+// The schedule, on every CTA: the steps of token_schedule.cuh, with barriers across the grid in
+// place of kernel boundaries (ordering the rows is one CTA per expert, too much for the
+// communication CTAs alone: measured 30 % slower on qwen3-30b-a3b). Ends by publishing
+// schedule_epoch, which the compute producers also wait for before their first routed task (a
+// failed schedule publishes it too: they then find the error and skip the routed tasks).
+// NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
+__device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch) {
+  const comm::WorkspaceView& view = params.view;
+  const comm::WorkspaceLayout& layout = view.layout;
+  const int cta = static_cast<int>(blockIdx.x), num_ctas = static_cast<int>(gridDim.x);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  // x into the window (peers pull it once they see the gather flag), topk_idx to every rank.
+  for (int64_t token = static_cast<int64_t>(cta) * warps + threadIdx.x / 32;
+       token < params.num_tokens; token += static_cast<int64_t>(num_ctas) * warps) {
+    const char* source = reinterpret_cast<const char*>(params.x) + token * layout.row_bytes();
+    copy_row(source, view.x_row(view.rank, token), layout.row_bytes(), lane);
+  }
+  comm::gather_copy(view, params.topk_idx, params.num_tokens, cta, num_ctas);
+  bool ok = ctas_barrier(view, num_ctas);
+  if (ok && cta == 0 && threadIdx.x == 0) {
+    __threadfence_system();
+    comm::signal_all_ranks(view, comm::FlagKind::kGather, epoch);
+  }
+  if (ok) comm::count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
+  ok = ok && ctas_barrier(view, num_ctas);
+  if (ok) {
+    for (int64_t expert = cta; expert < layout.experts_per_rank(); expert += num_ctas) {
+      comm::order_rows(view, expert);
+    }
+  }
+  ok = ok && ctas_barrier(view, num_ctas);
+  // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
+  // released here, find the error and take no routed task.
+  if (cta == 0 && threadIdx.x == 0) store_release_gpu(&view.state()->schedule_epoch, epoch);
+}
+
+__device__ inline void communicate(const FusedForwardParams& params) {
+  const comm::WorkspaceView& view = params.view;
+  const comm::WorkspaceLayout& layout = view.layout;
+  comm::DeviceState* state = view.state();
+  const uint32_t epoch = state->epoch;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  if (comm::cta_sees_error(view)) return;
+  const int64_t num_rows = view.offsets()[layout.experts_per_rank()];
+  const int32_t* row_source = view.row_source();
+
+  // Rows in order, dealt to every communication warp in turn, so row blocks fill front to back.
+  uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < num_rows;
+       row += static_cast<int64_t>(params.num_comm_ctas) * warps) {
+    const int32_t packed = row_source[row];
+    if (packed < 0) continue;  // padding: never counted, never read
+    const comm::RowSource source = comm::unpack_row_source(layout, packed);
+    copy_row(view.x_row(source.rank, source.token), view.expert_x_row(row), layout.row_bytes(),
+             lane);
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      atomicAdd(arrived + row / gemm::TileConfig::BLOCK_M, 1u);
+    }
+  }
+
+  // A rank with no routed rows has no down tile to raise its combine flag.
+  if (num_rows == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    comm::signal_all_ranks(view, comm::FlagKind::kCombine, epoch);
+  }
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+}  // namespace mok::megakernel

@@ -1,0 +1,256 @@
+// The fused forward's compute: tasks by ticket, each run by the GEMM engine's mainloop and an
+// epilogue, inputs awaited and outputs published through the row-block counters; see
+// forward_kernel.cuh and task_list.cuh.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/epilogue.cuh"
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/mainloop.cuh"
+#include "kernels/megakernel/combine_store.cuh"
+#include "kernels/megakernel/forward_params.cuh"
+#include "kernels/megakernel/sync.cuh"
+#include "kernels/megakernel/task_list.cuh"
+#include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/tma.cuh"
+
+namespace mok::megakernel {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+__device__ inline TaskShape task_shape(const FusedForwardParams& params) {
+  TaskShape shape;
+  shape.shared_mblocks =
+      params.has_shared ? gemm::ceil_div(params.num_tokens, gemm::TileConfig::BLOCK_M) : 0;
+  shape.routed_mblocks = 0;  // known once the schedule is (routed_mblocks())
+  shape.num_experts = static_cast<int>(params.view.layout.experts_per_rank());
+  shape.chunk_mblocks = params.chunk_mblocks;
+  for (int kind = 0; kind < kNumTaskKinds; ++kind) {
+    shape.n_blocks[kind] = gemm::ceil_div(params.gemm[kind].n, gemm::TileConfig::BLOCK_N);
+  }
+  return shape;
+}
+
+// Producer lane 0: waits until the communication CTAs have made this call's schedule, then reads
+// the routed row blocks; 0 when the schedule failed (the error is recorded).
+__device__ inline int routed_mblocks(const FusedForwardParams& params) {
+  const comm::WorkspaceView& view = params.view;
+  comm::DeviceState* state = view.state();
+  const uint32_t epoch = state->epoch;
+  const uint64_t start_ns = comm::global_timer_ns();
+  for (uint32_t spin = 0;
+       params.schedule_in_kernel && load_acquire_gpu(&state->schedule_epoch) != epoch; ++spin) {
+    if ((spin & 63u) == 63u) {
+      if (comm::has_error(&state->error)) return 0;
+      if (comm::global_timer_ns() - start_ns > view.timeout_ns) {
+        comm::ErrorDetail detail{comm::Phase::kSchedule};
+        detail.expected = epoch;
+        comm::raise_error(&state->error, comm::ErrorCode::kTimeout,
+                          static_cast<uint32_t>(view.rank), detail);
+        return 0;
+      }
+    }
+    __nanosleep(64);
+  }
+  if (comm::has_error(&state->error)) return 0;
+  return view.offsets()[view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
+}
+
+// Producer lane 0, before a task's first load: its input rows are written and released.
+__device__ inline void wait_for_inputs(const FusedForwardParams& params, const TaskShape& shape,
+                                       const Task& task) {
+  const comm::WorkspaceView& view = params.view;
+  switch (task.kind) {
+    case TaskKind::kSharedGateUp:
+      return;  // x was staged before the launch
+    case TaskKind::kGateUp: {
+      const int rows = min(gemm::TileConfig::BLOCK_M,
+                           task.tile.row_begin + task.tile.row_count -
+                               task.mblock * gemm::TileConfig::BLOCK_M);
+      wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
+      break;
+    }
+    case TaskKind::kSharedDown:
+      wait_counter(view, comm::TaskCounter::kSharedHiddenReady, task.mblock,
+                   shape.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)],
+                   comm::Phase::kExperts);
+      break;
+    case TaskKind::kDown:
+      wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock,
+                   shape.n_blocks[static_cast<int>(TaskKind::kGateUp)], comm::Phase::kExperts);
+      break;
+  }
+  // The TMA loads that follow (async proxy) read what the acquire made visible.
+  comm::fence_async_proxy_global();
+}
+
+template <gemm::EpilogueKind kEpilogue>
+__device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, const Task& task,
+                                int consumer_idx, const Loop::Storage& smem, Loop::State& state,
+                                float (&accum)[gemm::TileConfig::BLOCK_N / 2]) {
+  using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
+  Store::init(gemm_params, task.tile, consumer_idx, accum);
+  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
+  Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum);
+}
+
+// All consumer threads, after a tile's bulk stores were issued: once they have landed, the row
+// block's counter of `kind` moves on.
+__device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskCounter kind,
+                                    int mblock) {
+  if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
+  consumer_barrier();
+  if (threadIdx.x == 128) raise_counter(view, kind, mblock);
+}
+
+// All consumer threads, once their last bulk copies have landed: count this CTA's down tiles; the
+// CTA that completes the rank's count raises the combine flag on every rank.
+__device__ inline void finish_down_tiles(const FusedForwardParams& params, uint32_t down_tiles) {
+  consumer_barrier();
+  if (threadIdx.x != 128) return;
+  const comm::WorkspaceView& view = params.view;
+  comm::DeviceState* state = view.state();
+  // The schedule is known here: this CTA ran down tiles, handed over after the producer's acquire.
+  const uint32_t total =
+      static_cast<uint32_t>(view.offsets()[view.layout.experts_per_rank()] /
+                            gemm::TileConfig::BLOCK_M) *
+      static_cast<uint32_t>(gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kDown)].n,
+                                           gemm::TileConfig::BLOCK_N));
+  __threadfence_system();  // the rows this CTA wrote into peers' slots, before the count
+  const uint32_t previous = atomicAdd(&state->down_tiles_done, down_tiles);
+  if (previous + down_tiles == total) {
+    __threadfence_system();
+    comm::signal_all_ranks(view, comm::FlagKind::kCombine, state->epoch);
+  }
+}
+
+// The tasks the producer took, decoded, handed to the consumers in order: kTaskSlots slots, each
+// with a full barrier (the producer wrote it) and an empty one (every consumer warp has read it).
+// A slot whose task.mblock is kNoTask tells the consumers to stop.
+inline constexpr int kTaskSlots = 4;
+inline constexpr int kNoTask = -1;
+
+struct TaskRing {
+  Task task[kTaskSlots];
+  uint64_t full[kTaskSlots];
+  uint64_t empty[kTaskSlots];
+};
+
+// The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
+// rank's counter as soon as the previous task's loads are issued, so a CTA that joins late (a
+// communication CTA done with the dispatch) or runs slow tiles simply takes fewer tasks.
+__device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardParams& params,
+                               uint8_t* aligned_smem) {
+  const Loop::Storage smem = Loop::Storage::carve(aligned_smem);
+  __shared__ TaskRing handoff;
+  if (threadIdx.x == 0) {
+    for (int stage = 0; stage < RingLayout::kNumStages; ++stage) {
+      ptx::mbarrier_init(&smem.full[stage], 1);
+      ptx::mbarrier_init(&smem.empty[stage], gemm::TileConfig::kNumConsumerWarpgroups * 4);
+    }
+    ptx::mbarrier_init(smem.tail, 1);
+    for (int slot = 0; slot < kTaskSlots; ++slot) {
+      ptx::mbarrier_init(&handoff.full[slot], 1);
+      ptx::mbarrier_init(&handoff.empty[slot], gemm::TileConfig::kNumConsumerWarpgroups * 4);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Task task;
+  Loop::State state;
+  int slot = 0;
+  uint32_t slot_phase = 0;
+  auto advance_slot = [&] {
+    if (++slot == kTaskSlots) {
+      slot = 0;
+      slot_phase ^= 1u;
+    }
+  };
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
+  if (warpgroup_idx == 0) {
+    ptx::setmaxnreg_decrease<kProducerRegisters>();
+    if (threadIdx.x / 32 == 0) {
+      const TaskShape shape = task_shape(params);
+      TaskScheduler scheduler(shape, params.view, params.num_tokens);
+      uint32_t* next_task = &params.view.state()->next_task;
+      uint32_t tail_phase = 0;
+      bool routed_known = false;
+      for (;;) {
+        int ticket = 0;
+        if (lane == 0) ticket = static_cast<int>(atomicAdd(next_task, 1u));
+        ticket = __shfl_sync(0xffffffffu, ticket, 0);
+        if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
+          int mblocks = 0;
+          if (lane == 0) mblocks = routed_mblocks(params);
+          scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
+          routed_known = true;
+        }
+        const bool has_task = scheduler.decode(ticket, task);
+        if (!has_task) task.mblock = kNoTask;
+        if (lane == 0) {
+          ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
+          handoff.task[slot] = task;
+          ptx::mbarrier_arrive(&handoff.full[slot]);
+        }
+        __syncwarp();
+        advance_slot();
+        if (!has_task) break;
+        if (lane == 0) wait_for_inputs(params, shape, task);
+        __syncwarp();
+        const int kind = static_cast<int>(task.kind);
+        Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                   tail_phase);
+      }
+    }
+  } else {
+    ptx::setmaxnreg_increase<kConsumerRegisters>();
+    const int consumer_idx = warpgroup_idx - 1;
+    float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
+    uint32_t down_tiles = 0;  // stored by this CTA
+    for (;;) {
+      ptx::mbarrier_wait(&handoff.full[slot], slot_phase);
+      task = handoff.task[slot];
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&handoff.empty[slot]);
+      advance_slot();
+      if (task.mblock == kNoTask) break;
+      const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
+      switch (task.kind) {
+        case TaskKind::kSharedGateUp:
+        case TaskKind::kGateUp:
+          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
+                                                    accum);
+          publish_tile(params.view,
+                       task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
+                                                      : comm::TaskCounter::kSharedHiddenReady,
+                       task.mblock);
+          break;
+        case TaskKind::kSharedDown:
+          // fp32 from registers; read only by the reduce, after this kernel
+          run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
+                                                   accum);
+          break;
+        case TaskKind::kDown: {
+          using Store = gemm::Epilogue<gemm::GemmKind::kForward, gemm::EpilogueKind::kStoreBf16>;
+          Store::init(gemm_params, task.tile, consumer_idx, accum);
+          Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
+          store_rows_to_owners<RingLayout::kStagingPitch>(params.view, gemm_params.n, task.tile,
+                                                          consumer_idx, smem.staging, accum);
+          ++down_tiles;
+          break;
+        }
+      }
+    }
+    if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
+    if (down_tiles > 0) finish_down_tiles(params, down_tiles);
+  }
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+}  // namespace mok::megakernel

@@ -1,0 +1,43 @@
+// What the fused forward kernel is given, and the fixed shape of its CTAs (the GEMM engine's:
+// a producer warpgroup and two consumer warpgroups, one stage ring for every task).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/mainloop.cuh"
+#include "kernels/megakernel/task_list.cuh"
+
+namespace mok::megakernel {
+
+// Indexed by TaskKind: A (rows, K) and B (groups, N, K) of each GEMM.
+struct FusedForwardMaps {
+  CUtensorMap a[kNumTaskKinds];
+  CUtensorMap b[kNumTaskKinds];
+};
+
+struct FusedForwardParams {
+  comm::WorkspaceView view;
+  const __nv_bfloat16* x;    // (T, H), the caller's tokens
+  const int32_t* topk_idx;   // (T, k)
+  gemm::GroupedGemmParams gemm[kNumTaskKinds];  // n, k and output of each GEMM
+  int num_tokens;     // this rank's tokens this call
+  int num_comm_ctas;  // blockIdx.x below this dispatches first, then computes like the rest
+  int chunk_mblocks;  // row blocks per minibatch
+  int has_shared;
+  int schedule_in_kernel;  // 0: the schedule kernels (comm_ops.hpp) ran before the launch
+};
+
+// Every task shares one stage ring, laid out for the SwiGLU epilogue (it has the staging tile).
+using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
+using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
+inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
+// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
+inline constexpr uint32_t kProducerRegisters = 56;
+inline constexpr uint32_t kConsumerRegisters = 224;
+
+}  // namespace mok::megakernel
