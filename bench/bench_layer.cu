@@ -5,11 +5,12 @@
 //
 //   bench_layer [--cases NAME,...] [--iters 20] [--out layer-mok.json] [--routing-dir DIR]
 //               [--gemm-sms N] [--copy-ctas N] [--fused 0|1] [--schedule-in-kernel 0|1]
-//               [--comm-ctas N,...] [--minibatch-rows N,...]
+//               [--comm-ctas N,...] [--minibatch-rows N,...] [--trace 0|1]
 //
 // --fused 0 runs the unfused composition instead of the fused kernel (the default); lists of
 // communication CTAs and minibatch rows sweep every combination per case (0 = the layer's
-// default), one JSON entry each.
+// default), one JSON entry each. --trace 1 adds one forward with the fused kernel's per-CTA
+// timeline and prints its summary per rank.
 //
 // Weights and x are seeded random values made on the device (the timing does not depend on the
 // values); the routing is Problem::generate's, drawn for the case's expert count and top-k.
@@ -46,7 +47,7 @@ struct Args {
   std::vector<std::string> cases;
   int iters = 20;
   int gemm_sms = 0, copy_ctas = 0;
-  bool fused = true, schedule_in_kernel = true;
+  bool fused = true, schedule_in_kernel = true, trace = false;
   std::vector<int> comm_ctas{0}, minibatch_rows{0};
   std::string out = "layer-mok.json", routing_dir;
 };
@@ -71,6 +72,7 @@ Args parse(int argc, char** argv) {
     else if (key == "--copy-ctas") args.copy_ctas = std::stoi(value);
     else if (key == "--fused") args.fused = std::stoi(value) != 0;
     else if (key == "--schedule-in-kernel") args.schedule_in_kernel = std::stoi(value) != 0;
+    else if (key == "--trace") args.trace = std::stoi(value) != 0;
     else if (key == "--comm-ctas") args.comm_ctas = int_list(value);
     else if (key == "--minibatch-rows") args.minibatch_rows = int_list(value);
     else if (key == "--out") args.out = value;
@@ -119,6 +121,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.fused_comm_ctas = comm_ctas;
   spec.fused_minibatch_rows = minibatch_rows;
   spec.fused_schedule_in_kernel = args.schedule_in_kernel;
+  spec.trace = args.trace;
   spec.keep_y = false;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
@@ -157,6 +160,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
         << "\": " << result.phase_ms[phase];
   }
   std::printf("\n");
+  for (const std::string& line : result.trace_summary) std::printf("    trace %s\n", line.c_str());
   std::fflush(stdout);
   out << "}}";
   out.flush();

@@ -80,6 +80,7 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.chunk_mblocks = config.chunk_mblocks;
   params.has_shared = has_shared ? 1 : 0;
   params.schedule_in_kernel = config.schedule_in_kernel ? 1 : 0;
+  params.trace = config.trace;
 
   const int shared_bytes = fused_forward_shared_bytes();
   // NOTE: the attribute belongs to the current device; one process may drive several GPUs.

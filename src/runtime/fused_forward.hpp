@@ -32,6 +32,7 @@ struct FusedForwardConfig {
   // The kernel makes the schedule itself (after begin_call), else stage_tokens and schedule ran
   // before it.
   bool schedule_in_kernel = true;
+  uint64_t* trace = nullptr;  // (num_ctas, kTraceFields) timeline, or null
 };
 
 // Dynamic shared memory of one CTA.

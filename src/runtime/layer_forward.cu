@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/megakernel/trace.cuh"
 #include "mok/error.hpp"
 #include "runtime/cuda_check.hpp"
 
@@ -111,7 +112,7 @@ LayerForward::~LayerForward() {
                        static_cast<void*>(weights_.shared_gate_up),
                        static_cast<void*>(weights_.shared_down), static_cast<void*>(routed_hidden_),
                        static_cast<void*>(shared_hidden_), static_cast<void*>(shared_output_),
-                       static_cast<void*>(shared_offsets_)}) {
+                       static_cast<void*>(shared_offsets_), static_cast<void*>(trace_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
   if (fork_ != nullptr) cudaEventDestroy(fork_);
@@ -162,6 +163,22 @@ void LayerForward::check_device_weights(const DeviceLayerWeights& weights) const
         "weights.shared_gate_up");
   check(weights.shared_down, weights.shared_down_elements, weights_.shared_down_elements,
         "weights.shared_down");
+}
+
+int LayerForward::trace_fields() { return megakernel::kTraceFields; }
+
+void LayerForward::enable_trace() {
+  if (trace_ != nullptr) return;
+  trace_ = device_alloc<uint64_t>(static_cast<int64_t>(num_sms_) * trace_fields());
+  MOK_CUDA_CHECK(cudaMemset(trace_, 0, static_cast<size_t>(num_sms_) * trace_fields() * 8));
+}
+
+std::vector<uint64_t> LayerForward::trace(cudaStream_t stream) const {
+  if (trace_ == nullptr) return {};
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<uint64_t> host(static_cast<size_t>(fused_config().num_ctas) * trace_fields());
+  MOK_CUDA_CHECK(cudaMemcpy(host.data(), trace_, host.size() * 8, cudaMemcpyDeviceToHost));
+  return host;
 }
 
 int LayerForward::shared_gemm_sms_beside_copy() const {
@@ -269,6 +286,7 @@ FusedForwardConfig LayerForward::fused_config() const {
   const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 4096;
   config.chunk_mblocks = gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M);
   config.schedule_in_kernel = fused.schedule_in_kernel;
+  config.trace = trace_;
   return config;
 }
 

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "mok/bf16.hpp"
 #include "mok/gemm.hpp"
@@ -120,6 +121,13 @@ class LayerForward {
   // Device bytes this object holds besides the weights (workspace and intermediates).
   int64_t buffer_bytes() const;
 
+  // From now on the fused kernel records a per-CTA timeline (kernels/megakernel/trace.cuh).
+  void enable_trace();
+  // The last fused forward's timeline: (CTAs, fields) globaltimer values and sums; waits for
+  // `stream`. Empty when tracing is off.
+  std::vector<uint64_t> trace(cudaStream_t stream) const;
+  static int trace_fields();
+
  private:
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, int64_t num_tokens,
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
@@ -142,6 +150,7 @@ class LayerForward {
   float* shared_output_ = nullptr;  // (T_max, H)
   int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
   int num_sms_ = 0;                    // of this rank's GPU
+  uint64_t* trace_ = nullptr;          // (num_sms_, trace_fields()) when tracing
   cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };

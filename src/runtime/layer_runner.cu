@@ -7,12 +7,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <memory>
 
 #include "mok/error.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/device.hpp"
+#include "kernels/megakernel/trace.cuh"
 #include "runtime/layer_forward.hpp"
 
 namespace mok {
@@ -61,10 +64,53 @@ void fill_random(bf16* out, int64_t count, double scale, uint64_t seed, uint64_t
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-double median(std::vector<float> values) {
+template <class T>
+double median(std::vector<T> values) {
   std::sort(values.begin(), values.end());
   return values.empty() ? 0.0 : values[values.size() / 2];
 }
+
+// One line on where the fused kernel's CTAs spent the traced forward (ms from the first CTA's
+// start): the schedule, the dispatch, the task phase and its tail, and the per-CTA waits.
+std::string summarize_trace(const std::vector<uint64_t>& trace, int fields) {
+  using namespace megakernel;
+  const size_t ctas = trace.size() / static_cast<size_t>(fields);
+  if (ctas == 0) return "no trace";
+  auto field = [&](size_t cta, int which) { return trace[cta * fields + which]; };
+  uint64_t start = UINT64_MAX, end = 0, dispatched = 0;
+  std::vector<double> scheduled, tasks_end, ends, input_wait, slot_wait, publish, tasks;
+  for (size_t cta = 0; cta < ctas; ++cta) start = std::min(start, field(cta, kTraceStart));
+  auto ms = [&](uint64_t time) { return time > start ? (time - start) * 1e-6 : 0.0; };
+  for (size_t cta = 0; cta < ctas; ++cta) {
+    end = std::max(end, field(cta, kTraceEnd));
+    dispatched = std::max(dispatched, field(cta, kTraceDispatched));
+    scheduled.push_back(ms(field(cta, kTraceScheduled)));
+    tasks_end.push_back(ms(field(cta, kTraceTasksEnd)));
+    ends.push_back(ms(field(cta, kTraceEnd)));
+    input_wait.push_back(field(cta, kTraceInputWaitNs) * 1e-6);
+    slot_wait.push_back(field(cta, kTraceSlotWaitNs) * 1e-6);
+    publish.push_back(field(cta, kTracePublishNs) * 1e-6);
+    tasks.push_back(static_cast<double>(field(cta, kTraceTasks)));
+  }
+  auto mean = [](const std::vector<double>& values) {
+    double sum = 0;
+    for (double value : values) sum += value;
+    return sum / static_cast<double>(values.size());
+  };
+  char line[512];
+  std::snprintf(line, sizeof(line),
+                "fused kernel %.3f ms over %zu CTAs: schedule done %.3f (median), dispatch done "
+                "%.3f, last task taken %.3f, CTAs end %.3f..%.3f (median %.3f); per CTA: input "
+                "waits %.3f ms, slot waits %.3f, gate/up publish %.3f, tasks %.0f..%.0f",
+                ms(end), ctas, median(scheduled), ms(dispatched),
+                *std::max_element(tasks_end.begin(), tasks_end.end()),
+                *std::min_element(ends.begin(), ends.end()), ms(end), median(ends),
+                mean(input_wait), mean(slot_wait), mean(publish),
+                *std::min_element(tasks.begin(), tasks.end()),
+                *std::max_element(tasks.begin(), tasks.end()));
+  return line;
+}
+
 
 }  // namespace
 
@@ -88,6 +134,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   if (spec.keep_y) result.y.resize(static_cast<size_t>(global_tokens * hidden));
   std::vector<int64_t> buffer_bytes(spec.ep), weight_bytes(spec.ep);
   std::vector<std::vector<double>> rank_phase_ms(spec.ep, std::vector<double>(kNumForwardPhases));
+  std::vector<std::string> trace_lines(spec.ep);
 
   for_each_rank(spec.ep, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
@@ -159,6 +206,12 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     for (int phase = 0; phase < kNumForwardPhases; ++phase) {
       rank_phase_ms[rank][phase] = median(phase_times[phase]);
     }
+    if (spec.trace && spec.fused) {
+      layer.enable_trace();
+      forward();
+      layer.check(stream);
+      trace_lines[rank] = summarize_trace(layer.trace(stream), LayerForward::trace_fields());
+    }
     if (spec.keep_y) {
       MOK_CUDA_CHECK(cudaMemcpy(result.y.data() + rank * tokens * hidden, y.get(),
                                 static_cast<size_t>(tokens * hidden) * sizeof(bf16),
@@ -171,6 +224,9 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     double slowest = 0;
     for (int rank = 0; rank < spec.ep; ++rank) slowest = std::max(slowest, rank_phase_ms[rank][phase]);
     result.phase_ms.push_back(slowest);
+  }
+  for (int rank = 0; rank < spec.ep && spec.trace; ++rank) {
+    result.trace_summary.push_back(detail::concat("rank ", rank, ": ", trace_lines[rank]));
   }
   result.buffer_bytes_per_rank = *std::max_element(buffer_bytes.begin(), buffer_bytes.end());
   result.weight_bytes_per_rank = *std::max_element(weight_bytes.begin(), weight_bytes.end());

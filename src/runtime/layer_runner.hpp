@@ -37,6 +37,8 @@ struct LayerRunSpec {
   int fused_comm_ctas = 0;
   int fused_minibatch_rows = 0;
   bool fused_schedule_in_kernel = true;
+  // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
+  bool trace = false;
   int warmup = 3;
   int iterations = 20;
   bool keep_y = true;  // download y (global, (T_global, H)) after the last forward
@@ -52,6 +54,7 @@ struct LayerRunResult {
   std::vector<double> phase_ms;
   int64_t buffer_bytes_per_rank = 0;  // workspace and intermediates, weights excluded
   int64_t weight_bytes_per_rank = 0;
+  std::vector<std::string> trace_summary;  // one line per rank when spec.trace
 };
 
 // Throws mok::Error naming the argument (ep larger than the GPUs present, shapes) or the device

@@ -12,6 +12,7 @@
 #include "mok/compare.hpp"
 #include "mok/gemm.hpp"
 #include "runtime/device.hpp"
+#include "kernels/megakernel/trace.cuh"
 #include "runtime/layer_forward.hpp"
 #include "routing_cases.hpp"
 #include "test_comm_harness.cuh"
@@ -45,10 +46,27 @@ struct GpuRun {
   // The weights live in the test's own device buffers, passed to every forward (the torch path);
   // the layer allocates none.
   bool callers_weights = false;
+  // The fused kernel records its per-CTA timeline (checked for sanity after the first run).
+  bool trace = false;
 };
 
 // y (T_global, H) of the problem computed by LayerForward at EP = `ep`. Every buffer a step
 // writes is NaN-poisoned before each run, so an element nobody wrote shows.
+// Every CTA started, ended after it started, and the CTAs ran some tasks between them.
+inline void expect_sane_trace(const std::vector<uint64_t>& trace, int fields) {
+  ASSERT_FALSE(trace.empty());
+  uint64_t tasks = 0;
+  for (size_t cta = 0; cta * fields < trace.size(); ++cta) {
+    const uint64_t* record = &trace[cta * fields];
+    EXPECT_GT(record[megakernel::kTraceStart], 0u) << "CTA " << cta;
+    EXPECT_GE(record[megakernel::kTraceEnd], record[megakernel::kTraceStart]) << "CTA " << cta;
+    EXPECT_GE(record[megakernel::kTraceTasksEnd], record[megakernel::kTraceScheduled])
+        << "CTA " << cta;
+    tasks += record[megakernel::kTraceTasks];
+  }
+  EXPECT_GT(tasks, 0u);
+}
+
 inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const GpuRun& run) {
   const std::vector<Communicator>& comms = local_communicators(ep);
   const int64_t tokens = problem.num_tokens / ep, hidden = problem.shape.hidden;
@@ -117,10 +135,12 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
                     " differs from the first eager run at element ", differs);
     };
 
+    if (run.trace) layer.enable_trace();
     poison();
     enqueue();
     layer.check(stream);
     const std::vector<bf16> first = y.download();
+    if (run.trace) expect_sane_trace(layer.trace(stream), LayerForward::trace_fields());
     for (int repeat = 0; repeat < run.repeats; ++repeat) {
       poison();
       enqueue();

@@ -14,6 +14,7 @@
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
+#include "kernels/megakernel/trace.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
 
@@ -180,27 +181,46 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       uint32_t* next_task = &params.view.state()->next_task;
       uint32_t tail_phase = 0;
       bool routed_known = false;
+      const bool tracing = params.trace != nullptr;
+      uint32_t input_wait_ns = 0, slot_wait_ns = 0, tasks = 0;  // 32 bits: 4 s is plenty
       for (;;) {
         int ticket = 0;
         if (lane == 0) ticket = static_cast<int>(atomicAdd(next_task, 1u));
         ticket = __shfl_sync(0xffffffffu, ticket, 0);
         if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
           int mblocks = 0;
+          const uint64_t wait_start = tracing ? trace_clock() : 0;
           if (lane == 0) mblocks = routed_mblocks(params);
+          if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
           scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
           routed_known = true;
         }
         const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
         if (lane == 0) {
+          const uint64_t wait_start = tracing ? trace_clock() : 0;
           ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
+          if (tracing) slot_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
           handoff.task[slot] = task;
           ptx::mbarrier_arrive(&handoff.full[slot]);
         }
         __syncwarp();
         advance_slot();
-        if (!has_task) break;
-        if (lane == 0) wait_for_inputs(params, shape, task);
+        if (!has_task) {
+          if (tracing && lane == 0) {
+            trace_set(params.trace, kTraceTasksEnd, trace_clock());
+            trace_set(params.trace, kTraceTasks, tasks);
+            trace_set(params.trace, kTraceInputWaitNs, input_wait_ns);
+            trace_set(params.trace, kTraceSlotWaitNs, slot_wait_ns);
+          }
+          break;
+        }
+        ++tasks;
+        if (lane == 0) {
+          const uint64_t wait_start = tracing ? trace_clock() : 0;
+          wait_for_inputs(params, shape, task);
+          if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
+        }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
         Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
@@ -212,6 +232,8 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     const int consumer_idx = warpgroup_idx - 1;
     float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
     uint32_t down_tiles = 0;  // stored by this CTA
+    const bool tracing = params.trace != nullptr && threadIdx.x == 128;
+    uint32_t publish_ns = 0;
     for (;;) {
       ptx::mbarrier_wait(&handoff.full[slot], slot_phase);
       task = handoff.task[slot];
@@ -222,14 +244,17 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
-        case TaskKind::kGateUp:
+        case TaskKind::kGateUp: {
           run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
                                                     accum);
+          const uint64_t publish_start = tracing ? trace_clock() : 0;
           publish_tile(params.view,
                        task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
                                                       : comm::TaskCounter::kSharedHiddenReady,
                        task.mblock);
+          if (tracing) publish_ns += static_cast<uint32_t>(trace_clock() - publish_start);
           break;
+        }
         case TaskKind::kSharedDown:
           // fp32 from registers; read only by the reduce, after this kernel
           run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
@@ -248,6 +273,10 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     }
     if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
     if (down_tiles > 0) finish_down_tiles(params, down_tiles);
+    if (tracing) {
+      trace_set(params.trace, kTraceEnd, trace_clock());
+      trace_set(params.trace, kTracePublishNs, publish_ns);
+    }
   }
 }
 

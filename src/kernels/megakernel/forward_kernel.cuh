@@ -24,6 +24,7 @@
 #include "kernels/megakernel/communicate.cuh"
 #include "kernels/megakernel/compute.cuh"
 #include "kernels/megakernel/forward_params.cuh"
+#include "kernels/megakernel/trace.cuh"
 #include "kernels/ptx/barrier.cuh"
 
 namespace mok::megakernel {
@@ -34,11 +35,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // An earlier fault (e.g. a bad expert id found by the schedule) leaves the offsets undefined.
+  if (threadIdx.x == 0) trace_set(params.trace, kTraceStart, trace_clock());
   if (comm::cta_sees_error(params.view)) return;
   if (params.schedule_in_kernel) make_schedule(params, params.view.state()->epoch);
+  if (threadIdx.x == 0) trace_set(params.trace, kTraceScheduled, trace_clock());
   if (static_cast<int>(blockIdx.x) < params.num_comm_ctas) {
     communicate(params);
     __syncthreads();  // then compute like the others
+    if (threadIdx.x == 0) trace_set(params.trace, kTraceDispatched, trace_clock());
   }
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
   uint8_t* aligned = dynamic_smem + ((RingLayout::kAlignment - base_address % RingLayout::kAlignment) %

@@ -30,6 +30,7 @@ struct FusedForwardParams {
   int chunk_mblocks;  // row blocks per minibatch
   int has_shared;
   int schedule_in_kernel;  // 0: the schedule kernels (comm_ops.hpp) ran before the launch
+  uint64_t* trace;         // (grid, kTraceFields) per-CTA timeline (trace.cuh), or null
 };
 
 // Every task shares one stage ring, laid out for the SwiGLU epilogue (it has the staging tile).
@@ -37,7 +38,7 @@ using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
 // Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
-inline constexpr uint32_t kProducerRegisters = 56;
-inline constexpr uint32_t kConsumerRegisters = 224;
+inline constexpr uint32_t kProducerRegisters = 64;
+inline constexpr uint32_t kConsumerRegisters = 216;
 
 }  // namespace mok::megakernel

@@ -1,0 +1,35 @@
+// Optional per-CTA timeline of the fused forward (FusedForwardParams::trace, null = off): where a
+// CTA's time goes, for the perf notes. Globaltimer nanoseconds; one record of kTraceFields per CTA,
+// each field written by one thread. Off, it costs one uniform branch per event.
+#pragma once
+
+#include <cstdint>
+
+namespace mok::megakernel {
+
+enum TraceField : int {
+  kTraceStart = 0,        // kernel entry (thread 0)
+  kTraceScheduled,        // schedule done (thread 0)
+  kTraceDispatched,       // this CTA's dispatch share done (thread 0; communication CTAs only)
+  kTraceTasksEnd,         // the producer found no task left
+  kTraceEnd,              // the consumers' last stores landed
+  kTraceTasks,            // tasks this CTA ran
+  kTraceInputWaitNs,      // producer: waiting for tasks' inputs (rows, gate/up tiles, schedule)
+  kTraceSlotWaitNs,       // producer: waiting for the consumers to free a task slot
+  kTracePublishNs,        // consumers: waiting for gate/up stores to land before publishing
+  kTraceFields
+};
+
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ uint64_t trace_clock() {
+  uint64_t nanoseconds;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(nanoseconds));
+  return nanoseconds;
+}
+
+__device__ __forceinline__ void trace_set(uint64_t* trace, TraceField field, uint64_t value) {
+  if (trace != nullptr) trace[blockIdx.x * kTraceFields + field] = value;
+}
+#endif
+
+}  // namespace mok::megakernel
