@@ -150,11 +150,15 @@ struct Mainloop {
   }
 
   // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`.
+  // One k-block's wgmma group stays in flight while the next one is issued (the tensor pipe does
+  // not drain between k-blocks); a stage goes back to the producer once the group that read it
+  // has completed. The k order, hence every sum, is unchanged.
   __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
                              float (&accum)[Mma::kNumAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
+    int previous_stage = -1;
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
       ptx::mbarrier_wait(&smem.full[state.index], state.phase);
       const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) +
@@ -173,12 +177,17 @@ struct Mainloop {
         Mma::mma(desc_a, desc_b, 1u, accum);
       }
       ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_wait_group<1>();  // the previous k-block's group has completed
 #pragma unroll
       for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
-      if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
+      if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+      previous_stage = state.index;
       state.advance();
     }
+    ptx::wgmma_wait_group<0>();
+#pragma unroll
+    for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+    if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
   }
 };
 
