@@ -149,10 +149,15 @@ struct Mainloop {
     }
   }
 
+  // dgrad and wgrad keep one k-block's wgmma group in flight while the next one is issued (the
+  // tensor pipe does not drain between k-blocks; a stage goes back to the producer once the group
+  // that read it has completed). Measured side by side on H200 (perf-notes/gemm.md): +4-7 % on
+  // the short-K qwen3-30b dgrad/wgrad, within ~1 % elsewhere; but -2-3 % on the long-K forward
+  // GEMMs, whose 3-stage ring then prefetches one k-block less, so the forward drains each
+  // k-block. The k order, hence every sum, is the same either way.
+  static constexpr bool kGroupInFlight = kKind != GemmKind::kForward;
+
   // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`.
-  // One k-block's wgmma group stays in flight while the next one is issued (the tensor pipe does
-  // not drain between k-blocks); a stage goes back to the producer once the group that read it
-  // has completed. The k order, hence every sum, is unchanged.
   __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
                              float (&accum)[Mma::kNumAccumulators]) {
@@ -177,17 +182,24 @@ struct Mainloop {
         Mma::mma(desc_a, desc_b, 1u, accum);
       }
       ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<1>();  // the previous k-block's group has completed
+      if constexpr (kGroupInFlight) {
+        ptx::wgmma_wait_group<1>();  // the previous k-block's group has completed
+      } else {
+        ptx::wgmma_wait_group<0>();
+      }
 #pragma unroll
       for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
-      if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+      const int done_stage = kGroupInFlight ? previous_stage : state.index;
+      if (lane_idx == 0 && done_stage >= 0) ptx::mbarrier_arrive(&smem.empty[done_stage]);
       previous_stage = state.index;
       state.advance();
     }
-    ptx::wgmma_wait_group<0>();
+    if constexpr (kGroupInFlight) {
+      ptx::wgmma_wait_group<0>();
 #pragma unroll
-    for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
-    if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+      if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+    }
   }
 };
 
