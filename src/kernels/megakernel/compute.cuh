@@ -177,7 +177,8 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
       const TaskShape shape = task_shape(params);
-      TaskScheduler scheduler(shape, params.view, params.num_tokens);
+      TaskScheduler scheduler(shape, params.view.offsets(), params.view.counts(),
+                              params.num_tokens);
       uint32_t* next_task = &params.view.state()->next_task;
       uint32_t tail_phase = 0;
       bool routed_known = false;

@@ -46,7 +46,7 @@ struct TaskShape {
   int chunk_mblocks;   // row blocks per minibatch, >= 1
   int n_blocks[kNumTaskKinds];  // 256-column blocks of each GEMM's output (before SwiGLU halving)
 
-  __device__ int num_chunks() const {
+  __host__ __device__ int num_chunks() const {
     return (routed_mblocks + chunk_mblocks - 1) / chunk_mblocks;
   }
 };
@@ -62,25 +62,27 @@ struct Task {
 class TaskScheduler {
  public:
   // Until set_routed_mblocks, only the first segment (the shared gate/up tasks) is known.
-  __device__ TaskScheduler(const TaskShape& shape, const comm::WorkspaceView& view, int num_tokens)
-      : shape_(shape), offsets_(view.offsets()), counts_(view.counts()), num_tokens_(num_tokens) {
+  // offsets (E_l + 1) and counts (E_l) of the local experts' rows: the schedule's.
+  __host__ __device__ TaskScheduler(const TaskShape& shape, const int32_t* offsets,
+                                    const int32_t* counts, int num_tokens)
+      : shape_(shape), offsets_(offsets), counts_(counts), num_tokens_(num_tokens) {
     num_segments_ = 1;
     load_segment(0);
   }
 
-  __device__ int shared_gate_up_tasks() const {
+  __host__ __device__ int shared_gate_up_tasks() const {
     return shape_.shared_mblocks * shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
   }
 
   // The routed row blocks of the call, from the schedule: every segment is known from here on.
-  __device__ void set_routed_mblocks(int routed_mblocks) {
+  __host__ __device__ void set_routed_mblocks(int routed_mblocks) {
     shape_.routed_mblocks = routed_mblocks;
     const int chunks = shape_.num_chunks();
     num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
   }
 
   // Fills `task` for `ticket`; false when the ticket is past the last task.
-  __device__ bool decode(int ticket, Task& task) {
+  __host__ __device__ bool decode(int ticket, Task& task) {
     task_ = ticket;
     while (segment_ < num_segments_ && task_ >= segment_first_ + segment_size_) {
       segment_first_ += segment_size_;
@@ -110,7 +112,7 @@ class TaskScheduler {
 
  private:
   // Segment `index` of the list in the header comment: its kind and row blocks.
-  __device__ void load_segment(int index) {
+  __host__ __device__ void load_segment(int index) {
     segment_ = index;
     if (index >= num_segments_) return;
     int chunk = 0;
@@ -148,7 +150,7 @@ class TaskScheduler {
   }
 
   // The first local expert whose rows start at or after `row` (num_experts when none does).
-  __device__ int first_expert_at(int row) const {
+  __host__ __device__ int first_expert_at(int row) const {
     int low = 0, high = shape_.num_experts;
     while (low < high) {
       const int middle = (low + high) / 2;
@@ -161,7 +163,7 @@ class TaskScheduler {
     return low;
   }
 
-  __device__ void load_expert(int expert) {
+  __host__ __device__ void load_expert(int expert) {
     expert_ = expert;
     if (expert >= shape_.num_experts) return;  // past the segment: never decoded
     expert_mblocks_ = (offsets_[expert + 1] - offsets_[expert]) / gemm::TileConfig::BLOCK_M;

@@ -1,0 +1,166 @@
+// The fused forward's task list (kernels/megakernel/task_list.cuh) is host/device arithmetic:
+// checked here without a GPU (these tests run in CI). Every tile of the four GEMMs is decoded from
+// exactly one ticket, with the fields the mainloop and epilogue need, every task comes after the
+// tasks it waits for (the order that rules out deadlock), and a ticket decodes the same whatever
+// tickets a CTA saw before it.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <ostream>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "kernels/megakernel/task_list.cuh"
+
+namespace mok::megakernel {
+namespace {
+
+constexpr int kRows = gemm::TileConfig::BLOCK_M;
+
+struct ListCase {
+  const char* name;
+  std::vector<int32_t> counts;  // rows of each local expert
+  int shared_mblocks;
+  int chunk_mblocks;
+  int n_blocks[kNumTaskKinds];
+};
+
+struct Routed {
+  std::vector<int32_t> offsets;  // (E + 1), each expert starting at a multiple of 128
+  int mblocks = 0;
+};
+
+void PrintTo(const ListCase& which, std::ostream* out) { *out << which.name; }
+
+Routed lay_out(const std::vector<int32_t>& counts) {
+  Routed routed;
+  routed.offsets.push_back(0);
+  for (int32_t count : counts) {
+    routed.offsets.push_back(routed.offsets.back() + (count + kRows - 1) / kRows * kRows);
+  }
+  routed.mblocks = routed.offsets.back() / kRows;
+  return routed;
+}
+
+TaskShape shape_of(const ListCase& which, int routed_mblocks) {
+  TaskShape shape{};
+  shape.num_experts = static_cast<int>(which.counts.size());
+  shape.shared_mblocks = which.shared_mblocks;
+  shape.routed_mblocks = routed_mblocks;
+  shape.chunk_mblocks = which.chunk_mblocks;
+  for (int kind = 0; kind < kNumTaskKinds; ++kind) shape.n_blocks[kind] = which.n_blocks[kind];
+  return shape;
+}
+
+// Decodes the tickets in `tickets` (increasing) as one CTA does: the routed row blocks become
+// known once a ticket reaches past the shared gate/up tasks.
+std::map<int, Task> decode_all(const ListCase& which, const Routed& routed,
+                               const std::vector<int>& tickets) {
+  TaskShape shape = shape_of(which, 0);
+  TaskScheduler scheduler(shape, routed.offsets.data(), which.counts.data(), 1000);
+  bool routed_known = false;
+  std::map<int, Task> tasks;
+  for (int ticket : tickets) {
+    if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
+      scheduler.set_routed_mblocks(routed.mblocks);
+      routed_known = true;
+    }
+    Task task;
+    if (!scheduler.decode(ticket, task)) break;
+    tasks[ticket] = task;
+  }
+  return tasks;
+}
+
+class TaskListTest : public ::testing::TestWithParam<ListCase> {};
+
+TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
+  const ListCase& which = GetParam();
+  const Routed routed = lay_out(which.counts);
+  const int shared_tasks =
+      which.shared_mblocks * (which.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)] +
+                              which.n_blocks[static_cast<int>(TaskKind::kSharedDown)]);
+  const int routed_tasks = routed.mblocks * (which.n_blocks[static_cast<int>(TaskKind::kGateUp)] +
+                                             which.n_blocks[static_cast<int>(TaskKind::kDown)]);
+  const int total = shared_tasks + routed_tasks;
+  std::vector<int> every(total + 5);  // a few past the end: they must decode to nothing
+  for (int ticket = 0; ticket < static_cast<int>(every.size()); ++ticket) every[ticket] = ticket;
+  const std::map<int, Task> tasks = decode_all(which, routed, every);
+  ASSERT_EQ(static_cast<int>(tasks.size()), total) << "tasks decoded";
+
+  // Each (kind, row block, column block) once, with the tile fields of its expert.
+  std::map<std::tuple<int, int, int>, int> ticket_of;
+  for (const auto& [ticket, task] : tasks) {
+    const int kind = static_cast<int>(task.kind);
+    ASSERT_LT(task.tile.n_block, which.n_blocks[kind]) << "ticket " << ticket;
+    ASSERT_GE(task.tile.n_block, 0) << "ticket " << ticket;
+    const auto key = std::make_tuple(kind, task.mblock, task.tile.n_block);
+    ASSERT_EQ(ticket_of.count(key), 0u) << "tile decoded twice, ticket " << ticket;
+    ticket_of[key] = ticket;
+    if (is_shared(task.kind)) {
+      EXPECT_EQ(task.tile.m_block, task.mblock);
+      EXPECT_LT(task.mblock, which.shared_mblocks);
+    } else {
+      const int expert = task.tile.group;
+      ASSERT_GE(expert, 0);
+      ASSERT_LT(expert, static_cast<int>(which.counts.size()));
+      EXPECT_EQ(task.tile.row_begin, routed.offsets[expert]);
+      EXPECT_EQ(task.tile.row_count, which.counts[expert]);
+      EXPECT_EQ(task.mblock, routed.offsets[expert] / kRows + task.tile.m_block);
+      EXPECT_LT(task.tile.m_block * kRows, which.counts[expert]) << "a block without rows";
+    }
+  }
+  // Every task after what it waits for: down after the block's gate/up tiles, shared down after
+  // the block's shared gate/up tiles.
+  for (const auto& [ticket, task] : tasks) {
+    TaskKind needs;
+    if (task.kind == TaskKind::kDown) {
+      needs = TaskKind::kGateUp;
+    } else if (task.kind == TaskKind::kSharedDown) {
+      needs = TaskKind::kSharedGateUp;
+    } else {
+      continue;
+    }
+    for (int n = 0; n < which.n_blocks[static_cast<int>(needs)]; ++n) {
+      const auto found = ticket_of.find({static_cast<int>(needs), task.mblock, n});
+      ASSERT_NE(found, ticket_of.end()) << "missing input tile of ticket " << ticket;
+      EXPECT_LT(found->second, ticket) << "ticket " << ticket << " comes before its input";
+    }
+  }
+
+  // A CTA that saw only some tickets (random increasing subsets) decodes each the same way.
+  std::mt19937 random(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<int> some;
+    for (int ticket = 0; ticket < total; ++ticket) {
+      if (random() % 5 == 0) some.push_back(ticket);
+    }
+    for (const auto& [ticket, task] : decode_all(which, routed, some)) {
+      const Task& expected = tasks.at(ticket);
+      ASSERT_EQ(task.kind, expected.kind) << "ticket " << ticket;
+      ASSERT_EQ(task.mblock, expected.mblock) << "ticket " << ticket;
+      ASSERT_EQ(task.tile.n_block, expected.tile.n_block) << "ticket " << ticket;
+      ASSERT_EQ(task.tile.group, expected.tile.group) << "ticket " << ticket;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, TaskListTest,
+    ::testing::Values(
+        // Experts of 0, 1, 127, 128, 129 and 1000 rows; a shared expert; several minibatches.
+        ListCase{"mixed", {0, 1, 127, 128, 129, 1000, 0, 300}, 3, 2, {2, 3, 4, 2}},
+        // One row block per minibatch: the longest list.
+        ListCase{"one_block_minibatch", {200, 0, 513, 64}, 2, 1, {1, 2, 3, 1}},
+        // One minibatch holds everything; no shared expert.
+        ListCase{"one_minibatch", {700, 900, 5}, 0, 1000, {1, 16, 1, 28}},
+        // A hot expert spans several minibatches (the ones it covers hold no other expert).
+        ListCase{"hot_expert", {3000, 10, 10, 10}, 1, 4, {2, 2, 2, 2}},
+        // No routed rows at all (every token went elsewhere); only the shared expert.
+        ListCase{"no_routed_rows", {0, 0, 0}, 4, 2, {3, 2, 2, 3}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace mok::megakernel
