@@ -215,6 +215,21 @@ DeviceLayerWeights device_weights(const LayerForward& layer, const DeviceWeights
   return weights;
 }
 
+// The workspace `handle` names, or (handle 0) every automatic workspace of `device`.
+std::vector<std::shared_ptr<Workspace>> workspaces_of(int64_t handle, int device) {
+  std::vector<std::shared_ptr<Workspace>> workspaces;
+  if (handle != 0) {
+    workspaces.push_back(find_workspace(handle));
+  } else {
+    Registry& all = registry();
+    std::lock_guard<std::mutex> lock(all.mutex);
+    for (const auto& [key, workspace] : all.automatic) {
+      if (workspace->device == device) workspaces.push_back(workspace);
+    }
+  }
+  return workspaces;
+}
+
 }  // namespace
 
 bool have_gpu_layer() { return true; }
@@ -283,17 +298,7 @@ void forward(int64_t handle, const ForwardCall& call) {
 
 void check(int64_t handle, int device, void* stream) {
   translating_errors([&] {
-    std::vector<std::shared_ptr<Workspace>> workspaces;
-    if (handle != 0) {
-      workspaces.push_back(find_workspace(handle));
-    } else {
-      Registry& all = registry();
-      std::lock_guard<std::mutex> lock(all.mutex);
-      for (const auto& [key, workspace] : all.automatic) {
-        if (workspace->device == device) workspaces.push_back(workspace);
-      }
-    }
-    for (const auto& workspace : workspaces) {
+    for (const auto& workspace : workspaces_of(handle, device)) {
       workspace->layer->check(static_cast<cudaStream_t>(stream));
     }
   });
@@ -301,17 +306,9 @@ void check(int64_t handle, int device, void* stream) {
 
 void reset_after_error(int64_t handle, int device) {
   translating_errors([&] {
-    std::vector<std::shared_ptr<Workspace>> workspaces;
-    if (handle != 0) {
-      workspaces.push_back(find_workspace(handle));
-    } else {
-      Registry& all = registry();
-      std::lock_guard<std::mutex> lock(all.mutex);
-      for (const auto& [key, workspace] : all.automatic) {
-        if (workspace->device == device) workspaces.push_back(workspace);
-      }
+    for (const auto& workspace : workspaces_of(handle, device)) {
+      workspace->layer->workspace().reset_after_error();
     }
-    for (const auto& workspace : workspaces) workspace->layer->workspace().reset_after_error();
   });
 }
 

@@ -45,34 +45,54 @@ MOK_COMM_HOST_DEVICE int64_t bulk_shared_bytes(int64_t row_bytes) {
 
 #if defined(__CUDACC__)
 
-// kSourceReadOnly: the sources are local and no thread writes them during the kernel, so they may
-// take the non-coherent load path (ld.global.nc), which keeps more loads in flight.
+// How a row's source is read:
+//   kCoherent  plain loads
+//   kReadOnly  the sources are local and no thread writes them during the kernel, so they may take
+//              the non-coherent path (ld.global.nc), which keeps more loads in flight
+//   kBypassL1  loads cached in L2 only (ld.global.cg): sources written during the kernel, e.g. by a
+//              peer and published through a flag
+enum class RowLoad : int { kCoherent, kReadOnly, kBypassL1 };
+
+// One warp copies one row (row_bytes, a multiple of 16), lane `lane` of it.
+template <RowLoad kLoad>
+__device__ inline void copy_row_warp(const char* from, char* to, int64_t row_bytes, int lane) {
+  const int4* source = reinterpret_cast<const int4*>(from);  // (row_bytes / 16)
+  int4* destination = reinterpret_cast<int4*>(to);
+  const int64_t num_vectors = row_bytes / 16;
+  for (int64_t base = lane; base < num_vectors; base += 32 * kVectorUnroll) {
+    int4 values[kVectorUnroll];
+#pragma unroll
+    for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
+      const int64_t index = base + unroll * 32;
+      if (index < num_vectors) {
+        if constexpr (kLoad == RowLoad::kReadOnly) {
+          values[unroll] = __ldg(source + index);
+        } else if constexpr (kLoad == RowLoad::kBypassL1) {
+          values[unroll] = __ldcg(source + index);
+        } else {
+          values[unroll] = source[index];
+        }
+      }
+    }
+#pragma unroll
+    for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
+      const int64_t index = base + unroll * 32;
+      if (index < num_vectors) destination[index] = values[unroll];
+    }
+  }
+}
+
+// Every row, dealt to the grid's warps in turn.
 template <bool kSourceReadOnly, class RowAt>
 __device__ inline void copy_rows_vector(int64_t num_rows, int64_t row_bytes, const RowAt& row_at) {
   const int lane = threadIdx.x % 32;
   const int64_t warps_per_cta = blockDim.x / 32;
-  const int64_t num_vectors = row_bytes / 16;
   for (int64_t row = blockIdx.x * warps_per_cta + threadIdx.x / 32; row < num_rows;
        row += gridDim.x * warps_per_cta) {
     const RowCopy copy = row_at(row);
     if (copy.source == nullptr) continue;
-    const int4* source = reinterpret_cast<const int4*>(copy.source);  // (row_bytes / 16)
-    int4* destination = reinterpret_cast<int4*>(copy.destination);
-    for (int64_t base = lane; base < num_vectors; base += 32 * kVectorUnroll) {
-      int4 values[kVectorUnroll];
-#pragma unroll
-      for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
-        const int64_t index = base + unroll * 32;
-        if (index < num_vectors) {
-          values[unroll] = kSourceReadOnly ? __ldg(source + index) : source[index];
-        }
-      }
-#pragma unroll
-      for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
-        const int64_t index = base + unroll * 32;
-        if (index < num_vectors) destination[index] = values[unroll];
-      }
-    }
+    copy_row_warp<kSourceReadOnly ? RowLoad::kReadOnly : RowLoad::kCoherent>(
+        copy.source, copy.destination, row_bytes, lane);
   }
 }
 

@@ -30,6 +30,16 @@ struct Epilogue {
     int columns_valid;
     int64_t row_stride;
     char* tile_base;  // C element (0, 0) of the tile
+    int64_t column_bytes;  // of the tile's first column within an output row
+  };
+
+  // Where row `tile_row` of a staged tile goes: row-major C, rows tile_base + row * row_stride.
+  // A caller may pass another destination per row (the fused forward's combine, which sends each
+  // row to its token's owner).
+  struct RowMajorRows {
+    __device__ char* operator()(const Fragment& f, const GroupedTile&, int tile_row) const {
+      return f.tile_base + tile_row * f.row_stride;
+    }
   };
 
   __device__ static Fragment fragment(const GroupedGemmParams& params, const GroupedTile& tile,
@@ -57,8 +67,9 @@ struct Epilogue {
       fragment.rows_valid = tile.row_count - tile.m_block * Config::BLOCK_M;
       first_row = tile.row_begin + static_cast<int64_t>(tile.m_block) * Config::BLOCK_M;
     }
-    fragment.tile_base = static_cast<char*>(params.output) + first_row * fragment.row_stride +
-                         static_cast<int64_t>(column_begin) * kElementBytes;
+    fragment.column_bytes = static_cast<int64_t>(column_begin) * kElementBytes;
+    fragment.tile_base =
+        static_cast<char*>(params.output) + first_row * fragment.row_stride + fragment.column_bytes;
     return fragment;
   }
 
@@ -89,9 +100,11 @@ struct Epilogue {
   // bf16 results: the warp writes its 16 rows of the tile into the staging tile, then 16 lanes
   // each copy one row to global memory with a bulk copy. Rows past the group's end or past M are
   // never copied, and the copies drain while the consumers run the next tile's mainloop.
+  template <class RowDestination = RowMajorRows>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging,
-                               float (&accum)[kNumAccumulators]) {
+                               float (&accum)[kNumAccumulators],
+                               const RowDestination& row_destination = {}) {
     const Fragment f = fragment(params, tile, consumer_idx);
     if constexpr (!uses_staged_store(kEpilogue)) {
       store_fp32(f, accum);
@@ -134,7 +147,7 @@ struct Epilogue {
             kEpilogue == EpilogueKind::kSwiGluBf16 ? Config::BLOCK_N / 2 : Config::BLOCK_N;
         const int columns = min(f.columns_valid, kTileColumns);
         if (row < f.rows_valid && columns > 0) {
-          ptx::bulk_store(f.tile_base + row * f.row_stride, warp_staging + lane_idx * kPitch,
+          ptx::bulk_store(row_destination(f, tile, row), warp_staging + lane_idx * kPitch,
                           static_cast<uint32_t>(columns) * 2);
         }
         ptx::bulk_commit_group();

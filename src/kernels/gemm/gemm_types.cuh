@@ -55,6 +55,7 @@ __host__ __device__ constexpr bool uses_staged_store(EpilogueKind epilogue) {
 // buffers on the device.
 template <EpilogueKind kEpilogue>
 struct SharedLayout {
+  using Config = TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
   static constexpr int kNumStages = kStagedStore ? 3 : 4;
   static constexpr uint32_t kAlignment = 1024;

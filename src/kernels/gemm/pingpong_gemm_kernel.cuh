@@ -17,11 +17,11 @@
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "kernels/gemm/pingpong_epilogue.cuh"
 #include "kernels/gemm/pingpong_mainloop.cuh"
-#include "kernels/gemm/pingpong_tile_scheduler.cuh"
 #include "kernels/gemm/pingpong_types.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/named_barrier.cuh"
 #include "kernels/ptx/tma.cuh"
+#include "kernels/schedule/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
   }
   __syncthreads();
 
-  PingpongTileScheduler<kKind, kBlockM> scheduler(params);
+  GroupedTileScheduler<kKind, PingpongConfig<kBlockM>> scheduler(params);
   GroupedTile tile;
   typename Loop::State state;
   if (role == WarpgroupRole::kProducer) {

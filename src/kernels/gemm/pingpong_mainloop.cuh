@@ -17,6 +17,7 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/gemm/pingpong_types.cuh"
+#include "kernels/gemm/tile_loader.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
@@ -24,26 +25,14 @@
 
 namespace mok::gemm {
 
+// SharedStorage with one staging tile per consumer.
 template <class Layout>
-struct PingpongStorage {
-  using Config = typename Layout::Config;
-  uint8_t* a;        // (kNumStages, BLOCK_M, BLOCK_K) bf16, swizzled
-  uint8_t* b;        // (kNumStages, BLOCK_N, BLOCK_K) bf16, swizzled
-  uint8_t* staging;  // (kNumConsumerWarpgroups, BLOCK_M, kStagingPitch bytes)
-  uint64_t* full;    // (kNumStages)
-  uint64_t* empty;   // (kNumStages)
-  uint64_t* tail;    // staging barrier of the wgrad row tail
-
+struct PingpongStorage : SharedStorage<Layout> {
   __device__ static PingpongStorage carve(uint8_t* aligned_base) {
-    auto* barriers = reinterpret_cast<uint64_t*>(aligned_base + Layout::kBarrierOffset);
-    return {aligned_base + Layout::kAOffset, aligned_base + Layout::kBOffset,
-            aligned_base + Layout::kStagingOffset, barriers, barriers + Layout::kNumStages,
-            barriers + 2 * Layout::kNumStages};
+    return {SharedStorage<Layout>::carve(aligned_base)};
   }
-  __device__ uint8_t* a_stage(int stage) const { return a + stage * Config::kABytes; }
-  __device__ uint8_t* b_stage(int stage) const { return b + stage * Config::kBBytes; }
   __device__ uint8_t* consumer_staging(int consumer_idx) const {
-    return staging + consumer_idx * Layout::kStagingBytesPerConsumer;
+    return this->staging + consumer_idx * Layout::kStagingBytesPerConsumer;
   }
 };
 
@@ -64,8 +53,10 @@ struct PingpongMainloop {
   static constexpr uint32_t kALeadingBytes = kAMajorMN ? Config::kChunkBytes : 0;
   static constexpr uint32_t kBLeadingBytes = kBMajorMN ? Config::kChunkBytes : 0;
 
+  using Loader = TileLoader<kKind, Config>;
+
   __device__ static int num_k_blocks(const GroupedGemmParams& params, const GroupedTile& tile) {
-    return ceil_div(kKind == GemmKind::kWgrad ? tile.row_count : params.k, Config::BLOCK_K);
+    return Loader::num_k_blocks(params, tile);
   }
 
   // Moves `state` past the k-blocks of a tile the other consumer owns.
@@ -75,90 +66,11 @@ struct PingpongMainloop {
     state.phase ^= static_cast<uint32_t>(position / Layout::kNumStages) & 1u;
   }
 
-  // Issues the TMA copies of one k-block into stage `stage`, completing on `barrier`.
-  __device__ static void issue_loads(const CUtensorMap* map_a, const CUtensorMap* map_b,
-                                     const Storage& smem, int stage, uint64_t* barrier,
-                                     const GroupedTile& tile, int k_block) {
-    uint8_t* a = smem.a_stage(stage);
-    uint8_t* b = smem.b_stage(stage);
-    const int k = k_block * Config::BLOCK_K;
-    if constexpr (kKind == GemmKind::kWgrad) {
-      const int row = tile.row_begin + k;
-#pragma unroll
-      for (int chunk = 0; chunk < Config::BLOCK_M / Config::kChunk; ++chunk) {
-        ptx::tma_load_2d(a + chunk * Config::kChunkBytes, map_a, barrier,
-                         tile.m_block * Config::BLOCK_M + chunk * Config::kChunk, row);
-      }
-#pragma unroll
-      for (int chunk = 0; chunk < Config::BLOCK_N / Config::kChunk; ++chunk) {
-        ptx::tma_load_2d(b + chunk * Config::kChunkBytes, map_b, barrier,
-                         tile.n_block * Config::BLOCK_N + chunk * Config::kChunk, row);
-      }
-    } else {
-      ptx::tma_load_2d(a, map_a, barrier, k, tile.row_begin + tile.m_block * Config::BLOCK_M);
-      if constexpr (kKind == GemmKind::kForward) {
-        ptx::tma_load_3d(b, map_b, barrier, k, tile.n_block * Config::BLOCK_N, tile.group);
-      } else {
-#pragma unroll
-        for (int chunk = 0; chunk < Config::BLOCK_N / Config::kChunk; ++chunk) {
-          ptx::tma_load_3d(b + chunk * Config::kChunkBytes, map_b, barrier,
-                           tile.n_block * Config::BLOCK_N + chunk * Config::kChunk, k, tile.group);
-        }
-      }
-    }
-  }
-
-  // Producer side, run by all 32 lanes of the producer warp (lane 0 issues). Returns after the
-  // copies of every k-block of `tile` have been issued.
+  // Producer side (tile_loader.cuh).
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const GroupedGemmParams& params,
                               const GroupedTile& tile, State& state, uint32_t& tail_phase) {
-    const int lane_idx = static_cast<int>(threadIdx.x % 32);
-    const int num_blocks = num_k_blocks(params, tile);
-    for (int k_block = 0; k_block < num_blocks; ++k_block) {
-      ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
-      const int valid_rows = tile.row_count - k_block * Config::BLOCK_K;
-      if (kKind == GemmKind::kWgrad && valid_rows < Config::BLOCK_K) {
-        // NOTE: the rows past the group's end belong to the next group (TMA only zero-fills past
-        // the tensor), so the tail block is staged, its extra rows zeroed, then published.
-        if (lane_idx == 0) {
-          ptx::mbarrier_arrive_expect_tx(smem.tail, Config::kStageBytes);
-          issue_loads(map_a, map_b, smem, state.index, smem.tail, tile, k_block);
-        }
-        ptx::mbarrier_wait(smem.tail, tail_phase);
-        tail_phase ^= 1u;
-        zero_tail_rows(smem, state.index, valid_rows, lane_idx);
-        ptx::fence_proxy_async_shared();
-        __syncwarp();
-        if (lane_idx == 0) ptx::mbarrier_arrive(&smem.full[state.index]);
-      } else if (lane_idx == 0) {
-        ptx::mbarrier_arrive_expect_tx(&smem.full[state.index], Config::kStageBytes);
-        issue_loads(map_a, map_b, smem, state.index, &smem.full[state.index], tile, k_block);
-      }
-      __syncwarp();
-      state.advance();
-    }
-  }
-
-  // Rows [valid_rows, BLOCK_K) of every (64 k, 64 mn) chunk of the stage. A swizzled row is one
-  // whole 128-byte line, so zeroing lines needs no knowledge of the swizzle.
-  __device__ static void zero_tail_rows(const Storage& smem, int stage, int valid_rows,
-                                        int lane_idx) {
-    constexpr int kLineVectors = 128 / 16;
-    constexpr int kNumAChunks = Config::BLOCK_M / Config::kChunk;
-    constexpr int kNumChunks = kNumAChunks + Config::BLOCK_N / Config::kChunk;
-    const int first_vector = valid_rows * kLineVectors;
-#pragma unroll
-    for (int chunk = 0; chunk < kNumChunks; ++chunk) {
-      uint8_t* base = chunk < kNumAChunks
-                          ? smem.a_stage(stage) + chunk * Config::kChunkBytes
-                          : smem.b_stage(stage) + (chunk - kNumAChunks) * Config::kChunkBytes;
-      // (BLOCK_K rows, 8 vectors of 16 B): row = vector / 8 is one swizzled 128-byte line.
-      for (int vector_idx = first_vector + lane_idx; vector_idx < Config::BLOCK_K * kLineVectors;
-           vector_idx += 32) {
-        reinterpret_cast<uint4*>(base)[vector_idx] = make_uint4(0, 0, 0, 0);
-      }
-    }
+    Loader::load(map_a, map_b, smem, params, tile, state, tail_phase);
   }
 
   // Consumer side: accumulates the whole (BLOCK_M, BLOCK_N) tile into this warpgroup's `accum`, row

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/comm/flags.cuh"
+#include "kernels/comm/row_copy.cuh"
 #include "kernels/comm/workspace_layout.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/megakernel/forward_params.cuh"
@@ -13,31 +14,7 @@
 
 namespace mok::megakernel {
 
-inline constexpr int kCopyUnroll = 8;  // 16-byte loads in flight per lane
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-
-// One warp copies one row (row_bytes, a multiple of 16), e.g. from a peer's window: loads bypass
-// L1.
-__device__ inline void copy_row(const char* source, char* destination, int64_t row_bytes,
-                                int lane) {
-  const int4* from = reinterpret_cast<const int4*>(source);
-  int4* to = reinterpret_cast<int4*>(destination);
-  const int64_t vectors = row_bytes / 16;
-  for (int64_t base = lane; base < vectors; base += 32 * kCopyUnroll) {
-    int4 values[kCopyUnroll];
-#pragma unroll
-    for (int unroll = 0; unroll < kCopyUnroll; ++unroll) {
-      const int64_t index = base + unroll * 32;
-      if (index < vectors) values[unroll] = __ldcg(from + index);
-    }
-#pragma unroll
-    for (int unroll = 0; unroll < kCopyUnroll; ++unroll) {
-      const int64_t index = base + unroll * 32;
-      if (index < vectors) to[index] = values[unroll];
-    }
-  }
-}
 
 // The schedule, on every CTA: the steps of token_schedule.cuh, with barriers across the grid in
 // place of kernel boundaries (ordering the rows is one CTA per expert, too much for the
@@ -55,7 +32,8 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   for (int64_t token = static_cast<int64_t>(cta) * warps + threadIdx.x / 32;
        token < params.num_tokens; token += static_cast<int64_t>(num_ctas) * warps) {
     const char* source = reinterpret_cast<const char*>(params.x) + token * layout.row_bytes();
-    copy_row(source, view.x_row(view.rank, token), layout.row_bytes(), lane);
+    comm::copy_row_warp<comm::RowLoad::kBypassL1>(source, view.x_row(view.rank, token),
+                                                  layout.row_bytes(), lane);
   }
   comm::gather_copy(view, params.topk_idx, params.num_tokens, cta, num_ctas);
   bool ok = ctas_barrier(view, num_ctas);
@@ -95,8 +73,8 @@ __device__ inline void communicate(const FusedForwardParams& params) {
     const int32_t packed = row_source[row];
     if (packed < 0) continue;  // padding: never counted, never read
     const comm::RowSource source = comm::unpack_row_source(layout, packed);
-    copy_row(view.x_row(source.rank, source.token), view.expert_x_row(row), layout.row_bytes(),
-             lane);
+    comm::copy_row_warp<comm::RowLoad::kBypassL1>(view.x_row(source.rank, source.token),
+                                                  view.expert_x_row(row), layout.row_bytes(), lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence();

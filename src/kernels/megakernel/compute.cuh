@@ -41,22 +41,18 @@ __device__ inline int routed_mblocks(const FusedForwardParams& params) {
   const comm::WorkspaceView& view = params.view;
   comm::DeviceState* state = view.state();
   const uint32_t epoch = state->epoch;
-  const uint64_t start_ns = comm::global_timer_ns();
-  for (uint32_t spin = 0;
-       params.schedule_in_kernel && load_acquire_gpu(&state->schedule_epoch) != epoch; ++spin) {
-    if ((spin & 63u) == 63u) {
-      if (comm::has_error(&state->error)) return 0;
-      if (comm::global_timer_ns() - start_ns > view.timeout_ns) {
+  const bool scheduled = spin_until(
+      view,
+      [&] {
+        return !params.schedule_in_kernel || load_acquire_gpu(&state->schedule_epoch) == epoch;
+      },
+      [&] {
         comm::ErrorDetail detail{comm::Phase::kSchedule};
         detail.expected = epoch;
         comm::raise_error(&state->error, comm::ErrorCode::kTimeout,
                           static_cast<uint32_t>(view.rank), detail);
-        return 0;
-      }
-    }
-    __nanosleep(64);
-  }
-  if (comm::has_error(&state->error)) return 0;
+      });
+  if (!scheduled || comm::has_error(&state->error)) return 0;
   return view.offsets()[view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
 }
 
@@ -88,14 +84,18 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
   comm::fence_async_proxy_global();
 }
 
-template <gemm::EpilogueKind kEpilogue>
+// row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners).
+template <gemm::EpilogueKind kEpilogue,
+          class RowDestination =
+              typename gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>::RowMajorRows>
 __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, const Task& task,
                                 int consumer_idx, const Loop::Storage& smem, Loop::State& state,
-                                float (&accum)[gemm::TileConfig::BLOCK_N / 2]) {
+                                float (&accum)[gemm::TileConfig::BLOCK_N / 2],
+                                const RowDestination& row_destination = {}) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
   Store::init(gemm_params, task.tile, consumer_idx, accum);
   Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
-  Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum);
+  Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
 // All consumer threads, after a tile's bulk stores were issued: once they have landed, the row
@@ -261,15 +261,12 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
                                                    accum);
           break;
-        case TaskKind::kDown: {
-          using Store = gemm::Epilogue<gemm::GemmKind::kForward, gemm::EpilogueKind::kStoreBf16>;
-          Store::init(gemm_params, task.tile, consumer_idx, accum);
-          Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
-          store_rows_to_owners<RingLayout::kStagingPitch>(params.view, gemm_params.n, task.tile,
-                                                          consumer_idx, smem.staging, accum);
+        case TaskKind::kDown:
+          // The combine push: each row into its owner's slot (combine_store.cuh).
+          run_tile<gemm::EpilogueKind::kStoreBf16>(gemm_params, task, consumer_idx, smem, state,
+                                                   accum, RowsToOwners{&params.view});
           ++down_tiles;
           break;
-        }
       }
     }
     if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();

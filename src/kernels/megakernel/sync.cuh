@@ -30,32 +30,43 @@ __device__ __forceinline__ void raise_counter(const comm::WorkspaceView& view,
   atomicAdd(view.task_counters(kind) + mblock, 1u);
 }
 
-// One thread waits until the counter reaches `target`. False, after recording a timeout (or on
-// seeing an earlier error), when it never does; the caller then goes on without the data (the
-// call has failed and the host reports it).
-__device__ inline bool wait_counter(const comm::WorkspaceView& view, comm::TaskCounter kind,
-                                    int mblock, uint32_t target, comm::Phase phase) {
-  const uint32_t* counter = view.task_counters(kind) + mblock;
-  comm::ErrorRecord* error = &view.state()->error;
+// Every wait of the fused kernel: one thread spins until ready() holds. False when an error is
+// (or gets) recorded, or after view.timeout_ns, once record_timeout() has recorded why; the
+// caller then goes on without the data (the call has failed and the host reports it).
+template <class Ready, class RecordTimeout>
+__device__ inline bool spin_until(const comm::WorkspaceView& view, const Ready& ready,
+                                  const RecordTimeout& record_timeout) {
+  const comm::ErrorRecord* error = &view.state()->error;
   const uint64_t start_ns = comm::global_timer_ns();
-  for (uint32_t spin = 0;; ++spin) {
-    const uint32_t seen = load_acquire_gpu(counter);
-    if (seen >= target) return true;
+  for (uint32_t spin = 0; !ready(); ++spin) {
     if ((spin & 63u) == 63u) {
       if (comm::has_error(error)) return false;
       if (comm::global_timer_ns() - start_ns > view.timeout_ns) {
-        comm::ErrorDetail detail{phase};
-        detail.token = mblock;
-        detail.value = static_cast<int32_t>(seen);
-        detail.expected = target;
-        detail.flag_kind = static_cast<uint32_t>(kind);
-        comm::raise_error(error, comm::ErrorCode::kTaskTimeout, static_cast<uint32_t>(view.rank),
-                          detail);
+        record_timeout();
         return false;
       }
     }
     __nanosleep(64);
   }
+  return true;
+}
+
+// One thread waits until the counter reaches `target`.
+__device__ inline bool wait_counter(const comm::WorkspaceView& view, comm::TaskCounter kind,
+                                    int mblock, uint32_t target, comm::Phase phase) {
+  const uint32_t* counter = view.task_counters(kind) + mblock;
+  uint32_t seen = 0;
+  return spin_until(
+      view, [&] { return (seen = load_acquire_gpu(counter)) >= target; },
+      [&] {
+        comm::ErrorDetail detail{phase};
+        detail.token = mblock;
+        detail.value = static_cast<int32_t>(seen);
+        detail.expected = target;
+        detail.flag_kind = static_cast<uint32_t>(kind);
+        comm::raise_error(&view.state()->error, comm::ErrorCode::kTaskTimeout,
+                          static_cast<uint32_t>(view.rank), detail);
+      });
 }
 
 __device__ __forceinline__ void store_release_gpu(uint32_t* flag, uint32_t value) {
@@ -78,25 +89,16 @@ __device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_cta
       __threadfence();
       atomicAdd(&state->barrier_generation, 1u);
     } else {
-      const uint64_t start_ns = comm::global_timer_ns();
-      for (uint32_t spin = 0; load_acquire_gpu(&state->barrier_generation) == generation; ++spin) {
-        if ((spin & 63u) == 63u) {
-          if (!comm::has_error(&state->error) &&
-              comm::global_timer_ns() - start_ns > view.timeout_ns) {
+      ok = spin_until(
+          view, [&] { return load_acquire_gpu(&state->barrier_generation) != generation; },
+          [&] {
             // A CTA of the grid never arrived (not resident: other kernels hold SMs?).
             comm::ErrorDetail detail{comm::Phase::kSchedule};
             detail.value = static_cast<int32_t>(state->barrier_count);
             detail.expected = static_cast<uint32_t>(num_ctas);
             comm::raise_error(&state->error, comm::ErrorCode::kTaskTimeout,
                               static_cast<uint32_t>(view.rank), detail);
-          }
-          if (comm::has_error(&state->error)) {
-            ok = false;
-            break;
-          }
-        }
-        __nanosleep(64);
-      }
+          });
     }
     __threadfence();
     passed = ok ? 1 : 0;

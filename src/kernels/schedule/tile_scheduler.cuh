@@ -4,7 +4,8 @@
 // see the same sequence, so they need no handshake beyond the stage barriers.
 //
 // The tile a CTA gets never changes what is computed for it (no split-K), so the results are
-// bitwise independent of the grid size.
+// bitwise independent of the grid size. Config gives the tile size: the cooperative engine's
+// (128, 256) TileConfig, or the ping-pong engine's PingpongConfig.
 #pragma once
 
 #include "kernels/gemm/gemm_types.cuh"
@@ -19,31 +20,36 @@ struct GroupedTile {
   int row_count;  // rows of the group
 };
 
-template <GemmKind kKind>
+template <GemmKind kKind, class Config = TileConfig>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
 
-  __device__ GroupedTileScheduler(const GroupedGemmParams& params)
+  __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
       : offsets_(params.group_offsets),
         num_groups_(params.num_groups),
-        num_n_blocks_(ceil_div(params.n, TileConfig::BLOCK_N)),
-        num_fixed_m_blocks_(kRowsAreM ? 0 : ceil_div(params.m, TileConfig::BLOCK_M)),
+        num_n_blocks_(ceil_div(params.n, Config::BLOCK_N)),
+        num_fixed_m_blocks_(kRowsAreM ? 0 : ceil_div(params.m, Config::BLOCK_M)),
         tile_idx_(static_cast<int>(blockIdx.x)) {
     load_group(0);
   }
 
-  // Fills `tile` with this CTA's next tile; false when there is none left.
-  __device__ bool next_tile(GroupedTile& tile) {
+  // Whether next_tile will find one.
+  __device__ bool has_next_tile() {
     while (group_ < num_groups_ && tile_idx_ >= group_first_tile_ + group_num_tiles_) {
       group_first_tile_ += group_num_tiles_;
       load_group(group_ + 1);
     }
-    if (group_ >= num_groups_) return false;
+    return group_ < num_groups_;
+  }
+
+  // Fills `tile` with this CTA's next tile; false when there is none left.
+  __device__ bool next_tile(GroupedTile& tile) {
+    if (!has_next_tile()) return false;
     const int local_idx = tile_idx_ - group_first_tile_;
     if constexpr (kRowsAreM) {
       // M blocks inner: the CTAs running side by side share one weight tile through L2.
-      const int num_m_blocks = ceil_div(row_count_, TileConfig::BLOCK_M);
+      const int num_m_blocks = ceil_div(row_count_, Config::BLOCK_M);
       tile = {group_, local_idx % num_m_blocks, local_idx / num_m_blocks, row_begin_, row_count_};
     } else {
       tile = {group_, local_idx / num_n_blocks_, local_idx % num_n_blocks_, row_begin_, row_count_};
@@ -59,7 +65,7 @@ class GroupedTileScheduler {
     row_begin_ = offsets_[group];
     row_count_ = offsets_[group + 1] - row_begin_;
     const int num_m_blocks =
-        kRowsAreM ? ceil_div(row_count_, TileConfig::BLOCK_M) : num_fixed_m_blocks_;
+        kRowsAreM ? ceil_div(row_count_, Config::BLOCK_M) : num_fixed_m_blocks_;
     group_num_tiles_ = num_m_blocks * num_n_blocks_;
   }
 
