@@ -5,11 +5,11 @@
 //
 //   bench_layer [--cases NAME,...] [--iters 20] [--out layer-mok.json] [--routing-dir DIR]
 //               [--gemm-sms N] [--copy-ctas N] [--fused 0|1] [--schedule-in-kernel 0|1]
-//               [--comm-ctas N,...] [--minibatch-rows N,...] [--trace 0|1]
+//               [--comm-ctas N,...] [--minibatch-rows N,...] [--ring-rows N,...] [--trace 0|1]
 //
 // --fused 0 runs the unfused composition instead of the fused kernel (the default); lists of
-// communication CTAs and minibatch rows sweep every combination per case (0 = the layer's
-// default), one JSON entry each. --trace 1 adds one forward with the fused kernel's per-CTA
+// communication CTAs, minibatch rows and ring rows sweep every combination per case (0 = the
+// layer's default; ring rows 0 = a ring for every row, one round), one JSON entry each. --trace 1 adds one forward with the fused kernel's per-CTA
 // timeline and prints its summary per rank.
 //
 // Weights and x are seeded random values made on the device (the timing does not depend on the
@@ -48,7 +48,7 @@ struct Args {
   int iters = 20;
   int gemm_sms = 0, copy_ctas = 0;
   bool fused = true, schedule_in_kernel = true, trace = false;
-  std::vector<int> comm_ctas{0}, minibatch_rows{0};
+  std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
 };
 
@@ -75,6 +75,7 @@ Args parse(int argc, char** argv) {
     else if (key == "--trace") args.trace = std::stoi(value) != 0;
     else if (key == "--comm-ctas") args.comm_ctas = int_list(value);
     else if (key == "--minibatch-rows") args.minibatch_rows = int_list(value);
+    else if (key == "--ring-rows") args.ring_rows = int_list(value);
     else if (key == "--out") args.out = value;
     else if (key == "--routing-dir") args.routing_dir = value;
     else throw mok::Error("arguments", "unknown option " + key);
@@ -106,7 +107,7 @@ void write_routing(const std::string& path, const mok::Problem& routing) {
 // One forward configuration of one case: runs it, prints a line, appends a JSON entry.
 void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::Problem& routing,
                const std::string& routing_path, const Args& args, int comm_ctas,
-               int minibatch_rows, std::ofstream& out, bool& first) {
+               int minibatch_rows, int ring_rows, std::ofstream& out, bool& first) {
   mok::LayerRunSpec spec;
   spec.shape = shape;
   spec.ep = which.ep;
@@ -120,15 +121,16 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.fused = args.fused;
   spec.fused_comm_ctas = comm_ctas;
   spec.fused_minibatch_rows = minibatch_rows;
+  spec.fused_ring_rows = ring_rows;
   spec.fused_schedule_in_kernel = args.schedule_in_kernel;
   spec.trace = args.trace;
   spec.keep_y = false;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
-  std::printf("%-26s %s comm %2d mb %6d %8.3f ms/rank (ranks:", which.name.c_str(),
+  std::printf("%-26s %s comm %2d mb %6d ring %6d %8.3f ms/rank (ranks:", which.name.c_str(),
               !args.fused ? "unfused" : args.schedule_in_kernel ? "fused" : "fused+sched", comm_ctas,
-              minibatch_rows, result.forward_ms);
+              minibatch_rows, ring_rows, result.forward_ms);
   for (double ms : result.rank_ms) std::printf(" %.3f", ms);
   std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
               which.tokens_per_rank / (result.forward_ms * 1e-3),
@@ -141,7 +143,8 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
                 "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
                 "\"num_experts\": %lld, \"top_k\": %lld, \"fused\": %s, "
-                "\"comm_ctas\": %d, \"minibatch_rows\": %d, \"schedule_in_kernel\": %s",
+                "\"comm_ctas\": %d, \"minibatch_rows\": %d, \"ring_rows\": %d, "
+                "\"schedule_in_kernel\": %s",
                 first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
                 static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
                 routing_path.c_str(), result.forward_ms, tflops, flops,
@@ -149,7 +152,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
                 static_cast<long long>(shape.shared_intermediate),
                 static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k),
-                args.fused ? "true" : "false", comm_ctas, minibatch_rows,
+                args.fused ? "true" : "false", comm_ctas, minibatch_rows, ring_rows,
                 args.schedule_in_kernel ? "true" : "false");
   out << line;
   out << ", \"phases_ms\": {";
@@ -199,8 +202,10 @@ int main(int argc, char** argv) {
         }
         for (const int comm_ctas : args.comm_ctas) {
           for (const int minibatch_rows : args.minibatch_rows) {
-            bench_one(which, shape, routing, routing_path, args, comm_ctas, minibatch_rows, out,
-                      first);
+            for (const int ring_rows : args.ring_rows) {
+              bench_one(which, shape, routing, routing_path, args, comm_ctas, minibatch_rows,
+                        ring_rows, out, first);
+            }
           }
         }
       } catch (const std::exception& error) {

@@ -102,8 +102,10 @@ class MoKConfig:
     num_comm_sms: CTAs of the fused kernel that dispatch before they compute.
     minibatch_tokens: the fused kernel's minibatch, as tokens' worth of routed rows
         (minibatch_tokens * top_k rows of this rank's experts).
-    ring_rows: not supported: the receive buffers are sized for the worst case (every token's k
-        rows on one rank), so no routing overflows them; setting it raises."""
+    ring_rows: rows of the ring that holds the rows this rank receives (and their hidden rows),
+        at least 256. None sizes it for every row a call can route here (one round); fewer bound
+        the memory, and any routing still runs, in further rounds through the ring (no token is
+        dropped). The CPU backend has no ring and ignores it."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -115,9 +117,8 @@ class MoKConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"MoKConfig.{name}: must be a positive int or None, got {value!r}")
-        if self.ring_rows is not None:
-            raise ValueError("MoKConfig.ring_rows: ring buffers are not built in this version (the receive "
-                             "buffers are sized for the worst case, so no routing overflows them); leave it None")
+        if self.ring_rows is not None and self.ring_rows < 256:
+            raise ValueError(f"MoKConfig.ring_rows: the ring needs at least 256 rows (two row blocks), got {self.ring_rows}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
         if self.precision not in SUPPORTED_PRECISIONS:
@@ -227,7 +228,7 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
     handle = torch.ops.mok.create_workspace(
         unique_id, ep_rank, ep_size, device.index, shape.hidden, shape.intermediate,
         shape.shared_intermediate, shape.num_experts, shape.top_k, max_tokens_per_rank,
-        config.num_comm_sms or 0, (config.minibatch_tokens or 0) * shape.top_k)
+        config.num_comm_sms or 0, (config.minibatch_tokens or 0) * shape.top_k, config.ring_rows or 0)
     _ops.WORKSPACE_GROUPS[handle] = group if ep_size > 1 else None
     return Workspace(shape, max_tokens_per_rank, device, config, ep_size, ep_rank, group, handle)
 

@@ -184,8 +184,8 @@ def test_errors_carry_the_core_message():
         mf.MoKConfig(precision="fp8")
     with pytest.raises(ValueError, match="num_comm_sms"):
         mf.MoKConfig(num_comm_sms=0)
-    with pytest.raises(ValueError, match="ring_rows: ring buffers are not built"):
-        mf.MoKConfig(ring_rows=4096)
+    with pytest.raises(ValueError, match="ring_rows: the ring needs at least 256 rows"):
+        mf.MoKConfig(ring_rows=200)
 
 
 def test_workspace_checks_calls():

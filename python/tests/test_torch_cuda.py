@@ -167,6 +167,11 @@ def test_bitwise_repeat_ep1_equals_ep2_and_knobs(group):
     x, idx, w, weights = share
     assert torch.equal(bits(mf.forward(x, idx.long(), w, weights, workspace=fewer_copy_sms)), bits(first))
     mf.check_errors(fewer_copy_sms)
+    # A ring of 256 rows (2 row blocks) takes this rank's received rows in several rounds.
+    small_ring = ep2_workspace(group, config=mf.MoKConfig(ring_rows=256))
+    assert torch.equal(bits(mf.forward(x, idx, w, weights, workspace=small_ring)), bits(first)), \
+        "a ring smaller than the received rows changed the bits"
+    mf.check_errors(small_ring)
 
 
 def test_no_host_sync_in_forward(group):

@@ -119,11 +119,17 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
 }
 
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {
+  MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace",
+                "the standalone dispatch needs expert_x for every row (", ws.layout().rows_capacity(),
+                "), this one has ", ws.layout().expert_rows, " (a fused forward's ring)");
   launch_copy(ws, config, stream, dispatch_kernel<comm::CopyMethod::kVector>,
                       dispatch_kernel<comm::CopyMethod::kBulk>);
 }
 
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {
+  MOK_CHECK_ARG(ws.layout().has_expert_y(), "workspace",
+                "the standalone combine push needs expert_y; this workspace (a fused forward's) "
+                "has none");
   launch_copy(ws, config, stream, combine_push_kernel<comm::CopyMethod::kVector>,
                       combine_push_kernel<comm::CopyMethod::kBulk>);
 }

@@ -1,6 +1,8 @@
 // The fused forward's launch: tensor maps of the four GEMMs, their shapes, one launch.
 #include "runtime/fused_forward.hpp"
 
+#include <algorithm>
+
 #include "kernels/megakernel/forward_kernel.cuh"
 #include "mok/error.hpp"
 #include "runtime/cuda_check.hpp"
@@ -10,6 +12,19 @@ namespace mok {
 
 int fused_forward_shared_bytes() {
   return static_cast<int>(megakernel::RingLayout::kLaunchBytes);
+}
+
+RingBlocks ring_config(const comm::WorkspaceLayout& layout, int chunk_mblocks) {
+  constexpr int64_t kRows = gemm::TileConfig::BLOCK_M;
+  MOK_CHECK_ARG(chunk_mblocks >= 1, "chunk_mblocks", "must be >= 1, got ", chunk_mblocks);
+  if (layout.expert_rows >= layout.rows_capacity()) {
+    return {chunk_mblocks, static_cast<int>(gemm::ceil_div(layout.rows_capacity(), kRows))};
+  }
+  const int64_t ring = layout.expert_rows / kRows;
+  MOK_CHECK_ARG(ring >= 2, "ring_rows", "the ring needs at least 2 row blocks (", 2 * kRows,
+                " rows), got ", layout.expert_rows, " rows");
+  const int chunk = static_cast<int>(std::min<int64_t>(chunk_mblocks, ring / 2));
+  return {chunk, static_cast<int>(ring / chunk * chunk)};
 }
 
 void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,
@@ -23,14 +38,18 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                 layout.block_m);
   MOK_CHECK_ARG(config.comm_ctas >= 1 && config.comm_ctas < config.num_ctas, "comm_ctas",
                 "must be in [1, ", config.num_ctas, "), got ", config.comm_ctas);
-  MOK_CHECK_ARG(config.chunk_mblocks >= 1, "chunk_mblocks", "must be >= 1, got ",
-                config.chunk_mblocks);
+  const RingBlocks ring = ring_config(layout, config.chunk_mblocks);
+  MOK_CHECK_ARG(ring.chunk_mblocks == config.chunk_mblocks &&
+                    ring.ring_mblocks == config.ring_mblocks,
+                "ring_mblocks", "minibatch ", config.chunk_mblocks, " and ring ",
+                config.ring_mblocks, " row blocks do not fit this workspace (ring_config gives ",
+                ring.chunk_mblocks, " and ", ring.ring_mblocks, ")");
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr), "forward",
                 "null x or topk_idx for ", num_tokens, " tokens");
   MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(x) % 16 == 0, "x", "must be 16-byte aligned");
   const bool has_shared = shape.has_shared() && num_tokens > 0;
   const uint64_t experts = static_cast<uint64_t>(layout.experts_per_rank());
-  const uint64_t rows = static_cast<uint64_t>(layout.rows_capacity());
+  const uint64_t rows = static_cast<uint64_t>(layout.expert_rows);  // the ring's
   const uint64_t tokens_max = static_cast<uint64_t>(layout.tokens_max);
   const uint64_t hidden = static_cast<uint64_t>(shape.hidden);
   const uint64_t inter = static_cast<uint64_t>(shape.intermediate);
@@ -57,6 +76,7 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                                "routed_hidden"),
       gemm::make_tensor_map_3d(buffers.down, experts, hidden, inter, TileConfig::BLOCK_N, 64,
                                "down"),
+      // (the output pointer is unused: RowsToOwners places every row)
       static_cast<int>(hidden), static_cast<int>(inter), ws.expert_y());
   if (has_shared) {
     set(TaskKind::kSharedGateUp,
@@ -78,6 +98,7 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.num_tokens = static_cast<int>(num_tokens);
   params.num_comm_ctas = config.comm_ctas;
   params.chunk_mblocks = config.chunk_mblocks;
+  params.ring_mblocks = config.ring_mblocks;
   params.has_shared = has_shared ? 1 : 0;
   params.schedule_in_kernel = config.schedule_in_kernel ? 1 : 0;
   params.trace = config.trace;

@@ -20,7 +20,7 @@ struct FusedForwardBuffers {
   const bf16* down = nullptr;            // (E_l, H, I)
   const bf16* shared_gate_up = nullptr;  // (2I_s, H), null without a shared expert
   const bf16* shared_down = nullptr;     // (H, I_s)
-  bf16* routed_hidden = nullptr;         // (rows_capacity, I)
+  bf16* routed_hidden = nullptr;         // (expert_rows, I): the ring, as expert_x
   bf16* shared_hidden = nullptr;         // (T_max, I_s)
   float* shared_output = nullptr;        // (T_max, H)
 };
@@ -29,6 +29,9 @@ struct FusedForwardConfig {
   int num_ctas = 0;       // the persistent grid: one CTA per SM
   int comm_ctas = 0;      // of which communicate (>= 1, < num_ctas)
   int chunk_mblocks = 0;  // minibatch, in row blocks of 128 (>= 1)
+  // Row blocks of the ring (expert_x and routed_hidden): >= ceil(rows_capacity / 128) for one
+  // round, else a multiple of chunk_mblocks >= 2 chunk_mblocks within expert_rows (ring_config()).
+  int ring_mblocks = 0;
   // The kernel makes the schedule itself (after begin_call), else stage_tokens and schedule ran
   // before it.
   bool schedule_in_kernel = true;
@@ -37,6 +40,15 @@ struct FusedForwardConfig {
 
 // Dynamic shared memory of one CTA.
 int fused_forward_shared_bytes();
+
+// The minibatch and ring, in row blocks, for a workspace with `layout.expert_rows` rows of
+// expert_x and a wanted minibatch: one round when expert_x holds every row, else the minibatch
+// shrinks to at most half the ring and the ring to a multiple of it. Needs expert_rows >= 256.
+struct RingBlocks {
+  int chunk_mblocks;
+  int ring_mblocks;
+};
+RingBlocks ring_config(const comm::WorkspaceLayout& layout, int chunk_mblocks);
 
 // x (T, H) bf16 and topk_idx (T, k) int32: the caller's, on this device; T = num_tokens.
 void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,

@@ -45,6 +45,25 @@ void upload_interleaved(bf16* fused, const bf16* gate, const bf16* up, int64_t e
                               block_bytes, num_blocks, cudaMemcpyHostToDevice));
 }
 
+// The fused path sizes expert_x by its ring and needs no expert_y; the unfused one needs both
+// for every row.
+WorkspaceOptions workspace_options(const LayerForwardOptions& options) {
+  WorkspaceOptions workspace = options.workspace;
+  MOK_CHECK_ARG(options.fused.ring_rows >= 0, "fused.ring_rows", "must be >= 0, got ",
+                options.fused.ring_rows);
+  MOK_CHECK_ARG(options.fused.ring_rows == 0 || options.fused.ring_rows >= 2 * 128,
+                "fused.ring_rows", "the ring needs at least 256 rows (two row blocks), got ",
+                options.fused.ring_rows);
+  if (options.fused.enabled) {
+    workspace.expert_rows = options.fused.ring_rows;
+    workspace.expert_y = false;
+  } else {
+    workspace.expert_rows = 0;
+    workspace.expert_y = true;
+  }
+  return workspace;
+}
+
 int checked_int(int64_t value, const char* argument) {
   MOK_CHECK_ARG(value >= 0 && value <= INT32_MAX, argument, value, " does not fit the GEMM's int32 "
                 "row indices");
@@ -70,7 +89,7 @@ const char* phase_name(ForwardPhase phase) {
 LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
                            const LayerForwardOptions& options)
     : shape_(shape), tokens_max_(tokens_max), options_(options),
-      workspace_(comm, shape, tokens_max, options.workspace) {
+      workspace_(comm, shape, tokens_max, workspace_options(options)) {
   shape.validate(comm.num_ranks());
   MOK_CHECK_ARG(shape.intermediate % 8 == 0, "shape.intermediate",
                 "the SwiGLU GEMM needs a multiple of 8 (gate/up blocks), got ", shape.intermediate);
@@ -100,7 +119,7 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
     shared_output_ = device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
   }
-  routed_hidden_ = device_alloc<bf16>(workspace_.layout().rows_capacity() * inter);
+  routed_hidden_ = device_alloc<bf16>(workspace_.layout().expert_rows * inter);
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
   MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
@@ -144,7 +163,7 @@ void LayerForward::load_weights(const LayerWeights& weights) {
 int64_t LayerForward::buffer_bytes() const {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   int64_t bytes = layout.window_bytes + layout.local_bytes;
-  bytes += layout.rows_capacity() * shape_.intermediate * 2;
+  bytes += layout.expert_rows * shape_.intermediate * 2;
   if (shape_.has_shared()) {
     bytes += tokens_max_ * (shape_.shared_intermediate * 2 + shape_.hidden * 4) + 8;
   }
@@ -284,7 +303,10 @@ FusedForwardConfig LayerForward::fused_config() const {
                         ? std::min(num_sms_, config.comm_ctas + options_.gemm.num_sms)
                         : num_sms_;
   const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 4096;
-  config.chunk_mblocks = gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M);
+  const RingBlocks ring =
+      ring_config(workspace_.layout(), gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M));
+  config.chunk_mblocks = ring.chunk_mblocks;
+  config.ring_mblocks = ring.ring_mblocks;
   config.schedule_in_kernel = fused.schedule_in_kernel;
   config.trace = trace_;
   return config;

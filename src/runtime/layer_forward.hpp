@@ -36,6 +36,11 @@ struct FusedForwardOptions {
   bool enabled = true;  // off: the unfused composition (reference for the fused kernel's bits)
   int comm_ctas = 0;       // CTAs that dispatch before they compute; default: default_comm_ctas()
   int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 4096
+  // Rows of the ring that holds the dispatched rows and their hidden rows: 0 = every row a call
+  // can route to this rank (R * T_max * k + padding; never a second round). Fewer bound the
+  // memory: the rows then go through the ring in rounds, any routing still fits (>= 256; the
+  // minibatch shrinks to at most half the ring). Fixed at construction.
+  int64_t ring_rows = 0;
   // The fused kernel makes the schedule (three launches per forward: begin_call, the kernel, the
   // reduce); off: the schedule's own kernels run before it (seven). Same bits either way.
   bool schedule_in_kernel = true;
@@ -145,7 +150,7 @@ class LayerForward {
   LayerForwardOptions options_;
   CommWorkspace workspace_;
   DeviceLayerWeights weights_;
-  bf16* routed_hidden_ = nullptr;   // (rows_capacity, I)
+  bf16* routed_hidden_ = nullptr;   // (expert_rows, I)
   bf16* shared_hidden_ = nullptr;   // (T_max, I_s)
   float* shared_output_ = nullptr;  // (T_max, H)
   int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call

@@ -144,6 +144,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     options.fused.enabled = spec.fused;
     options.fused.comm_ctas = spec.fused_comm_ctas;
     options.fused.minibatch_rows = spec.fused_minibatch_rows;
+    options.fused.ring_rows = spec.fused_ring_rows;
     options.fused.schedule_in_kernel = spec.fused_schedule_in_kernel;
     LayerForward layer(comms[rank], shape, tokens, options);
     DeviceArray<bf16> x(tokens * hidden);        // (T, H)

@@ -36,6 +36,7 @@ struct LayerRunSpec {
   bool fused = true;
   int fused_comm_ctas = 0;
   int fused_minibatch_rows = 0;
+  int64_t fused_ring_rows = 0;  // 0 = one round (FusedForwardOptions::ring_rows)
   bool fused_schedule_in_kernel = true;
   // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
   bool trace = false;

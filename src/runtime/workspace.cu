@@ -38,6 +38,7 @@ const char* task_counter_name(uint32_t kind) {
     case comm::TaskCounter::kRowsArrived: return "dispatched-rows";
     case comm::TaskCounter::kHiddenReady: return "gate/up-tiles";
     case comm::TaskCounter::kSharedHiddenReady: return "shared-gate/up-tiles";
+    case comm::TaskCounter::kDownDone: return "down-tiles-read";
   }
   return "unknown";
 }
@@ -54,8 +55,11 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
   MOK_CHECK_ARG(tokens_max > 0, "tokens_max", "must be positive, got ", tokens_max);
   MOK_CHECK_ARG(options.block_m > 0, "block_m", "must be positive, got ", options.block_m);
   MOK_CHECK_ARG(options.timeout_ms > 0, "timeout_ms", "must be positive, got ", options.timeout_ms);
+  MOK_CHECK_ARG(options.expert_rows >= 0, "expert_rows", "must be >= 0, got ",
+                options.expert_rows);
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
-      num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, options.block_m);
+      num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, options.block_m,
+      options.expert_rows, options.expert_y);
   MOK_CHECK_ARG(num_ranks * tokens_max * shape.top_k < (int64_t{1} << 31) &&
                     layout.rows_capacity() < (int64_t{1} << 31),
                 "tokens_max", tokens_max, " tokens per rank overflow the 32-bit row indices");

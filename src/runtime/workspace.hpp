@@ -21,6 +21,12 @@ namespace mok {
 struct WorkspaceOptions {
   int64_t block_m = 128;   // tile height: each expert's rows start at a multiple of it
   int64_t timeout_ms = 10000;  // every device wait gives up after this long
+  // Rows of expert_x: 0 = every row a call can route here (rows_capacity); fewer only for the
+  // fused forward, which goes through them in ring rounds.
+  int64_t expert_rows = 0;
+  // expert_y holds the routed down GEMM's rows for the standalone combine push; the fused forward
+  // writes them straight into the owners' slots and needs none.
+  bool expert_y = true;
 };
 
 class CommWorkspace {
@@ -45,7 +51,7 @@ class CommWorkspace {
   bf16* x() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.x_offset); }
   // (T_max, k, H): the combine slots, in this rank's window.
   bf16* slots() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.slots_offset); }
-  // (rows_capacity, H): dispatched rows and expert outputs, local.
+  // (expert_rows, H) and (expert_y_rows, H): dispatched rows and expert outputs, local.
   bf16* expert_x() const { return reinterpret_cast<bf16*>(view_.expert_x_row(0)); }
   bf16* expert_y() const { return reinterpret_cast<bf16*>(view_.expert_y_row(0)); }
   const int32_t* expert_offsets() const { return view_.offsets(); }  // (E_l + 1), device

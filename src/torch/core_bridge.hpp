@@ -79,6 +79,7 @@ struct WorkspaceSpec {
   std::vector<uint8_t> unique_id;  // nccl_unique_id() of rank 0; empty when num_ranks == 1
   int copy_ctas = 0;        // communication CTAs (fused kernel and unfused copies); 0 = default
   int minibatch_rows = 0;   // the fused kernel's routed rows per minibatch; 0 = default
+  int64_t ring_rows = 0;    // the fused kernel's ring of received rows; 0 = every row, one round
 };
 
 // Collective when num_ranks > 1 (every rank at once): makes the NCCL communicator from the unique

@@ -132,6 +132,7 @@ std::shared_ptr<Workspace> make_workspace(const WorkspaceSpec& spec, bool automa
   if (spec.copy_ctas > 0) options.copy.num_ctas = spec.copy_ctas;
   options.fused.comm_ctas = spec.copy_ctas;
   options.fused.minibatch_rows = spec.minibatch_rows;
+  options.fused.ring_rows = spec.ring_rows;
   workspace->layer = std::make_unique<LayerForward>(comm, core_shape(spec.shape), spec.tokens_max,
                                                     options);
   return workspace;

@@ -114,13 +114,14 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     CommWorkspace& ws = layer.workspace();
     const size_t row_bytes = static_cast<size_t>(ws.layout().row_bytes());
-    const size_t rows = static_cast<size_t>(ws.layout().rows_capacity());
     auto poison = [&] {
       MOK_CUDA_CHECK(cudaMemsetAsync(y.get(), 0xff, y.size() * sizeof(bf16), stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(ws.slots(), 0xff,
                                      ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_x(), 0xff, rows * row_bytes, stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, rows * row_bytes, stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_x(), 0xff, ws.layout().expert_rows * row_bytes,
+                                     stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, ws.layout().expert_y_rows * row_bytes,
+                                     stream));
     };
     auto enqueue = [&] {
       if (run.callers_weights) {

@@ -1,8 +1,9 @@
 // The fused forward (one persistent kernel for dispatch, the shared and routed expert GEMMs and
 // the combine push) against the unfused composition bitwise, and through it against the CPU
 // reference; EP=1 equals EP=2; repeats, graph replays and every setting of communication CTAs,
-// minibatch and compute CTAs give the same bits. Routings: uniform, skewed, all tokens to one
-// expert, empty experts, -1 slots; token counts that are not multiples of 128.
+// minibatch, compute CTAs and ring size give the same bits (rings smaller than the received rows:
+// several rounds). Routings: uniform, skewed, all tokens to one expert, empty experts, -1 slots;
+// token counts that are not multiples of 128.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -12,11 +13,13 @@
 namespace mok::comm_test {
 namespace {
 
-GpuRun fused_run(int comm_ctas = 0, int minibatch_rows = 0, int compute_sms = 0) {
+GpuRun fused_run(int comm_ctas = 0, int minibatch_rows = 0, int compute_sms = 0,
+                 int64_t ring_rows = 0) {
   GpuRun run;
   run.layer.fused.enabled = true;
   run.layer.fused.comm_ctas = comm_ctas;
   run.layer.fused.minibatch_rows = minibatch_rows;
+  run.layer.fused.ring_rows = ring_rows;
   run.layer.gemm.num_sms = compute_sms;
   return run;
 }
@@ -83,6 +86,64 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
       << "the fused kernel after the schedule kernels differs from the unfused forward";
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, fused_run(2, 128, 5)), expected), -1)
       << "EP=1 differs from EP=2";
+}
+
+// Each rank receives ~1,800 rows (2 x 300 tokens x top-6 / 2 ranks, plus padding); rings of 256
+// to 1,000 rows take them in 2 to 8 rounds, the dispatch waiting for slots the gate/up tiles
+// have read and the gate/up tiles for hidden rows the down tiles have read.
+TEST(FusedForwardEp2Rings, RingsSmallerThanTheReceivedRowsDoNotChangeABit) {
+  MOK_REQUIRE_HOPPER_GPUS(2);
+  for (const Case& routing : {Case{"skewed:1.2", 0.1, true, true},
+                              Case{"single-expert", 0.0, false, false}}) {
+    SCOPED_TRACE(case_name(routing));
+    const Problem problem = layer_problem(routing, 2 * 300, 41, true);
+    const std::vector<bf16> expected = run_gpu_layer(problem, 2, GpuRun{});  // unfused
+    expect_matches_reference(problem, 2, expected);
+    struct Setting {
+      int comm_ctas, minibatch_rows, compute_sms;
+      int64_t ring_rows;
+    };
+    // The smallest ring (two blocks, one-block minibatches) with one communication CTA and two
+    // compute CTAs: the most rounds and waits; a minibatch cut to half a ring that is no multiple
+    // of it; a ring between the two.
+    for (const Setting setting : {Setting{1, 128, 2, 256}, Setting{3, 4096, 0, 700},
+                                  Setting{8, 256, 9, 1000}, Setting{0, 0, 0, 512}}) {
+      GpuRun run = fused_run(setting.comm_ctas, setting.minibatch_rows, setting.compute_sms,
+                             setting.ring_rows);
+      run.repeats = 1;
+      EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, run), expected), -1)
+          << "comm CTAs " << setting.comm_ctas << ", minibatch rows " << setting.minibatch_rows
+          << ", compute SMs " << setting.compute_sms << ", ring rows " << setting.ring_rows
+          << " differs from the unfused forward";
+    }
+    EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, fused_run(2, 128, 5, 384)), expected), -1)
+        << "EP=1 with a ring of 384 rows differs from EP=2 unfused";
+  }
+}
+
+// The ring bounds the memory: the buffers shrink by what the ring leaves out of expert_x and the
+// hidden rows (and the fused path holds no expert_y at all).
+TEST(FusedForwardEp1Rings, RingBoundsTheBuffers) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const LayerShape shape = find_preset("tiny").shape;
+  const Communicator& comm = local_communicators(1)[0];
+  MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
+  LayerForwardOptions unfused;
+  unfused.fused.enabled = false;
+  LayerForwardOptions full, ring;
+  ring.fused.ring_rows = 1024;
+  const int64_t tokens = 4096;
+  const int64_t unfused_bytes = LayerForward(comm, shape, tokens, unfused).buffer_bytes();
+  const int64_t full_bytes = LayerForward(comm, shape, tokens, full).buffer_bytes();
+  const int64_t ring_bytes = LayerForward(comm, shape, tokens, ring).buffer_bytes();
+  const int64_t capacity = LayerForward(comm, shape, tokens, full).workspace().layout().rows_capacity();
+  const int64_t row = shape.hidden * 2;
+  EXPECT_EQ(unfused_bytes - full_bytes, capacity * row) << "the fused path holds an expert_y";
+  EXPECT_GE(full_bytes - ring_bytes, (capacity - 1024) * (row + shape.intermediate * 2) - 8192)
+      << "the ring does not bound expert_x and the hidden rows";
+  LayerForwardOptions too_small;
+  too_small.fused.ring_rows = 200;
+  EXPECT_THROW(LayerForward(comm, shape, tokens, too_small), Error);
 }
 
 TEST(FusedForwardEp2Graph, GraphReplayEqualsEagerAndUnfused) {

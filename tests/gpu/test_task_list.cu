@@ -1,8 +1,8 @@
 // The fused forward's task list (kernels/megakernel/task_list.cuh) is host/device arithmetic:
 // checked here without a GPU (these tests run in CI). Every tile of the four GEMMs is decoded from
 // exactly one ticket, with the fields the mainloop and epilogue need, every task comes after the
-// tasks it waits for (the order that rules out deadlock), and a ticket decodes the same whatever
-// tickets a CTA saw before it.
+// tasks it waits for (the order that rules out deadlock, ring rounds included), and a ticket
+// decodes the same whatever tickets a CTA saw before it.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -25,6 +25,7 @@ struct ListCase {
   int shared_mblocks;
   int chunk_mblocks;
   int n_blocks[kNumTaskKinds];
+  int ring_mblocks;  // 0: one round (a ring as large as every row block)
 };
 
 struct Routed {
@@ -50,6 +51,7 @@ TaskShape shape_of(const ListCase& which, int routed_mblocks) {
   shape.shared_mblocks = which.shared_mblocks;
   shape.routed_mblocks = routed_mblocks;
   shape.chunk_mblocks = which.chunk_mblocks;
+  shape.ring_mblocks = which.ring_mblocks > 0 ? which.ring_mblocks : 1 << 20;
   for (int kind = 0; kind < kNumTaskKinds; ++kind) shape.n_blocks[kind] = which.n_blocks[kind];
   return shape;
 }
@@ -106,10 +108,16 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
       const int expert = task.tile.group;
       ASSERT_GE(expert, 0);
       ASSERT_LT(expert, static_cast<int>(which.counts.size()));
-      EXPECT_EQ(task.tile.row_begin, routed.offsets[expert]);
       EXPECT_EQ(task.tile.row_count, which.counts[expert]);
       EXPECT_EQ(task.mblock, routed.offsets[expert] / kRows + task.tile.m_block);
       EXPECT_LT(task.tile.m_block * kRows, which.counts[expert]) << "a block without rows";
+      // The tile's rows in the ring: block mblock sits at ring block mblock mod ring_mblocks.
+      const int ring = shape_of(which, routed.mblocks).ring_mblocks;
+      EXPECT_EQ(task.tile.row_begin + task.tile.m_block * kRows, task.mblock % ring * kRows)
+          << "ticket " << ticket;
+      EXPECT_EQ(task.frees_ring_block,
+                task.kind == TaskKind::kDown && task.mblock + ring < routed.mblocks)
+          << "ticket " << ticket;
     }
   }
   // Every task after what it waits for: down after the block's gate/up tiles, shared down after
@@ -128,6 +136,26 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
       ASSERT_NE(found, ticket_of.end()) << "missing input tile of ticket " << ticket;
       EXPECT_LT(found->second, ticket) << "ticket " << ticket << " comes before its input";
     }
+  }
+  // Ring rounds: a routed gate/up tile of block g overwrites the hidden rows of block
+  // g - ring_mblocks, whose down tiles must come first; the dispatch of block g overwrites the
+  // rows of block g - ring_mblocks, whose gate/up tiles must come before block g's.
+  if (which.ring_mblocks > 0) {
+    int wraps = 0;
+    for (const auto& [ticket, task] : tasks) {
+      if (task.kind != TaskKind::kGateUp || task.mblock < which.ring_mblocks) continue;
+      ++wraps;
+      const int previous = task.mblock - which.ring_mblocks;
+      for (int n = 0; n < which.n_blocks[static_cast<int>(TaskKind::kDown)]; ++n) {
+        EXPECT_LT(ticket_of.at({static_cast<int>(TaskKind::kDown), previous, n}), ticket)
+            << "gate/up ticket " << ticket << " overwrites hidden rows not yet read";
+      }
+      for (int n = 0; n < which.n_blocks[static_cast<int>(TaskKind::kGateUp)]; ++n) {
+        EXPECT_LT(ticket_of.at({static_cast<int>(TaskKind::kGateUp), previous, n}), ticket)
+            << "gate/up ticket " << ticket << " needs rows dispatched over unread ones";
+      }
+    }
+    EXPECT_GT(wraps, 0) << "the case never reuses a ring slot";
   }
 
   // A CTA that saw only some tickets (random increasing subsets) decodes each the same way.
@@ -151,15 +179,19 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, TaskListTest,
     ::testing::Values(
         // Experts of 0, 1, 127, 128, 129 and 1000 rows; a shared expert; several minibatches.
-        ListCase{"mixed", {0, 1, 127, 128, 129, 1000, 0, 300}, 3, 2, {2, 3, 4, 2}},
+        ListCase{"mixed", {0, 1, 127, 128, 129, 1000, 0, 300}, 3, 2, {2, 3, 4, 2}, 0},
         // One row block per minibatch: the longest list.
-        ListCase{"one_block_minibatch", {200, 0, 513, 64}, 2, 1, {1, 2, 3, 1}},
+        ListCase{"one_block_minibatch", {200, 0, 513, 64}, 2, 1, {1, 2, 3, 1}, 0},
         // One minibatch holds everything; no shared expert.
-        ListCase{"one_minibatch", {700, 900, 5}, 0, 1000, {1, 16, 1, 28}},
-        // A hot expert spans several minibatches (the ones it covers hold no other expert).
-        ListCase{"hot_expert", {3000, 10, 10, 10}, 1, 4, {2, 2, 2, 2}},
+        ListCase{"one_minibatch", {700, 900, 5}, 0, 1000, {1, 16, 1, 28}, 0},
+        // A hot expert spans several minibatches, and minibatches cut experts.
+        ListCase{"hot_expert", {3000, 10, 10, 10}, 1, 4, {2, 2, 2, 2}, 0},
         // No routed rows at all (every token went elsewhere); only the shared expert.
-        ListCase{"no_routed_rows", {0, 0, 0}, 4, 2, {3, 2, 2, 3}}),
+        ListCase{"no_routed_rows", {0, 0, 0}, 4, 2, {3, 2, 2, 3}, 0},
+        // Ring rounds: the smallest ring (two minibatches of one block), experts across rounds.
+        ListCase{"ring_two_blocks", {200, 0, 513, 64, 129}, 1, 1, {1, 2, 3, 1}, 2},
+        // A hot expert through a ring of three minibatches of two blocks.
+        ListCase{"ring_hot_expert", {3000, 10, 0, 300}, 2, 2, {2, 3, 2, 2}, 6}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

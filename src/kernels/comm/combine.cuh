@@ -2,7 +2,8 @@
 //   push    each expert output row of a peer's token goes to the owner's slot [t * k + j] (one
 //           writer per slot, no atomics); the last CTA signals the combine flag to every rank.
 //           Rows of this rank's own tokens stay where the expert wrote them (expert_y): copying
-//           them into the local slots would only spend the SMs' time.
+//           them into the local slots would only spend the SMs' time. (A workspace without
+//           expert_y, the fused forward's, has every row in the slots.)
 //   reduce  the owner waits for every rank's combine flag, then for each token sums
 //           w[t, j] * slot[t, j] in fp32 in j order (skipping -1 slots), adds the fp32 shared
 //           expert output (0 when there is none), and rounds to bf16 once. Each element has one
@@ -74,8 +75,9 @@ __device__ inline void combine_reduce(const WorkspaceView& view, const float* to
       const int32_t expert = ids[token * layout.top_k + slot];
       if (expert < 0) continue;
       const float weight = topk_w[token * layout.top_k + slot];
-      // Ids were range-checked by the schedule: expert / E_l is a rank.
-      const char* row = expert / layout.experts_per_rank() == view.rank
+      // Ids were range-checked by the schedule: expert / E_l is a rank. Own rows are read in
+      // place from expert_y when the workspace has one (else they were stored in the slots).
+      const char* row = layout.has_expert_y() && expert / layout.experts_per_rank() == view.rank
                             ? view.expert_y_row(view.local_row()[token * layout.top_k + slot])
                             : view.slot_row(view.rank, token, slot);
       const int4 packed = *reinterpret_cast<const int4*>(row + column * 2);

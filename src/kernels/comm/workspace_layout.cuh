@@ -18,8 +18,13 @@
 //                                                     reads it there instead of copying it)
 //   task_counters (kNumTaskCounters, mblocks_capacity) readiness counts of the fused forward's row
 //                 uint32                              blocks (kernels/megakernel), zeroed per call
-//   expert_x      (rows_capacity, H) bf16             dispatched rows, expert-major, global order
-//   expert_y      (rows_capacity, H) bf16             expert outputs, same rows
+//   expert_x      (expert_rows, H) bf16               dispatched rows, expert-major, global order;
+//                                                     row g sits at g mod expert_rows (the fused
+//                                                     forward's ring; the unfused path needs
+//                                                     expert_rows = rows_capacity)
+//   expert_y      (expert_y_rows, H) bf16             expert outputs, same rows; 0 rows when the
+//                                                     down GEMM writes every row to its owner's
+//                                                     slot (the fused forward), own rows included
 #pragma once
 
 #include <cstdint>
@@ -35,8 +40,9 @@ enum class TaskCounter : int {
   kRowsArrived = 0,        // expert rows the dispatch has copied into the block
   kHiddenReady = 1,        // routed gate/up tiles of the block stored
   kSharedHiddenReady = 2,  // shared gate/up tiles stored (block of this rank's tokens)
+  kDownDone = 3,           // routed down tiles that have read the block (ring rounds only)
 };
-inline constexpr int kNumTaskCounters = 3;
+inline constexpr int kNumTaskCounters = 4;
 
 // Which readiness flag: each has one uint32 slot per source rank in every rank's window.
 enum class FlagKind : int {
@@ -72,6 +78,8 @@ struct WorkspaceLayout {
   int64_t top_k = 0;        // k
   int64_t num_experts = 0;  // E, global
   int64_t block_m = 0;      // tile height: each expert's rows start at a multiple of it
+  int64_t expert_rows = 0;    // rows of expert_x (rows_capacity unless a ring is smaller)
+  int64_t expert_y_rows = 0;  // rows of expert_y: rows_capacity or 0
 
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
   int64_t slots_offset = 0, window_bytes = 0;
@@ -91,10 +99,17 @@ struct WorkspaceLayout {
     return (rows + block_m - 1) / block_m;
   }
 
+  // Rows of this rank's own tokens stay in expert_y for the reduce to read in place; without
+  // expert_y they are in the own window's slots like everyone else's.
+  MOK_COMM_HOST_DEVICE bool has_expert_y() const { return expert_y_rows > 0; }
+
   // Sized from shapes only. The caller validates the arguments (see Workspace).
+  // expert_rows: rows of expert_x, 0 = rows_capacity(); with_expert_y: allocate expert_y.
   MOK_COMM_HOST_DEVICE static WorkspaceLayout make(int32_t num_ranks, int64_t tokens_max,
                                                    int64_t hidden, int64_t top_k,
-                                                   int64_t num_experts, int64_t block_m) {
+                                                   int64_t num_experts, int64_t block_m,
+                                                   int64_t expert_rows = 0,
+                                                   bool with_expert_y = true) {
     WorkspaceLayout layout;
     layout.num_ranks = num_ranks;
     layout.tokens_max = tokens_max;
@@ -102,6 +117,10 @@ struct WorkspaceLayout {
     layout.top_k = top_k;
     layout.num_experts = num_experts;
     layout.block_m = block_m;
+    layout.expert_rows = expert_rows > 0 && expert_rows < layout.rows_capacity()
+                             ? expert_rows
+                             : layout.rows_capacity();
+    layout.expert_y_rows = with_expert_y ? layout.rows_capacity() : 0;
 
     int64_t cursor = 0;
     auto take = [&cursor](int64_t bytes) {
@@ -123,8 +142,8 @@ struct WorkspaceLayout {
     layout.row_source_offset = take(layout.rows_capacity() * 4);
     layout.local_row_offset = take(tokens_max * top_k * 4);
     layout.task_counters_offset = take(kNumTaskCounters * layout.mblocks_capacity() * 4);
-    layout.expert_x_offset = take(layout.rows_capacity() * layout.row_bytes());
-    layout.expert_y_offset = take(layout.rows_capacity() * layout.row_bytes());
+    layout.expert_x_offset = take(layout.expert_rows * layout.row_bytes());
+    layout.expert_y_offset = take(layout.expert_y_rows * layout.row_bytes());
     layout.local_bytes = cursor;
     return layout;
   }

@@ -67,14 +67,33 @@ __device__ inline void communicate(const FusedForwardParams& params) {
   const int32_t* row_source = view.row_source();
 
   // Rows in order, dealt to every communication warp in turn, so row blocks fill front to back.
+  // Each warp's rows increase, so a warp waiting for a ring slot holds back only later rows.
+  constexpr int kRows = gemm::TileConfig::BLOCK_M;
   uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
+  const uint32_t gate_up_tiles = static_cast<uint32_t>(
+      gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kGateUp)].n, gemm::TileConfig::BLOCK_N));
+  int slot_free_below = params.ring_mblocks;  // blocks this warp knows it may write
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < num_rows;
        row += static_cast<int64_t>(params.num_comm_ctas) * warps) {
     const int32_t packed = row_source[row];
     if (packed < 0) continue;  // padding: never counted, never read
+    const int mblock = static_cast<int>(row / kRows);
+    if (mblock >= slot_free_below) {
+      // A later round: the block's ring slot is free once the gate/up tiles of the block a round
+      // back have read it.
+      bool ok = true;
+      if (lane == 0) {
+        ok = wait_counter(view, comm::TaskCounter::kHiddenReady, mblock - params.ring_mblocks,
+                          gate_up_tiles, comm::Phase::kDispatch);
+      }
+      if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) return;
+      slot_free_below = mblock + 1;
+    }
+    const int64_t ring_row = row - ring_round_base(mblock, params.ring_mblocks);
     const comm::RowSource source = comm::unpack_row_source(layout, packed);
     comm::copy_row_warp<comm::RowLoad::kBypassL1>(view.x_row(source.rank, source.token),
-                                                  view.expert_x_row(row), layout.row_bytes(), lane);
+                                                  view.expert_x_row(ring_row), layout.row_bytes(),
+                                                  lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence();

@@ -29,6 +29,7 @@ __device__ inline TaskShape task_shape(const FusedForwardParams& params) {
   shape.routed_mblocks = 0;  // known once the schedule is (routed_mblocks())
   shape.num_experts = static_cast<int>(params.view.layout.experts_per_rank());
   shape.chunk_mblocks = params.chunk_mblocks;
+  shape.ring_mblocks = params.ring_mblocks;
   for (int kind = 0; kind < kNumTaskKinds; ++kind) {
     shape.n_blocks[kind] = gemm::ceil_div(params.gemm[kind].n, gemm::TileConfig::BLOCK_N);
   }
@@ -68,6 +69,12 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
                            task.tile.row_begin + task.tile.row_count -
                                task.mblock * gemm::TileConfig::BLOCK_M);
       wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
+      if (task.mblock >= shape.ring_mblocks) {
+        // The hidden rows' ring slot: free once the block a round back has been read by its down
+        // tiles.
+        wait_counter(view, comm::TaskCounter::kDownDone, task.mblock - shape.ring_mblocks,
+                     shape.n_blocks[static_cast<int>(TaskKind::kDown)], comm::Phase::kExperts);
+      }
       break;
     }
     case TaskKind::kSharedDown:
@@ -263,9 +270,17 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           break;
         case TaskKind::kDown:
           // The combine push: each row into its owner's slot (combine_store.cuh).
-          run_tile<gemm::EpilogueKind::kStoreBf16>(gemm_params, task, consumer_idx, smem, state,
-                                                   accum, RowsToOwners{&params.view});
+          run_tile<gemm::EpilogueKind::kStoreBf16>(
+              gemm_params, task, consumer_idx, smem, state, accum,
+              RowsToOwners{&params.view, task.mblock * gemm::TileConfig::BLOCK_M});
           ++down_tiles;
+          if (task.frees_ring_block) {
+            // Every k-block of the tile has landed (both consumers waited for them): its hidden
+            // rows may be overwritten by the next round.
+            consumer_barrier();
+            if (threadIdx.x == 128) raise_counter(params.view, comm::TaskCounter::kDownDone,
+                                                  task.mblock);
+          }
           break;
       }
     }

@@ -28,6 +28,7 @@ struct FusedForwardParams {
   int num_tokens;     // this rank's tokens this call
   int num_comm_ctas;  // blockIdx.x below this dispatches first, then computes like the rest
   int chunk_mblocks;  // row blocks per minibatch
+  int ring_mblocks;   // row blocks of expert_x and the routed hidden rows (task_list.cuh)
   int has_shared;
   int schedule_in_kernel;  // 0: the schedule kernels (comm_ops.hpp) ran before the launch
   uint64_t* trace;         // (grid, kTraceFields) per-CTA timeline (trace.cuh), or null

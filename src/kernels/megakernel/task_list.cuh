@@ -7,10 +7,9 @@
 //   kDown          routed_hidden -> expert_y (rows, H) bf16          needs the block's gate/up tiles
 //
 // Rows come in blocks of 128 (BLOCK_M): each local expert's rows start at a block boundary, so
-// block g covers rows [128 g, 128 g + 128) of the expert buffers and belongs to one expert. The
-// routed blocks are cut into minibatches of about `chunk_mblocks` blocks along expert boundaries
-// (minibatch k holds the experts whose first block lies in [k B, (k + 1) B)); the list of
-// segments is
+// block g covers rows [128 g, 128 g + 128) of the call's expert rows and belongs to one expert.
+// The routed blocks are cut into minibatches of `chunk_mblocks` blocks (minibatch k is blocks
+// [k B, (k + 1) B); an expert may span two); the list of segments is
 //   SG | R0 | SD | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
 // (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared gate/up tiles run
 // while the first rows arrive, and each minibatch's down tiles wait one minibatch behind its
@@ -19,10 +18,17 @@
 // standalone grouped GEMM: the CTAs running side by side share the expert's weight tiles and its
 // rows through L2.
 //
+// Ring rounds: expert_x and the routed hidden rows hold `ring_mblocks` blocks (a multiple of B, at
+// least 2 B), and block g lives at ring block g mod ring_mblocks. Before the dispatch writes block
+// g, the gate/up tiles of block g - ring_mblocks must have read it; before a gate/up tile of block
+// g writes its hidden rows, the down tiles of block g - ring_mblocks must have read theirs. That
+// block lies at least two minibatches back, so its down tiles come before R(k) in the list.
+//
 // CTAs take tasks by ticket (one atomic counter), so each CTA's tasks come in increasing order,
 // and a CTA runs its tasks in the order it took them. Every task depends only on tasks earlier in
-// the list (or on the dispatch, which depends on no task), so the earliest unfinished task can
-// always run: the order cannot deadlock while all CTAs are resident.
+// the list (or on the dispatch, which depends only on gate/up tasks of earlier blocks, hence
+// earlier tickets), so the earliest unfinished task can always run: the order cannot deadlock
+// while all CTAs are resident and at least one of them does not dispatch.
 #pragma once
 
 #include "kernels/comm/workspace_layout.cuh"
@@ -44,6 +50,8 @@ struct TaskShape {
   int shared_mblocks;  // ceil(T / 128) with a shared expert, else 0
   int routed_mblocks;  // rows of the local experts (tile padded) / 128
   int chunk_mblocks;   // row blocks per minibatch, >= 1
+  int ring_mblocks;    // row blocks of the ring (expert_x, hidden): a multiple of chunk_mblocks
+                       // >= 2 chunk_mblocks, or at least routed_mblocks (one round)
   int n_blocks[kNumTaskKinds];  // 256-column blocks of each GEMM's output (before SwiGLU halving)
 
   __host__ __device__ int num_chunks() const {
@@ -53,9 +61,17 @@ struct TaskShape {
 
 struct Task {
   TaskKind kind;
-  int mblock;             // row block: of the expert rows, or of this rank's tokens (shared)
-  gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take
+  int mblock;             // row block: of the call's expert rows, or of this rank's tokens (shared)
+  // Routed down tile whose block's ring slot a later round reuses: it reports that it has read it.
+  bool frees_ring_block;
+  gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take; row_begin is the expert's
+                           // first row in the ring buffers' round of this block
 };
+
+// The first row of block `mblock`'s round, in the call's expert rows (ring slot 0 of the round).
+__host__ __device__ inline int ring_round_base(int mblock, int ring_mblocks) {
+  return mblock / ring_mblocks * ring_mblocks * gemm::TileConfig::BLOCK_M;
+}
 
 // Decodes task tickets; the tickets one scheduler sees must not decrease (its cursors only move
 // forward).
@@ -90,6 +106,7 @@ class TaskScheduler {
     }
     if (segment_ >= num_segments_) return false;
     task.kind = kind_;
+    task.frees_ring_block = false;
     if (is_shared(kind_)) {
       const int local = task_ - segment_first_;
       const int mblock = local % shape_.shared_mblocks;
@@ -103,9 +120,13 @@ class TaskScheduler {
       }
       const int local = task_ - expert_first_task_;
       const int row_begin = offsets_[expert_];
-      const int m_block = local % expert_mblocks_;
+      const int m_block = expert_skip_mblocks_ + local % expert_mblocks_;
       task.mblock = row_begin / gemm::TileConfig::BLOCK_M + m_block;
-      task.tile = {expert_, m_block, local / expert_mblocks_, row_begin, counts_[expert_]};
+      task.frees_ring_block = kind_ == TaskKind::kDown &&
+                              task.mblock + shape_.ring_mblocks < shape_.routed_mblocks;
+      task.tile = {expert_, m_block, local / expert_mblocks_,
+                   row_begin - ring_round_base(task.mblock, shape_.ring_mblocks),
+                   counts_[expert_]};
     }
     return true;
   }
@@ -141,32 +162,40 @@ class TaskScheduler {
       segment_size_ = shape_.shared_mblocks * n_blocks;
       return;
     }
-    constexpr int kRows = gemm::TileConfig::BLOCK_M;
-    const int first = first_expert_at(chunk * shape_.chunk_mblocks * kRows);
-    const int end = first_expert_at((chunk + 1) * shape_.chunk_mblocks * kRows);
-    segment_size_ = (offsets_[end] - offsets_[first]) / kRows * n_blocks;
+    block_begin_ = chunk * shape_.chunk_mblocks;
+    block_end_ = block_begin_ + shape_.chunk_mblocks;
+    if (block_end_ > shape_.routed_mblocks) block_end_ = shape_.routed_mblocks;
+    segment_size_ = (block_end_ - block_begin_) * n_blocks;
     expert_first_task_ = segment_first_;
-    load_expert(first);
+    load_expert(expert_holding(block_begin_));
   }
 
-  // The first local expert whose rows start at or after `row` (num_experts when none does).
-  __host__ __device__ int first_expert_at(int row) const {
-    int low = 0, high = shape_.num_experts;
+  // The local expert whose rows hold row block `mblock` (< routed_mblocks): the last one that
+  // starts at or before it (experts without rows start where the next one does).
+  __host__ __device__ int expert_holding(int mblock) const {
+    const int row = mblock * gemm::TileConfig::BLOCK_M;
+    int low = 0, high = shape_.num_experts;  // the first expert starting after `row`
     while (low < high) {
       const int middle = (low + high) / 2;
-      if (offsets_[middle] < row) {
+      if (offsets_[middle] <= row) {
         low = middle + 1;
       } else {
         high = middle;
       }
     }
-    return low;
+    return low - 1;
   }
 
+  // The expert's row blocks inside the segment's [block_begin_, block_end_).
   __host__ __device__ void load_expert(int expert) {
     expert_ = expert;
     if (expert >= shape_.num_experts) return;  // past the segment: never decoded
-    expert_mblocks_ = (offsets_[expert + 1] - offsets_[expert]) / gemm::TileConfig::BLOCK_M;
+    constexpr int kRows = gemm::TileConfig::BLOCK_M;
+    const int first = offsets_[expert] / kRows, end = offsets_[expert + 1] / kRows;
+    const int clipped_first = first > block_begin_ ? first : block_begin_;
+    const int clipped_end = end < block_end_ ? end : block_end_;
+    expert_skip_mblocks_ = clipped_first - first;
+    expert_mblocks_ = clipped_end > clipped_first ? clipped_end - clipped_first : 0;
     expert_tiles_ = expert_mblocks_ * shape_.n_blocks[static_cast<int>(kind_)];
   }
 
@@ -180,9 +209,12 @@ class TaskScheduler {
   int segment_first_ = 0;  // first task index of the segment
   int segment_size_ = 0;
   TaskKind kind_ = TaskKind::kSharedGateUp;
-  // Routed segments: the expert the cursor is at, its first task, row blocks and tiles.
+  int block_begin_ = 0, block_end_ = 0;  // routed segments: the minibatch's row blocks
+  // Routed segments: the expert the cursor is at, its first task, its row blocks in the segment
+  // (after the first expert_skip_mblocks_ of its own) and tiles.
   int expert_ = 0;
   int expert_first_task_ = 0;
+  int expert_skip_mblocks_ = 0;
   int expert_mblocks_ = 0;
   int expert_tiles_ = 0;
 };
