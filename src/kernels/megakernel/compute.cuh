@@ -65,9 +65,9 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
+      // The block's rows of its expert (row_begin is the ring's, not the call's).
       const int rows = min(gemm::TileConfig::BLOCK_M,
-                           task.tile.row_begin + task.tile.row_count -
-                               task.mblock * gemm::TileConfig::BLOCK_M);
+                           task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
       wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
       if (task.mblock >= shape.ring_mblocks) {
         // The hidden rows' ring slot: free once the block a round back has been read by its down
