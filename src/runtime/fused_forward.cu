@@ -44,6 +44,9 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                 "ring_mblocks", "minibatch ", config.chunk_mblocks, " and ring ",
                 config.ring_mblocks, " row blocks do not fit this workspace (ring_config gives ",
                 ring.chunk_mblocks, " and ", ring.ring_mblocks, ")");
+  MOK_CHECK_ARG(config.schedule_ctas >= config.comm_ctas && config.schedule_ctas <= config.num_ctas,
+                "schedule_ctas", "must be in [comm_ctas = ", config.comm_ctas, ", ",
+                config.num_ctas, "], got ", config.schedule_ctas);
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr), "forward",
                 "null x or topk_idx for ", num_tokens, " tokens");
   MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(x) % 16 == 0, "x", "must be 16-byte aligned");
@@ -101,6 +104,7 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.ring_mblocks = config.ring_mblocks;
   params.has_shared = has_shared ? 1 : 0;
   params.schedule_in_kernel = config.schedule_in_kernel ? 1 : 0;
+  params.num_schedule_ctas = config.schedule_ctas;
   params.trace = config.trace;
 
   const int shared_bytes = fused_forward_shared_bytes();

@@ -35,6 +35,9 @@ struct FusedForwardConfig {
   // The kernel makes the schedule itself (after begin_call), else stage_tokens and schedule ran
   // before it.
   bool schedule_in_kernel = true;
+  // CTAs that make the schedule in the kernel (comm_ctas..num_ctas); the rest start on the shared
+  // expert's gate/up tiles meanwhile.
+  int schedule_ctas = 0;
   uint64_t* trace = nullptr;  // (num_ctas, kTraceFields) timeline, or null
 };
 

@@ -308,6 +308,11 @@ FusedForwardConfig LayerForward::fused_config() const {
   config.chunk_mblocks = ring.chunk_mblocks;
   config.ring_mblocks = ring.ring_mblocks;
   config.schedule_in_kernel = fused.schedule_in_kernel;
+  MOK_CHECK_ARG(fused.schedule_ctas >= 0, "fused.schedule_ctas", "must be >= 0, got ",
+                fused.schedule_ctas);
+  config.schedule_ctas = fused.schedule_ctas > 0
+                             ? std::clamp(fused.schedule_ctas, config.comm_ctas, config.num_ctas)
+                             : config.num_ctas;
   config.trace = trace_;
   return config;
 }

@@ -44,6 +44,9 @@ struct FusedForwardOptions {
   // The fused kernel makes the schedule (three launches per forward: begin_call, the kernel, the
   // reduce); off: the schedule's own kernels run before it (seven). Same bits either way.
   bool schedule_in_kernel = true;
+  // CTAs that make the schedule in the kernel, at least comm_ctas; the others start on the shared
+  // expert's gate/up tiles meanwhile. 0 = every CTA. Same bits whatever the value.
+  int schedule_ctas = 0;
 };
 
 struct LayerForwardOptions {

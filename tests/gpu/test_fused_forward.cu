@@ -80,6 +80,14 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
         << "comm CTAs " << setting.comm_ctas << ", minibatch rows " << setting.minibatch_rows
         << ", compute SMs " << setting.compute_sms << " differs from the unfused forward";
   }
+  // The schedule made by a few CTAs (as few as the communication ones) while the rest start on
+  // the shared gate/up tiles.
+  for (const int schedule_ctas : {3, 17}) {
+    GpuRun partial_schedule = fused_run(3, 256);
+    partial_schedule.layer.fused.schedule_ctas = schedule_ctas;
+    EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, partial_schedule), expected), -1)
+        << "the schedule on " << schedule_ctas << " CTAs differs from the unfused forward";
+  }
   GpuRun separate_schedule = fused_run(3, 256);
   separate_schedule.layer.fused.schedule_in_kernel = false;  // the schedule's own kernels first
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, separate_schedule), expected), -1)

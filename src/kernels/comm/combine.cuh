@@ -24,6 +24,7 @@ namespace mok::comm {
 
 inline constexpr int kReduceThreads = 256;
 inline constexpr int kReduceVector = 8;  // bf16 per 16-byte access
+inline constexpr int kReduceSlotBatch = 8;  // top-k slots whose rows one thread loads at once
 
 struct CombineRows {
   WorkspaceView view;
@@ -71,21 +72,39 @@ __device__ inline void combine_reduce(const WorkspaceView& view, const float* to
     float sum[kReduceVector];
 #pragma unroll
     for (int lane = 0; lane < kReduceVector; ++lane) sum[lane] = 0.0f;
-    for (int64_t slot = 0; slot < layout.top_k; ++slot) {
-      const int32_t expert = ids[token * layout.top_k + slot];
-      if (expert < 0) continue;
-      const float weight = topk_w[token * layout.top_k + slot];
-      // Ids were range-checked by the schedule: expert / E_l is a rank. Own rows are read in
-      // place from expert_y when the workspace has one (else they were stored in the slots).
-      const char* row = layout.has_expert_y() && expert / layout.experts_per_rank() == view.rank
-                            ? view.expert_y_row(view.local_row()[token * layout.top_k + slot])
-                            : view.slot_row(view.rank, token, slot);
-      const int4 packed = *reinterpret_cast<const int4*>(row + column * 2);
-      const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+    // Slots in batches: every row load of a batch is issued before the first add, so each thread
+    // keeps kReduceSlotBatch loads in flight (one at a time left the reduce latency-bound); the
+    // adds then run in slot order, as before.
+    for (int64_t batch = 0; batch < layout.top_k; batch += kReduceSlotBatch) {
+      int4 packed[kReduceSlotBatch];
+      float weight[kReduceSlotBatch];
+      uint32_t used = 0;  // bit i: slot batch + i holds an expert
 #pragma unroll
-      for (int lane = 0; lane < kReduceVector; ++lane) {
-        sum[lane] = numerics::add_rn(sum[lane],
-                                     numerics::mul_rn(weight, __bfloat162float(values[lane])));
+      for (int index = 0; index < kReduceSlotBatch; ++index) {
+        const int64_t slot = batch + index;
+        const int32_t expert = slot < layout.top_k ? ids[token * layout.top_k + slot] : -1;
+        weight[index] = 0.0f;
+        packed[index] = make_int4(0, 0, 0, 0);
+        if (expert < 0) continue;  // an unused slot (or past k): skipped in the sum below
+        used |= 1u << index;
+        weight[index] = topk_w[token * layout.top_k + slot];
+        // Ids were range-checked by the schedule: expert / E_l is a rank. Own rows are read in
+        // place from expert_y when the workspace has one (else they were stored in the slots).
+        const char* row =
+            layout.has_expert_y() && expert / layout.experts_per_rank() == view.rank
+                ? view.expert_y_row(view.local_row()[token * layout.top_k + slot])
+                : view.slot_row(view.rank, token, slot);
+        packed[index] = *reinterpret_cast<const int4*>(row + column * 2);
+      }
+#pragma unroll
+      for (int index = 0; index < kReduceSlotBatch; ++index) {
+        if ((used >> index & 1u) == 0) continue;
+        const __nv_bfloat16* values = reinterpret_cast<const __nv_bfloat16*>(&packed[index]);
+#pragma unroll
+        for (int lane = 0; lane < kReduceVector; ++lane) {
+          sum[lane] = numerics::add_rn(
+              sum[lane], numerics::mul_rn(weight[index], __bfloat162float(values[lane])));
+        }
       }
     }
     int4 packed_out;

@@ -16,21 +16,24 @@ namespace mok::megakernel {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// The schedule, on every CTA: the steps of token_schedule.cuh, with barriers across the grid in
-// place of kernel boundaries (ordering the rows is one CTA per expert, too much for the
-// communication CTAs alone: measured 30 % slower on qwen3-30b-a3b). Ends by publishing
+// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh, with
+// barriers across those CTAs in place of kernel boundaries (ordering the rows is one CTA per
+// expert, too much for the communication CTAs alone: measured 30 % slower on qwen3-30b-a3b), while
+// the other CTAs run shared gate/up tiles. Ends by publishing
 // schedule_epoch, which the compute producers also wait for before their first routed task (a
 // failed schedule publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
 __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
-  const int cta = static_cast<int>(blockIdx.x), num_ctas = static_cast<int>(gridDim.x);
+  const int cta = static_cast<int>(blockIdx.x), num_ctas = params.num_schedule_ctas;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warps = static_cast<int>(blockDim.x / 32);
-  // x into the window (peers pull it once they see the gather flag), topk_idx to every rank.
+  // x into the window (peers pull it once they see the gather flag; this rank's own rows are read
+  // from the caller's x, so one rank alone stages nothing), topk_idx to every rank.
+  const int64_t staged_tokens = layout.num_ranks > 1 ? params.num_tokens : 0;
   for (int64_t token = static_cast<int64_t>(cta) * warps + threadIdx.x / 32;
-       token < params.num_tokens; token += static_cast<int64_t>(num_ctas) * warps) {
+       token < staged_tokens; token += static_cast<int64_t>(num_ctas) * warps) {
     const char* source = reinterpret_cast<const char*>(params.x) + token * layout.row_bytes();
     comm::copy_row_warp<comm::RowLoad::kBypassL1>(source, view.x_row(view.rank, token),
                                                   layout.row_bytes(), lane);
@@ -91,9 +94,12 @@ __device__ inline void communicate(const FusedForwardParams& params) {
     }
     const int64_t ring_row = row - ring_round_base(mblock, params.ring_mblocks);
     const comm::RowSource source = comm::unpack_row_source(layout, packed);
-    comm::copy_row_warp<comm::RowLoad::kBypassL1>(view.x_row(source.rank, source.token),
-                                                  view.expert_x_row(ring_row), layout.row_bytes(),
-                                                  lane);
+    const char* from = source.rank == view.rank
+                           ? reinterpret_cast<const char*>(params.x) +
+                                 static_cast<int64_t>(source.token) * layout.row_bytes()
+                           : view.x_row(source.rank, source.token);
+    comm::copy_row_warp<comm::RowLoad::kBypassL1>(from, view.expert_x_row(ring_row),
+                                                  layout.row_bytes(), lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence();

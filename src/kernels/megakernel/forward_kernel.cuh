@@ -1,8 +1,9 @@
 // The fused forward of one MoE layer on one rank: one persistent launch, one CTA per SM, between
 // the schedule (before) and the combine reduce (after).
 //
-//   every CTA first: the schedule — stage x into the window, push topk_idx to every rank, count
-//     and order the rows of the local experts (token_schedule.cuh)
+//   the first num_schedule_ctas CTAs first: the schedule — stage x into the window, push topk_idx
+//     to every rank, count and order the rows of the local experts (token_schedule.cuh); the
+//     other CTAs start on the shared gate/up tiles (they read the caller's x) meanwhile
 //   communication CTAs (blockIdx < num_comm_ctas): the dispatch — pull every routed row into
 //     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived) —
 //     then they compute too
@@ -37,7 +38,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // An earlier fault (e.g. a bad expert id found by the schedule) leaves the offsets undefined.
   if (threadIdx.x == 0) trace_set(params.trace, kTraceStart, trace_clock());
   if (comm::cta_sees_error(params.view)) return;
-  if (params.schedule_in_kernel) make_schedule(params, params.view.state()->epoch);
+  if (params.schedule_in_kernel && static_cast<int>(blockIdx.x) < params.num_schedule_ctas) {
+    make_schedule(params, params.view.state()->epoch);
+  }
   if (threadIdx.x == 0) trace_set(params.trace, kTraceScheduled, trace_clock());
   if (static_cast<int>(blockIdx.x) < params.num_comm_ctas) {
     communicate(params);
