@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,11 @@ struct GpuRun {
   bool callers_weights = false;
   // The fused kernel records its per-CTA timeline (checked for sanity after the first run).
   bool trace = false;
+  // Called on every rank (at once: it may be collective) after the first run's check, with the
+  // rank's device topk_idx and token count.
+  std::function<void(int rank, LayerForward& layer, cudaStream_t stream, const int32_t* topk_idx,
+                     int64_t tokens)>
+      after_first_run;
 };
 
 // y (T_global, H) of the problem computed by LayerForward at EP = `ep`. Every buffer a step
@@ -142,6 +148,7 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
     layer.check(stream);
     const std::vector<bf16> first = y.download();
     if (run.trace) expect_sane_trace(layer.trace(stream), LayerForward::trace_fields());
+    if (run.after_first_run) run.after_first_run(rank, layer, stream, topk_idx.get(), tokens);
     for (int repeat = 0; repeat < run.repeats; ++repeat) {
       poison();
       enqueue();

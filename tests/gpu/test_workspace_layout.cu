@@ -55,7 +55,7 @@ TEST_P(Layout, RegionsAreDisjointAlignedAndLargeEnough) {
       layout.window_bytes);
   expect_disjoint_and_aligned(
       {{"state", layout.state_offset, static_cast<int64_t>(sizeof(DeviceState))},
-       {"counts", layout.counts_offset, local_experts * 4},
+       {"counts", layout.counts_offset, local_experts * 8},
        {"offsets", layout.offsets_offset, (local_experts + 1) * 4},
        {"row_source", layout.row_source_offset, layout.rows_capacity() * 4},
        {"local_row", layout.local_row_offset, tokens * top_k * 4},

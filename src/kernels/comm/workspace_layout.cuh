@@ -10,7 +10,8 @@
 //   slots         (T_max, k, H) bf16                  combine slots, pushed by expert ranks
 // Local (this GPU only):
 //   state         DeviceState                         epochs, arrival counters, error record
-//   counts        (E_l) int32                         rows of each local expert
+//   counts        (2, E_l) int32                      rows of each local expert; then the fused
+//                                                     schedule's placement cursors
 //   offsets       (E_l + 1) int32                     first row of each local expert, tile padded
 //   row_source    (rows_capacity) int32               (src_rank * T_max + t) * k + j, -1 = padding
 //   local_row     (T_max, k) int32                    for this rank's own (t, j) served by a local
@@ -137,7 +138,7 @@ struct WorkspaceLayout {
 
     cursor = 0;
     layout.state_offset = take(sizeof(DeviceState));
-    layout.counts_offset = take(layout.experts_per_rank() * 4);
+    layout.counts_offset = take(2 * layout.experts_per_rank() * 4);
     layout.offsets_offset = take((layout.experts_per_rank() + 1) * 4);
     layout.row_source_offset = take(layout.rows_capacity() * 4);
     layout.local_row_offset = take(tokens_max * top_k * 4);
@@ -185,6 +186,8 @@ struct WorkspaceView {
   MOK_COMM_HOST_DEVICE int32_t* counts() const {
     return reinterpret_cast<int32_t*>(local + layout.counts_offset);
   }
+  // (E_l) rows of each local expert placed so far (place_rows), zeroed by begin_call.
+  MOK_COMM_HOST_DEVICE int32_t* cursors() const { return counts() + layout.experts_per_rank(); }
   MOK_COMM_HOST_DEVICE int32_t* offsets() const {
     return reinterpret_cast<int32_t*>(local + layout.offsets_offset);
   }

@@ -16,14 +16,15 @@ namespace mok::megakernel {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh, with
-// barriers across those CTAs in place of kernel boundaries (ordering the rows is one CTA per
-// expert, too much for the communication CTAs alone: measured 30 % slower on qwen3-30b-a3b), while
-// the other CTAs run shared gate/up tiles. Ends by publishing
+// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (place_rows
+// for the rows' order), with barriers across those CTAs in place of kernel boundaries, while the
+// other CTAs run shared gate/up tiles. Ends by publishing
 // schedule_epoch, which the compute producers also wait for before their first routed task (a
 // failed schedule publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
-__device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch) {
+// scratch: shared memory for E_l + 1 ints (the dynamic shared memory, unused until compute).
+__device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch,
+                                           int32_t* scratch) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
   const int cta = static_cast<int>(blockIdx.x), num_ctas = params.num_schedule_ctas;
@@ -46,11 +47,7 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   }
   if (ok) comm::count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
   ok = ok && ctas_barrier(view, num_ctas);
-  if (ok) {
-    for (int64_t expert = cta; expert < layout.experts_per_rank(); expert += num_ctas) {
-      comm::order_rows(view, expert);
-    }
-  }
+  if (ok) comm::place_rows(view, cta, num_ctas, scratch);
   ok = ok && ctas_barrier(view, num_ctas);
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.

@@ -8,6 +8,12 @@
 //                      block_m) and the expert's rows in global token order (rank * T_max + t,
 //                      then slot j), padding marked -1; for this rank's own tokens, the row of
 //                      each (t, j) (local_row), so the combine can read it in place
+//      place_rows      (the fused forward's instead) the same offsets and padding, each row at the
+//                      next free place of its expert's range: one pass over the ids, however
+//                      many experts (order_rows scans every id once per expert). The order within
+//                      an expert is then first come, which no forward output depends on: every
+//                      row is computed on its own and combined through its (t, j) slot. Sums over
+//                      rows (the weight gradients) need order_rows' order.
 // Kernel boundaries separate the steps; within a step nothing depends on timing.
 #pragma once
 
@@ -23,8 +29,9 @@ inline constexpr int kOrderTokensPerThread = 4;
 
 __device__ inline void begin_call(const WorkspaceView& view) {
   DeviceState* state = view.state();
-  for (int64_t expert = threadIdx.x; expert < view.layout.experts_per_rank(); expert += blockDim.x) {
-    view.counts()[expert] = 0;
+  for (int64_t expert = threadIdx.x; expert < 2 * view.layout.experts_per_rank();
+       expert += blockDim.x) {
+    view.counts()[expert] = 0;  // and the cursors after them
   }
   uint32_t* task_counters = view.task_counters(TaskCounter::kRowsArrived);
   for (int64_t index = threadIdx.x; index < kNumTaskCounters * view.layout.mblocks_capacity();
@@ -210,6 +217,84 @@ __device__ inline void order_rows(const WorkspaceView& view, int64_t local_exper
   }
   for (int64_t pad = count + threadIdx.x; pad < padded; pad += blockDim.x) {
     row_source[first_row + pad] = -1;
+  }
+}
+
+// The offsets of the local experts (each starting at a multiple of block_m) from the counts, into
+// `offsets` (shared memory, E_l + 1 entries), by the whole CTA, for any number of experts.
+// NOTE: each CTA derives them itself, which saves a grid barrier.
+__device__ inline void expert_offsets(const WorkspaceView& view, int32_t* offsets) {
+  const int64_t experts = view.layout.experts_per_rank();
+  const int32_t* counts = view.counts();
+  __shared__ int32_t carried;
+  if (threadIdx.x == 0) carried = 0;
+  __syncthreads();
+  for (int64_t first = 0; first < experts; first += blockDim.x) {
+    const int64_t expert = first + threadIdx.x;
+    const int32_t padded =
+        expert < experts ? static_cast<int32_t>(padded_rows(counts[expert], view.layout.block_m)) : 0;
+    int32_t total = 0;
+    const int32_t before = exclusive_scan_cta(padded, total);
+    if (expert < experts) offsets[expert] = carried + before;
+    __syncthreads();
+    if (threadIdx.x == 0) carried += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) offsets[experts] = carried;
+  __syncthreads();
+}
+
+// CTA `cta` of `num_ctas`, after count_rows on every CTA (and a barrier): the offsets (written by
+// CTA 0), padding rows marked -1, and every row of a local expert at the next free place of its
+// expert's range (see place_rows in the header). `offsets` is shared memory of E_l + 1 ints.
+__device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ctas,
+                                  int32_t* offsets) {
+  if (cta_sees_error(view)) return;
+  const WorkspaceLayout& layout = view.layout;
+  const int64_t experts_per_rank = layout.experts_per_rank();
+  const int64_t first_expert = view.rank * experts_per_rank;
+  expert_offsets(view, offsets);
+  int32_t* row_source = view.row_source();
+  for (int64_t expert = cta; expert < experts_per_rank; expert += num_ctas) {
+    const int64_t end = offsets[expert + 1];
+    for (int64_t row = offsets[expert] + view.counts()[expert] + threadIdx.x; row < end;
+         row += blockDim.x) {
+      row_source[row] = -1;
+    }
+  }
+  if (cta == 0) {
+    for (int64_t expert = threadIdx.x; expert <= experts_per_rank; expert += blockDim.x) {
+      view.offsets()[expert] = offsets[expert];
+    }
+  }
+  int32_t* cursors = view.cursors();
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t stride = static_cast<int64_t>(num_ctas) * blockDim.x;
+  for (int source = 0; source < layout.num_ranks; ++source) {
+    const int64_t num_ids = static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
+    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k), checked by count_rows
+    // Whole warps go round together (the shuffles below need every lane).
+    for (int64_t base = static_cast<int64_t>(cta) * blockDim.x + (threadIdx.x - lane);
+         base < num_ids; base += stride) {
+      const int64_t index = base + lane;
+      const int32_t expert = index < num_ids ? ids[index] : -1;
+      const int64_t local_expert = expert - first_expert;
+      const bool mine = expert >= 0 && local_expert >= 0 && local_expert < experts_per_rank;
+      // One atomic per expert and warp: the lanes of the same expert take consecutive places.
+      const uint32_t same = __match_any_sync(0xffffffffu, mine ? static_cast<int32_t>(local_expert)
+                                                               : -1);
+      const int leader = __ffs(same) - 1;
+      int32_t place = 0;
+      if (mine && lane == leader) place = atomicAdd(&cursors[local_expert], __popc(same));
+      place = __shfl_sync(0xffffffffu, place, leader);
+      if (mine) {
+        const int32_t row = offsets[local_expert] + place + __popc(same & ((1u << lane) - 1u));
+        row_source[row] = pack_row_source(layout, source, index / layout.top_k,
+                                          index % layout.top_k);
+        // Read in place by the reduce only from a workspace with expert_y.
+        if (source == view.rank && layout.has_expert_y()) view.local_row()[index] = row;
+      }
+    }
   }
 }
 
