@@ -53,16 +53,17 @@ MOK_COMM_HOST_DEVICE int64_t bulk_shared_bytes(int64_t row_bytes) {
 //              peer and published through a flag
 enum class RowLoad : int { kCoherent, kReadOnly, kBypassL1 };
 
-// One warp copies one row (row_bytes, a multiple of 16), lane `lane` of it.
-template <RowLoad kLoad>
+// One warp copies one row (row_bytes, a multiple of 16), lane `lane` of it, each lane holding
+// kUnroll 16-byte loads in flight (more for CTAs with fewer threads than the copy kernels').
+template <RowLoad kLoad, int kUnroll = kVectorUnroll>
 __device__ inline void copy_row_warp(const char* from, char* to, int64_t row_bytes, int lane) {
   const int4* source = reinterpret_cast<const int4*>(from);  // (row_bytes / 16)
   int4* destination = reinterpret_cast<int4*>(to);
   const int64_t num_vectors = row_bytes / 16;
-  for (int64_t base = lane; base < num_vectors; base += 32 * kVectorUnroll) {
-    int4 values[kVectorUnroll];
+  for (int64_t base = lane; base < num_vectors; base += 32 * kUnroll) {
+    int4 values[kUnroll];
 #pragma unroll
-    for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
+    for (int unroll = 0; unroll < kUnroll; ++unroll) {
       const int64_t index = base + unroll * 32;
       if (index < num_vectors) {
         if constexpr (kLoad == RowLoad::kReadOnly) {
@@ -75,7 +76,7 @@ __device__ inline void copy_row_warp(const char* from, char* to, int64_t row_byt
       }
     }
 #pragma unroll
-    for (int unroll = 0; unroll < kVectorUnroll; ++unroll) {
+    for (int unroll = 0; unroll < kUnroll; ++unroll) {
       const int64_t index = base + unroll * 32;
       if (index < num_vectors) destination[index] = values[unroll];
     }

@@ -14,6 +14,11 @@
 
 namespace mok::megakernel {
 
+// 16-byte loads each dispatching lane keeps in flight: the kernel's 384 threads (against the copy
+// kernels' 1024) need more than the copy kernels' 8 to keep the bytes in flight that an NVLink pull
+// needs; 16 spilled registers in the whole kernel, 12 does not.
+inline constexpr int kDispatchUnroll = 12;
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 // The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (place_rows
@@ -95,8 +100,8 @@ __device__ inline void communicate(const FusedForwardParams& params) {
                            ? reinterpret_cast<const char*>(params.x) +
                                  static_cast<int64_t>(source.token) * layout.row_bytes()
                            : view.x_row(source.rank, source.token);
-    comm::copy_row_warp<comm::RowLoad::kBypassL1>(from, view.expert_x_row(ring_row),
-                                                  layout.row_bytes(), lane);
+    comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
+        from, view.expert_x_row(ring_row), layout.row_bytes(), lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence();
