@@ -57,65 +57,37 @@ __device__ inline int routed_mblocks(const FusedForwardParams& params) {
   return view.offsets()[view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
 }
 
-// A task's inputs: up to two row-block counters and the counts they must reach (the consumers'
-// view of `visit(kind, mblock, target, phase)` for each).
-template <class Visit>
-__device__ inline void for_each_input(const TaskShape& shape, const Task& task,
-                                      const Visit& visit) {
+// Producer lane 0, before a task's first load: its input rows are written and released.
+__device__ inline void wait_for_inputs(const FusedForwardParams& params, const TaskShape& shape,
+                                       const Task& task) {
+  const comm::WorkspaceView& view = params.view;
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
-      break;  // the caller's x
-    case TaskKind::kGateUp:
+      return;  // x was staged before the launch
+    case TaskKind::kGateUp: {
       // The block's rows of its expert (row_begin is the ring's, not the call's).
-      visit(0, comm::TaskCounter::kRowsArrived, task.mblock,
-            min(gemm::TileConfig::BLOCK_M,
-                task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M),
-            comm::Phase::kDispatch);
+      const int rows = min(gemm::TileConfig::BLOCK_M,
+                           task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
+      wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
       if (task.mblock >= shape.ring_mblocks) {
         // The hidden rows' ring slot: free once the block a round back has been read by its down
         // tiles.
-        visit(1, comm::TaskCounter::kDownDone, task.mblock - shape.ring_mblocks,
-              shape.n_blocks[static_cast<int>(TaskKind::kDown)], comm::Phase::kExperts);
+        wait_counter(view, comm::TaskCounter::kDownDone, task.mblock - shape.ring_mblocks,
+                     shape.n_blocks[static_cast<int>(TaskKind::kDown)], comm::Phase::kExperts);
       }
       break;
+    }
     case TaskKind::kSharedDown:
-      visit(0, comm::TaskCounter::kSharedHiddenReady, task.mblock,
-            shape.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)], comm::Phase::kExperts);
+      wait_counter(view, comm::TaskCounter::kSharedHiddenReady, task.mblock,
+                   shape.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)],
+                   comm::Phase::kExperts);
       break;
     case TaskKind::kDown:
-      visit(0, comm::TaskCounter::kHiddenReady, task.mblock,
-            shape.n_blocks[static_cast<int>(TaskKind::kGateUp)], comm::Phase::kExperts);
+      wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock,
+                   shape.n_blocks[static_cast<int>(TaskKind::kGateUp)], comm::Phase::kExperts);
       break;
   }
-}
-
-// Producer lane 0, a task ahead: reads the task's counters (acquire) without waiting for the
-// values, so the reads overlap the current task's loads. Returns what it read (0 = no input).
-__device__ inline uint2 probe_inputs(const comm::WorkspaceView& view, const TaskShape& shape,
-                                     const Task& task) {
-  uint2 seen{0u, 0u};
-  for_each_input(shape, task, [&](int index, comm::TaskCounter kind, int mblock, int,
-                                  comm::Phase) {
-    const uint32_t value = load_acquire_gpu(view.task_counters(kind) + mblock);
-    if (index == 0) {
-      seen.x = value;
-    } else {
-      seen.y = value;
-    }
-  });
-  return seen;
-}
-
-// Producer lane 0, before the task's first load: waits for the inputs the probe did not find
-// ready; then the TMA loads (async proxy) read what the acquires made visible.
-__device__ inline void await_inputs(const comm::WorkspaceView& view, const TaskShape& shape,
-                                    const Task& task, uint2 seen) {
-  for_each_input(shape, task, [&](int index, comm::TaskCounter kind, int mblock, int target,
-                                  comm::Phase phase) {
-    if ((index == 0 ? seen.x : seen.y) < static_cast<uint32_t>(target)) {
-      wait_counter(view, kind, mblock, static_cast<uint32_t>(target), phase);
-    }
-  });
+  // The TMA loads that follow (async proxy) read what the acquire made visible.
   comm::fence_async_proxy_global();
 }
 
@@ -211,22 +183,18 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
   if (warpgroup_idx == 0) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
-      TaskScheduler scheduler(task_shape(params), params.view.offsets(), params.view.counts(),
+      const TaskShape shape = task_shape(params);
+      TaskScheduler scheduler(shape, params.view.offsets(), params.view.counts(),
                               params.num_tokens);
-      const TaskShape& shape = scheduler.shape();  // one copy of the sizes in registers
       uint32_t* next_task = &params.view.state()->next_task;
       uint32_t tail_phase = 0;
       bool routed_known = false;
       const bool tracing = params.trace != nullptr;
       uint32_t input_wait_ns = 0, slot_wait_ns = 0, tasks = 0;  // 32 bits: 4 s is plenty
-      // Tickets are taken two tasks ahead and the next task's inputs probed before this task's
-      // loads, so neither the ticket's atomic nor the probe's acquire sits between two tasks'
-      // loads (the stage ring holds only ~2 us of a tile's work). A CTA still runs its tickets in
-      // the order it took them; holding the next two delays no task behind its inputs.
-      uint32_t ticket_in_flight = 0;
-      if (lane == 0) ticket_in_flight = atomicAdd(next_task, 1u);
-      // Decodes `ticket`; the first routed ticket first waits for the schedule.
-      auto decode = [&](int ticket, Task& into) {
+      for (;;) {
+        int ticket = 0;
+        if (lane == 0) ticket = static_cast<int>(atomicAdd(next_task, 1u));
+        ticket = __shfl_sync(0xffffffffu, ticket, 0);
         if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
           int mblocks = 0;
           const uint64_t wait_start = tracing ? trace_clock() : 0;
@@ -235,14 +203,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
           routed_known = true;
         }
-        return scheduler.decode(ticket, into);
-      };
-      int ticket = __shfl_sync(0xffffffffu, static_cast<int>(ticket_in_flight), 0);
-      if (lane == 0) ticket_in_flight = atomicAdd(next_task, 1u);
-      bool has_task = decode(ticket, task);
-      uint2 seen{0u, 0u};  // the current task's inputs as probed
-      if (lane == 0 && has_task) seen = probe_inputs(params.view, shape, task);
-      for (;;) {
+        const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
@@ -263,34 +224,15 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           break;
         }
         ++tasks;
-        // The next task: decoded and probed now unless decoding it must wait for the schedule
-        // (then after this task's loads, as the shared tasks' loads must not wait for it).
-        const int next_ticket = __shfl_sync(0xffffffffu, static_cast<int>(ticket_in_flight), 0);
-        if (lane == 0) ticket_in_flight = atomicAdd(next_task, 1u);
-        Task next;
-        bool next_has = false;
-        const bool decode_now = routed_known || next_ticket < scheduler.shared_gate_up_tasks();
-        uint2 next_seen{0u, 0u};
-        if (decode_now) {
-          next_has = decode(next_ticket, next);
-          if (lane == 0 && next_has) next_seen = probe_inputs(params.view, shape, next);
-        }
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
-          await_inputs(params.view, shape, task, seen);
+          wait_for_inputs(params, shape, task);
           if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
         }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
         Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
                    tail_phase);
-        if (!decode_now) {
-          next_has = decode(next_ticket, next);
-          if (lane == 0 && next_has) next_seen = probe_inputs(params.view, shape, next);
-        }
-        task = next;
-        has_task = next_has;
-        seen = next_seen;
       }
     }
   } else {

@@ -41,10 +41,8 @@ struct FusedForwardParams {
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
-// Register split (128 * producer + 256 * consumer <= 384 * 168, the launch's): the producer warp
-// also decodes tasks and holds the next one (88 is the least that does not spill; 200 would do for
-// the consumers).
-inline constexpr uint32_t kProducerRegisters = 88;
-inline constexpr uint32_t kConsumerRegisters = 208;
+// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
+inline constexpr uint32_t kProducerRegisters = 64;
+inline constexpr uint32_t kConsumerRegisters = 216;
 
 }  // namespace mok::megakernel

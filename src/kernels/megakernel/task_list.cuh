@@ -86,8 +86,6 @@ class TaskScheduler {
     load_segment(0);
   }
 
-  __host__ __device__ const TaskShape& shape() const { return shape_; }
-
   __host__ __device__ int shared_gate_up_tasks() const {
     return shape_.shared_mblocks * shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
   }
