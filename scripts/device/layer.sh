@@ -2,10 +2,10 @@
 # Layer part of the device check: the GPU layer forward (LayerForward, fused kernel by default) —
 # its GPU tests, `mok run --backend cuda` at EP 2 with --check, bench_layer for the fused kernel
 # (schedule in the kernel, and after the schedule's own kernels), the unfused composition, a sweep
-# of communication CTAs and minibatch sizes, and the torch-native layer
+# of communication CTAs and minibatch sizes, ring rounds, and the torch-native layer
 # (bench/baselines/torch_native.py, EP1 in one process, EP2 under torchrun), all in the same run.
 # Results: layer-fwd-<commit>.json (mok-bench/1, the fused defaults against torch),
-# layer-fwd-<commit>.png, layer-mok-*.json, layer-sweep.json, logs.
+# layer-fwd-<commit>.png, layer-mok-*.json, layer-sweep.json, layer-ring.json, logs.
 #
 #   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
 # BIN_DIR holds mok, mok_gpu_tests and bench_layer (default $MOK_BUILD_DIR, set by
@@ -56,6 +56,8 @@ step "bench_layer (mok, unfused)" 200 "$BIN/bench_layer" --iters 20 --fused 0 \
 step "bench_layer sweep (communication CTAs x minibatch rows)" 240 "$BIN/bench_layer" --iters 10 \
   --cases ${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2} --comm-ctas 8,16,24,32 \
   --minibatch-rows 2048,4096,8192 --out "$OUT/layer-sweep.json"
+step "bench_layer ring rounds (ring rows; 0 = one round)" 180 "$BIN/bench_layer" --iters 10 \
+  --cases deepseek-v3-ep2,qwen3-30b-a3b-ep2 --ring-rows 32768,8192 --out "$OUT/layer-ring.json"
 step "torch-native, EP 1" 200 python3 bench/baselines/torch_native.py measure \
   --mok "$OUT/layer-mok.json" --ep 1 --out "$OUT/layer-torch-ep1.json"
 step "torch-native, EP 2 (torchrun)" 240 torchrun --standalone --nproc-per-node=2 \
