@@ -302,7 +302,9 @@ FusedForwardConfig LayerForward::fused_config() const {
   config.num_ctas = options_.gemm.num_sms > 0
                         ? std::min(num_sms_, config.comm_ctas + options_.gemm.num_sms)
                         : num_sms_;
-  const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 4096;
+  // 2048: the best or within 0.3 % of it at the default communication CTAs in both sweeps of
+  // docs/perf-notes/layer.md (deepseek-v3 and qwen3-30b, 2048 / 4096 / 8192 rows).
+  const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 2048;
   const RingBlocks ring =
       ring_config(workspace_.layout(), gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M));
   config.chunk_mblocks = ring.chunk_mblocks;
