@@ -1,6 +1,6 @@
 """The torch front end on two GPUs: mok's GPU layer forward at EP = 2 over a torch.distributed
-group (and EP = 1), against a plain-PyTorch layer, bitwise determinism, opcheck, torch.compile,
-the reference backward and the core's errors. Run as
+group (and EP = 1), against a plain-PyTorch layer, bitwise determinism, CUDA-graph replay, opcheck,
+torch.compile, the reference backward and the core's errors. Run as
 
     torchrun --nproc-per-node=2 -m pytest python/tests/test_torch_cuda.py
 
@@ -186,6 +186,36 @@ def test_no_host_sync_in_forward(group):
         torch.cuda.set_sync_debug_mode("default")
     mf.check_errors(workspace)
     assert torch.isfinite(y).all()
+
+
+def test_cuda_graph_replay_equals_eager(group):
+    """The op captured in a CUDA graph (both ranks at once) and replayed: same bits as the eager
+    call, and new values in the captured input buffer are what the replay computes."""
+    x, idx, w, weights = rank_share(global_problem(13))
+    workspace = ep2_workspace(group)
+    eager = mf.forward(x, idx, w, weights, workspace=workspace)
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mf.forward(static_x, idx, w, weights, workspace=workspace)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        static_y = mf.forward(static_x, idx, w, weights, workspace=workspace)
+    for _ in range(2):
+        static_y.fill_(float("nan"))
+        graph.replay()
+        mf.check_errors(workspace)
+        assert torch.equal(bits(static_y), bits(eager)), "graph replay differs from the eager call"
+    other_x = rank_share(global_problem(14))[0]
+    expected = mf.forward(other_x, idx, w, weights, workspace=workspace)
+    static_x.copy_(other_x)
+    static_y.fill_(float("nan"))
+    graph.replay()
+    mf.check_errors(workspace)
+    assert torch.equal(bits(static_y), bits(expected)), "the replay did not compute the new input"
+    assert not torch.equal(bits(expected), bits(eager))
 
 
 def test_opcheck_cuda_op(group):
