@@ -105,41 +105,13 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
-// A gate/up tile whose stores were issued and whose counter is not raised yet. Waiting for the
-// stores to land right after the epilogue would idle the tensor cores (~1.4 us a tile), so the
-// consumers raise the counter after their next tile's stores are issued, when the older stores
-// have normally landed; or before the next tile's mainloop when its first k-block is not loaded
-// yet, since that tile's producer may be waiting for exactly this counter (directly, or through
-// the dispatch waiting for a ring slot), which would otherwise never move.
-struct PendingPublish {
-  int mblock = kNoPublish;
-  comm::TaskCounter kind = comm::TaskCounter::kHiddenReady;
-  static constexpr int kNoPublish = -1;
-};
-
-// All consumer threads: once the pending tile's bulk stores have landed (all but the newest
-// `newer_groups` groups of each storing thread), its row block's counter moves on.
-template <int kNewerGroups>
-__device__ inline void publish(const comm::WorkspaceView& view, PendingPublish& pending) {
-  if (pending.mblock == PendingPublish::kNoPublish) return;
-  if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<kNewerGroups>();
+// All consumer threads, after a tile's bulk stores were issued: once they have landed, the row
+// block's counter of `kind` moves on.
+__device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskCounter kind,
+                                    int mblock) {
+  if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
   consumer_barrier();
-  if (threadIdx.x == 128) raise_counter(view, pending.kind, pending.mblock);
-  pending.mblock = PendingPublish::kNoPublish;
-}
-
-// All consumer threads, before a tile's mainloop with a publication pending: publishes it now
-// unless the tile's first k-block has already landed (one thread decides for all).
-__device__ inline void publish_unless_loaded(const comm::WorkspaceView& view,
-                                             PendingPublish& pending, const Loop::Storage& smem,
-                                             const Loop::State& state) {
-  if (pending.mblock == PendingPublish::kNoPublish) return;
-  __shared__ int loaded;
-  if (threadIdx.x == 128) loaded = ptx::mbarrier_try_wait(&smem.full[state.index], state.phase);
-  consumer_barrier();
-  const bool first_block_loaded = loaded != 0;
-  consumer_barrier();  // `loaded` is rewritten before the next task only after every thread read it
-  if (!first_block_loaded) publish<0>(view, pending);
+  if (threadIdx.x == 128) raise_counter(view, kind, mblock);
 }
 
 // All consumer threads, once their last bulk copies have landed: count this CTA's down tiles; the
@@ -270,7 +242,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     uint32_t down_tiles = 0;  // stored by this CTA
     const bool tracing = params.trace != nullptr && threadIdx.x == 128;
     uint32_t publish_ns = 0;
-    PendingPublish pending;
     for (;;) {
       ptx::mbarrier_wait(&handoff.full[slot], slot_phase);
       task = handoff.task[slot];
@@ -278,33 +249,30 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       if (lane == 0) ptx::mbarrier_arrive(&handoff.empty[slot]);
       advance_slot();
       if (task.mblock == kNoTask) break;
-      const uint64_t publish_start = tracing ? trace_clock() : 0;
-      publish_unless_loaded(params.view, pending, smem, state);
-      if (tracing) publish_ns += static_cast<uint32_t>(trace_clock() - publish_start);
       const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
         case TaskKind::kGateUp: {
           run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
                                                     accum);
-          publish<1>(params.view, pending);  // the previous one: all but this tile's stores
-          pending.mblock = task.mblock;
-          pending.kind = task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
-                                                        : comm::TaskCounter::kSharedHiddenReady;
+          const uint64_t publish_start = tracing ? trace_clock() : 0;
+          publish_tile(params.view,
+                       task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
+                                                      : comm::TaskCounter::kSharedHiddenReady,
+                       task.mblock);
+          if (tracing) publish_ns += static_cast<uint32_t>(trace_clock() - publish_start);
           break;
         }
         case TaskKind::kSharedDown:
           // fp32 from registers; read only by the reduce, after this kernel
           run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
                                                    accum);
-          publish<0>(params.view, pending);  // this tile committed no bulk group
           break;
         case TaskKind::kDown:
           // The combine push: each row into its owner's slot (combine_store.cuh).
           run_tile<gemm::EpilogueKind::kStoreBf16>(
               gemm_params, task, consumer_idx, smem, state, accum,
               RowsToOwners{&params.view, task.mblock * gemm::TileConfig::BLOCK_M});
-          publish<1>(params.view, pending);
           ++down_tiles;
           if (task.frees_ring_block) {
             // Every k-block of the tile has landed (both consumers waited for them): its hidden
@@ -316,7 +284,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           break;
       }
     }
-    publish<0>(params.view, pending);
     if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
     if (down_tiles > 0) finish_down_tiles(params, down_tiles);
     if (tracing) {

@@ -41,10 +41,8 @@ struct FusedForwardParams {
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
-// Register split (128 * producer + 256 * consumer <= 384 * 168, the launch's allocation; 72 / 216
-// uses all of it): the producer warp also decodes tasks, and 64 spilled once the consumers
-// deferred their publications.
-inline constexpr uint32_t kProducerRegisters = 72;
+// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
+inline constexpr uint32_t kProducerRegisters = 64;
 inline constexpr uint32_t kConsumerRegisters = 216;
 
 }  // namespace mok::megakernel

@@ -16,7 +16,7 @@ enum TraceField : int {
   kTraceTasks,            // tasks this CTA ran
   kTraceInputWaitNs,      // producer: waiting for tasks' inputs (rows, gate/up tiles, schedule)
   kTraceSlotWaitNs,       // producer: waiting for the consumers to free a task slot
-  kTracePublishNs,        // consumers: publishing gate/up tiles (waiting for their stores)
+  kTracePublishNs,        // consumers: waiting for gate/up stores to land before publishing
   kTraceFields
 };
 
