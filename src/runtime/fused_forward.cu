@@ -50,9 +50,10 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr), "forward",
                 "null x or topk_idx for ", num_tokens, " tokens");
   MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(x) % 16 == 0, "x", "must be 16-byte aligned");
-  MOK_CHECK_ARG((layout.experts_per_rank() + 1) * 4 <= fused_forward_shared_bytes(), "num_experts",
-                layout.experts_per_rank(), " local experts: their offsets exceed the shared memory "
-                "the schedule has");
+  MOK_CHECK_ARG((layout.experts_per_rank() * (1 + megakernel::kThreads / 32) + 1) * 4 <=
+                    fused_forward_shared_bytes(),
+                "num_experts", layout.experts_per_rank(), " local experts: their offsets and row "
+                "counters exceed the shared memory the schedule has");
   const bool has_shared = shape.has_shared() && num_tokens > 0;
   const uint64_t experts = static_cast<uint64_t>(layout.experts_per_rank());
   const uint64_t rows = static_cast<uint64_t>(layout.expert_rows);  // the ring's

@@ -10,10 +10,13 @@
 //   slots         (T_max, k, H) bf16                  combine slots, pushed by expert ranks
 // Local (this GPU only):
 //   state         DeviceState                         epochs, arrival counters, error record
-//   counts        (2, E_l) int32                      rows of each local expert; then the fused
-//                                                     schedule's placement cursors
+//   counts        (E_l) int32                         rows of each local expert
 //   offsets       (E_l + 1) int32                     first row of each local expert, tile padded
 //   row_source    (rows_capacity) int32               (src_rank * T_max + t) * k + j, -1 = padding
+//   chunk_rows    (R, chunks, E_l) int32              the fused schedule's rows of each local
+//                                                     expert per chunk of kScheduleChunk ids of a
+//                                                     source rank, then (scanned) the rows before
+//                                                     the chunk (token_schedule.cuh)
 //   local_row     (T_max, k) int32                    for this rank's own (t, j) served by a local
 //                                                     expert: its row in expert_y (the combine
 //                                                     reads it there instead of copying it)
@@ -36,6 +39,8 @@ namespace mok::comm {
 
 inline constexpr int kMaxRanks = 8;           // one NVLink (LSA) domain
 inline constexpr int64_t kRegionAlignment = 4096;
+// Ids per chunk of the fused forward's schedule: one warp's share, 32 ids a step.
+inline constexpr int64_t kScheduleChunk = 1024;
 // The fused forward's readiness counters, one per block of block_m rows (kernels/megakernel).
 enum class TaskCounter : int {
   kRowsArrived = 0,        // expert rows the dispatch has copied into the block
@@ -85,10 +90,14 @@ struct WorkspaceLayout {
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
   int64_t slots_offset = 0, window_bytes = 0;
   int64_t state_offset = 0, counts_offset = 0, offsets_offset = 0, row_source_offset = 0;
-  int64_t local_row_offset = 0, task_counters_offset = 0;
+  int64_t local_row_offset = 0, task_counters_offset = 0, chunk_rows_offset = 0;
   int64_t expert_x_offset = 0, expert_y_offset = 0, local_bytes = 0;
 
   MOK_COMM_HOST_DEVICE int64_t experts_per_rank() const { return num_experts / num_ranks; }
+  // Chunks of kScheduleChunk ids that a source rank's (T, k) ids are cut into, at most.
+  MOK_COMM_HOST_DEVICE int64_t chunks_per_source() const {
+    return (tokens_max * top_k + kScheduleChunk - 1) / kScheduleChunk;
+  }
   MOK_COMM_HOST_DEVICE int64_t row_bytes() const { return hidden * 2; }
   // Every token sends at most k rows to a rank; each expert wastes at most block_m - 1 rows.
   MOK_COMM_HOST_DEVICE int64_t rows_capacity() const {
@@ -138,9 +147,11 @@ struct WorkspaceLayout {
 
     cursor = 0;
     layout.state_offset = take(sizeof(DeviceState));
-    layout.counts_offset = take(2 * layout.experts_per_rank() * 4);
+    layout.counts_offset = take(layout.experts_per_rank() * 4);
     layout.offsets_offset = take((layout.experts_per_rank() + 1) * 4);
     layout.row_source_offset = take(layout.rows_capacity() * 4);
+    layout.chunk_rows_offset =
+        take(int64_t{num_ranks} * layout.chunks_per_source() * layout.experts_per_rank() * 4);
     layout.local_row_offset = take(tokens_max * top_k * 4);
     layout.task_counters_offset = take(kNumTaskCounters * layout.mblocks_capacity() * 4);
     layout.expert_x_offset = take(layout.expert_rows * layout.row_bytes());
@@ -186,8 +197,10 @@ struct WorkspaceView {
   MOK_COMM_HOST_DEVICE int32_t* counts() const {
     return reinterpret_cast<int32_t*>(local + layout.counts_offset);
   }
-  // (E_l) rows of each local expert placed so far (place_rows), zeroed by begin_call.
-  MOK_COMM_HOST_DEVICE int32_t* cursors() const { return counts() + layout.experts_per_rank(); }
+  // (R, chunks_per_source, E_l): see the layout above.
+  MOK_COMM_HOST_DEVICE int32_t* chunk_rows() const {
+    return reinterpret_cast<int32_t*>(local + layout.chunk_rows_offset);
+  }
   MOK_COMM_HOST_DEVICE int32_t* offsets() const {
     return reinterpret_cast<int32_t*>(local + layout.offsets_offset);
   }

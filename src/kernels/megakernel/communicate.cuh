@@ -21,13 +21,15 @@ inline constexpr int kDispatchUnroll = 12;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (place_rows
-// for the rows' order), with barriers across those CTAs in place of kernel boundaries, while the
-// other CTAs run shared gate/up tiles. Ends by publishing
+// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (its chunked
+// passes count_chunks, scan_chunks, place_rows for the rows' order, the same as order_rows'), with
+// barriers across those CTAs in place of kernel boundaries, while the other CTAs run shared gate/up
+// tiles. Ends by publishing
 // schedule_epoch, which the compute producers also wait for before their first routed task (a
 // failed schedule publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
-// scratch: shared memory for E_l + 1 ints (the dynamic shared memory, unused until compute).
+// scratch: shared memory for (E_l + 1) + warps * E_l ints (the dynamic shared memory, unused until
+// compute).
 __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch,
                                            int32_t* scratch) {
   const comm::WorkspaceView& view = params.view;
@@ -50,9 +52,17 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
     __threadfence_system();
     comm::signal_all_ranks(view, comm::FlagKind::kGather, epoch);
   }
-  if (ok) comm::count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
+  // E_l + 1 offsets, then E_l row counters per warp.
+  int32_t* offsets = scratch;
+  int32_t* counters = scratch + layout.experts_per_rank() + 1;
+  if (ok) {
+    comm::count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
+    comm::count_chunks(view, cta, num_ctas, counters);
+  }
   ok = ok && ctas_barrier(view, num_ctas);
-  if (ok) comm::place_rows(view, cta, num_ctas, scratch);
+  if (ok) comm::scan_chunks(view, cta, num_ctas);
+  ok = ok && ctas_barrier(view, num_ctas);
+  if (ok) comm::place_rows(view, cta, num_ctas, offsets, counters);
   ok = ok && ctas_barrier(view, num_ctas);
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.

@@ -8,12 +8,13 @@
 //                      block_m) and the expert's rows in global token order (rank * T_max + t,
 //                      then slot j), padding marked -1; for this rank's own tokens, the row of
 //                      each (t, j) (local_row), so the combine can read it in place
-//      place_rows      (the fused forward's instead) the same offsets and padding, each row at the
-//                      next free place of its expert's range: one pass over the ids, however
-//                      many experts (order_rows scans every id once per expert). The order within
-//                      an expert is then first come, which no forward output depends on: every
-//                      row is computed on its own and combined through its (t, j) slot. Sums over
-//                      rows (the weight gradients) need order_rows' order.
+//      count_chunks, scan_chunks, place_rows
+//                      (the fused forward's instead) the same offsets, rows and padding as
+//                      order_rows in three passes over the ids, however many experts (order_rows
+//                      scans every id once per expert): each warp counts the rows of every local
+//                      expert in its chunks of kScheduleChunk ids, one warp per expert turns the
+//                      counts into the rows before each chunk (in global order), and each warp
+//                      places its chunks' rows from there, in order.
 // Kernel boundaries separate the steps; within a step nothing depends on timing.
 #pragma once
 
@@ -29,9 +30,8 @@ inline constexpr int kOrderTokensPerThread = 4;
 
 __device__ inline void begin_call(const WorkspaceView& view) {
   DeviceState* state = view.state();
-  for (int64_t expert = threadIdx.x; expert < 2 * view.layout.experts_per_rank();
-       expert += blockDim.x) {
-    view.counts()[expert] = 0;  // and the cursors after them
+  for (int64_t expert = threadIdx.x; expert < view.layout.experts_per_rank(); expert += blockDim.x) {
+    view.counts()[expert] = 0;
   }
   uint32_t* task_counters = view.task_counters(TaskCounter::kRowsArrived);
   for (int64_t index = threadIdx.x; index < kNumTaskCounters * view.layout.mblocks_capacity();
@@ -220,6 +220,81 @@ __device__ inline void order_rows(const WorkspaceView& view, int64_t local_exper
   }
 }
 
+// The chunks of the schedule: chunk c of source rank r covers ids [c, c + 1) * kScheduleChunk of
+// that rank's (T_r, k) ids; each warp of the grid takes chunks (r, c) in turn.
+struct ScheduleWarp {
+  int64_t first_warp, num_warps;
+  int lane;
+};
+
+__device__ inline ScheduleWarp schedule_warp(int cta, int num_ctas) {
+  const int64_t warps = blockDim.x / 32;
+  return {static_cast<int64_t>(cta) * warps + threadIdx.x / 32, num_ctas * warps,
+          static_cast<int>(threadIdx.x % 32)};
+}
+
+// Pass 1, every warp, after count_rows validated the ids (and a barrier): the rows of each local
+// expert in each of its chunks, into chunk_rows. `counters`: E_l ints of shared memory per warp.
+__device__ inline void count_chunks(const WorkspaceView& view, int cta, int num_ctas,
+                                    int32_t* counters) {
+  if (cta_sees_error(view)) return;
+  const WorkspaceLayout& layout = view.layout;
+  const int64_t experts = layout.experts_per_rank();
+  const int64_t first_expert = view.rank * experts;
+  const ScheduleWarp me = schedule_warp(cta, num_ctas);
+  int32_t* mine = counters + (threadIdx.x / 32) * experts;
+  const int64_t chunks = layout.chunks_per_source();
+  for (int64_t chunk = me.first_warp; chunk < layout.num_ranks * chunks; chunk += me.num_warps) {
+    const int source = static_cast<int>(chunk / chunks);
+    const int64_t num_ids = static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
+    const int64_t first_id = (chunk % chunks) * kScheduleChunk;
+    int32_t* out = view.chunk_rows() + chunk * experts;
+    if (first_id >= num_ids) {
+      for (int64_t expert = me.lane; expert < experts; expert += 32) out[expert] = 0;
+      continue;
+    }
+    for (int64_t expert = me.lane; expert < experts; expert += 32) mine[expert] = 0;
+    __syncwarp();
+    const int32_t* ids = view.topk(view.rank, source);
+    const int64_t end = min(first_id + kScheduleChunk, num_ids);
+    for (int64_t index = first_id + me.lane; index < end; index += 32) {
+      const int64_t local_expert = ids[index] - first_expert;  // -1 slots fall outside
+      if (ids[index] >= 0 && local_expert >= 0 && local_expert < experts) {
+        atomicAdd(&mine[local_expert], 1);  // integer counts: exact in any order
+      }
+    }
+    __syncwarp();
+    for (int64_t expert = me.lane; expert < experts; expert += 32) out[expert] = mine[expert];
+    __syncwarp();
+  }
+}
+
+// Pass 2, after a barrier: for each local expert (one warp each), the rows it has in the chunks
+// before each chunk (an exclusive scan over the chunks in global order), in place.
+__device__ inline void scan_chunks(const WorkspaceView& view, int cta, int num_ctas) {
+  if (cta_sees_error(view)) return;
+  const WorkspaceLayout& layout = view.layout;
+  const int64_t experts = layout.experts_per_rank();
+  const int64_t num_chunks = layout.num_ranks * layout.chunks_per_source();
+  const ScheduleWarp me = schedule_warp(cta, num_ctas);
+  for (int64_t expert = me.first_warp; expert < experts; expert += me.num_warps) {
+    int32_t carried = 0;
+    for (int64_t first = 0; first < num_chunks; first += 32) {
+      const int64_t chunk = first + me.lane;
+      int32_t* cell = view.chunk_rows() + chunk * experts + expert;
+      const int32_t rows = chunk < num_chunks ? *cell : 0;
+      int32_t inclusive = rows;
+#pragma unroll
+      for (int delta = 1; delta < 32; delta *= 2) {
+        const int32_t other = __shfl_up_sync(0xffffffffu, inclusive, delta);
+        if (me.lane >= delta) inclusive += other;
+      }
+      if (chunk < num_chunks) *cell = carried + inclusive - rows;
+      carried += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+  }
+}
+
 // The offsets of the local experts (each starting at a multiple of block_m) from the counts, into
 // `offsets` (shared memory, E_l + 1 entries), by the whole CTA, for any number of experts.
 // NOTE: each CTA derives them itself, which saves a grid barrier.
@@ -244,18 +319,19 @@ __device__ inline void expert_offsets(const WorkspaceView& view, int32_t* offset
   __syncthreads();
 }
 
-// CTA `cta` of `num_ctas`, after count_rows on every CTA (and a barrier): the offsets (written by
-// CTA 0), padding rows marked -1, and every row of a local expert at the next free place of its
-// expert's range (see place_rows in the header). `offsets` is shared memory of E_l + 1 ints.
+// Pass 3, after a barrier, the whole CTA: the offsets (written by CTA 0), padding rows marked -1,
+// and every row of a local expert at its place in global order: its chunk's rows before it
+// (pass 2), then, within the chunk, 32 ids at a time in order. `offsets`: E_l + 1 ints of shared
+// memory; `counters`: E_l per warp, as for count_chunks.
 __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ctas,
-                                  int32_t* offsets) {
+                                  int32_t* offsets, int32_t* counters) {
   if (cta_sees_error(view)) return;
   const WorkspaceLayout& layout = view.layout;
-  const int64_t experts_per_rank = layout.experts_per_rank();
-  const int64_t first_expert = view.rank * experts_per_rank;
+  const int64_t experts = layout.experts_per_rank();
+  const int64_t first_expert = view.rank * experts;
   expert_offsets(view, offsets);
   int32_t* row_source = view.row_source();
-  for (int64_t expert = cta; expert < experts_per_rank; expert += num_ctas) {
+  for (int64_t expert = cta; expert < experts; expert += num_ctas) {
     const int64_t end = offsets[expert + 1];
     for (int64_t row = offsets[expert] + view.counts()[expert] + threadIdx.x; row < end;
          row += blockDim.x) {
@@ -263,37 +339,43 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
     }
   }
   if (cta == 0) {
-    for (int64_t expert = threadIdx.x; expert <= experts_per_rank; expert += blockDim.x) {
+    for (int64_t expert = threadIdx.x; expert <= experts; expert += blockDim.x) {
       view.offsets()[expert] = offsets[expert];
     }
   }
-  int32_t* cursors = view.cursors();
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t stride = static_cast<int64_t>(num_ctas) * blockDim.x;
-  for (int source = 0; source < layout.num_ranks; ++source) {
+  const ScheduleWarp me = schedule_warp(cta, num_ctas);
+  int32_t* placed = counters + (threadIdx.x / 32) * experts;  // rows placed so far, per expert
+  const int64_t chunks = layout.chunks_per_source();
+  for (int64_t chunk = me.first_warp; chunk < layout.num_ranks * chunks; chunk += me.num_warps) {
+    const int source = static_cast<int>(chunk / chunks);
     const int64_t num_ids = static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
-    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k), checked by count_rows
-    // Whole warps go round together (the shuffles below need every lane).
-    for (int64_t base = static_cast<int64_t>(cta) * blockDim.x + (threadIdx.x - lane);
-         base < num_ids; base += stride) {
-      const int64_t index = base + lane;
-      const int32_t expert = index < num_ids ? ids[index] : -1;
+    const int64_t first_id = (chunk % chunks) * kScheduleChunk;
+    if (first_id >= num_ids) continue;
+    const int32_t* before = view.chunk_rows() + chunk * experts;
+    for (int64_t expert = me.lane; expert < experts; expert += 32) {
+      placed[expert] = offsets[expert] + before[expert];
+    }
+    __syncwarp();
+    const int32_t* ids = view.topk(view.rank, source);
+    const int64_t end = min(first_id + kScheduleChunk, num_ids);
+    for (int64_t step = first_id; step < end; step += 32) {  // whole warps: the shuffles below
+      const int64_t index = step + me.lane;
+      const int32_t expert = index < end ? ids[index] : -1;
       const int64_t local_expert = expert - first_expert;
-      const bool mine = expert >= 0 && local_expert >= 0 && local_expert < experts_per_rank;
-      // One atomic per expert and warp: the lanes of the same expert take consecutive places.
-      const uint32_t same = __match_any_sync(0xffffffffu, mine ? static_cast<int32_t>(local_expert)
-                                                               : -1);
-      const int leader = __ffs(same) - 1;
-      int32_t place = 0;
-      if (mine && lane == leader) place = atomicAdd(&cursors[local_expert], __popc(same));
-      place = __shfl_sync(0xffffffffu, place, leader);
+      const bool mine = expert >= 0 && local_expert >= 0 && local_expert < experts;
+      // The lanes of one expert take its next places in lane order, i.e. in id order.
+      const uint32_t same =
+          __match_any_sync(0xffffffffu, mine ? static_cast<int32_t>(local_expert) : -1);
       if (mine) {
-        const int32_t row = offsets[local_expert] + place + __popc(same & ((1u << lane) - 1u));
-        row_source[row] = pack_row_source(layout, source, index / layout.top_k,
-                                          index % layout.top_k);
+        const int32_t row = placed[local_expert] + __popc(same & ((1u << me.lane) - 1u));
+        row_source[row] =
+            pack_row_source(layout, source, index / layout.top_k, index % layout.top_k);
         // Read in place by the reduce only from a workspace with expert_y.
         if (source == view.rank && layout.has_expert_y()) view.local_row()[index] = row;
       }
+      __syncwarp();
+      if (mine && me.lane == __ffs(same) - 1) placed[local_expert] += __popc(same);
+      __syncwarp();
     }
   }
 }
