@@ -156,20 +156,10 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
       expect_same("repeat", repeat, first);
     }
     if (run.use_graph) {
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t graph_exec = nullptr;
-      MOK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      enqueue();
-      MOK_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      MOK_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
-      for (int replay = 0; replay < 2; ++replay) {
-        poison();
-        MOK_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
+      replay_in_graph(stream, enqueue, 2, poison, [&](int replay) {
         layer.check(stream);
         expect_same("graph replay", replay, first);
-      }
-      MOK_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
-      MOK_CUDA_CHECK(cudaGraphDestroy(graph));
+      });
     }
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
     std::memcpy(y_all.data() + rank * tokens * hidden, first.data(), first.size() * sizeof(bf16));

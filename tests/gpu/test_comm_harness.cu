@@ -166,22 +166,12 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
     ws.check(stream);
     std::vector<bf16> result = y.download();
     if (options.use_graph) {
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t graph_exec = nullptr;
-      MOK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      enqueue();
-      MOK_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      MOK_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
-      for (int replay = 0; replay < options.graph_replays; ++replay) {
-        poison();
-        MOK_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
+      replay_in_graph(stream, enqueue, options.graph_replays, poison, [&](int replay) {
         ws.check(stream);
         const int64_t differs = first_difference(y.download(), result);
         MOK_CHECK_ARG(differs < 0, "graph", "rank ", rank, " replay ", replay,
                       " differs from the eager run at element ", differs);
-      }
-      MOK_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
-      MOK_CUDA_CHECK(cudaGraphDestroy(graph));
+      });
     }
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
     std::memcpy(y_all.data() + rank * tokens * hidden, result.data(), result.size() * sizeof(bf16));

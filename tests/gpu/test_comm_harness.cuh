@@ -59,6 +59,26 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
 // The CPU reference's y at EP = `ep`.
 std::vector<bf16> reference_y(const Problem& problem, int ep);
 
+// Captures enqueue() on `stream` into a CUDA graph, then `replays` times: before(), a replay,
+// after(replay).
+inline void replay_in_graph(cudaStream_t stream, const std::function<void()>& enqueue,
+                            int replays, const std::function<void()>& before,
+                            const std::function<void(int)>& after) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t graph_exec = nullptr;
+  MOK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  MOK_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOK_CUDA_CHECK(cudaGraphInstantiate(&graph_exec, graph, 0));
+  for (int replay = 0; replay < replays; ++replay) {
+    before();
+    MOK_CUDA_CHECK(cudaGraphLaunch(graph_exec, stream));
+    after(replay);
+  }
+  MOK_CUDA_CHECK(cudaGraphExecDestroy(graph_exec));
+  MOK_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
 // Index of the first element whose bits differ, or -1.
 int64_t first_difference(const std::vector<bf16>& a, const std::vector<bf16>& b);
 

@@ -22,15 +22,11 @@ struct Epilogue {
   using Config = TileConfig;
   static constexpr int kNumAccumulators = Config::BLOCK_N / 2;
 
-  // Where this thread's fragment lands: tile rows (row, row + 8) and column base of block j = 0.
-  struct Fragment {
-    int row;         // in the C tile, first of the pair row / row + 8
-    int column;      // in the C tile, of block j = 0
-    int rows_valid;  // rows of C in this tile (the rest are past the group or past M)
-    int columns_valid;
-    int64_t row_stride;
-    char* tile_base;  // C element (0, 0) of the tile
-    int64_t column_bytes;  // of the tile's first column within an output row
+  // Where this thread's fragment lands: the tile's place in C, and tile rows (row, row + 8) and
+  // the column base of block j = 0.
+  struct Fragment : TileInC {
+    int row;     // in the C tile, first of the pair row / row + 8
+    int column;  // in the C tile, of block j = 0
   };
 
   // Where row `tile_row` of a staged tile goes: row-major C, rows tile_base + row * row_stride.
@@ -47,29 +43,9 @@ struct Epilogue {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     Fragment fragment;
+    static_cast<TileInC&>(fragment) = tile_in_c<kKind, kEpilogue, Config>(params, tile);
     fragment.row = consumer_idx * 64 + warp_in_group * 16 + lane_idx / 4;
     fragment.column = 2 * (lane_idx % 4);
-    constexpr bool kSwiGlu = kEpilogue == EpilogueKind::kSwiGluBf16;
-    constexpr int kElementBytes = kEpilogue == EpilogueKind::kStoreFp32 ||
-                                          kEpilogue == EpilogueKind::kAccumulateFp32
-                                      ? 4
-                                      : 2;
-    const int output_columns = kSwiGlu ? params.n / 2 : params.n;
-    const int tile_columns = kSwiGlu ? Config::BLOCK_N / 2 : Config::BLOCK_N;
-    const int column_begin = tile.n_block * tile_columns;
-    fragment.columns_valid = output_columns - column_begin;
-    fragment.row_stride = static_cast<int64_t>(output_columns) * kElementBytes;
-    int64_t first_row;
-    if constexpr (kKind == GemmKind::kWgrad) {
-      fragment.rows_valid = params.m - tile.m_block * Config::BLOCK_M;
-      first_row = static_cast<int64_t>(tile.group) * params.m + tile.m_block * Config::BLOCK_M;
-    } else {
-      fragment.rows_valid = tile.row_count - tile.m_block * Config::BLOCK_M;
-      first_row = tile.row_begin + static_cast<int64_t>(tile.m_block) * Config::BLOCK_M;
-    }
-    fragment.column_bytes = static_cast<int64_t>(column_begin) * kElementBytes;
-    fragment.tile_base =
-        static_cast<char*>(params.output) + first_row * fragment.row_stride + fragment.column_bytes;
     return fragment;
   }
 
@@ -143,9 +119,7 @@ struct Epilogue {
       __syncwarp();
       if (lane_idx < 16) {
         const int row = warp_first_row + lane_idx;
-        constexpr int kTileColumns =
-            kEpilogue == EpilogueKind::kSwiGluBf16 ? Config::BLOCK_N / 2 : Config::BLOCK_N;
-        const int columns = min(f.columns_valid, kTileColumns);
+        const int columns = min(f.columns_valid, output_tile_columns<Config>(kEpilogue));
         if (row < f.rows_valid && columns > 0) {
           ptx::bulk_store(row_destination(f, tile, row), warp_staging + lane_idx * kPitch,
                           static_cast<uint32_t>(columns) * 2);

@@ -30,9 +30,12 @@ enum class EpilogueKind {
 // that up row. A 256-column tile thus holds 128 matching gate/up pairs in one thread's registers.
 constexpr int kSwiGluInterleave = 8;
 
-struct TileConfig {
-  static constexpr int BLOCK_M = 128;  // two consumer warpgroups of 64 rows
-  static constexpr int BLOCK_N = 256;
+// A CTA tile of (kBlockM, kBlockN) outputs, k-blocks of 64, a producer warpgroup and two consumer
+// warpgroups: what both engines' loaders, schedulers and layouts need of it.
+template <int kBlockM, int kBlockN>
+struct TileShape {
+  static constexpr int BLOCK_M = kBlockM;
+  static constexpr int BLOCK_N = kBlockN;
   static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of bf16
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
@@ -43,11 +46,23 @@ struct TileConfig {
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
 };
 
+// The cooperative engine's tile: both consumer warpgroups share it, 64 rows each.
+struct TileConfig : TileShape<128, 256> {};
+
 // bf16 results leave through a shared-memory staging tile and per-row bulk copies, so the
 // consumers go on to the next tile while the stores drain; fp32 results (twice the bytes, no
 // room for their staging tile) are stored from registers.
 __host__ __device__ constexpr bool uses_staged_store(EpilogueKind epilogue) {
   return epilogue == EpilogueKind::kStoreBf16 || epilogue == EpilogueKind::kSwiGluBf16;
+}
+
+// Bytes of one C element, and C columns of a tile BLOCK_N wide (SwiGLU halves them).
+__host__ __device__ constexpr int output_element_bytes(EpilogueKind epilogue) {
+  return uses_staged_store(epilogue) ? 2 : 4;
+}
+template <class Config>
+__host__ __device__ constexpr int output_tile_columns(EpilogueKind epilogue) {
+  return epilogue == EpilogueKind::kSwiGluBf16 ? Config::BLOCK_N / 2 : Config::BLOCK_N;
 }
 
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the output

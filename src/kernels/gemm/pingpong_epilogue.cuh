@@ -28,40 +28,23 @@ struct PingpongEpilogue {
   static constexpr int kNumRowBlocks = Config::BLOCK_M / 64;
   static constexpr int kRowBlockAccumulators = Config::BLOCK_N / 2;  // per thread
   static constexpr bool kSwiGlu = kEpilogue == EpilogueKind::kSwiGluBf16;
-  static constexpr int kElementBytes = uses_staged_store(kEpilogue) ? 2 : 4;
-  static constexpr int kTileColumns = kSwiGlu ? Config::BLOCK_N / 2 : Config::BLOCK_N;
+  static constexpr int kTileColumns = output_tile_columns<Config>(kEpilogue);
   using Accumulators = float[kNumRowBlocks][kRowBlockAccumulators];
 
-  // Where this thread's fragment lands: tile rows (row, row + 8) of row block 0, column of j = 0.
-  struct Fragment {
+  // Where this thread's fragment lands: the tile's place in C, and tile rows (row, row + 8) of
+  // row block 0 and the column of j = 0.
+  struct Fragment : TileInC {
     int row;
     int column;
-    int rows_valid;  // rows of C in this tile (the rest are past the group or past M)
-    int columns_valid;
-    int64_t row_stride;
-    char* tile_base;  // C element (0, 0) of the tile
   };
 
   __device__ static Fragment fragment(const GroupedGemmParams& params, const GroupedTile& tile) {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     Fragment fragment;
+    static_cast<TileInC&>(fragment) = tile_in_c<kKind, kEpilogue, Config>(params, tile);
     fragment.row = warp_in_group * 16 + lane_idx / 4;
     fragment.column = 2 * (lane_idx % 4);
-    const int output_columns = kSwiGlu ? params.n / 2 : params.n;
-    const int column_begin = tile.n_block * kTileColumns;
-    fragment.columns_valid = output_columns - column_begin;
-    fragment.row_stride = static_cast<int64_t>(output_columns) * kElementBytes;
-    int64_t first_row;
-    if constexpr (kKind == GemmKind::kWgrad) {
-      fragment.rows_valid = params.m - tile.m_block * Config::BLOCK_M;
-      first_row = static_cast<int64_t>(tile.group) * params.m + tile.m_block * Config::BLOCK_M;
-    } else {
-      fragment.rows_valid = tile.row_count - tile.m_block * Config::BLOCK_M;
-      first_row = tile.row_begin + static_cast<int64_t>(tile.m_block) * Config::BLOCK_M;
-    }
-    fragment.tile_base = static_cast<char*>(params.output) + first_row * fragment.row_stride +
-                         static_cast<int64_t>(column_begin) * kElementBytes;
     return fragment;
   }
 

@@ -16,21 +16,14 @@
 
 namespace mok::gemm {
 
+// One consumer warpgroup owns the tile: BLOCK_M / 64 wgmma rows, BLOCK_N such that each thread
+// holds 128 accumulators.
 template <int kBlockM>
-struct PingpongConfig {
+struct PingpongConfig : TileShape<kBlockM, 128 * 128 / kBlockM> {
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two wgmma row blocks of 64");
-  static constexpr int BLOCK_M = kBlockM;  // one consumer warpgroup: BLOCK_M / 64 wgmma rows
-  static constexpr int BLOCK_N = 128 * 128 / kBlockM;  // 128 accumulators per thread
-  static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of bf16
-  static constexpr int kNumConsumerWarpgroups = 2;
-  static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
-  static constexpr int kChunk = 64;    // MN-major tiles are loaded as 64-wide chunks
-  static constexpr uint32_t kChunkBytes = kChunk * BLOCK_K * 2;  // (BLOCK_K, 64) bf16
-  static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;     // (BLOCK_M, BLOCK_K) bf16
-  static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;     // (BLOCK_N, BLOCK_K) bf16
-  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
-  static constexpr uint32_t kRowBlockBytes = 64 * BLOCK_K * 2;  // 64 rows of A (or one chunk)
-  static_assert(kRowBlockBytes == kChunkBytes, "an MN-major A chunk is one wgmma row block");
+  using Shape = TileShape<kBlockM, 128 * 128 / kBlockM>;
+  static constexpr uint32_t kRowBlockBytes = 64 * Shape::BLOCK_K * 2;  // 64 rows of A (one chunk)
+  static_assert(kRowBlockBytes == Shape::kChunkBytes, "an MN-major A chunk is one wgmma row block");
 };
 
 // Named barriers of the ping-pong kernel: kMainloopTurn + c is "consumer c may start its

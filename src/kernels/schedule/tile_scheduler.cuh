@@ -20,6 +20,38 @@ struct GroupedTile {
   int row_count;  // rows of the group
 };
 
+// Where a tile of Config's size lands in C, for either engine's epilogue.
+struct TileInC {
+  char* tile_base;       // C element (0, 0) of the tile
+  int64_t row_stride;    // bytes between C rows
+  int64_t column_bytes;  // of the tile's first column within a C row
+  int rows_valid;        // rows of C in the tile (the rest are past the group, or past M)
+  int columns_valid;     // columns of C from the tile's first (past N when <= 0)
+};
+
+template <GemmKind kKind, EpilogueKind kEpilogue, class Config>
+__host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
+                                              const GroupedTile& tile) {
+  constexpr int kElementBytes = output_element_bytes(kEpilogue);
+  const int output_columns = kEpilogue == EpilogueKind::kSwiGluBf16 ? params.n / 2 : params.n;
+  const int column_begin = tile.n_block * output_tile_columns<Config>(kEpilogue);
+  TileInC place;
+  place.columns_valid = output_columns - column_begin;
+  place.row_stride = static_cast<int64_t>(output_columns) * kElementBytes;
+  int64_t first_row;
+  if constexpr (kKind == GemmKind::kWgrad) {
+    place.rows_valid = params.m - tile.m_block * Config::BLOCK_M;
+    first_row = static_cast<int64_t>(tile.group) * params.m + tile.m_block * Config::BLOCK_M;
+  } else {
+    place.rows_valid = tile.row_count - tile.m_block * Config::BLOCK_M;
+    first_row = tile.row_begin + static_cast<int64_t>(tile.m_block) * Config::BLOCK_M;
+  }
+  place.column_bytes = static_cast<int64_t>(column_begin) * kElementBytes;
+  place.tile_base =
+      static_cast<char*>(params.output) + first_row * place.row_stride + place.column_bytes;
+  return place;
+}
+
 template <GemmKind kKind, class Config = TileConfig>
 class GroupedTileScheduler {
  public:
