@@ -12,6 +12,7 @@
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
+#include "kernels/megakernel/row_gather.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/trace.cuh"
@@ -58,17 +59,19 @@ __device__ inline int routed_mblocks(const FusedForwardParams& params) {
 }
 
 // Producer lane 0, before a task's first load: its input rows are written and released.
+// dispatched_rows: a routed gate/up task's rows that the dispatch copies (its own tokens' rows are
+// read from x, row_gather.cuh).
 __device__ inline void wait_for_inputs(const FusedForwardParams& params, const TaskShape& shape,
-                                       const Task& task) {
+                                       const Task& task, uint32_t dispatched_rows) {
   const comm::WorkspaceView& view = params.view;
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
-      // The block's rows of its expert (row_begin is the ring's, not the call's).
-      const int rows = min(gemm::TileConfig::BLOCK_M,
-                           task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
-      wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
+      if (dispatched_rows > 0) {
+        wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, dispatched_rows,
+                     comm::Phase::kDispatch);
+      }
       if (task.mblock >= shape.ring_mblocks) {
         // The hidden rows' ring slot: free once the block a round back has been read by its down
         // tiles.
@@ -145,6 +148,7 @@ struct TaskRing {
   Task task[kTaskSlots];
   uint64_t full[kTaskSlots];
   uint64_t empty[kTaskSlots];
+  int4 gather_rows[32];  // the producer's own: the rows of its current gate/up tile (row_gather.cuh)
 };
 
 // The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
@@ -224,15 +228,23 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           break;
         }
         ++tasks;
+        RowGather gather{0, false};
+        if (task.kind == TaskKind::kGateUp) {
+          gather = plan_row_gather(params, task, lane, handoff.gather_rows);
+        }
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
-          wait_for_inputs(params, shape, task);
+          wait_for_inputs(params, shape, task, gather.dispatched_rows);
           if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
         }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
-        Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
-                   tail_phase);
+        if (gather.any_from_x) {
+          load_gathered(maps, smem, params.gemm[kind], task, handoff.gather_rows, state, lane);
+        } else {
+          Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                     tail_phase);
+        }
       }
     }
   } else {
