@@ -104,7 +104,7 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
                                 const RowDestination& row_destination = {}) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
   Store::init(gemm_params, task.tile, consumer_idx, accum);
-  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
+  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum, task.gathered);
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
@@ -148,7 +148,8 @@ struct TaskRing {
   Task task[kTaskSlots];
   uint64_t full[kTaskSlots];
   uint64_t empty[kTaskSlots];
-  int4 gather_rows[32];  // the producer's own: the rows of its current gate/up tile (row_gather.cuh)
+  // the producer's own: where the rows of its current gate/up tile start (row_gather.cuh)
+  const char* gather_rows[gemm::TileConfig::BLOCK_M];
 };
 
 // The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
@@ -209,6 +210,11 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
         const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
+        RowGather gather{0, false};
+        if (has_task && task.kind == TaskKind::kGateUp) {
+          gather = plan_row_gather(params, task, lane, handoff.gather_rows);
+          task.gathered = gather.any_from_x;
+        }
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
           ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
@@ -228,10 +234,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           break;
         }
         ++tasks;
-        RowGather gather{0, false};
-        if (task.kind == TaskKind::kGateUp) {
-          gather = plan_row_gather(params, task, lane, handoff.gather_rows);
-        }
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
           wait_for_inputs(params, shape, task, gather.dispatched_rows);
@@ -239,7 +241,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
-        if (gather.any_from_x) {
+        if (task.gathered) {
           load_gathered(maps, smem, params.gemm[kind], task, handoff.gather_rows, state, lane);
         } else {
           Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,

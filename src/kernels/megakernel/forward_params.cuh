@@ -45,7 +45,7 @@ using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
 // Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
-inline constexpr uint32_t kProducerRegisters = 72;
-inline constexpr uint32_t kConsumerRegisters = 216;
+inline constexpr uint32_t kProducerRegisters = 80;
+inline constexpr uint32_t kConsumerRegisters = 208;
 
 }  // namespace mok::megakernel
