@@ -90,23 +90,26 @@ __device__ inline void load_gathered(const FusedForwardMaps& maps, const Loop::S
   for (int k_block = 0; k_block < num_blocks; ++k_block) {
     ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
     uint64_t* full = &smem.full[state.index];
+    // B first, its bytes announced without arriving: the phase cannot end before the one arrival
+    // below, which comes after every lane's copies are counted.
+    if (lane == 0) {
+      ptx::mbarrier_expect_tx(full, Config::kBBytes);
+      ptx::tma_load_3d(smem.b_stage(state.index), &maps.b[static_cast<int>(TaskKind::kGateUp)],
+                       full, k_block * Config::BLOCK_K, task.tile.n_block * Config::BLOCK_N,
+                       task.tile.group);
+    }
     const int column_bytes = k_block * kRowBytes + chunk * 16;
     // Past K (a multiple of 8 columns): zeros, as the TMA box's out-of-bounds fill.
     const uint32_t source_bytes = column_bytes < row_bytes ? 16 : 0;
     uint8_t* a = smem.a_stage(state.index);
-#pragma unroll 8
+#pragma unroll 16
     for (int row = first_row; row < Config::BLOCK_M; row += kRowsPerStep) {
       ptx::cp_async_16(a + row * kRowBytes + ((chunk ^ (row % 8)) * 16),
                        row_start[row] + (source_bytes != 0 ? column_bytes : 0), source_bytes);
     }
     ptx::cp_async_mbarrier_arrive(full);
     __syncwarp();  // every lane's copies are counted before the one arrival can end the phase
-    if (lane == 0) {
-      ptx::mbarrier_arrive_expect_tx(full, Config::kBBytes);
-      ptx::tma_load_3d(smem.b_stage(state.index), &maps.b[static_cast<int>(TaskKind::kGateUp)],
-                       full, k_block * Config::BLOCK_K, task.tile.n_block * Config::BLOCK_N,
-                       task.tile.group);
-    }
+    if (lane == 0) ptx::mbarrier_arrive(full);
     __syncwarp();
     state.advance();
   }
