@@ -44,8 +44,9 @@ struct FusedForwardParams {
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
-// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
-inline constexpr uint32_t kProducerRegisters = 80;
+// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks
+// and gathers rows (row_gather.cuh).
+inline constexpr uint32_t kProducerRegisters = 88;
 inline constexpr uint32_t kConsumerRegisters = 208;
 
 }  // namespace mok::megakernel

@@ -83,6 +83,9 @@ __device__ inline void load_gathered(const FusedForwardMaps& maps, const Loop::S
   constexpr int kRowBytes = Config::BLOCK_K * 2;  // one swizzled line
   constexpr int kChunks = kRowBytes / 16;         // 16-byte chunks per line, one per lane
   constexpr int kRowsPerStep = 32 / kChunks;      // lines one warp instruction fills
+  constexpr int kSteps = Config::BLOCK_M / kRowsPerStep;  // warp instructions per k-block
+  constexpr int kBatch = 8;                               // row starts read at once
+  static_assert(kSteps % kBatch == 0, "whole batches");
   const int chunk = lane % kChunks;
   const int first_row = lane / kChunks;
   const int num_blocks = gemm::ceil_div(params.k, Config::BLOCK_K);
@@ -102,10 +105,20 @@ __device__ inline void load_gathered(const FusedForwardMaps& maps, const Loop::S
     // Past K (a multiple of 8 columns): zeros, as the TMA box's out-of-bounds fill.
     const uint32_t source_bytes = column_bytes < row_bytes ? 16 : 0;
     uint8_t* a = smem.a_stage(state.index);
-#pragma unroll 16
-    for (int row = first_row; row < Config::BLOCK_M; row += kRowsPerStep) {
-      ptx::cp_async_16(a + row * kRowBytes + ((chunk ^ (row % 8)) * 16),
-                       row_start[row] + (source_bytes != 0 ? column_bytes : 0), source_bytes);
+    // The row starts of a batch are read before its copies are issued: each copy is an asm
+    // statement that clobbers memory, so a read between two of them would wait out its latency.
+    const int64_t offset = source_bytes != 0 ? column_bytes : 0;
+#pragma unroll
+    for (int batch = 0; batch < kSteps; batch += kBatch) {
+      const char* source[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) source[i] = row_start[first_row + (batch + i) * kRowsPerStep];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int row = first_row + (batch + i) * kRowsPerStep;
+        ptx::cp_async_16(a + row * kRowBytes + ((chunk ^ (row % 8)) * 16), source[i] + offset,
+                         source_bytes);
+      }
     }
     ptx::cp_async_mbarrier_arrive(full);
     __syncwarp();  // every lane's copies are counted before the one arrival can end the phase
