@@ -10,11 +10,12 @@
 
 namespace mok::ptx {
 
-// 16 bytes, both addresses 16-byte aligned; cached in L2 only. Only the first source_bytes
+// 16 bytes, both addresses 16-byte aligned; cached in L2 only, which fetches the 256-byte line
+// pair around it (the next 128 bytes of a row are the next k-block). Only the first source_bytes
 // (0 or 16) are read, the rest of the 16 are zero-filled.
 __device__ __forceinline__ void cp_async_16(void* shared_destination, const void* global_source,
                                             uint32_t source_bytes = 16) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(
                    smem_address(shared_destination)),
                "l"(global_source), "r"(source_bytes)
                : "memory");
