@@ -12,7 +12,6 @@
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
-#include "kernels/megakernel/handoff.cuh"
 #include "kernels/megakernel/row_gather.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
@@ -139,6 +138,20 @@ __device__ inline void finish_down_tiles(const FusedForwardParams& params, uint3
   }
 }
 
+// The tasks the producer took, decoded, handed to the consumers in order: kTaskSlots slots, each
+// with a full barrier (the producer wrote it) and an empty one (every consumer warp has read it).
+// A slot whose task.mblock is kNoTask tells the consumers to stop.
+inline constexpr int kTaskSlots = 4;
+inline constexpr int kNoTask = -1;
+
+struct TaskRing {
+  Task task[kTaskSlots];
+  uint64_t full[kTaskSlots];
+  uint64_t empty[kTaskSlots];
+  // the producer's own: where the rows of its current gate/up tile start (row_gather.cuh)
+  const char* gather_rows[gemm::TileConfig::BLOCK_M];
+};
+
 // The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
 // rank's counter as soon as the previous task's loads are issued, so a CTA that joins late (a
 // communication CTA done with the dispatch) or runs slow tiles simply takes fewer tasks.
@@ -148,13 +161,13 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
   __shared__ TaskRing handoff;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < RingLayout::kNumStages; ++stage) {
-      ptx::mbarrier_init(&smem.full[stage], kProducerWarps);  // one arrival per producer warp
+      ptx::mbarrier_init(&smem.full[stage], 1);
       ptx::mbarrier_init(&smem.empty[stage], gemm::TileConfig::kNumConsumerWarpgroups * 4);
     }
     ptx::mbarrier_init(smem.tail, 1);
     for (int slot = 0; slot < kTaskSlots; ++slot) {
       ptx::mbarrier_init(&handoff.full[slot], 1);
-      ptx::mbarrier_init(&handoff.empty[slot], kTaskReaderWarps);
+      ptx::mbarrier_init(&handoff.empty[slot], gemm::TileConfig::kNumConsumerWarpgroups * 4);
     }
     ptx::fence_barrier_init();
   }
@@ -197,19 +210,15 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
         const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
+        RowGather gather{0, false};
+        if (has_task && task.kind == TaskKind::kGateUp) {
+          gather = plan_row_gather(params, task, lane, handoff.gather_rows);
+          task.gathered = gather.any_from_x;
+        }
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
           ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
           if (tracing) slot_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
-        }
-        __syncwarp();  // the slot, its gather rows included, is free
-        RowGather gather{0, false};
-        const char* const* gather_rows = handoff.gather_rows[slot];
-        if (has_task && task.kind == TaskKind::kGateUp) {
-          gather = plan_row_gather(params, task, lane, handoff.gather_rows[slot]);
-          task.gathered = gather.any_from_x;
-        }
-        if (lane == 0) {
           handoff.task[slot] = task;
           ptx::mbarrier_arrive(&handoff.full[slot]);
         }
@@ -233,14 +242,12 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
         if (task.gathered) {
-          load_gathered(maps, smem, params.gemm[kind], task, gather_rows, state, lane);
+          load_gathered(maps, smem, params.gemm[kind], task, handoff.gather_rows, state, lane);
         } else {
           Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
                      tail_phase);
         }
       }
-    } else {
-      help_gather(params, smem, handoff, static_cast<int>(threadIdx.x / 32), lane);
     }
   } else {
     ptx::setmaxnreg_increase<kConsumerRegisters>();
