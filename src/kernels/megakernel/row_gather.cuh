@@ -86,26 +86,11 @@ __device__ inline void load_gathered(const FusedForwardMaps& maps, const Loop::S
   constexpr int kSteps = Config::BLOCK_M / kRowsPerStep;  // warp instructions per k-block
   constexpr int kBatch = 8;                               // row starts read at once
   static_assert(kSteps % kBatch == 0, "whole batches");
-  constexpr int kPrefetchBlocks = 16;  // k-blocks of the rows fetched into L2 at once
   const int chunk = lane % kChunks;
   const int first_row = lane / kChunks;
   const int num_blocks = gemm::ceil_div(params.k, Config::BLOCK_K);
   const int row_bytes = params.k * 2;
   for (int k_block = 0; k_block < num_blocks; ++k_block) {
-    if (k_block % kPrefetchBlocks == 0) {
-      // Own rows are in x, mostly not in L2 (unlike a peer's, which the dispatch has just
-      // written): each window of k-blocks is fetched into L2 one window ahead, 4 rows a lane.
-      for (int window = k_block == 0 ? 0 : 1; window < 2; ++window) {
-        const int first_column_bytes = (k_block + window * kPrefetchBlocks) * kRowBytes;
-        if (first_column_bytes >= row_bytes) break;
-        const uint32_t bytes = static_cast<uint32_t>(
-            min(kPrefetchBlocks * kRowBytes, row_bytes - first_column_bytes));
-#pragma unroll
-        for (int row = lane; row < Config::BLOCK_M; row += 32) {
-          ptx::prefetch_l2(row_start[row] + first_column_bytes, bytes);
-        }
-      }
-    }
     ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
     uint64_t* full = &smem.full[state.index];
     // B first, its bytes announced without arriving: the phase cannot end before the one arrival

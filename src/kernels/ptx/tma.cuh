@@ -17,14 +17,6 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* tensor_ma
                : "memory");
 }
 
-// Brings `bytes` (a multiple of 16) from a 16-byte-aligned global address into L2, asynchronously
-// (the bulk copy engine; nothing to wait for).
-__device__ __forceinline__ void prefetch_l2(const void* source, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<uint64_t>(source)),
-               "r"(bytes)
-               : "memory");
-}
-
 // Box at (inner, outer) element coordinates.
 __device__ __forceinline__ void tma_load_2d(void* destination, const CUtensorMap* tensor_map,
                                             uint64_t* barrier, int32_t inner, int32_t outer) {
