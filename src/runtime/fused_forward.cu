@@ -85,13 +85,6 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                                "down"),
       // (the output pointer is unused: RowsToOwners places every row)
       static_cast<int>(hidden), static_cast<int>(inter), ws.expert_y());
-  // The routed gate/up tiles' rows one by one (row_gather.cuh): own tokens from x, a peer's from
-  // the ring.
-  maps.expert_x_rows = gemm::make_tensor_map_2d(ws.expert_x(), rows, hidden, 1, "expert_x");
-  if (num_tokens > 0) {
-    maps.x_rows =
-        gemm::make_tensor_map_2d(x, static_cast<uint64_t>(num_tokens), hidden, 1, "x");
-  }
   if (has_shared) {
     set(TaskKind::kSharedGateUp,
         gemm::make_tensor_map_2d(x, static_cast<uint64_t>(num_tokens), hidden,

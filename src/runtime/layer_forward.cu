@@ -282,9 +282,9 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
 // move and ~6·H·I_eff FLOPs to compute (I_eff = I + I_s / k: the shared expert's work per routed
 // row), so the copy rate needed, hence the CTAs, goes as 1 / I_eff. Fitted on the sweep of
 // docs/perf-notes/layer.md (2× H200): deepseek-v3 (I_eff 2304) is fastest at 8 CTAs,
-// qwen3-30b-a3b (768) at 24. At EP 1 nothing is copied (the gate/up tiles read x): 1, the least.
+// qwen3-30b-a3b (768) at 24. At EP 1 the dispatch is a local copy: 8.
 int LayerForward::default_comm_ctas() const {
-  if (workspace_.num_ranks() == 1) return 1;
+  if (workspace_.num_ranks() == 1) return 8;
   const double effective_inter = static_cast<double>(shape_.intermediate) +
                                  static_cast<double>(shape_.shared_intermediate) /
                                      static_cast<double>(shape_.top_k);

@@ -85,18 +85,14 @@ struct Mainloop {
   static constexpr bool kGroupInFlight = kKind != GemmKind::kForward;
 
   // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`.
-  // stages_by_threads: some of the stages' bytes were written by threads (cp.async), not by TMA,
-  // so each stage's view is fenced for the async proxy (wgmma) once its barrier has completed.
   __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
-                             float (&accum)[Mma::kNumAccumulators],
-                             bool stages_by_threads = false) {
+                             float (&accum)[Mma::kNumAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
     int previous_stage = -1;
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
       ptx::mbarrier_wait(&smem.full[state.index], state.phase);
-      if (stages_by_threads) ptx::fence_proxy_async_shared();
       const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) +
                               consumer_idx * (Config::kABytes / Config::kNumConsumerWarpgroups);
       const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index));

@@ -82,49 +82,40 @@ __device__ inline void communicate(const FusedForwardParams& params) {
   const int32_t* row_source = view.row_source();
 
   // Rows in order, dealt to every communication warp in turn, so row blocks fill front to back.
-  // Each warp's rows increase, so a warp waiting for a ring slot holds back only later rows. Only
-  // a peer's rows are copied: the gate/up tiles read this rank's own tokens from x (row_gather.cuh),
-  // so one rank alone copies nothing. A warp reads the sources of its next 32 rows at once.
+  // Each warp's rows increase, so a warp waiting for a ring slot holds back only later rows.
   constexpr int kRows = gemm::TileConfig::BLOCK_M;
   uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
   const uint32_t gate_up_tiles = static_cast<uint32_t>(
       gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kGateUp)].n, gemm::TileConfig::BLOCK_N));
-  const int64_t stride = static_cast<int64_t>(params.num_comm_ctas) * warps;
   int slot_free_below = params.ring_mblocks;  // blocks this warp knows it may write
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * warps + warp;
-       layout.num_ranks > 1 && first < num_rows; first += 32 * stride) {
-    const int64_t lane_row = first + lane * stride;
-    const int32_t lane_packed = lane_row < num_rows ? row_source[lane_row] : -1;
-    // padding (-1) is never counted, never read
-    const bool lane_copies =
-        lane_packed >= 0 && comm::unpack_row_source(layout, lane_packed).rank != view.rank;
-    for (uint32_t pending = __ballot_sync(0xffffffffu, lane_copies); pending != 0;
-         pending &= pending - 1) {
-      const int index = __ffs(static_cast<int>(pending)) - 1;
-      const int64_t row = first + index * stride;
-      const int32_t packed = __shfl_sync(0xffffffffu, lane_packed, index);
-      const int mblock = static_cast<int>(row / kRows);
-      if (mblock >= slot_free_below) {
-        // A later round: the block's ring slot is free once the gate/up tiles of the block a
-        // round back have read it.
-        bool ok = true;
-        if (lane == 0) {
-          ok = wait_counter(view, comm::TaskCounter::kHiddenReady, mblock - params.ring_mblocks,
-                            gate_up_tiles, comm::Phase::kDispatch);
-        }
-        if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) return;
-        slot_free_below = mblock + 1;
-      }
-      const int64_t ring_row = row - ring_round_base(mblock, params.ring_mblocks);
-      const comm::RowSource source = comm::unpack_row_source(layout, packed);
-      comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
-          view.x_row(source.rank, source.token), view.expert_x_row(ring_row), layout.row_bytes(),
-          lane);
-      __syncwarp();
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < num_rows;
+       row += static_cast<int64_t>(params.num_comm_ctas) * warps) {
+    const int32_t packed = row_source[row];
+    if (packed < 0) continue;  // padding: never counted, never read
+    const int mblock = static_cast<int>(row / kRows);
+    if (mblock >= slot_free_below) {
+      // A later round: the block's ring slot is free once the gate/up tiles of the block a round
+      // back have read it.
+      bool ok = true;
       if (lane == 0) {
-        __threadfence();
-        atomicAdd(arrived + mblock, 1u);
+        ok = wait_counter(view, comm::TaskCounter::kHiddenReady, mblock - params.ring_mblocks,
+                          gate_up_tiles, comm::Phase::kDispatch);
       }
+      if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) return;
+      slot_free_below = mblock + 1;
+    }
+    const int64_t ring_row = row - ring_round_base(mblock, params.ring_mblocks);
+    const comm::RowSource source = comm::unpack_row_source(layout, packed);
+    const char* from = source.rank == view.rank
+                           ? reinterpret_cast<const char*>(params.x) +
+                                 static_cast<int64_t>(source.token) * layout.row_bytes()
+                           : view.x_row(source.rank, source.token);
+    comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
+        from, view.expert_x_row(ring_row), layout.row_bytes(), lane);
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      atomicAdd(arrived + row / gemm::TileConfig::BLOCK_M, 1u);
     }
   }
 

@@ -12,7 +12,6 @@
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
-#include "kernels/megakernel/row_gather.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/trace.cuh"
@@ -59,19 +58,17 @@ __device__ inline int routed_mblocks(const FusedForwardParams& params) {
 }
 
 // Producer lane 0, before a task's first load: its input rows are written and released.
-// dispatched_rows: a routed gate/up task's rows that the dispatch copies (its own tokens' rows are
-// read from x, row_gather.cuh).
 __device__ inline void wait_for_inputs(const FusedForwardParams& params, const TaskShape& shape,
-                                       const Task& task, uint32_t dispatched_rows) {
+                                       const Task& task) {
   const comm::WorkspaceView& view = params.view;
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
-      if (dispatched_rows > 0) {
-        wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, dispatched_rows,
-                     comm::Phase::kDispatch);
-      }
+      // The block's rows of its expert (row_begin is the ring's, not the call's).
+      const int rows = min(gemm::TileConfig::BLOCK_M,
+                           task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
+      wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
       if (task.mblock >= shape.ring_mblocks) {
         // The hidden rows' ring slot: free once the block a round back has been read by its down
         // tiles.
@@ -104,7 +101,7 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
                                 const RowDestination& row_destination = {}) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
   Store::init(gemm_params, task.tile, consumer_idx, accum);
-  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum, task.gathered);
+  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
@@ -148,8 +145,6 @@ struct TaskRing {
   Task task[kTaskSlots];
   uint64_t full[kTaskSlots];
   uint64_t empty[kTaskSlots];
-  // the producer's own: where the rows of its current gate/up tile start (row_gather.cuh)
-  const char* gather_rows[gemm::TileConfig::BLOCK_M];
 };
 
 // The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
@@ -210,11 +205,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
         const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
-        RowGather gather{0, false};
-        if (has_task && task.kind == TaskKind::kGateUp) {
-          gather = plan_row_gather(params, task, lane, handoff.gather_rows);
-          task.gathered = gather.any_from_x;
-        }
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
           ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
@@ -236,17 +226,13 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         ++tasks;
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
-          wait_for_inputs(params, shape, task, gather.dispatched_rows);
+          wait_for_inputs(params, shape, task);
           if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
         }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
-        if (task.gathered) {
-          load_gathered(maps, smem, params.gemm[kind], task, handoff.gather_rows, state, lane);
-        } else {
-          Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
-                     tail_phase);
-        }
+        Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                   tail_phase);
       }
     }
   } else {

@@ -4,10 +4,9 @@
 //   the first num_schedule_ctas CTAs first: the schedule — stage x into the window, push topk_idx
 //     to every rank, count and order the rows of the local experts (token_schedule.cuh); the
 //     other CTAs start on the shared gate/up tiles (they read the caller's x) meanwhile
-//   communication CTAs (blockIdx < num_comm_ctas): the dispatch — pull every row a peer routes
-//     here into expert_x in row order, counting each row block's arrivals
-//     (TaskCounter::kRowsArrived) — then they compute too. This rank's own tokens are not copied:
-//     the gate/up tiles read them from x (row_gather.cuh)
+//   communication CTAs (blockIdx < num_comm_ctas): the dispatch — pull every routed row into
+//     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived) —
+//     then they compute too
 //   compute: the GEMM engine's producer warpgroup and two consumer warpgroups take tasks of the
 //     list of task_list.cuh by ticket. The producer waits for a task's inputs before loading its
 //     first k-block; after a gate/up tile's stores complete, the consumers raise its row block's

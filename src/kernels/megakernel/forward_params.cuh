@@ -14,13 +14,10 @@
 
 namespace mok::megakernel {
 
-// Indexed by TaskKind: A (rows, K) and B (groups, N, K) of each GEMM; then the routed gate/up
-// tiles' A one row per box (row_gather.cuh): x (T, H) and the expert_x ring (rows, H).
+// Indexed by TaskKind: A (rows, K) and B (groups, N, K) of each GEMM.
 struct FusedForwardMaps {
   CUtensorMap a[kNumTaskKinds];
   CUtensorMap b[kNumTaskKinds];
-  CUtensorMap x_rows;
-  CUtensorMap expert_x_rows;
 };
 
 struct FusedForwardParams {
@@ -44,9 +41,8 @@ struct FusedForwardParams {
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
-// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks
-// and gathers rows (row_gather.cuh).
-inline constexpr uint32_t kProducerRegisters = 88;
-inline constexpr uint32_t kConsumerRegisters = 208;
+// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
+inline constexpr uint32_t kProducerRegisters = 64;
+inline constexpr uint32_t kConsumerRegisters = 216;
 
 }  // namespace mok::megakernel

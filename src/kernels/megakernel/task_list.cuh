@@ -64,9 +64,6 @@ struct Task {
   int mblock;             // row block: of the call's expert rows, or of this rank's tokens (shared)
   // Routed down tile whose block's ring slot a later round reuses: it reports that it has read it.
   bool frees_ring_block;
-  // Routed gate/up tile whose A rows the producer copies with cp.async (row_gather.cuh): the
-  // consumers fence before their wgmma read a stage. Set by the producer, not by decode.
-  bool gathered;
   gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take; row_begin is the expert's
                            // first row in the ring buffers' round of this block
 };
@@ -110,7 +107,6 @@ class TaskScheduler {
     if (segment_ >= num_segments_) return false;
     task.kind = kind_;
     task.frees_ring_block = false;
-    task.gathered = false;
     if (is_shared(kind_)) {
       const int local = task_ - segment_first_;
       const int mblock = local % shape_.shared_mblocks;

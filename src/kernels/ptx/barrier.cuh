@@ -34,14 +34,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uin
                : "memory");
 }
 
-// Announces `bytes` of asynchronous transactions for the current phase without arriving.
-__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(
-                   smem_address(barrier)),
-               "r"(bytes)
-               : "memory");
-}
-
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {
   uint32_t done;
   asm volatile(
