@@ -36,4 +36,50 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* barrier, uint3
       : "memory");
 }
 
+// Stores `value` at the same shared-memory offset as `local` in CTA `cta_rank` of this cluster.
+__device__ __forceinline__ void store_shared_cluster(int* local, uint32_t cta_rank, int value) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "st.shared::cluster.u32 [remote], %2;\n"
+      "}\n" ::"r"(smem_address(local)),
+      "r"(cta_rank), "r"(value)
+      : "memory");
+}
+
+// Arrives on the peer's mbarrier with a cluster-scope release: what this thread stored into the
+// peer's shared memory before it is visible to the peer's threads that wait on the barrier with
+// mbarrier_wait_cluster.
+__device__ __forceinline__ void mbarrier_arrive_release_cluster(uint64_t* barrier,
+                                                                uint32_t cta_rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_address(barrier)),
+      "r"(cta_rank)
+      : "memory");
+}
+
+// mbarrier_wait with a cluster-scope acquire (the arrivals came from another CTA of the cluster).
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* barrier, uint32_t parity) {
+  uint32_t polls = 0;
+  for (;;) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred ready;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, ready;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_address(barrier)), "r"(parity)
+        : "memory");
+    if (done != 0) return;
+    if (++polls == (1u << 30)) __trap();
+  }
+}
+
 }  // namespace mok::ptx
