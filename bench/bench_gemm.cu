@@ -1,14 +1,12 @@
 // Benchmark of the grouped expert GEMMs at one rank of EP2 with balanced routing
 // (2 ranks x 8192 tokens x top-8 = 65,536 rows over the rank's experts), per preset:
 // gate/up (plain and SwiGLU-fused), down, dgrad and wgrad. Median of timed iterations with CUDA
-// events after warm-up, on random (never zero) data. Every case runs on each engine back to back
-// (same clocks): the cooperative kernel, the ping-pong kernel, and for the forward GEMMs the
-// cooperative kernel in 2-CTA clusters sharing weight k-blocks (pairs). Writes one JSON object
-// per case and engine to --out; bench/baselines/torch_grouped_mm.py adds torch's figures measured
-// in the same device run.
+// events after warm-up, on random (never zero) data. Every case runs on both engines, the
+// cooperative and the ping-pong kernel, back to back (same clocks). Writes one JSON object per
+// case and engine to --out; bench/baselines/torch_grouped_mm.py adds torch's figures measured in
+// the same device run.
 //
-//   bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE]
-//              [--engine cooperative|pingpong|pairs]
+//   bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE] [--engine cooperative|pingpong]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -139,16 +137,12 @@ int main(int argc, char** argv) {
         {"gemm-wgrad-gateup", gate_up, [&](const LaunchOptions& o) { grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
         {"gemm-wgrad-down", down, [&](const LaunchOptions& o) { grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
     };
-    const std::pair<const char*, GemmEngine> engines[] = {{"cooperative", GemmEngine::kCooperative},
-                                                          {"pingpong", GemmEngine::kPingpong},
-                                                          {"pairs", GemmEngine::kPairs}};
+    const std::pair<const char*, GemmEngine> engines[] = {
+        {"cooperative", GemmEngine::kCooperative}, {"pingpong", GemmEngine::kPingpong}};
     for (const Case& c : cases) {
       if (!only.empty() && only != std::string(preset_name) + "/" + c.phase) continue;
-      const bool forward = std::strncmp(c.phase, "gemm-dgrad", 10) != 0 &&
-                           std::strncmp(c.phase, "gemm-wgrad", 10) != 0;
       for (const auto& [engine_name, engine] : engines) {
         if (!only_engine.empty() && only_engine != engine_name) continue;
-        if (engine == GemmEngine::kPairs && !forward) continue;  // built for the forward only
         LaunchOptions options;
         options.engine = engine;
         const double ms = median_ms([&] { c.launch(options); }, iterations);

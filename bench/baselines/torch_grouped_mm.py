@@ -7,8 +7,8 @@ dense bf16 GEMM rate (8192^3), and writes bench/results JSON in schema mok-bench
   dgrad    torch._grouped_mm(dy, W, offs=offs)                    dx = dy W per expert
   wgrad    torch._grouped_mm(dy.t(), x, offs=offs)                dW = dy^T x per expert
 The SwiGLU-fused case is compared with the plain torch gate/up GEMM (torch has no fused one).
-mok runs every case on each engine (cooperative, ping-pong, pairs for the forward GEMMs); torch is
-timed once per case and each engine's figure is set beside it.
+mok runs every case on each engine (cooperative, ping-pong); torch is timed once per case and
+each engine's figure is set beside it.
 Median of >= 20 CUDA-event-timed iterations after warm-up, random data; mok's and torch's figures
 are each the mean over passes (mok before and after torch, torch twice), since the clocks drift
 under the power cap during a run.
@@ -133,18 +133,17 @@ def combine(args):
         torch_ms = f"{c['baseline_ms']:9.3f}" if c["baseline_ms"] else "      n/a"
         speedup = f"{c['speedup']:7.3f}" if c["speedup"] else "    n/a"
         print(f"{c['name']:54s} {c['mok_ms']:8.3f} {c['useful_tflops']:7.0f} {torch_ms} {torch_tf} {speedup}")
-    # Side by side: each other engine (ping-pong, pairs) against the cooperative one, per case.
+    # Side by side: ping-pong against cooperative, per case.
     by_key = {(c["preset"], c["phase"], c["engine"]): c for c in cases}
-    vs_torch = lambda x: f"{x['speedup']:.3f}" if x["speedup"] else "n/a"
-    print(f"{'case':40s} {'engine':>8s} {'coop TF':>8s} {'TF':>7s} {'/coop':>8s} {'coop/torch':>10s} "
-          f"{'/torch':>9s}")
+    print(f"{'case':40s} {'coop TF':>8s} {'pp TF':>7s} {'pp/coop':>8s} {'coop/torch':>10s} {'pp/torch':>9s}")
     for (preset, phase, engine), c in by_key.items():
-        if engine == "cooperative" or (preset, phase, "cooperative") not in by_key:
+        if engine != "pingpong" or (preset, phase, "cooperative") not in by_key:
             continue
         coop = by_key[(preset, phase, "cooperative")]
-        print(f"{preset + '/' + phase:40s} {engine:>8s} {coop['useful_tflops']:8.0f} "
-              f"{c['useful_tflops']:7.0f} {coop['mok_ms'] / c['mok_ms']:8.3f} {vs_torch(coop):>10s} "
-              f"{vs_torch(c):>9s}")
+        vs_torch = lambda x: f"{x['speedup']:.3f}" if x["speedup"] else "n/a"
+        print(f"{preset + '/' + phase:40s} {coop['useful_tflops']:8.0f} {c['useful_tflops']:7.0f} "
+              f"{coop['mok_ms'] / c['mok_ms']:8.3f} {vs_torch(coop):>10s} {vs_torch(c):>9s}")
+
 
 def main():
     parser = argparse.ArgumentParser()

@@ -31,8 +31,6 @@ enum class GemmEngine {
   kAuto,         // the faster one for the case, as measured (docs/perf-notes/gemm.md)
   kCooperative,  // two consumer warpgroups share one 128 x 256 tile (epilogues stall the MMAs)
   kPingpong,     // each consumer warpgroup owns a 128 x 128 tile; their mainloops alternate
-  kPairs,        // cooperative tiles in 2-CTA clusters: two m-blocks of one weight tile, each
-                 // weight k-block loaded once for both (TMA multicast); forward GEMMs only
 };
 
 struct LaunchOptions {

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch
-# (mok on every engine: cooperative, ping-pong and, for the forward GEMMs, pairs; torch timed in
-# two passes each), the chart, a SASS check and Nsight Compute profiles of the plain and
-# SwiGLU-fused gate/up GEMM on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative
-# pingpong), on GPU 0. Results and logs go to the results folder.
+# (mok on both engines, cooperative and ping-pong, and torch timed in two passes each), the
+# chart, a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused gate/up GEMM
+# on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative pingpong), on GPU 0. Results and
+# logs go to the results folder.
 #
 #   OUT=/tmp/out scripts/device/gemm.sh [BIN_DIR]
 # BIN_DIR holds mok_gpu_tests (or a GEMM-only mok_gemm_tests) and bench_gemm, e.g. built here with

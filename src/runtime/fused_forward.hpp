@@ -39,9 +39,6 @@ struct FusedForwardConfig {
   // expert's gate/up tiles meanwhile.
   int schedule_ctas = 0;
   uint64_t* trace = nullptr;  // (num_ctas, kTraceFields) timeline, or null
-  // 2-CTA clusters that load each weight k-block once for both (the GEMM engine's pairs): then
-  // num_ctas and comm_ctas must be even.
-  bool pairs = false;
 };
 
 // Dynamic shared memory of one CTA.

@@ -17,11 +17,11 @@ namespace {
 
 struct LaunchConfig {
   int num_ctas;
-  GemmEngine engine;  // resolved: kCooperative, kPingpong or kPairs
-  int block_m() const { return engine == GemmEngine::kPingpong ? 128 : TileConfig::BLOCK_M; }
-  int block_n() const { return engine == GemmEngine::kPingpong ? 128 : TileConfig::BLOCK_N; }
-  // Rows of the B box: a pair's CTAs load half a tile each.
-  int b_box_rows() const { return engine == GemmEngine::kPairs ? block_n() / 2 : block_n(); }
+  int pingpong_block_m;  // ping-pong kernel, (BLOCK_M, 16384 / BLOCK_M) tiles; 0: cooperative
+  int block_m() const { return pingpong_block_m > 0 ? pingpong_block_m : TileConfig::BLOCK_M; }
+  int block_n() const {
+    return pingpong_block_m > 0 ? 128 * 128 / pingpong_block_m : TileConfig::BLOCK_N;
+  }
 };
 
 int device_sm_count() {
@@ -32,40 +32,34 @@ int device_sm_count() {
   return count;
 }
 
-// The engine for a case. kAuto follows runs 5 and 6 of docs/perf-notes/gemm.md: the ping-pong
-// mainloop runs at ~92 % of the cooperative one's rate per clock, which only the short-K plain
-// forward GEMM (qwen3-30b down, K = 768: 1.06-1.07x in both runs) wins back; everything else stays
-// cooperative.
-GemmEngine pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
-                       int reduction_length) {
+// The engine for a case; returns the ping-pong tile's BLOCK_M, or 0 for the cooperative kernel.
+// kAuto follows runs 5 and 6 of docs/perf-notes/gemm.md: the ping-pong mainloop runs at ~92 % of
+// the cooperative one's rate per clock, which only the short-K plain forward GEMM (qwen3-30b down,
+// K = 768: 1.06-1.07x in both runs) wins back; everything else stays cooperative.
+int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
+                int reduction_length) {
   switch (options.engine) {
-    case GemmEngine::kCooperative:
-    case GemmEngine::kPingpong:
-      return options.engine;
-    case GemmEngine::kPairs:
-      MOK_CHECK_ARG(kind == GemmKind::kForward, "options.engine",
-                    "kPairs is built for the forward GEMM only");
-      return options.engine;
+    case GemmEngine::kCooperative: return 0;
+    case GemmEngine::kPingpong: return 128;
     case GemmEngine::kAuto: break;
   }
   constexpr int kPingpongMaxK = 1024;
   return kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 &&
                  reduction_length <= kPingpongMaxK
-             ? GemmEngine::kPingpong
-             : GemmEngine::kCooperative;
+             ? 128
+             : 0;
 }
 
-// Persistent grid: one CTA per SM, fewer when the tile count is known to be smaller (wgrad); an
-// even count of at least 2 for pairs (the cluster count is capped where the kernel is launched).
+// Persistent grid: one CTA per SM, fewer when the tile count is known to be smaller (wgrad).
 // known_tiles(block_m, block_n) < 0: unknown on the host.
 template <class KnownTiles>
-LaunchConfig pick_config(const LaunchOptions& options, GemmEngine engine, KnownTiles known_tiles) {
+LaunchConfig pick_config(const LaunchOptions& options, int pingpong_block_m,
+                         KnownTiles known_tiles) {
   MOK_CHECK_ARG(options.num_sms >= 0, "options.num_sms", "must be >= 0, got ", options.num_sms);
-  LaunchConfig config{0, engine};
+  LaunchConfig config{0, pingpong_block_m};
   long long num_ctas = options.num_sms > 0 ? options.num_sms : device_sm_count();
   const long long tiles = known_tiles(config.block_m(), config.block_n());
   if (tiles >= 0) num_ctas = std::min(num_ctas, std::max(tiles, 1LL));
-  if (engine == GemmEngine::kPairs) num_ctas = std::max(2LL, num_ctas / 2 * 2);
   config.num_ctas = static_cast<int>(num_ctas);
   return config;
 }
@@ -98,46 +92,13 @@ void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-// 2-CTA clusters: as many as can be resident at once (a GPC with an odd number of free SMs leaves
-// one out), at most num_ctas / 2.
-void launch_pairs(GemmKernel kernel, uint32_t smem_bytes, const CUtensorMap& map_a,
-                  const CUtensorMap& map_b, const GroupedGemmParams& params, int num_ctas,
-                  cudaStream_t stream) {
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem_bytes)));
-  cudaLaunchConfig_t launch{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  launch.gridDim = dim3(static_cast<unsigned>(num_ctas));
-  launch.blockDim = dim3(TileConfig::kNumThreads);
-  launch.dynamicSmemBytes = smem_bytes;
-  launch.stream = stream;
-  launch.attrs = &cluster;
-  launch.numAttrs = 1;
-  int resident = 0;
-  MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &launch));
-  MOK_CHECK_ARG(resident >= 1, "options.engine", "no 2-CTA cluster of this kernel fits an SM pair");
-  launch.gridDim = dim3(static_cast<unsigned>(2 * std::min(resident, num_ctas / 2)));
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&launch, kernel, map_a, map_b, params));
-  MOK_CUDA_CHECK_LAUNCH();
-}
-
 template <GemmKind kKind, EpilogueKind kEpilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmParams& params,
             const LaunchConfig& config, cudaStream_t stream) {
-  if (config.engine == GemmEngine::kPingpong) {
+  if (config.pingpong_block_m == 128) {
     launch_kernel(&pingpong_gemm_kernel<kKind, kEpilogue, 128>, PingpongConfig<128>::kNumThreads,
                   PingpongSharedLayout<kEpilogue, 128>::kLaunchBytes, map_a, map_b, params,
                   config.num_ctas, stream);
-  } else if (config.engine == GemmEngine::kPairs) {
-    if constexpr (kKind == GemmKind::kForward) {
-      launch_pairs(&grouped_gemm_kernel<kKind, kEpilogue, true>,
-                   SharedLayout<kEpilogue>::kLaunchBytes, map_a, map_b, params, config.num_ctas,
-                   stream);
-    }
   } else {
     launch_kernel(&grouped_gemm_kernel<kKind, kEpilogue>, TileConfig::kNumThreads,
                   SharedLayout<kEpilogue>::kLaunchBytes, map_a, map_b, params, config.num_ctas,
@@ -169,7 +130,7 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
   const CUtensorMap map_a = make_tensor_map_2d(x, shape.capacity_rows, shape.k,
                                                config.block_m(), "x");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
-                                               config.b_box_rows(), 64, "w");
+                                               config.block_n(), 64, "w");
   const GroupedGemmParams params{expert_offsets, shape.num_experts, 0, shape.n, shape.k, y};
   switch (output) {
     case ForwardOutput::kBf16:

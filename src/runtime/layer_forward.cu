@@ -316,13 +316,6 @@ FusedForwardConfig LayerForward::fused_config() const {
                              ? std::clamp(fused.schedule_ctas, config.comm_ctas, config.num_ctas)
                              : config.num_ctas;
   config.trace = trace_;
-  config.pairs = fused.pairs;
-  if (config.pairs) {
-    config.comm_ctas += config.comm_ctas % 2;
-    config.num_ctas -= config.num_ctas % 2;
-    config.schedule_ctas -= config.schedule_ctas % 2;
-    if (config.schedule_ctas < config.comm_ctas) config.schedule_ctas = config.comm_ctas;
-  }
   return config;
 }
 

@@ -47,9 +47,6 @@ struct FusedForwardOptions {
   // CTAs that make the schedule in the kernel, at least comm_ctas; the others start on the shared
   // expert's gate/up tiles meanwhile. 0 = every CTA. Same bits whatever the value.
   int schedule_ctas = 0;
-  // 2-CTA clusters that take pairs of row blocks and load each weight k-block once for both
-  // (task_list.cuh). Rounds the grid down and the communication CTAs up to even counts. Same bits.
-  bool pairs = false;
 };
 
 struct LayerForwardOptions {

@@ -220,11 +220,5 @@ TEST_F(GroupedGemmBackward, PingpongEqualsCooperativeBitwise) {
   }
 }
 
-// Pairs are built for the forward GEMM: asking for them elsewhere names the option.
-TEST_F(GroupedGemmBackward, PairsAreRefusedForDgradAndWgrad) {
-  EXPECT_THROW(run_dgrad(0, GemmEngine::kPairs), mok::Error);
-  EXPECT_THROW(run_wgrad<float>(WgradOutput::kFp32, 0, nullptr, GemmEngine::kPairs), mok::Error);
-}
-
 }  // namespace
 }  // namespace mok::gemm_test

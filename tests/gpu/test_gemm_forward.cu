@@ -174,28 +174,5 @@ TEST_F(GroupedGemmForward, PingpongEqualsCooperativeBitwise) {
   }
 }
 
-// 2-CTA clusters sharing each weight k-block: the same k-blocks in the same order per element,
-// so bitwise equal to the cooperative kernel, including the odd m-block counts here (an expert of
-// 1, 127, 128 or 64 rows leaves its pair's second CTA a tile with no rows) and small grids (2 and
-// 6 CTAs; 3 rounds down to 2).
-TEST_F(GroupedGemmForward, PairsEqualCooperativeBitwise) {
-  constexpr GemmEngine kCooperative = GemmEngine::kCooperative;
-  const auto bf16_result = run<bf16>(ForwardOutput::kBf16, kFusedWidth, 0, kCooperative);
-  const auto fp32_result = run<float>(ForwardOutput::kFp32, kFusedWidth, 0, kCooperative);
-  const auto swiglu_result = run<bf16>(ForwardOutput::kSwiGluBf16, kIntermediate, 0, kCooperative);
-  constexpr GemmEngine kPairs = GemmEngine::kPairs;
-  for (int num_sms : {0, 2, 3, 6}) {
-    EXPECT_TRUE(bitwise_equal(bf16_result,
-                              run<bf16>(ForwardOutput::kBf16, kFusedWidth, num_sms, kPairs)))
-        << "forward bf16: pairs on " << num_sms << " CTAs differ from cooperative";
-    EXPECT_TRUE(bitwise_equal(fp32_result,
-                              run<float>(ForwardOutput::kFp32, kFusedWidth, num_sms, kPairs)))
-        << "forward fp32: pairs on " << num_sms << " CTAs differ from cooperative";
-    EXPECT_TRUE(bitwise_equal(
-        swiglu_result, run<bf16>(ForwardOutput::kSwiGluBf16, kIntermediate, num_sms, kPairs)))
-        << "forward SwiGLU: pairs on " << num_sms << " CTAs differ from cooperative";
-  }
-}
-
 }  // namespace
 }  // namespace mok::gemm_test

@@ -9,7 +9,6 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/ptx/barrier.cuh"
-#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
 
@@ -21,16 +20,14 @@ enum class WarpgroupRole { kProducer, kConsumer };
 constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
 
-// kPairs: launched in 2-CTA clusters whose two CTAs take two m-blocks of one weight tile and share
-// its B k-blocks by TMA multicast (GroupedTileScheduler and TileLoader with pairs; forward only).
-template <GemmKind kKind, EpilogueKind kEpilogue, bool kPairs = false>
+template <GemmKind kKind, EpilogueKind kEpilogue>
 __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
                         const GroupedGemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Layout = SharedLayout<kEpilogue>;
-  using Loop = Mainloop<kKind, Layout, kPairs>;
+  using Loop = Mainloop<kKind, Layout>;
   using Store = Epilogue<kKind, kEpilogue>;
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
@@ -49,18 +46,14 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     ptx::prefetch_tensor_map(&map_b);
     for (int stage = 0; stage < Layout::kNumStages; ++stage) {
       ptx::mbarrier_init(&smem.full[stage], 1);
-      ptx::mbarrier_init(&smem.empty[stage], Loop::kEmptyArrivals);
+      ptx::mbarrier_init(&smem.empty[stage], TileConfig::kNumConsumerWarpgroups * 4);
     }
     ptx::mbarrier_init(smem.tail, 1);
     ptx::fence_barrier_init();
   }
-  if constexpr (kPairs) {
-    ptx::cluster_sync();  // the peer's barriers are initialised before anything reaches them
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
-  GroupedTileScheduler<kKind, TileConfig, kPairs> scheduler(params);
+  GroupedTileScheduler<kKind> scheduler(params);
   GroupedTile tile;
   typename Loop::State state;
   if (role == WarpgroupRole::kProducer) {
@@ -82,9 +75,6 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     }
     Store::drain();
   }
-  // The peer's consumers arrive on this CTA's barriers until their last stage: neither CTA may
-  // exit before both are done.
-  if constexpr (kPairs) ptx::cluster_sync();
 #endif
 }
 

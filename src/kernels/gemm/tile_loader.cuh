@@ -11,18 +11,13 @@
 
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/ptx/barrier.cuh"
-#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
-// kPairs: the CTA is one of a 2-CTA cluster whose two tiles share their B tile (forward only,
-// GroupedTileScheduler's pairs): each CTA loads one half of it into both CTAs (TMA multicast),
-// with a B map whose box is BLOCK_N / 2 rows.
-template <GemmKind kKind, class Config, bool kPairs = false>
+template <GemmKind kKind, class Config>
 struct TileLoader {
-  static_assert(!kPairs || kKind == GemmKind::kForward, "B multicast is built for the forward");
   __device__ static int num_k_blocks(const GroupedGemmParams& params, const GroupedTile& tile) {
     return ceil_div(kKind == GemmKind::kWgrad ? tile.row_count : params.k, Config::BLOCK_K);
   }
@@ -49,13 +44,7 @@ struct TileLoader {
       }
     } else {
       ptx::tma_load_2d(a, map_a, barrier, k, tile.row_begin + tile.m_block * Config::BLOCK_M);
-      if constexpr (kPairs) {
-        const int rank = static_cast<int>(blockIdx.x) % 2;
-        constexpr int kHalfRows = Config::BLOCK_N / 2;
-        ptx::tma_load_3d_multicast(b + rank * (Config::kBBytes / 2), map_b, barrier, k,
-                                   tile.n_block * Config::BLOCK_N + rank * kHalfRows, tile.group,
-                                   0b11);
-      } else if constexpr (kKind == GemmKind::kForward) {
+      if constexpr (kKind == GemmKind::kForward) {
         ptx::tma_load_3d(b, map_b, barrier, k, tile.n_block * Config::BLOCK_N, tile.group);
       } else {
 #pragma unroll

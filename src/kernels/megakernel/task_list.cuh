@@ -24,13 +24,6 @@
 // g writes its hidden rows, the down tiles of block g - ring_mblocks must have read theirs. That
 // block lies at least two minibatches back, so its down tiles come before R(k) in the list.
 //
-// Pairs (pair_rank >= 0): the CTAs run in 2-CTA clusters that share each weight k-block (the GEMM
-// engine's pairs), and a ticket is one pair of tiles: two consecutive row blocks of one expert in
-// the segment (of the tokens, for the shared expert) and one column block, the rank-r CTA taking
-// the (2 i + r)-th. When the count is odd, the last pair's second tile is a phantom: computed for
-// the shared weight loads, with no rows, no wait, no counter and no store. The order of the
-// segments, hence of every dependency, is unchanged.
-//
 // CTAs take tasks by ticket (one atomic counter), so each CTA's tasks come in increasing order,
 // and a CTA runs its tasks in the order it took them. Every task depends only on tasks earlier in
 // the list (or on the dispatch, which depends only on gate/up tasks of earlier blocks, hence
@@ -60,7 +53,6 @@ struct TaskShape {
   int ring_mblocks;    // row blocks of the ring (expert_x, hidden): a multiple of chunk_mblocks
                        // >= 2 chunk_mblocks, or at least routed_mblocks (one round)
   int n_blocks[kNumTaskKinds];  // 256-column blocks of each GEMM's output (before SwiGLU halving)
-  int pair_rank = -1;  // -1: every ticket is one tile; 0 or 1: this CTA's rank in a pair
 
   __host__ __device__ int num_chunks() const {
     return (routed_mblocks + chunk_mblocks - 1) / chunk_mblocks;
@@ -72,9 +64,6 @@ struct Task {
   int mblock;             // row block: of the call's expert rows, or of this rank's tokens (shared)
   // Routed down tile whose block's ring slot a later round reuses: it reports that it has read it.
   bool frees_ring_block;
-  // The second tile of a pair with an odd count of row blocks: no rows (tile.row_count makes every
-  // row invalid); mblock names no block of this task's.
-  bool phantom;
   gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take; row_begin is the expert's
                            // first row in the ring buffers' round of this block
 };
@@ -98,8 +87,7 @@ class TaskScheduler {
   }
 
   __host__ __device__ int shared_gate_up_tasks() const {
-    return units(shape_.shared_mblocks) *
-           shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
+    return shape_.shared_mblocks * shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
   }
 
   // The routed row blocks of the call, from the schedule: every segment is known from here on.
@@ -121,11 +109,9 @@ class TaskScheduler {
     task.frees_ring_block = false;
     if (is_shared(kind_)) {
       const int local = task_ - segment_first_;
-      const int num_units = units(shape_.shared_mblocks);
-      const int mblock = block_of_unit(local % num_units);
-      task.phantom = mblock >= shape_.shared_mblocks;
+      const int mblock = local % shape_.shared_mblocks;
       task.mblock = mblock;
-      task.tile = {0, mblock, local / num_units, 0, task.phantom ? 0 : num_tokens_};
+      task.tile = {0, mblock, local / shape_.shared_mblocks, 0, num_tokens_};
     } else {
       // The segment's experts in order; the task lies inside the segment, so inside one of them.
       while (task_ >= expert_first_task_ + expert_tiles_) {
@@ -134,32 +120,18 @@ class TaskScheduler {
       }
       const int local = task_ - expert_first_task_;
       const int row_begin = offsets_[expert_];
-      const int num_units = units(expert_mblocks_);
-      const int in_segment = block_of_unit(local % num_units);
-      const int m_block = expert_skip_mblocks_ + in_segment;
-      task.phantom = in_segment >= expert_mblocks_;
+      const int m_block = expert_skip_mblocks_ + local % expert_mblocks_;
       task.mblock = row_begin / gemm::TileConfig::BLOCK_M + m_block;
-      task.frees_ring_block = !task.phantom && kind_ == TaskKind::kDown &&
+      task.frees_ring_block = kind_ == TaskKind::kDown &&
                               task.mblock + shape_.ring_mblocks < shape_.routed_mblocks;
-      task.tile = {expert_, m_block, local / num_units,
+      task.tile = {expert_, m_block, local / expert_mblocks_,
                    row_begin - ring_round_base(task.mblock, shape_.ring_mblocks),
-                   task.phantom ? 0 : counts_[expert_]};
+                   counts_[expert_]};
     }
     return true;
   }
 
-  // Tickets per column block for `mblocks` row blocks: one each, or one per pair.
-  __host__ __device__ int units(int mblocks) const {
-    return shape_.pair_rank < 0 ? mblocks : (mblocks + 1) / 2;
-  }
-
  private:
-  // The row block (among those of the expert in the segment, or of the tokens) of unit `unit` that
-  // this CTA takes.
-  __host__ __device__ int block_of_unit(int unit) const {
-    return shape_.pair_rank < 0 ? unit : 2 * unit + shape_.pair_rank;
-  }
-
   // Segment `index` of the list in the header comment: its kind and row blocks.
   __host__ __device__ void load_segment(int index) {
     segment_ = index;
@@ -187,26 +159,15 @@ class TaskScheduler {
     }
     const int n_blocks = shape_.n_blocks[static_cast<int>(kind_)];
     if (is_shared(kind_)) {
-      segment_size_ = units(shape_.shared_mblocks) * n_blocks;
+      segment_size_ = shape_.shared_mblocks * n_blocks;
       return;
     }
     block_begin_ = chunk * shape_.chunk_mblocks;
     block_end_ = block_begin_ + shape_.chunk_mblocks;
     if (block_end_ > shape_.routed_mblocks) block_end_ = shape_.routed_mblocks;
-    const int first_expert = expert_holding(block_begin_);
-    if (shape_.pair_rank < 0) {
-      segment_size_ = (block_end_ - block_begin_) * n_blocks;
-    } else {
-      // Pairs per expert of the segment, each expert's blocks clipped to it.
-      segment_size_ = 0;
-      for (int expert = first_expert; expert < shape_.num_experts; ++expert) {
-        load_expert(expert);
-        if (offsets_[expert] / gemm::TileConfig::BLOCK_M >= block_end_) break;
-        segment_size_ += expert_tiles_;
-      }
-    }
+    segment_size_ = (block_end_ - block_begin_) * n_blocks;
     expert_first_task_ = segment_first_;
-    load_expert(first_expert);
+    load_expert(expert_holding(block_begin_));
   }
 
   // The local expert whose rows hold row block `mblock` (< routed_mblocks): the last one that
@@ -235,7 +196,7 @@ class TaskScheduler {
     const int clipped_end = end < block_end_ ? end : block_end_;
     expert_skip_mblocks_ = clipped_first - first;
     expert_mblocks_ = clipped_end > clipped_first ? clipped_end - clipped_first : 0;
-    expert_tiles_ = units(expert_mblocks_) * shape_.n_blocks[static_cast<int>(kind_)];
+    expert_tiles_ = expert_mblocks_ * shape_.n_blocks[static_cast<int>(kind_)];
   }
 
   TaskShape shape_;

@@ -52,23 +52,17 @@ __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
   return place;
 }
 
-// kPairs: the grid is made of 2-CTA clusters, and cluster c takes the linear pair tiles c,
-// c + gridDim.x / 2, ...; a pair tile is two consecutive m-blocks of one group and column block,
-// the cluster's rank-r CTA taking m-block 2 i + r (past the group's m-blocks when their count is
-// odd: a tile with no rows, which the caller computes but never stores). Rows must be M.
-template <GemmKind kKind, class Config = TileConfig, bool kPairs = false>
+template <GemmKind kKind, class Config = TileConfig>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
-  static_assert(!kPairs || kRowsAreM, "pairs of m-blocks need M to be the rows");
-  static constexpr int kCtasPerTile = kPairs ? 2 : 1;
 
   __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
       : offsets_(params.group_offsets),
         num_groups_(params.num_groups),
         num_n_blocks_(ceil_div(params.n, Config::BLOCK_N)),
         num_fixed_m_blocks_(kRowsAreM ? 0 : ceil_div(params.m, Config::BLOCK_M)),
-        tile_idx_(static_cast<int>(blockIdx.x) / kCtasPerTile) {
+        tile_idx_(static_cast<int>(blockIdx.x)) {
     load_group(0);
   }
 
@@ -85,19 +79,14 @@ class GroupedTileScheduler {
   __device__ bool next_tile(GroupedTile& tile) {
     if (!has_next_tile()) return false;
     const int local_idx = tile_idx_ - group_first_tile_;
-    if constexpr (kPairs) {
-      // Pairs of m-blocks inner: the cluster shares one weight tile through multicast.
-      const int num_m_pairs = ceil_div(ceil_div(row_count_, Config::BLOCK_M), 2);
-      tile = {group_, 2 * (local_idx % num_m_pairs) + static_cast<int>(blockIdx.x) % 2,
-              local_idx / num_m_pairs, row_begin_, row_count_};
-    } else if constexpr (kRowsAreM) {
+    if constexpr (kRowsAreM) {
       // M blocks inner: the CTAs running side by side share one weight tile through L2.
       const int num_m_blocks = ceil_div(row_count_, Config::BLOCK_M);
       tile = {group_, local_idx % num_m_blocks, local_idx / num_m_blocks, row_begin_, row_count_};
     } else {
       tile = {group_, local_idx / num_n_blocks_, local_idx % num_n_blocks_, row_begin_, row_count_};
     }
-    tile_idx_ += static_cast<int>(gridDim.x) / kCtasPerTile;
+    tile_idx_ += static_cast<int>(gridDim.x);
     return true;
   }
 
@@ -107,8 +96,8 @@ class GroupedTileScheduler {
     if (group >= num_groups_) return;
     row_begin_ = offsets_[group];
     row_count_ = offsets_[group + 1] - row_begin_;
-    int num_m_blocks = kRowsAreM ? ceil_div(row_count_, Config::BLOCK_M) : num_fixed_m_blocks_;
-    if constexpr (kPairs) num_m_blocks = ceil_div(num_m_blocks, 2);  // pairs
+    const int num_m_blocks =
+        kRowsAreM ? ceil_div(row_count_, Config::BLOCK_M) : num_fixed_m_blocks_;
     group_num_tiles_ = num_m_blocks * num_n_blocks_;
   }
 
