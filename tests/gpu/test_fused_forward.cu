@@ -1,6 +1,6 @@
 // The fused forward (one persistent kernel for dispatch, the shared and routed expert GEMMs and
 // the combine push) against the unfused composition bitwise, and through it against the CPU
-// reference; EP=1 equals EP=2; repeats, graph replays and every setting of communication CTAs,
+// reference; EP=1 equals EP=2; ten repeats, graph replays and every setting of communication CTAs,
 // minibatch, compute CTAs and ring size give the same bits (rings smaller than the received rows:
 // several rounds). Routings: uniform, skewed, all tokens to one expert, empty experts, -1 slots;
 // token counts that are not multiples of 128.
@@ -62,6 +62,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"single-expert", 0.0, false, false},
                       Case{"uniform", 0.35, true, false}),
     [](const auto& info) { return case_name(info.param); });
+
+// Ten eager repeats at EP 2 with the default settings, where the tickets, the dispatch order and
+// the arrival of each peer's rows differ from run to run: every run gives the first's bits, and
+// those are the unfused path's.
+TEST(FusedForwardEp2Repeats, TenRepeatsGiveTheSameBits) {
+  MOK_REQUIRE_HOPPER_GPUS(2);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 2 * 300, 47, true);
+  GpuRun fused = fused_run();
+  fused.repeats = 10;
+  EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, fused), run_gpu_layer(problem, 2, GpuRun{})),
+            -1)
+      << "fused differs from unfused";
+}
 
 TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
   MOK_REQUIRE_HOPPER_GPUS(2);
