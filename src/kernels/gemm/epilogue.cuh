@@ -1,14 +1,11 @@
-// Epilogues: what a consumer warpgroup does with its (64, BLOCK_N) fp32 accumulators.
-//
-// wgmma's accumulator fragment: in warp w of the warpgroup, lane l holds for each j < BLOCK_N / 8
-//   accum[4j + 0, 4j + 1] -> row 16w + l/4,     columns 8j + 2(l%4) + {0, 1}
-//   accum[4j + 2, 4j + 3] -> row 16w + l/4 + 8, the same columns
-// so every store below is a pair of adjacent columns, and the SwiGLU pairs (gate block j, up block
-// j + 1 of the 8-interleaved fused weight) sit in the same thread.
+// Epilogues: what a consumer warpgroup does with its (64, BLOCK_N) fp32 accumulators, walked as
+// wgmma's fragment (fragment.cuh): every store is a pair of adjacent columns, and the SwiGLU pairs
+// (gate block j, up block j + 1 of the 8-interleaved fused weight) sit in the same thread.
 #pragma once
 
 #include <cuda_bf16.h>
 
+#include "kernels/gemm/fragment.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
 #include "kernels/ptx/barrier.cuh"
@@ -56,20 +53,7 @@ struct Epilogue {
     for (int i = 0; i < kNumAccumulators; ++i) accum[i] = 0.0f;
     if constexpr (kEpilogue == EpilogueKind::kAccumulateFp32) {
       const Fragment f = fragment(params, tile, consumer_idx);
-#pragma unroll
-      for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = f.row + 8 * half;
-          const int column = f.column + 8 * j;
-          if (row < f.rows_valid && column < f.columns_valid) {
-            const float2 value = *reinterpret_cast<const float2*>(
-                f.tile_base + row * f.row_stride + column * 4);
-            accum[4 * j + 2 * half] = value.x;
-            accum[4 * j + 2 * half + 1] = value.y;
-          }
-        }
-      }
+      load_fp32_fragment<Config::BLOCK_N>(f, f.row, f.column, accum);
     }
   }
 
@@ -83,7 +67,7 @@ struct Epilogue {
                                const RowDestination& row_destination = {}) {
     const Fragment f = fragment(params, tile, consumer_idx);
     if constexpr (!uses_staged_store(kEpilogue)) {
-      store_fp32(f, accum);
+      store_fp32_fragment<Config::BLOCK_N>(f, f.row, f.column, accum);
     } else {
       constexpr uint32_t kPitch = SharedLayout<kEpilogue>::kStagingPitch;
       const int lane_idx = static_cast<int>(threadIdx.x % 32);
@@ -104,15 +88,10 @@ struct Epilogue {
           }
         }
       } else {
-#pragma unroll
-        for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int index = 4 * j + 2 * half;
-            stage_pair(warp_staging, lane_idx / 4 + 8 * half, f.column + 8 * j, accum[index],
-                       accum[index + 1]);
-          }
-        }
+        for_each_fragment_pair<Config::BLOCK_N>(
+            lane_idx / 4, f.column, [&](int row, int column, int index) {
+              stage_pair(warp_staging, row, column, accum[index], accum[index + 1]);
+            });
       }
       // NOTE: the bulk copy engine reads through the async proxy.
       ptx::fence_proxy_async_shared();
@@ -142,21 +121,6 @@ struct Epilogue {
     constexpr uint32_t kPitch = SharedLayout<kEpilogue>::kStagingPitch;
     *reinterpret_cast<__nv_bfloat162*>(warp_staging + row * kPitch + column * 2) =
         __floats2bfloat162_rn(x, y);
-  }
-
-  __device__ static void store_fp32(const Fragment& f, const float (&accum)[kNumAccumulators]) {
-#pragma unroll
-    for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = f.row + 8 * half;
-        const int column = f.column + 8 * j;
-        if (row < f.rows_valid && column < f.columns_valid) {
-          *reinterpret_cast<float2*>(f.tile_base + row * f.row_stride + column * 4) =
-              make_float2(accum[4 * j + 2 * half], accum[4 * j + 2 * half + 1]);
-        }
-      }
-    }
   }
 };
 

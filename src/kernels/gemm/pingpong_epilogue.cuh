@@ -1,17 +1,15 @@
 // The ping-pong engine's epilogues: what a consumer warpgroup does with its (BLOCK_M, BLOCK_N)
 // tile of fp32 accumulators, row block r (rows 64r .. 64r + 63) in accum[r].
 //
-// wgmma's accumulator fragment, per row block: in warp w of the warpgroup, lane l holds for each
-// j < BLOCK_N / 8
-//   accum[r][4j + 0, 4j + 1] -> row 64r + 16w + l/4,     columns 8j + 2(l%4) + {0, 1}
-//   accum[r][4j + 2, 4j + 3] -> row 64r + 16w + l/4 + 8, the same columns
-// so a warp owns rows {16w .. 16w + 15} of each row block, and the SwiGLU pairs (gate
-// block j, up block j + 1 of the 8-interleaved fused weight) sit in the same thread.
+// Each row block is one wgmma fragment (fragment.cuh), rows shifted by 64r: a warp owns rows
+// {16w .. 16w + 15} of each row block, and the SwiGLU pairs (gate block j, up block j + 1 of the
+// 8-interleaved fused weight) sit in the same thread.
 // Arithmetic and rounding are the cooperative engine's (epilogue.cuh) element for element.
 #pragma once
 
 #include <cuda_bf16.h>
 
+#include "kernels/gemm/fragment.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/pingpong_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
@@ -60,20 +58,7 @@ struct PingpongEpilogue {
       const Fragment f = fragment(params, tile);
 #pragma unroll
       for (int r = 0; r < kNumRowBlocks; ++r) {
-#pragma unroll
-        for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = 64 * r + f.row + 8 * half;
-            const int column = f.column + 8 * j;
-            if (row < f.rows_valid && column < f.columns_valid) {
-              const float2 value = *reinterpret_cast<const float2*>(
-                  f.tile_base + row * f.row_stride + column * 4);
-              accum[r][4 * j + 2 * half] = value.x;
-              accum[r][4 * j + 2 * half + 1] = value.y;
-            }
-          }
-        }
+        load_fp32_fragment<Config::BLOCK_N>(f, 64 * r + f.row, f.column, accum[r]);
       }
     }
   }
@@ -86,7 +71,10 @@ struct PingpongEpilogue {
                                uint8_t* staging, Accumulators& accum) {
     const Fragment f = fragment(params, tile);
     if constexpr (!uses_staged_store(kEpilogue)) {
-      store_fp32(f, accum);
+#pragma unroll
+      for (int r = 0; r < kNumRowBlocks; ++r) {
+        store_fp32_fragment<Config::BLOCK_N>(f, 64 * r + f.row, f.column, accum[r]);
+      }
     } else {
       constexpr uint32_t kPitch = Layout::kStagingPitch;
       const int lane_idx = static_cast<int>(threadIdx.x % 32);
@@ -109,15 +97,10 @@ struct PingpongEpilogue {
             }
           }
         } else {
-#pragma unroll
-          for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int index = 4 * j + 2 * half;
-              stage_pair(warp_staging, lane_idx / 4 + 8 * half, f.column + 8 * j, accum[r][index],
-                         accum[r][index + 1]);
-            }
-          }
+          for_each_fragment_pair<Config::BLOCK_N>(
+              lane_idx / 4, f.column, [&](int row, int column, int index) {
+                stage_pair(warp_staging, row, column, accum[r][index], accum[r][index + 1]);
+              });
         }
       }
       // NOTE: the bulk copy engine reads through the async proxy.
@@ -144,24 +127,6 @@ struct PingpongEpilogue {
                                     float y) {
     *reinterpret_cast<__nv_bfloat162*>(warp_staging + row * Layout::kStagingPitch + column * 2) =
         __floats2bfloat162_rn(x, y);
-  }
-
-  __device__ static void store_fp32(const Fragment& f, const Accumulators& accum) {
-#pragma unroll
-    for (int r = 0; r < kNumRowBlocks; ++r) {
-#pragma unroll
-      for (int j = 0; j < Config::BLOCK_N / 8; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = 64 * r + f.row + 8 * half;
-          const int column = f.column + 8 * j;
-          if (row < f.rows_valid && column < f.columns_valid) {
-            *reinterpret_cast<float2*>(f.tile_base + row * f.row_stride + column * 4) =
-                make_float2(accum[r][4 * j + 2 * half], accum[r][4 * j + 2 * half + 1]);
-          }
-        }
-      }
-    }
   }
 };
 
