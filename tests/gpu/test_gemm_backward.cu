@@ -16,7 +16,9 @@ using namespace mok::gemm;
 
 constexpr int kOut = 320;  // n: rows of W_e (dgrad's reduction, wgrad's M: 2.5 M tiles)
 constexpr int kIn = 328;   // k: columns of W_e (dgrad's N, wgrad's N: 1.3 N tiles)
-const std::vector<int> kRowsPerExpert = {0, 1, 127, 128, 129, 2100, 0, 64};
+// In dgrad a group's last row block with at most 64 rows runs as a half tile (is_half_tile):
+// 1, 129, 2100 (52 rows past 2048), 64 and 192 do, 127, 65 and 193 do not.
+const std::vector<int> kRowsPerExpert = {0, 1, 127, 128, 129, 2100, 0, 64, 65, 192, 193};
 constexpr int kSpareRows = 29;
 // fp32 results over K up to 2,100 rows: the tensor cores' fp32 accumulation does not round to
 // nearest at every add, so its error grows faster with K than a sequential host fp32 sum's

@@ -16,7 +16,9 @@ using namespace mok::gemm;
 constexpr int kHidden = 328;        // K: 5 full k-blocks of 64 and a partial one
 constexpr int kIntermediate = 160;  // SwiGLU output width
 constexpr int kFusedWidth = 2 * kIntermediate;  // N = 320: one full N tile and a partial one
-const std::vector<int> kRowsPerExpert = {0, 1, 127, 128, 129, 2100, 0, 64};
+// A group's last row block with at most 64 rows runs as a half tile (is_half_tile): 1, 129, 2100
+// (52 rows past 2048), 64 and 192 do, 127, 65 and 193 do not.
+const std::vector<int> kRowsPerExpert = {0, 1, 127, 128, 129, 2100, 0, 64, 65, 192, 193};
 constexpr int kSpareRows = 37;  // capacity past the last expert: must stay untouched
 
 struct ForwardProblem {

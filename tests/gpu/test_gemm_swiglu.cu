@@ -83,7 +83,7 @@ __global__ void apply_swiglu_in_place(const float* input, float* output, int num
   float accum[kTileValues];
 #pragma unroll
   for (int i = 0; i < kTileValues; ++i) accum[i] = input[thread * kTileValues + i];
-  swiglu_in_place(accum);
+  swiglu_in_place<kTileValues>(accum);
 #pragma unroll
   for (int i = 0; i < kTileValues; ++i) output[thread * kTileValues + i] = accum[i];
 }

@@ -20,10 +20,13 @@ struct Epilogue {
   static constexpr int kNumAccumulators = Config::BLOCK_N / 2;
 
   // Where this thread's fragment lands: the tile's place in C, and tile rows (row, row + 8) and
-  // the column base of block j = 0.
+  // the column base of block j = 0. A consumer covers rows 64 c .. 64 c + 63 and all columns of
+  // a full tile, rows 0-63 and columns 128 c .. 128 c + 127 of a half tile (is_half_tile).
   struct Fragment : TileInC {
-    int row;     // in the C tile, first of the pair row / row + 8
-    int column;  // in the C tile, of block j = 0
+    int row;            // in the C tile, first of the pair row / row + 8
+    int column;         // in the consumer's columns, of block j = 0
+    int first_column;   // the consumer's first column in the C tile (before SwiGLU halving)
+    int staging_row;    // first of the warp's 16 staging rows (its own in either kind of tile)
   };
 
   // Where row `tile_row` of a staged tile goes: row-major C, rows tile_base + row * row_stride.
@@ -39,10 +42,13 @@ struct Epilogue {
                                       int consumer_idx) {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const bool half = is_half_tile<kKind>(tile);
     Fragment fragment;
     static_cast<TileInC&>(fragment) = tile_in_c<kKind, kEpilogue, Config>(params, tile);
-    fragment.row = consumer_idx * 64 + warp_in_group * 16 + lane_idx / 4;
+    fragment.row = (half ? 0 : consumer_idx * 64) + warp_in_group * 16 + lane_idx / 4;
     fragment.column = 2 * (lane_idx % 4);
+    fragment.first_column = half ? consumer_idx * (Config::BLOCK_N / 2) : 0;
+    fragment.staging_row = consumer_idx * 64 + warp_in_group * 16;
     return fragment;
   }
 
@@ -52,59 +58,26 @@ struct Epilogue {
 #pragma unroll
     for (int i = 0; i < kNumAccumulators; ++i) accum[i] = 0.0f;
     if constexpr (kEpilogue == EpilogueKind::kAccumulateFp32) {
+      static_assert(kKind == GemmKind::kWgrad, "main_grad accumulation is wgrad's (no half tiles)");
       const Fragment f = fragment(params, tile, consumer_idx);
       load_fp32_fragment<Config::BLOCK_N>(f, f.row, f.column, accum);
     }
   }
 
-  // bf16 results: the warp writes its 16 rows of the tile into the staging tile, then 16 lanes
-  // each copy one row to global memory with a bulk copy. Rows past the group's end or past M are
-  // never copied, and the copies drain while the consumers run the next tile's mainloop.
+  // The tile's results: fp32 from registers, or bf16 through the staging tile: the warp writes
+  // its 16 rows into its own staging rows, then 16 lanes each copy one row to global memory with
+  // a bulk copy. Rows past the group's end or past M are never copied, and the copies drain
+  // while the consumers run the next tile's mainloop.
   template <class RowDestination = RowMajorRows>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging,
                                float (&accum)[kNumAccumulators],
                                const RowDestination& row_destination = {}) {
     const Fragment f = fragment(params, tile, consumer_idx);
-    if constexpr (!uses_staged_store(kEpilogue)) {
-      store_fp32_fragment<Config::BLOCK_N>(f, f.row, f.column, accum);
+    if (is_half_tile<kKind>(tile)) {
+      store_columns<Config::BLOCK_N / 2>(f, tile, staging, accum, row_destination);
     } else {
-      constexpr uint32_t kPitch = SharedLayout<kEpilogue>::kStagingPitch;
-      const int lane_idx = static_cast<int>(threadIdx.x % 32);
-      const int warp_first_row = f.row - lane_idx / 4;  // the warp's 16 rows start here
-      uint8_t* warp_staging = staging + warp_first_row * kPitch;
-      // The previous tile's copies must have finished reading these staging rows.
-      if (lane_idx < 16) ptx::bulk_wait_group_read<0>();
-      __syncwarp();
-      if constexpr (kEpilogue == EpilogueKind::kSwiGluBf16) {
-        swiglu_in_place(accum);
-#pragma unroll
-        for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int gate = 4 * j + 2 * half;
-            stage_pair(warp_staging, lane_idx / 4 + 8 * half, f.column + 4 * j, accum[gate],
-                       accum[gate + 1]);
-          }
-        }
-      } else {
-        for_each_fragment_pair<Config::BLOCK_N>(
-            lane_idx / 4, f.column, [&](int row, int column, int index) {
-              stage_pair(warp_staging, row, column, accum[index], accum[index + 1]);
-            });
-      }
-      // NOTE: the bulk copy engine reads through the async proxy.
-      ptx::fence_proxy_async_shared();
-      __syncwarp();
-      if (lane_idx < 16) {
-        const int row = warp_first_row + lane_idx;
-        const int columns = min(f.columns_valid, output_tile_columns<Config>(kEpilogue));
-        if (row < f.rows_valid && columns > 0) {
-          ptx::bulk_store(row_destination(f, tile, row), warp_staging + lane_idx * kPitch,
-                          static_cast<uint32_t>(columns) * 2);
-        }
-        ptx::bulk_commit_group();
-      }
+      store_columns<Config::BLOCK_N>(f, tile, staging, accum, row_destination);
     }
   }
 
@@ -116,6 +89,55 @@ struct Epilogue {
   }
 
  private:
+  // store() for a consumer's kColumns columns: its accum[0, kColumns / 2).
+  template <int kColumns, class RowDestination>
+  __device__ static void store_columns(const Fragment& f, const GroupedTile& tile,
+                                       uint8_t* staging, float (&accum)[kNumAccumulators],
+                                       const RowDestination& row_destination) {
+    if constexpr (!uses_staged_store(kEpilogue)) {
+      store_fp32_fragment<kColumns>(f, f.row, f.first_column + f.column, accum);
+    } else {
+      constexpr uint32_t kPitch = SharedLayout<kEpilogue>::kStagingPitch;
+      const int lane_idx = static_cast<int>(threadIdx.x % 32);
+      uint8_t* warp_staging = staging + f.staging_row * kPitch;
+      // The previous tile's copies must have finished reading these staging rows.
+      if (lane_idx < 16) ptx::bulk_wait_group_read<0>();
+      __syncwarp();
+      if constexpr (kEpilogue == EpilogueKind::kSwiGluBf16) {
+        swiglu_in_place<kColumns / 2>(accum);
+#pragma unroll
+        for (int j = 0; j < kColumns / 8; j += 2) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int gate = 4 * j + 2 * half;
+            stage_pair(warp_staging, lane_idx / 4 + 8 * half, f.column + 4 * j, accum[gate],
+                       accum[gate + 1]);
+          }
+        }
+      } else {
+        for_each_fragment_pair<kColumns>(
+            lane_idx / 4, f.column, [&](int row, int column, int index) {
+              stage_pair(warp_staging, row, column, accum[index], accum[index + 1]);
+            });
+      }
+      // NOTE: the bulk copy engine reads through the async proxy.
+      ptx::fence_proxy_async_shared();
+      __syncwarp();
+      if (lane_idx < 16) {
+        const int row = f.row - lane_idx / 4 + lane_idx;  // the warp's tile rows, one a lane
+        const bool swiglu = kEpilogue == EpilogueKind::kSwiGluBf16;
+        const int first_column = swiglu ? f.first_column / 2 : f.first_column;
+        const int columns =
+            min(f.columns_valid - first_column, swiglu ? kColumns / 2 : kColumns);
+        if (row < f.rows_valid && columns > 0) {
+          ptx::bulk_store(row_destination(f, tile, row) + first_column * 2,
+                          warp_staging + lane_idx * kPitch, static_cast<uint32_t>(columns) * 2);
+        }
+        ptx::bulk_commit_group();
+      }
+    }
+  }
+
   __device__ static void stage_pair(uint8_t* warp_staging, int row, int column, float x,
                                     float y) {
     constexpr uint32_t kPitch = SharedLayout<kEpilogue>::kStagingPitch;

@@ -84,20 +84,47 @@ struct Mainloop {
   // k-block. The k order, hence every sum, is the same either way.
   static constexpr bool kGroupInFlight = kKind != GemmKind::kForward;
 
-  // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`.
+  // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`; in
+  // a half tile (is_half_tile), rows 0-63 of column half consumer_idx into accum[0, 64).
   __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
                              float (&accum)[Mma::kNumAccumulators]) {
+    if (is_half_tile<kKind>(tile)) {
+      // NOTE: the half tile's m64n128 covers the first 64 accumulators, in the same fragment
+      // layout (fragment.cuh) as the first 128 columns of an m64n256.
+      mma_k_blocks<HalfMma>(smem, params, tile, 0,
+                            consumer_idx * (Config::kBBytes / Config::kNumConsumerWarpgroups),
+                            state, reinterpret_cast<float(&)[HalfMma::kNumAccumulators]>(accum));
+    } else {
+      mma_k_blocks<Mma>(smem, params, tile,
+                        consumer_idx * (Config::kABytes / Config::kNumConsumerWarpgroups), 0, state,
+                        accum);
+    }
+  }
+
+ private:
+  using HalfMma = ptx::Wgmma64x128<kAMajorMN ? 1 : 0, kBMajorMN ? 1 : 0>;
+  static_assert(2 * HalfMma::kN == Config::BLOCK_N, "a half tile's consumers split N in two");
+  // Column half c of a stage's B tile starts kBBytes / 2 in: 128 K-major rows, or two 64-wide
+  // MN-major chunks.
+  static_assert(Config::kBBytes / 2 == 2 * Config::kChunkBytes, "B halves are whole chunks");
+
+  // The k-loop of one tile with wgmma shape Shape, A and B read from the given byte offsets
+  // into each stage.
+  template <class Shape>
+  __device__ static void mma_k_blocks(const Storage& smem, const GroupedGemmParams& params,
+                                      const GroupedTile& tile, uint32_t a_offset,
+                                      uint32_t b_offset, State& state,
+                                      float (&accum)[Shape::kNumAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
     int previous_stage = -1;
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
       ptx::mbarrier_wait(&smem.full[state.index], state.phase);
-      const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) +
-                              consumer_idx * (Config::kABytes / Config::kNumConsumerWarpgroups);
-      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index));
+      const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
+      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) + b_offset;
 #pragma unroll
-      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+      for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k16 = 0; k16 < Config::BLOCK_K / 16; ++k16) {
@@ -106,7 +133,7 @@ struct Mainloop {
         const uint32_t b_step = kBMajorMN ? k16 * 2048 : k16 * 32;
         const uint64_t desc_a = ptx::make_smem_descriptor(a_base + a_step, kALeadingBytes, 1024);
         const uint64_t desc_b = ptx::make_smem_descriptor(b_base + b_step, kBLeadingBytes, 1024);
-        Mma::mma(desc_a, desc_b, 1u, accum);
+        Shape::mma(desc_a, desc_b, 1u, accum);
       }
       ptx::wgmma_commit_group();
       if constexpr (kGroupInFlight) {
@@ -115,7 +142,7 @@ struct Mainloop {
         ptx::wgmma_wait_group<0>();
       }
 #pragma unroll
-      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+      for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
       const int done_stage = kGroupInFlight ? previous_stage : state.index;
       if (lane_idx == 0 && done_stage >= 0) ptx::mbarrier_arrive(&smem.empty[done_stage]);
       previous_stage = state.index;
@@ -124,7 +151,7 @@ struct Mainloop {
     if constexpr (kGroupInFlight) {
       ptx::wgmma_wait_group<0>();
 #pragma unroll
-      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+      for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
       if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
     }
   }

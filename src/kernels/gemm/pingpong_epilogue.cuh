@@ -86,7 +86,7 @@ struct PingpongEpilogue {
       for (int r = 0; r < kNumRowBlocks; ++r) {
         uint8_t* warp_staging = staging + (64 * r + warp_first_row) * kPitch;
         if constexpr (kSwiGlu) {
-          swiglu_in_place(accum[r]);
+          swiglu_in_place<Config::BLOCK_N / 2>(accum[r]);
 #pragma unroll
           for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
 #pragma unroll

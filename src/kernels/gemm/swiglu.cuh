@@ -55,10 +55,12 @@ __device__ __forceinline__ float swiglu_fast(float gate, float up) {
   return numerics::mul_rn(numerics::mul_rn(gate, reciprocal_rn(denominator)), up);
 }
 
-// In the (64, BLOCK_N) accumulator fragment of an 8-interleaved gate/up tile, blocks (j, j + 1)
-// hold gate and up of the same columns: h = swiglu(g, u) overwrites the gate accumulators.
-template <int kNumAccumulators>
-__device__ __forceinline__ void swiglu_in_place(float (&accum)[kNumAccumulators]) {
+// In the (64, N) accumulator fragment of an 8-interleaved gate/up tile, accum[0, kNumAccumulators)
+// (N = 4 kNumAccumulators columns), blocks (j, j + 1) hold gate and up of the same columns:
+// h = swiglu(g, u) overwrites the gate accumulators.
+template <int kNumAccumulators, int kSize>
+__device__ __forceinline__ void swiglu_in_place(float (&accum)[kSize]) {
+  static_assert(kNumAccumulators <= kSize && kNumAccumulators % 8 == 0, "whole gate/up blocks");
   bool all_fast = true;
 #pragma unroll
   for (int pair = 0; pair < kNumAccumulators / 2; ++pair) {

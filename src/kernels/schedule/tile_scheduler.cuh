@@ -29,6 +29,20 @@ struct TileInC {
   int columns_valid;     // columns of C from the tile's first (past N when <= 0)
 };
 
+// A half tile: a cooperative (128, 256) tile of a row-indexed GEMM (forward, dgrad) whose row
+// block holds at most 64 of its group's rows — the last block of a group, which the 128-row
+// blocks otherwise fill with padding. Both consumer warpgroups then take rows 0-63, each one half
+// of the columns (wgmma m64n128 instead of m64n256), so the padding rows cost no MMA. Each output
+// element's sum is the same (same k order and k16 steps; wgmma's N does not change an element).
+template <GemmKind kKind>
+__host__ __device__ inline bool is_half_tile(const GroupedTile& tile) {
+  if constexpr (kKind == GemmKind::kWgrad) {
+    return false;  // M is a weight dimension: no group tails
+  } else {
+    return tile.row_count - tile.m_block * TileConfig::BLOCK_M <= TileConfig::BLOCK_M / 2;
+  }
+}
+
 template <GemmKind kKind, EpilogueKind kEpilogue, class Config>
 __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
                                               const GroupedTile& tile) {
