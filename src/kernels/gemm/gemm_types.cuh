@@ -49,9 +49,8 @@ struct TileShape {
 // The cooperative engine's tile: both consumer warpgroups share it, 64 rows each.
 struct TileConfig : TileShape<128, 256> {};
 
-// bf16 results leave through a shared-memory staging tile and per-row bulk copies, so the
-// consumers go on to the next tile while the stores drain; fp32 results (twice the bytes, no
-// room for their staging tile) are stored from registers.
+// bf16 results leave through a shared-memory staging tile, so that whole rows are stored at a
+// time; fp32 results are stored from registers.
 __host__ __device__ constexpr bool uses_staged_store(EpilogueKind epilogue) {
   return epilogue == EpilogueKind::kStoreBf16 || epilogue == EpilogueKind::kSwiGluBf16;
 }
@@ -72,14 +71,15 @@ template <EpilogueKind kEpilogue>
 struct SharedLayout {
   using Config = TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
-  static constexpr int kNumStages = kStagedStore ? 3 : 4;
+  static constexpr int kNumStages = 4;
   static constexpr uint32_t kAlignment = 1024;
-  // NOTE: 16 bytes of padding per staging row spread a warp's 8 fragment rows over all banks.
-  static constexpr uint32_t kStagingPitch = TileConfig::BLOCK_N * 2 + 16;
+  // bf16 outputs are staged 128 columns (256 bytes) of every row at a time (epilogue.cuh).
+  static constexpr uint32_t kStagingRowBytes = 256;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * TileConfig::kABytes;
   static constexpr uint32_t kStagingOffset = kBOffset + kNumStages * TileConfig::kBBytes;
-  static constexpr uint32_t kStagingBytes = kStagedStore ? TileConfig::BLOCK_M * kStagingPitch : 0;
+  static constexpr uint32_t kStagingBytes =
+      kStagedStore ? TileConfig::BLOCK_M * kStagingRowBytes : 0;
   static constexpr uint32_t kBarrierOffset = kStagingOffset + kStagingBytes;
   // full[kNumStages], empty[kNumStages], tail (the wgrad row-tail staging barrier)
   static constexpr uint32_t kNumBarriers = 2 * kNumStages + 1;

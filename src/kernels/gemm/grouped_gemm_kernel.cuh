@@ -73,7 +73,6 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
       Store::store(params, tile, consumer_idx, smem.staging, accum);
     }
-    Store::drain();
   }
 #endif
 }

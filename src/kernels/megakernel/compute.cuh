@@ -105,17 +105,16 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
-// All consumer threads, after a tile's bulk stores were issued: once they have landed, the row
-// block's counter of `kind` moves on.
+// All consumer threads, after storing a tile: the row block's counter of `kind` moves on (the
+// barrier orders every consumer's stores before the raise's fence).
 __device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskCounter kind,
                                     int mblock) {
-  if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
   consumer_barrier();
   if (threadIdx.x == 128) raise_counter(view, kind, mblock);
 }
 
-// All consumer threads, once their last bulk copies have landed: count this CTA's down tiles; the
-// CTA that completes the rank's count raises the combine flag on every rank.
+// All consumer threads, after their last stores: count this CTA's down tiles; the CTA that
+// completes the rank's count raises the combine flag on every rank.
 __device__ inline void finish_down_tiles(const FusedForwardParams& params, uint32_t down_tiles) {
   consumer_barrier();
   if (threadIdx.x != 128) return;
@@ -284,7 +283,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           break;
       }
     }
-    if (threadIdx.x % 32 < 16) ptx::bulk_wait_group<0>();
     if (down_tiles > 0) finish_down_tiles(params, down_tiles);
     if (tracing) {
       trace_set(params.trace, kTraceEnd, trace_clock());

@@ -2,10 +2,9 @@
 // (comm::TaskCounter), raised with a release after the data they cover is written and awaited
 // with an acquire (and a timeout into the error record) before it is read.
 //
-// Writers and readers use different proxies: the dispatch writes rows with ordinary stores and the
-// GEMM epilogues with bulk copies (async proxy); the mainloops read with TMA (async proxy) and the
-// combine with ordinary loads. A bulk copy's completion makes its writes visible to the generic
-// proxy, so every release below is generic; a reader that goes on with TMA fences the async proxy
+// Writers and readers use different proxies: the dispatch and the GEMM epilogues write rows with
+// ordinary stores; the mainloops read them with TMA (async proxy) and the combine with ordinary
+// loads. Every release below is generic; a reader that goes on with TMA fences the async proxy
 // after its acquire.
 #pragma once
 
