@@ -71,7 +71,9 @@ template <EpilogueKind kEpilogue>
 struct SharedLayout {
   using Config = TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
-  static constexpr int kNumStages = 4;
+  // A 4th stage for bf16 outputs (it fits beside the 32 KB staging tile) measured no faster, and
+  // slower on the qwen3-30b forward GEMMs (perf-notes/gemm.md v10).
+  static constexpr int kNumStages = kStagedStore ? 3 : 4;
   static constexpr uint32_t kAlignment = 1024;
   // bf16 outputs are staged 128 columns (256 bytes) of every row at a time (epilogue.cuh).
   static constexpr uint32_t kStagingRowBytes = 256;
