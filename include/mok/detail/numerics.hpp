@@ -1,8 +1,10 @@
 // The scalar math of the layer, one definition for the CPU reference and the GPU kernels.
 //
-// Every float operation here is an explicitly rounded multiply or add (never a fused a*b+c), and
-// exp is computed from those operations alone, so host and device produce the same bits. That is
-// what lets a GPU kernel that sums in the reference's order match the reference bitwise.
+// Every float operation here is an explicitly rounded multiply, add or fused multiply-add (one
+// rounding, as IEEE 754 defines fma: std::fma on the host, __fmaf_rn on the device; never a
+// contraction left to the compiler), and exp is computed from those operations alone, so host and
+// device produce the same bits. That is what lets a GPU kernel that sums in the reference's order
+// match the reference bitwise.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,15 @@ MOK_HOST_DEVICE float add_rn(float a, float b) {
 #endif
 }
 
+// a * b + c with one rounding.
+MOK_HOST_DEVICE float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 MOK_HOST_DEVICE float div_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fdiv_rn(a, b);
@@ -51,40 +62,42 @@ MOK_HOST_DEVICE float bits_to_float(uint32_t bits) {
 #endif
 }
 
-MOK_HOST_DEVICE float round_to_integer(float value) {  // nearest, ties to even
-#if defined(__CUDA_ARCH__)
-  return rintf(value);
-#else
-  return std::nearbyint(value);
-#endif
-}
-
 // exp(x) = exp(r) * 2^n with x = n*ln2 + r, |r| <= ln2/2, and exp(r) by its Taylor polynomial
-// to r^7 (truncation under 2^-27). No branch: valid wherever 2^n is a normal float.
+// to r^7 (truncation under 2^-27), in fused multiply-adds. No branch: valid wherever 2^n is a
+// normal float.
 struct ExpParts {
   float mantissa;  // exp(r), in [0.7, 1.42]
   float exponent;  // n, an integer
 };
 
-// exp(x - n ln 2) for the integer n = round(x / ln 2), given n: the part of exp_parts after the
-// rounding (the GPU epilogue rounds another, bit-identical way).
+// n = round(x / ln 2), ties to even, for |x| < 2^21: x log2(e) + 1.5 * 2^23 rounded once lies in
+// [2^23, 2^24), where the float spacing is 1, so subtracting 1.5 * 2^23 back is exact and leaves
+// the nearest integer. (The GPU epilogue takes 2^n from the sum's bits instead.)
+constexpr float kLog2e = 1.44269502f;
+constexpr float kRoundShift = 12582912.0f;  // 1.5 * 2^23
+
+MOK_HOST_DEVICE float exp_rounded_exponent(float x) {
+  return add_rn(fma_rn(x, kLog2e, kRoundShift), -kRoundShift);
+}
+
+// exp(x - n ln 2) for the integer n = exp_rounded_exponent(x), given n.
 MOK_HOST_DEVICE float exp_reduced(float x, float n) {
   constexpr float kLn2High = 0.693145751953125f;  // few mantissa bits: n * kLn2High is exact
   constexpr float kLn2Low = 1.42860677e-06f;
-  const float r = add_rn(add_rn(x, -mul_rn(n, kLn2High)), -mul_rn(n, kLn2Low));
+  const float r = fma_rn(-n, kLn2Low, fma_rn(-n, kLn2High, x));
   float p = 1.0f / 5040.0f;
-  p = add_rn(mul_rn(p, r), 1.0f / 720.0f);
-  p = add_rn(mul_rn(p, r), 1.0f / 120.0f);
-  p = add_rn(mul_rn(p, r), 1.0f / 24.0f);
-  p = add_rn(mul_rn(p, r), 1.0f / 6.0f);
-  p = add_rn(mul_rn(p, r), 0.5f);
-  p = add_rn(mul_rn(p, r), 1.0f);
-  p = add_rn(mul_rn(p, r), 1.0f);
+  p = fma_rn(p, r, 1.0f / 720.0f);
+  p = fma_rn(p, r, 1.0f / 120.0f);
+  p = fma_rn(p, r, 1.0f / 24.0f);
+  p = fma_rn(p, r, 1.0f / 6.0f);
+  p = fma_rn(p, r, 0.5f);
+  p = fma_rn(p, r, 1.0f);
+  p = fma_rn(p, r, 1.0f);
   return p;
 }
 
 MOK_HOST_DEVICE ExpParts exp_parts(float x) {
-  const float n = round_to_integer(mul_rn(x, 1.44269502f));
+  const float n = exp_rounded_exponent(x);
   return {exp_reduced(x, n), n};
 }
 

@@ -23,16 +23,13 @@ constexpr float kFastSwiGluGateFloor = -87.0f;
 // becomes a select. Checked bitwise against the definition for every float below 87 by
 // tests/gpu/test_gemm_swiglu.cu.
 //
-// No float/integer conversion either (two per element in the definition, rintf and the int cast
-// of 2^n, which ncu suggests compete with the tensor cores): v + 1.5·2^23 rounds v = x / ln 2 to
-// the nearest integer, ties to even, for |v| < 2^22 (the sum's ulp is 1), subtracting it back is
-// exact, and the sum's low mantissa bits hold n itself. Outside |v| < 2^22 (x below about -2.9e6)
-// the result is the flushed 0 anyway.
+// No float/integer conversion either: the sum that rounds x / ln 2 (exp_rounded_exponent) holds
+// n itself in its low mantissa bits, so 2^n is built from them with integer operations. Outside
+// |x| < 2^21 the result is the flushed 0 anyway.
 __device__ __forceinline__ float exp_below_87(float x) {
-  constexpr float kRoundShift = 12582912.0f;  // 1.5 * 2^23
-  constexpr uint32_t kShiftBits = 0x4B400000u;  // its bits: n = bits(v + kRoundShift) - these
-  const float shifted = numerics::add_rn(numerics::mul_rn(x, 1.44269502f), kRoundShift);
-  const float n = numerics::add_rn(shifted, -kRoundShift);
+  constexpr uint32_t kShiftBits = 0x4B400000u;  // bits of numerics::kRoundShift
+  const float shifted = numerics::fma_rn(x, numerics::kLog2e, numerics::kRoundShift);
+  const float n = numerics::add_rn(shifted, -numerics::kRoundShift);
   // n is in [-126, 126] whenever the result is used: 2^n is a normal float.
   const float scale = __uint_as_float((__float_as_uint(shifted) - kShiftBits + 127u) << 23);
   const float result = numerics::mul_rn(numerics::exp_reduced(x, n), scale);
