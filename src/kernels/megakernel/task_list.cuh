@@ -16,7 +16,7 @@
 // gate/up tiles, so their inputs are normally complete when they start. Within a segment the
 // tiles go expert by expert, and within an expert column block outer, row block inner, as in the
 // standalone grouped GEMM: the CTAs running side by side share the expert's weight tiles and its
-// rows through L2.
+// rows through L2. (The shared gate/up tiles go row block outer, column block inner: see decode.)
 //
 // Ring rounds: expert_x and the routed hidden rows hold `ring_mblocks` blocks (a multiple of B, at
 // least 2 B), and block g lives at ring block g mod ring_mblocks. Before the dispatch writes block
@@ -109,9 +109,21 @@ class TaskScheduler {
     task.frees_ring_block = false;
     if (is_shared(kind_)) {
       const int local = task_ - segment_first_;
-      const int mblock = local % shape_.shared_mblocks;
+      int mblock, nblock;
+      if (kind_ == TaskKind::kSharedGateUp) {
+        // Column block inner: the CTAs side by side read the same x rows, so x (T rows of the
+        // full hidden width, more than L2 holds for T = 8192) is read from memory about once,
+        // where row block inner read it once per few column blocks; the shared weights (the
+        // smaller part) are read once per group of row blocks instead.
+        const int n_blocks = shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
+        mblock = local / n_blocks;
+        nblock = local % n_blocks;
+      } else {
+        mblock = local % shape_.shared_mblocks;
+        nblock = local / shape_.shared_mblocks;
+      }
       task.mblock = mblock;
-      task.tile = {0, mblock, local / shape_.shared_mblocks, 0, num_tokens_};
+      task.tile = {0, mblock, nblock, 0, num_tokens_};
     } else {
       // The segment's experts in order; the task lies inside the segment, so inside one of them.
       while (task_ >= expert_first_task_ + expert_tiles_) {
