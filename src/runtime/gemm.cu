@@ -79,6 +79,14 @@ void check_shape(const GroupedShape& shape, const int* expert_offsets) {
                 "is null");
 }
 
+// Outputs are written 16 bytes at a time (bf16 rows by warp stores, fp32 pairs): the base must be
+// 16-byte aligned; with n a multiple of 8 every row then is too.
+void check_output(const void* output, const char* name) {
+  MOK_CHECK_ARG(output != nullptr, name, "is null");
+  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(output) % 16 == 0, name,
+                "must be 16-byte aligned, got address ", output);
+}
+
 using GemmKernel = void (*)(CUtensorMap, CUtensorMap, GroupedGemmParams);
 
 void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
@@ -124,6 +132,7 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
   MOK_CHECK_ARG(output != ForwardOutput::kSwiGluBf16 || shape.n % 16 == 0, "shape.n",
                 "SwiGLU needs gate/up blocks of 8: n must be a multiple of 16, got ", shape.n);
   if (shape.num_experts == 0) return;
+  check_output(y, "y");
   const LaunchConfig config = pick_config(
       options, pick_engine(options, GemmKind::kForward, forward_epilogue(output), shape.k),
       unknown_tiles);
@@ -150,6 +159,7 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
                    const LaunchOptions& options) {
   check_shape(shape, expert_offsets);
   if (shape.num_experts == 0) return;
+  check_output(dx, "dx");
   // C[rows, k] = dY[rows, n] · W[n, k]: the reduction runs over n, W is read n-rows by k-columns.
   // Every engine reads W in (64, 64) boxes and dY in (BLOCK_M, 64) boxes.
   static_assert(PingpongConfig<128>::BLOCK_K == TileConfig::BLOCK_K &&
@@ -171,6 +181,7 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
                    const LaunchOptions& options) {
   check_shape(shape, expert_offsets);
   if (shape.num_experts == 0) return;
+  check_output(dw, "dw");
   // C[n, k] = dYᵀ[n, rows] · X[rows, k]: both operands are read rows-of-the-expert by 64 columns.
   const CUtensorMap map_a = make_tensor_map_2d(dy, shape.capacity_rows, shape.n,
                                                TileConfig::BLOCK_K, "dy");

@@ -1,9 +1,11 @@
-// The fused gate/up weight layout the SwiGLU GEMM reads, checked on the host (no GPU needed, runs
-// in CI): rows 16b..16b+7 are gate rows 8b..8b+7, rows 16b+8..16b+15 the matching up rows.
+// Host-side checks of the GEMM API (no GPU needed, run in CI): the fused gate/up weight layout the
+// SwiGLU GEMM reads (rows 16b..16b+7 are gate rows 8b..8b+7, rows 16b+8..16b+15 the matching up
+// rows), and the launchers' refusal of outputs they cannot write.
 #include <gtest/gtest.h>
 
 #include <vector>
 
+#include "mok/error.hpp"
 #include "mok/gemm.hpp"
 
 namespace mok::gemm {
@@ -31,6 +33,23 @@ TEST(GateUpLayout, InterleavesBlocksOfEightRowsPerExpert) {
             << "expert " << expert << ", fused row " << row << ", column " << column;
       }
     }
+  }
+}
+
+// The launchers refuse an output they cannot store to 16 bytes at a time, before they touch the GPU
+// (so this runs without one; the other pointers are never read).
+TEST(GemmArguments, RefuseANullOrMisalignedOutput) {
+  alignas(16) static char buffer[256];
+  const auto* data = reinterpret_cast<const bf16*>(buffer);
+  const int offsets[2] = {0, 1};
+  const GroupedShape shape{1, 8, 16, 16};
+  for (char* output : {static_cast<char*>(nullptr), buffer + 8}) {
+    EXPECT_THROW(grouped_forward(shape, data, data, offsets, output, ForwardOutput::kBf16, nullptr),
+                 Error);
+    EXPECT_THROW(grouped_dgrad(shape, data, data, offsets, reinterpret_cast<bf16*>(output), nullptr),
+                 Error);
+    EXPECT_THROW(grouped_wgrad(shape, data, data, offsets, output, WgradOutput::kFp32, nullptr),
+                 Error);
   }
 }
 

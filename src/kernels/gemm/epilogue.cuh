@@ -8,7 +8,6 @@
 #include "kernels/gemm/fragment.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
-#include "kernels/ptx/barrier.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
 
 namespace mok::gemm {
