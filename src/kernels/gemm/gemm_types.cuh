@@ -64,6 +64,11 @@ __host__ __device__ constexpr int output_tile_columns(EpilogueKind epilogue) {
   return epilogue == EpilogueKind::kSwiGluBf16 ? Config::BLOCK_N / 2 : Config::BLOCK_N;
 }
 
+// bf16 outputs leave through staging rows of their warp (warp_rows.cuh): 16 rows per warp, one
+// pass of 128 bf16 columns (256 bytes) each.
+inline constexpr uint32_t kStagingRowBytes = 256;
+inline constexpr uint32_t kWarpStagingBytes = 16 * kStagingRowBytes;
+
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the output
 // staging tile, then the barriers. The same struct sizes the launch on the host and finds the
 // buffers on the device.
@@ -75,13 +80,12 @@ struct SharedLayout {
   // slower on the qwen3-30b forward GEMMs (perf-notes/gemm.md v10).
   static constexpr int kNumStages = kStagedStore ? 3 : 4;
   static constexpr uint32_t kAlignment = 1024;
-  // bf16 outputs are staged 128 columns (256 bytes) of every row at a time (epilogue.cuh).
-  static constexpr uint32_t kStagingRowBytes = 256;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * TileConfig::kABytes;
   static constexpr uint32_t kStagingOffset = kBOffset + kNumStages * TileConfig::kBBytes;
+  // bf16 outputs: 16 staging rows per consumer warp (warp_rows.cuh), 256 bytes each.
   static constexpr uint32_t kStagingBytes =
-      kStagedStore ? TileConfig::BLOCK_M * kStagingRowBytes : 0;
+      kStagedStore ? TileConfig::kNumConsumerWarpgroups * 4 * kWarpStagingBytes : 0;
   static constexpr uint32_t kBarrierOffset = kStagingOffset + kStagingBytes;
   // full[kNumStages], empty[kNumStages], tail (the wgrad row-tail staging barrier)
   static constexpr uint32_t kNumBarriers = 2 * kNumStages + 1;

@@ -13,8 +13,7 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/pingpong_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
-#include "kernels/ptx/barrier.cuh"
-#include "kernels/ptx/tma.cuh"
+#include "kernels/gemm/warp_rows.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
 
 namespace mok::gemm {
@@ -26,7 +25,6 @@ struct PingpongEpilogue {
   static constexpr int kNumRowBlocks = Config::BLOCK_M / 64;
   static constexpr int kRowBlockAccumulators = Config::BLOCK_N / 2;  // per thread
   static constexpr bool kSwiGlu = kEpilogue == EpilogueKind::kSwiGluBf16;
-  static constexpr int kTileColumns = output_tile_columns<Config>(kEpilogue);
   using Accumulators = float[kNumRowBlocks][kRowBlockAccumulators];
 
   // Where this thread's fragment lands: the tile's place in C, and tile rows (row, row + 8) of
@@ -63,10 +61,8 @@ struct PingpongEpilogue {
     }
   }
 
-  // bf16 results: the warp writes its 16 rows of each row block into this consumer's staging
-  // tile, then one lane per row copies it to global memory with a bulk copy. Rows past the
-  // group's end or past M are never copied, and the copies drain while the other consumer runs
-  // its mainloop.
+  // bf16 results: each warp writes its 16 rows of one row block after the other through its own
+  // staging rows (warp_rows.cuh). Rows past the group's end or past M are never written.
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                uint8_t* staging, Accumulators& accum) {
     const Fragment f = fragment(params, tile);
@@ -76,57 +72,21 @@ struct PingpongEpilogue {
         store_fp32_fragment<Config::BLOCK_N>(f, 64 * r + f.row, f.column, accum[r]);
       }
     } else {
-      constexpr uint32_t kPitch = Layout::kStagingPitch;
-      const int lane_idx = static_cast<int>(threadIdx.x % 32);
-      const int warp_first_row = f.row - lane_idx / 4;  // the warp's 16 rows of each row block
-      // The previous tile's copies must have finished reading these staging rows.
-      ptx::bulk_wait_group_read<0>();
-      __syncwarp();
+      using Rows = WarpRows<Config::BLOCK_N, kSwiGlu>;
+      const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
+      const int warp_first_row = f.row - static_cast<int>(threadIdx.x % 32) / 4;
+      uint8_t* warp_staging = staging + warp_in_group * kWarpStagingBytes;
 #pragma unroll
       for (int r = 0; r < kNumRowBlocks; ++r) {
-        uint8_t* warp_staging = staging + (64 * r + warp_first_row) * kPitch;
-        if constexpr (kSwiGlu) {
-          swiglu_in_place<Config::BLOCK_N / 2>(accum[r]);
-#pragma unroll
-          for (int j = 0; j < Config::BLOCK_N / 8; j += 2) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int gate = 4 * j + 2 * half;
-              stage_pair(warp_staging, lane_idx / 4 + 8 * half, f.column + 4 * j, accum[r][gate],
-                         accum[r][gate + 1]);
-            }
-          }
-        } else {
-          for_each_fragment_pair<Config::BLOCK_N>(
-              lane_idx / 4, f.column, [&](int row, int column, int index) {
-                stage_pair(warp_staging, row, column, accum[r][index], accum[r][index + 1]);
-              });
-        }
+        if constexpr (kSwiGlu) swiglu_in_place<Config::BLOCK_N / 2>(accum[r]);
+        uint32_t packed[Rows::kPacked];
+        Rows::pack(accum[r], packed);
+        Rows::write(warp_staging, packed, f.columns_valid, [&](int warp_row) -> char* {
+          const int row = 64 * r + warp_first_row + warp_row;
+          return row < f.rows_valid ? f.tile_base + row * f.row_stride : nullptr;
+        });
       }
-      // NOTE: the bulk copy engine reads through the async proxy.
-      ptx::fence_proxy_async_shared();
-      __syncwarp();
-      // Lane l copies row l % 16 of the warp's 16 rows in row block l / 16.
-      const int row = 64 * (lane_idx / 16) + warp_first_row + lane_idx % 16;
-      const int columns = min(f.columns_valid, kTileColumns);
-      if (lane_idx / 16 < kNumRowBlocks && row < f.rows_valid && columns > 0) {
-        ptx::bulk_store(f.tile_base + row * f.row_stride, staging + row * kPitch,
-                        static_cast<uint32_t>(columns) * 2);
-      }
-      ptx::bulk_commit_group();
     }
-  }
-
-  // Before the CTA exits: every bulk copy this thread issued has landed.
-  __device__ static void drain() {
-    if constexpr (uses_staged_store(kEpilogue)) ptx::bulk_wait_group<0>();
-  }
-
- private:
-  __device__ static void stage_pair(uint8_t* warp_staging, int row, int column, float x,
-                                    float y) {
-    *reinterpret_cast<__nv_bfloat162*>(warp_staging + row * Layout::kStagingPitch + column * 2) =
-        __floats2bfloat162_rn(x, y);
   }
 };
 

@@ -94,7 +94,6 @@ __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
         Loop::skip(state, Loop::num_k_blocks(params, tile));
       }
     }
-    Store::drain();
   }
 #endif
 }

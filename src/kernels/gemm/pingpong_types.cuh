@@ -39,10 +39,8 @@ struct PingpongSharedLayout {
   using Config = PingpongConfig<kBlockM>;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
   static constexpr uint32_t kAlignment = 1024;
-  // NOTE: 16 bytes of padding per staging row spread a warp's 8 fragment rows over all banks.
-  static constexpr uint32_t kStagingPitch = Config::BLOCK_N * 2 + 16;
-  static constexpr uint32_t kStagingBytesPerConsumer =
-      kStagedStore ? Config::BLOCK_M * kStagingPitch : 0;
+  // bf16 outputs: 16 staging rows per warp (warp_rows.cuh).
+  static constexpr uint32_t kStagingBytesPerConsumer = kStagedStore ? 4 * kWarpStagingBytes : 0;
   // As many stages as fit beside the staging tiles, barriers and alignment slack (at most 6).
   static constexpr uint32_t kSpareBytes = 227 * 1024 - kAlignment - 256 -
                                           Config::kNumConsumerWarpgroups * kStagingBytesPerConsumer;
@@ -50,7 +48,7 @@ struct PingpongSharedLayout {
   static constexpr int kNumStages = kFittingStages < 6 ? kFittingStages : 6;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * Config::kABytes;
-  // (kNumConsumerWarpgroups, BLOCK_M, kStagingPitch bytes)
+  // (kNumConsumerWarpgroups, 4 warps, kWarpStagingBytes)
   static constexpr uint32_t kStagingOffset = kBOffset + kNumStages * Config::kBBytes;
   static constexpr uint32_t kBarrierOffset =
       kStagingOffset + Config::kNumConsumerWarpgroups * kStagingBytesPerConsumer;
@@ -58,7 +56,6 @@ struct PingpongSharedLayout {
   static constexpr uint32_t kNumBarriers = 2 * kNumStages + 1;
   static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
   static constexpr uint32_t kLaunchBytes = kBytes + kAlignment;  // slack to align the base
-  static_assert(kStagingPitch % 16 == 0, "bulk copies need 16-byte aligned rows");
   static_assert(kLaunchBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
 };
 

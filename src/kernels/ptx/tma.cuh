@@ -1,7 +1,6 @@
-// Bulk copies. Loads: global -> shared tiles described by a CUtensorMap (TMA), completing on an
-// mbarrier as transaction bytes; out-of-bounds parts of a box are filled with zeros and still
-// count as transaction bytes. Stores: plain shared -> global bulk copies of contiguous rows,
-// tracked by per-thread bulk async-groups.
+// TMA loads: global -> shared tiles described by a CUtensorMap, completing on an mbarrier as
+// transaction bytes; out-of-bounds parts of a box are filled with zeros and still count as
+// transaction bytes. (The GEMM epilogues store with warp-wide stores: warp_rows.cuh.)
 #pragma once
 
 #include <cuda.h>
@@ -38,32 +37,6 @@ __device__ __forceinline__ void tma_load_3d(void* destination, const CUtensorMap
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(smem_address(barrier)), "r"(inner),
       "r"(middle), "r"(outer)
       : "memory");
-}
-
-// Shared -> global bulk copy of `bytes` contiguous bytes (a multiple of 16, both addresses
-// 16-byte aligned), tracked by this thread's bulk async-groups.
-__device__ __forceinline__ void bulk_store(void* global_destination, const void* source,
-                                           uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                   reinterpret_cast<uint64_t>(global_destination)),
-               "r"(smem_address(source)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit_group() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// Waits until at most kPending of this thread's bulk groups still read their shared source.
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_group_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
-
-// Waits until at most kPending of this thread's bulk groups are incomplete (writes done).
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_group() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 }  // namespace mok::ptx
