@@ -43,7 +43,10 @@ int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilog
     case GemmEngine::kPingpong: return 128;
     case GemmEngine::kAuto: break;
   }
-  constexpr int kPingpongMaxK = 1024;
+  // Plain bf16 forward GEMMs with short K: ping-pong measured ahead on qwen3-30b down (K = 768)
+  // and qwen3-235b down (K = 1536) in the runs of a0aa876 and 7574ade; at K = 2048 the two trade
+  // places between runs (perf-notes/gemm.md v12).
+  constexpr int kPingpongMaxK = 1536;
   return kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 &&
                  reduction_length <= kPingpongMaxK
              ? 128
