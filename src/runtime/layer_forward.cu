@@ -302,9 +302,10 @@ FusedForwardConfig LayerForward::fused_config() const {
   config.num_ctas = options_.gemm.num_sms > 0
                         ? std::min(num_sms_, config.comm_ctas + options_.gemm.num_sms)
                         : num_sms_;
-  // 2048: the best or within 0.3 % of it at the default communication CTAs in both sweeps of
-  // docs/perf-notes/layer.md (deepseek-v3 and qwen3-30b, 2048 / 4096 / 8192 rows).
-  const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 2048;
+  // 8192: ahead of 2048 on all five benchmark cases (deepseek-v3 EP1 / EP2, qwen3-30b,
+  // qwen3-235b, skewed) in four alternated rounds at 031b0d6 (docs/perf-notes/layer.md v20).
+  // A ring smaller than two minibatches cuts them to half the ring (ring_config).
+  const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 8192;
   const RingBlocks ring =
       ring_config(workspace_.layout(), gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M));
   config.chunk_mblocks = ring.chunk_mblocks;

@@ -35,7 +35,7 @@ namespace mok {
 struct FusedForwardOptions {
   bool enabled = true;  // off: the unfused composition (reference for the fused kernel's bits)
   int comm_ctas = 0;       // CTAs that dispatch before they compute; default: default_comm_ctas()
-  int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 2048
+  int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 8192
   // Rows of the ring that holds the dispatched rows and their hidden rows: 0 = every row a call
   // can route to this rank (R * T_max * k + padding; never a second round). Fewer bound the
   // memory: the rows then go through the ring in rounds, any routing still fits (>= 256; the
