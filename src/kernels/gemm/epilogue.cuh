@@ -51,16 +51,13 @@ struct Epilogue {
     return fragment;
   }
 
-  // Whether the accumulators start from values init() loads (the fp32 main_grad this tile
-  // accumulates into); otherwise the tile's first wgmma overwrites them (Mainloop::mma).
-  static constexpr bool kLoadsAccumulators = kEpilogue == EpilogueKind::kAccumulateFp32;
-
+  // Accumulator start values: zero, or the fp32 main_grad this tile accumulates into.
   __device__ static void init(const GroupedGemmParams& params, const GroupedTile& tile,
                               int consumer_idx, float (&accum)[kNumAccumulators]) {
-    if constexpr (kLoadsAccumulators) {
-      static_assert(kKind == GemmKind::kWgrad, "main_grad accumulation is wgrad's (no half tiles)");
 #pragma unroll
-      for (int i = 0; i < kNumAccumulators; ++i) accum[i] = 0.0f;  // past the tile's valid part
+    for (int i = 0; i < kNumAccumulators; ++i) accum[i] = 0.0f;
+    if constexpr (kEpilogue == EpilogueKind::kAccumulateFp32) {
+      static_assert(kKind == GemmKind::kWgrad, "main_grad accumulation is wgrad's (no half tiles)");
       const Fragment f = fragment(params, tile, consumer_idx);
       load_fp32_fragment<Config::BLOCK_N>(f, f.row, f.column, accum);
     }

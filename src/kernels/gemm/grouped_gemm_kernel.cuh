@@ -67,12 +67,10 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
   } else {
     ptx::setmaxnreg_increase<kConsumerRegisters>();
     const int consumer_idx = warpgroup_idx - 1;
+    float accum[Store::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup
     while (scheduler.next_tile(tile)) {
-      // NOTE: one array per tile: the first wgmma overwrites it (Mainloop::mma), so nothing of
-      // the previous tile stays live across the loop.
-      float accum[Store::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup
       Store::init(params, tile, consumer_idx, accum);
-      Loop::mma(smem, params, tile, consumer_idx, state, accum, Store::kLoadsAccumulators);
+      Loop::mma(smem, params, tile, consumer_idx, state, accum);
       Store::store(params, tile, consumer_idx, smem.staging, accum);
     }
   }

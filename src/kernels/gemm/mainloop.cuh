@@ -84,24 +84,21 @@ struct Mainloop {
   // k-block. The k order, hence every sum, is the same either way.
   static constexpr bool kGroupInFlight = kKind != GemmKind::kForward;
 
-  // Consumer side: computes this warpgroup's (64, BLOCK_N) slice of the tile into `accum`; in a
-  // half tile (is_half_tile), rows 0-63 of column half consumer_idx into accum[0, 64). With
-  // `accumulate` the products add to the values accum holds; otherwise the first wgmma
-  // overwrites them (a tile without k-blocks leaves zeros).
+  // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`; in
+  // a half tile (is_half_tile), rows 0-63 of column half consumer_idx into accum[0, 64).
   __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
-                             float (&accum)[Mma::kNumAccumulators], bool accumulate) {
+                             float (&accum)[Mma::kNumAccumulators]) {
     if (is_half_tile<kKind>(tile)) {
       // NOTE: the half tile's m64n128 covers the first 64 accumulators, in the same fragment
       // layout (fragment.cuh) as the first 128 columns of an m64n256.
       mma_k_blocks<HalfMma>(smem, params, tile, 0,
                             consumer_idx * (Config::kBBytes / Config::kNumConsumerWarpgroups),
-                            state, reinterpret_cast<float(&)[HalfMma::kNumAccumulators]>(accum),
-                            accumulate);
+                            state, reinterpret_cast<float(&)[HalfMma::kNumAccumulators]>(accum));
     } else {
       mma_k_blocks<Mma>(smem, params, tile,
                         consumer_idx * (Config::kABytes / Config::kNumConsumerWarpgroups), 0, state,
-                        accum, accumulate);
+                        accum);
     }
   }
 
@@ -118,13 +115,9 @@ struct Mainloop {
   __device__ static void mma_k_blocks(const Storage& smem, const GroupedGemmParams& params,
                                       const GroupedTile& tile, uint32_t a_offset,
                                       uint32_t b_offset, State& state,
-                                      float (&accum)[Shape::kNumAccumulators], bool accumulate) {
+                                      float (&accum)[Shape::kNumAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
-    if (num_blocks == 0 && !accumulate) {
-#pragma unroll
-      for (int i = 0; i < Shape::kNumAccumulators; ++i) accum[i] = 0.0f;
-    }
     int previous_stage = -1;
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
       ptx::mbarrier_wait(&smem.full[state.index], state.phase);
@@ -140,8 +133,7 @@ struct Mainloop {
         const uint32_t b_step = kBMajorMN ? k16 * 2048 : k16 * 32;
         const uint64_t desc_a = ptx::make_smem_descriptor(a_base + a_step, kALeadingBytes, 1024);
         const uint64_t desc_b = ptx::make_smem_descriptor(b_base + b_step, kBLeadingBytes, 1024);
-        // scale-d 0 on the tile's first wgmma: D = A B, whatever accum held.
-        Shape::mma(desc_a, desc_b, accumulate || k_block > 0 || k16 > 0 ? 1u : 0u, accum);
+        Shape::mma(desc_a, desc_b, 1u, accum);
       }
       ptx::wgmma_commit_group();
       if constexpr (kGroupInFlight) {

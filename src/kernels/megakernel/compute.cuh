@@ -100,13 +100,8 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
                                 float (&accum)[gemm::TileConfig::BLOCK_N / 2],
                                 const RowDestination& row_destination = {}) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
-  // NOTE: zeroed here and accumulated into, not overwritten by the first wgmma as in the
-  // standalone kernel: with the accumulators undefined at a tile's start, ptxas spilled kilobytes
-  // in this kernel, whose task loop holds three epilogues.
-#pragma unroll
-  for (int i = 0; i < gemm::TileConfig::BLOCK_N / 2; ++i) accum[i] = 0.0f;
   Store::init(gemm_params, task.tile, consumer_idx, accum);
-  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum, /*accumulate=*/true);
+  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
