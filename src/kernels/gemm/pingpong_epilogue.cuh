@@ -21,7 +21,6 @@ namespace mok::gemm {
 template <GemmKind kKind, EpilogueKind kEpilogue, int kBlockM>
 struct PingpongEpilogue {
   using Config = PingpongConfig<kBlockM>;
-  using Layout = PingpongSharedLayout<kEpilogue, kBlockM>;
   static constexpr int kNumRowBlocks = Config::BLOCK_M / 64;
   static constexpr int kRowBlockAccumulators = Config::BLOCK_N / 2;  // per thread
   static constexpr bool kSwiGlu = kEpilogue == EpilogueKind::kSwiGluBf16;
