@@ -6,13 +6,12 @@
 //   bench_layer [--cases NAME,...] [--iters 20] [--out layer-mok.json] [--routing-dir DIR]
 //               [--gemm-sms N] [--copy-ctas N] [--fused 0|1] [--schedule-in-kernel 0|1]
 //               [--comm-ctas N,...] [--minibatch-rows N,...] [--ring-rows N,...] [--trace 0|1]
-//               [--schedule-ctas N] [--pairs 0|1]
+//               [--schedule-ctas N]
 //
 // --fused 0 runs the unfused composition instead of the fused kernel (the default); lists of
 // communication CTAs, minibatch rows and ring rows sweep every combination per case (0 = the
 // layer's default; ring rows 0 = a ring for every row, one round), one JSON entry each. --trace 1 adds one forward with the fused kernel's per-CTA
-// timeline and prints its summary per rank. --pairs 1 runs the fused kernel in 2-CTA clusters
-// that share each weight k-block.
+// timeline and prints its summary per rank.
 //
 // Weights and x are seeded random values made on the device (the timing does not depend on the
 // values); the routing is Problem::generate's, drawn for the case's expert count and top-k.
@@ -49,7 +48,7 @@ struct Args {
   std::vector<std::string> cases;
   int iters = 20;
   int gemm_sms = 0, copy_ctas = 0, schedule_ctas = 0;
-  bool fused = true, schedule_in_kernel = true, trace = false, pairs = false;
+  bool fused = true, schedule_in_kernel = true, trace = false;
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
 };
@@ -76,7 +75,6 @@ Args parse(int argc, char** argv) {
     else if (key == "--fused") args.fused = std::stoi(value) != 0;
     else if (key == "--schedule-in-kernel") args.schedule_in_kernel = std::stoi(value) != 0;
     else if (key == "--trace") args.trace = std::stoi(value) != 0;
-    else if (key == "--pairs") args.pairs = std::stoi(value) != 0;
     else if (key == "--comm-ctas") args.comm_ctas = int_list(value);
     else if (key == "--minibatch-rows") args.minibatch_rows = int_list(value);
     else if (key == "--ring-rows") args.ring_rows = int_list(value);
@@ -128,7 +126,6 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.fused_ring_rows = ring_rows;
   spec.fused_schedule_in_kernel = args.schedule_in_kernel;
   spec.fused_schedule_ctas = args.schedule_ctas;
-  spec.fused_pairs = args.pairs;
   spec.trace = args.trace;
   spec.keep_y = false;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
@@ -150,7 +147,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
                 "\"num_experts\": %lld, \"top_k\": %lld, \"fused\": %s, "
                 "\"comm_ctas\": %d, \"minibatch_rows\": %d, \"ring_rows\": %d, "
-                "\"schedule_in_kernel\": %s, \"schedule_ctas\": %d, \"pairs\": %s",
+                "\"schedule_in_kernel\": %s, \"schedule_ctas\": %d",
                 first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
                 static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
                 routing_path.c_str(), result.forward_ms, tflops, flops,
@@ -159,8 +156,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 static_cast<long long>(shape.shared_intermediate),
                 static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k),
                 args.fused ? "true" : "false", comm_ctas, minibatch_rows, ring_rows,
-                args.schedule_in_kernel ? "true" : "false", args.schedule_ctas,
-                args.pairs ? "true" : "false");
+                args.schedule_in_kernel ? "true" : "false", args.schedule_ctas);
   out << line;
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {

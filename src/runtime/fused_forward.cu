@@ -44,9 +44,6 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                 "ring_mblocks", "minibatch ", config.chunk_mblocks, " and ring ",
                 config.ring_mblocks, " row blocks do not fit this workspace (ring_config gives ",
                 ring.chunk_mblocks, " and ", ring.ring_mblocks, ")");
-  MOK_CHECK_ARG(!config.pairs || (config.num_ctas % 2 == 0 && config.comm_ctas % 2 == 0), "pairs",
-                "need an even grid and even communication CTAs, got ", config.num_ctas, " and ",
-                config.comm_ctas);
   MOK_CHECK_ARG(config.schedule_ctas >= config.comm_ctas && config.schedule_ctas <= config.num_ctas,
                 "schedule_ctas", "must be in [comm_ctas = ", config.comm_ctas, ", ",
                 config.num_ctas, "], got ", config.schedule_ctas);
@@ -67,8 +64,6 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
 
   megakernel::FusedForwardMaps maps{};
   megakernel::FusedForwardParams params{};
-  // Pairs load half a weight tile each (TileLoader's multicast).
-  const uint32_t b_rows = config.pairs ? TileConfig::BLOCK_N / 2 : TileConfig::BLOCK_N;
   auto set = [&](TaskKind kind, const CUtensorMap& a, const CUtensorMap& b, int n, int k,
                  void* output) {
     const int index = static_cast<int>(kind);
@@ -80,27 +75,28 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   // row only), so the A maps of the intermediates span their buffers' capacity.
   set(TaskKind::kGateUp,
       gemm::make_tensor_map_2d(ws.expert_x(), rows, hidden, TileConfig::BLOCK_M, "expert_x"),
-      gemm::make_tensor_map_3d(buffers.gate_up, experts, 2 * inter, hidden, b_rows, 64,
-                               "gate_up"),
+      gemm::make_tensor_map_3d(buffers.gate_up, experts, 2 * inter, hidden, TileConfig::BLOCK_N,
+                               64, "gate_up"),
       static_cast<int>(2 * inter), static_cast<int>(hidden), buffers.routed_hidden);
   set(TaskKind::kDown,
       gemm::make_tensor_map_2d(buffers.routed_hidden, rows, inter, TileConfig::BLOCK_M,
                                "routed_hidden"),
-      gemm::make_tensor_map_3d(buffers.down, experts, hidden, inter, b_rows, 64, "down"),
+      gemm::make_tensor_map_3d(buffers.down, experts, hidden, inter, TileConfig::BLOCK_N, 64,
+                               "down"),
       // (the output pointer is unused: RowsToOwners places every row)
       static_cast<int>(hidden), static_cast<int>(inter), ws.expert_y());
   if (has_shared) {
     set(TaskKind::kSharedGateUp,
         gemm::make_tensor_map_2d(x, static_cast<uint64_t>(num_tokens), hidden,
                                  TileConfig::BLOCK_M, "x"),
-        gemm::make_tensor_map_3d(buffers.shared_gate_up, 1, 2 * shared_inter, hidden, b_rows, 64,
-                                 "shared_gate_up"),
+        gemm::make_tensor_map_3d(buffers.shared_gate_up, 1, 2 * shared_inter, hidden,
+                                 TileConfig::BLOCK_N, 64, "shared_gate_up"),
         static_cast<int>(2 * shared_inter), static_cast<int>(hidden), buffers.shared_hidden);
     set(TaskKind::kSharedDown,
         gemm::make_tensor_map_2d(buffers.shared_hidden, tokens_max, shared_inter,
                                  TileConfig::BLOCK_M, "shared_hidden"),
-        gemm::make_tensor_map_3d(buffers.shared_down, 1, hidden, shared_inter, b_rows, 64,
-                                 "shared_down"),
+        gemm::make_tensor_map_3d(buffers.shared_down, 1, hidden, shared_inter, TileConfig::BLOCK_N,
+                                 64, "shared_down"),
         static_cast<int>(hidden), static_cast<int>(shared_inter), buffers.shared_output);
   }
   params.view = ws.view();
@@ -116,31 +112,11 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.trace = config.trace;
 
   const int shared_bytes = fused_forward_shared_bytes();
-  auto* kernel = config.pairs ? &megakernel::fused_forward_kernel<true>
-                              : &megakernel::fused_forward_kernel<false>;
   // NOTE: the attribute belongs to the current device; one process may drive several GPUs.
-  MOK_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
-  cudaLaunchConfig_t launch{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = config.pairs ? 2 : 1;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  launch.gridDim = dim3(static_cast<unsigned>(config.num_ctas));
-  launch.blockDim = dim3(megakernel::kThreads);
-  launch.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
-  launch.stream = stream;
-  launch.attrs = &cluster;
-  launch.numAttrs = config.pairs ? 1 : 0;
-  if (config.pairs) {
-    // The CTAs wait on each other (grid barriers, counters): every cluster must be resident.
-    int resident = 0;
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &launch));
-    MOK_CHECK_ARG(2 * resident >= config.num_ctas, "pairs", "only ", resident,
-                  " 2-CTA clusters fit the GPU at once, the grid needs ", config.num_ctas / 2);
-  }
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&launch, kernel, maps, params));
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(megakernel::fused_forward_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  megakernel::fused_forward_kernel<<<config.num_ctas, megakernel::kThreads, shared_bytes, stream>>>(
+      maps, params);
   MOK_CUDA_CHECK_LAUNCH();
 }
 

@@ -39,9 +39,6 @@ struct FusedForwardConfig {
   // expert's gate/up tiles meanwhile.
   int schedule_ctas = 0;
   uint64_t* trace = nullptr;  // (num_ctas, kTraceFields) timeline, or null
-  // 2-CTA clusters that take consecutive tasks by one ticket and load a weight k-block once for
-  // both when their tiles share it (megakernel/task_list.cuh): num_ctas and comm_ctas even.
-  bool pairs = false;
 };
 
 // Dynamic shared memory of one CTA.

@@ -317,19 +317,6 @@ FusedForwardConfig LayerForward::fused_config() const {
                              ? std::clamp(fused.schedule_ctas, config.comm_ctas, config.num_ctas)
                              : config.num_ctas;
   config.trace = trace_;
-  config.pairs = fused.pairs;
-  if (config.pairs) {
-    // Whole clusters: communication CTAs rounded up, compute CTAs (at least one pair) too, the
-    // grid down to what the GPU holds.
-    config.comm_ctas += config.comm_ctas % 2;
-    const int compute_ctas = std::max(2, config.num_ctas - config.comm_ctas);
-    config.num_ctas =
-        std::min(num_sms_ - num_sms_ % 2, config.comm_ctas + compute_ctas + compute_ctas % 2);
-    MOK_CHECK_ARG(config.num_ctas > config.comm_ctas, "fused.pairs", "need a compute pair beside ",
-                  config.comm_ctas, " communication CTAs on ", num_sms_, " SMs");
-    config.schedule_ctas = std::clamp(config.schedule_ctas + config.schedule_ctas % 2,
-                                      config.comm_ctas, config.num_ctas);
-  }
   return config;
 }
 

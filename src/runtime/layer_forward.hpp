@@ -47,11 +47,6 @@ struct FusedForwardOptions {
   // CTAs that make the schedule in the kernel, at least comm_ctas; the others start on the shared
   // expert's gate/up tiles meanwhile. 0 = every CTA. Same bits whatever the value.
   int schedule_ctas = 0;
-  // 2-CTA clusters that take two consecutive tasks of the list by one ticket and load each weight
-  // k-block once for both when the two tiles read the same weight tile (TMA multicast;
-  // megakernel/task_list.cuh). Communication and compute CTAs are rounded to whole pairs.
-  // Same bits.
-  bool pairs = false;
 };
 
 struct LayerForwardOptions {

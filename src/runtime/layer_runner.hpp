@@ -39,7 +39,6 @@ struct LayerRunSpec {
   int64_t fused_ring_rows = 0;  // 0 = one round (FusedForwardOptions::ring_rows)
   bool fused_schedule_in_kernel = true;
   int fused_schedule_ctas = 0;  // 0 = every CTA
-  bool fused_pairs = false;     // FusedForwardOptions::pairs
   // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
   bool trace = false;
   int warmup = 3;

@@ -142,41 +142,6 @@ TEST(FusedForwardEp2Rings, RingsSmallerThanTheReceivedRowsDoNotChangeABit) {
   }
 }
 
-// Pairs: the kernel in 2-CTA clusters taking pairs of row blocks (odd counts leave phantom tiles)
-// and sharing each weight k-block computes every element as before: bitwise equal to the unfused
-// path under skewed and all-to-one-expert routings, with one-block minibatches on 4 CTAs (odd
-// communication and compute CTAs rounded to even), wider settings, rings of 2-8 rounds, repeats,
-// and at EP 1.
-TEST(FusedForwardEp2Pairs, PairsDoNotChangeABit) {
-  MOK_REQUIRE_HOPPER_GPUS(2);
-  for (const Case& routing : {Case{"skewed:1.2", 0.1, true, true},
-                              Case{"single-expert", 0.0, false, false}}) {
-    SCOPED_TRACE(case_name(routing));
-    const Problem problem = layer_problem(routing, 2 * 300, 43, true);
-    const std::vector<bf16> expected = run_gpu_layer(problem, 2, GpuRun{});  // unfused
-    struct Setting {
-      int comm_ctas, minibatch_rows, compute_sms;
-      int64_t ring_rows;
-    };
-    for (const Setting setting : {Setting{1, 128, 2, 0}, Setting{3, 384, 37, 0},
-                                  Setting{0, 0, 0, 0}, Setting{1, 128, 2, 256},
-                                  Setting{0, 0, 0, 512}}) {
-      GpuRun run = fused_run(setting.comm_ctas, setting.minibatch_rows, setting.compute_sms,
-                             setting.ring_rows);
-      run.layer.fused.pairs = true;
-      run.repeats = 2;
-      EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, run), expected), -1)
-          << "pairs: comm CTAs " << setting.comm_ctas << ", minibatch rows "
-          << setting.minibatch_rows << ", compute SMs " << setting.compute_sms << ", ring rows "
-          << setting.ring_rows << " differ from the unfused forward";
-    }
-    GpuRun ep1 = fused_run(2, 128, 5);
-    ep1.layer.fused.pairs = true;
-    EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, ep1), expected), -1)
-        << "pairs at EP=1 differ from EP=2 unfused";
-  }
-}
-
 // The ring bounds the memory: the buffers shrink by what the ring leaves out of expert_x and the
 // hidden rows (and the fused path holds no expert_y at all).
 TEST(FusedForwardEp1Rings, RingBoundsTheBuffers) {

@@ -45,9 +45,8 @@ Routed lay_out(const std::vector<int32_t>& counts) {
   return routed;
 }
 
-TaskShape shape_of(const ListCase& which, int routed_mblocks, int pair_rank = -1) {
+TaskShape shape_of(const ListCase& which, int routed_mblocks) {
   TaskShape shape{};
-  shape.pair_rank = pair_rank;
   shape.num_experts = static_cast<int>(which.counts.size());
   shape.shared_mblocks = which.shared_mblocks;
   shape.routed_mblocks = routed_mblocks;
@@ -60,8 +59,8 @@ TaskShape shape_of(const ListCase& which, int routed_mblocks, int pair_rank = -1
 // Decodes the tickets in `tickets` (increasing) as one CTA does: the routed row blocks become
 // known once a ticket reaches past the shared gate/up tasks.
 std::map<int, Task> decode_all(const ListCase& which, const Routed& routed,
-                               const std::vector<int>& tickets, int pair_rank = -1) {
-  TaskShape shape = shape_of(which, 0, pair_rank);
+                               const std::vector<int>& tickets) {
+  TaskShape shape = shape_of(which, 0);
   TaskScheduler scheduler(shape, routed.offsets.data(), which.counts.data(), 1000);
   bool routed_known = false;
   std::map<int, Task> tasks;
@@ -172,91 +171,6 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
       ASSERT_EQ(task.mblock, expected.mblock) << "ticket " << ticket;
       ASSERT_EQ(task.tile.n_block, expected.tile.n_block) << "ticket " << ticket;
       ASSERT_EQ(task.tile.group, expected.tile.group) << "ticket " << ticket;
-    }
-  }
-}
-
-// Pairs: the two ranks' tasks of every ticket together are the unpaired list's tiles, each once
-// (phantoms aside), with the same fields; the two tasks of a ticket have one kind (so the same
-// k-block count); share_b holds, on both ranks alike, exactly when the two tiles read the same
-// weight tile; a phantom is the rank-1 task of a segment's last pair, a copy of its rank-0 tile
-// that frees no ring block; every task's inputs lie in strictly earlier tickets; and a CTA that saw
-// only some tickets decodes each the same way.
-TEST_P(TaskListTest, PairsCoverTheListInOrder) {
-  const ListCase& which = GetParam();
-  const Routed routed = lay_out(which.counts);
-  std::vector<int> every(100000);
-  for (int ticket = 0; ticket < static_cast<int>(every.size()); ++ticket) every[ticket] = ticket;
-  const std::map<int, Task> single = decode_all(which, routed, every);
-  const std::map<int, Task> ranks[2] = {decode_all(which, routed, every, 0),
-                                        decode_all(which, routed, every, 1)};
-  ASSERT_EQ(ranks[0].size(), ranks[1].size()) << "the two ranks see different ticket counts";
-  const int segments = 2 * shape_of(which, routed.mblocks).num_chunks() + 2;
-  EXPECT_GE(2 * ranks[0].size(), single.size()) << "pair tickets";
-  EXPECT_LE(2 * ranks[0].size(), single.size() + segments) << "pair tickets";
-  using Key = std::tuple<int, int, int>;  // kind, row block, column block
-  auto key_of = [](const Task& task) {
-    return Key{static_cast<int>(task.kind), task.mblock, task.tile.n_block};
-  };
-  std::map<Key, Task> expected;
-  for (const auto& [ticket, task] : single) expected[key_of(task)] = task;
-  std::map<Key, int> ticket_of;
-  int shared_pairs = 0, phantoms = 0;
-  for (const auto& [ticket, first] : ranks[0]) {
-    const Task& second = ranks[1].at(ticket);
-    ASSERT_EQ(first.kind, second.kind) << "ticket " << ticket;
-    ASSERT_FALSE(first.phantom) << "ticket " << ticket << ": rank 0 always has a task";
-    ASSERT_EQ(first.share_b, second.share_b) << "ticket " << ticket;
-    const bool same_weights =
-        first.tile.group == second.tile.group && first.tile.n_block == second.tile.n_block;
-    ASSERT_EQ(first.share_b, same_weights) << "ticket " << ticket;
-    shared_pairs += first.share_b ? 1 : 0;
-    if (second.phantom) {
-      ++phantoms;
-      EXPECT_EQ(key_of(second), key_of(first)) << "ticket " << ticket;
-      EXPECT_FALSE(second.frees_ring_block) << "ticket " << ticket;
-    }
-    for (const Task* task : {&first, &second}) {
-      if (task->phantom) continue;
-      const Key key = key_of(*task);
-      ASSERT_EQ(ticket_of.count(key), 0u) << "tile decoded twice, ticket " << ticket;
-      ticket_of[key] = ticket;
-      const auto found = expected.find(key);
-      ASSERT_NE(found, expected.end()) << "ticket " << ticket << " decodes a tile not in the list";
-      EXPECT_EQ(task->tile.group, found->second.tile.group);
-      EXPECT_EQ(task->tile.m_block, found->second.tile.m_block);
-      EXPECT_EQ(task->tile.row_begin, found->second.tile.row_begin);
-      EXPECT_EQ(task->tile.row_count, found->second.tile.row_count);
-      EXPECT_EQ(task->frees_ring_block, found->second.frees_ring_block);
-    }
-  }
-  EXPECT_EQ(ticket_of.size(), expected.size()) << "tiles missing from the pairs";
-  EXPECT_GT(shared_pairs, 0) << "no pair shares its weight loads";
-  EXPECT_EQ(2 * ranks[0].size(), single.size() + phantoms) << "a phantom fills each odd segment";
-  for (const auto& [key, ticket] : ticket_of) {
-    const auto [kind, mblock, n_block] = key;
-    const TaskKind task_kind = static_cast<TaskKind>(kind);
-    if (task_kind != TaskKind::kDown && task_kind != TaskKind::kSharedDown) continue;
-    const TaskKind needs =
-        task_kind == TaskKind::kDown ? TaskKind::kGateUp : TaskKind::kSharedGateUp;
-    for (int n = 0; n < which.n_blocks[static_cast<int>(needs)]; ++n) {
-      EXPECT_LT(ticket_of.at({static_cast<int>(needs), mblock, n}), ticket)
-          << "a pair ticket comes before its input";
-    }
-  }
-  std::mt19937 random(11);
-  for (int trial = 0; trial < 10; ++trial) {
-    std::vector<int> some;
-    for (const auto& entry : ranks[0]) {
-      if (random() % 4 == 0) some.push_back(entry.first);
-    }
-    for (int rank = 0; rank < 2; ++rank) {
-      for (const auto& [ticket, task] : decode_all(which, routed, some, rank)) {
-        const Task& full = ranks[rank].at(ticket);
-        ASSERT_EQ(key_of(task), key_of(full)) << "rank " << rank << ", ticket " << ticket;
-        ASSERT_EQ(task.share_b, full.share_b) << "rank " << rank << ", ticket " << ticket;
-        ASSERT_EQ(task.phantom, full.phantom) << "rank " << rank << ", ticket " << ticket;
-      }
     }
   }
 }

@@ -9,7 +9,6 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/tile_loader.cuh"
 #include "kernels/ptx/barrier.cuh"
-#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
@@ -51,11 +50,7 @@ struct SharedStorage {
   __device__ uint8_t* b_stage(int stage) const { return b + stage * Config::kBBytes; }
 };
 
-// kPairs: the CTA may share a stage's B tile with the other CTA of its 2-CTA cluster (the tile
-// loader's multicast), so a stage is free only once the consumers of both CTAs are done with it:
-// each consumer warp arrives on both CTAs' empty barrier, which expects twice the arrivals. The two
-// CTAs therefore go through the ring in step: their tiles must have the same k-block counts.
-template <GemmKind kKind, class Layout, bool kPairs = false>
+template <GemmKind kKind, class Layout>
 struct Mainloop {
   using Storage = SharedStorage<Layout>;
   using State = PipelineState<Layout::kNumStages>;
@@ -68,17 +63,7 @@ struct Mainloop {
   static constexpr uint32_t kALeadingBytes = kAMajorMN ? Config::kChunkBytes : 0;
   static constexpr uint32_t kBLeadingBytes = kBMajorMN ? Config::kChunkBytes : 0;
 
-  using Loader = TileLoader<kKind, Config, kPairs>;
-  static constexpr uint32_t kEmptyArrivals = Config::kNumConsumerWarpgroups * 4 * (kPairs ? 2 : 1);
-
-  // A consumer warp's lane 0: stage `stage` has been read.
-  __device__ static void release_stage(const Storage& smem, int stage) {
-    ptx::mbarrier_arrive(&smem.empty[stage]);
-    if constexpr (kPairs) {
-      const uint32_t peer = static_cast<uint32_t>(blockIdx.x % 2) ^ 1u;
-      ptx::mbarrier_arrive_cluster(&smem.empty[stage], peer);
-    }
-  }
+  using Loader = TileLoader<kKind, Config>;
 
   __device__ static int num_k_blocks(const GroupedGemmParams& params, const GroupedTile& tile) {
     return Loader::num_k_blocks(params, tile);
@@ -87,9 +72,8 @@ struct Mainloop {
   // Producer side (tile_loader.cuh).
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const GroupedGemmParams& params,
-                              const GroupedTile& tile, State& state, uint32_t& tail_phase,
-                              bool share_b = false) {
-    Loader::load(map_a, map_b, smem, params, tile, state, tail_phase, share_b);
+                              const GroupedTile& tile, State& state, uint32_t& tail_phase) {
+    Loader::load(map_a, map_b, smem, params, tile, state, tail_phase);
   }
 
   // dgrad and wgrad keep one k-block's wgmma group in flight while the next one is issued (the
@@ -160,7 +144,7 @@ struct Mainloop {
 #pragma unroll
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
       const int done_stage = kGroupInFlight ? previous_stage : state.index;
-      if (lane_idx == 0 && done_stage >= 0) release_stage(smem, done_stage);
+      if (lane_idx == 0 && done_stage >= 0) ptx::mbarrier_arrive(&smem.empty[done_stage]);
       previous_stage = state.index;
       state.advance();
     }
@@ -168,7 +152,7 @@ struct Mainloop {
       ptx::wgmma_wait_group<0>();
 #pragma unroll
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
-      if (lane_idx == 0 && previous_stage >= 0) release_stage(smem, previous_stage);
+      if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
     }
   }
 };

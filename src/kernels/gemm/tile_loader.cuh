@@ -11,19 +11,13 @@
 
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/ptx/barrier.cuh"
-#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
-// kPairs: the CTA is one of a 2-CTA cluster (forward only; the fused forward's pairs, see
-// megakernel/task_list.cuh) and B maps have boxes of BLOCK_N / 2 rows. When the two CTAs' tiles
-// share their B tile (share_b), each loads one half of it into both CTAs (TMA multicast); else each
-// loads its own B in two halves. Either way a stage receives the same bytes.
-template <GemmKind kKind, class Config, bool kPairs = false>
+template <GemmKind kKind, class Config>
 struct TileLoader {
-  static_assert(!kPairs || kKind == GemmKind::kForward, "B multicast is built for the forward");
   __device__ static int num_k_blocks(const GroupedGemmParams& params, const GroupedTile& tile) {
     return ceil_div(kKind == GemmKind::kWgrad ? tile.row_count : params.k, Config::BLOCK_K);
   }
@@ -32,7 +26,7 @@ struct TileLoader {
   template <class Storage>
   __device__ static void issue_loads(const CUtensorMap* map_a, const CUtensorMap* map_b,
                                      const Storage& smem, int stage, uint64_t* barrier,
-                                     const GroupedTile& tile, int k_block, bool share_b = false) {
+                                     const GroupedTile& tile, int k_block) {
     uint8_t* a = smem.a_stage(stage);
     uint8_t* b = smem.b_stage(stage);
     const int k = k_block * Config::BLOCK_K;
@@ -50,19 +44,7 @@ struct TileLoader {
       }
     } else {
       ptx::tma_load_2d(a, map_a, barrier, k, tile.row_begin + tile.m_block * Config::BLOCK_M);
-      if constexpr (kPairs) {
-        constexpr int kHalfRows = Config::BLOCK_N / 2;
-        const int first_row = tile.n_block * Config::BLOCK_N;
-        if (share_b) {
-          const int rank = static_cast<int>(blockIdx.x) % 2;
-          ptx::tma_load_3d_multicast(b + rank * (Config::kBBytes / 2), map_b, barrier, k,
-                                     first_row + rank * kHalfRows, tile.group, 0b11);
-        } else {
-          ptx::tma_load_3d(b, map_b, barrier, k, first_row, tile.group);
-          ptx::tma_load_3d(b + Config::kBBytes / 2, map_b, barrier, k, first_row + kHalfRows,
-                           tile.group);
-        }
-      } else if constexpr (kKind == GemmKind::kForward) {
+      if constexpr (kKind == GemmKind::kForward) {
         ptx::tma_load_3d(b, map_b, barrier, k, tile.n_block * Config::BLOCK_N, tile.group);
       } else {
 #pragma unroll
@@ -79,8 +61,7 @@ struct TileLoader {
   template <class Storage, class State>
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const GroupedGemmParams& params,
-                              const GroupedTile& tile, State& state, uint32_t& tail_phase,
-                              bool share_b = false) {
+                              const GroupedTile& tile, State& state, uint32_t& tail_phase) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
@@ -101,8 +82,7 @@ struct TileLoader {
         if (lane_idx == 0) ptx::mbarrier_arrive(&smem.full[state.index]);
       } else if (lane_idx == 0) {
         ptx::mbarrier_arrive_expect_tx(&smem.full[state.index], Config::kStageBytes);
-        issue_loads(map_a, map_b, smem, state.index, &smem.full[state.index], tile, k_block,
-                    share_b);
+        issue_loads(map_a, map_b, smem, state.index, &smem.full[state.index], tile, k_block);
       }
       __syncwarp();
       state.advance();

@@ -16,16 +16,14 @@
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/trace.cuh"
 #include "kernels/ptx/barrier.cuh"
-#include "kernels/ptx/cluster.cuh"
 #include "kernels/ptx/tma.cuh"
 
 namespace mok::megakernel {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-__device__ inline TaskShape task_shape(const FusedForwardParams& params, bool pairs) {
+__device__ inline TaskShape task_shape(const FusedForwardParams& params) {
   TaskShape shape;
-  shape.pair_rank = pairs ? static_cast<int>(blockIdx.x % 2) : -1;
   shape.shared_mblocks =
       params.has_shared ? gemm::ceil_div(params.num_tokens, gemm::TileConfig::BLOCK_M) : 0;
   shape.routed_mblocks = 0;  // known once the schedule is (routed_mblocks())
@@ -94,18 +92,16 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
 }
 
 // row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners).
-template <gemm::EpilogueKind kEpilogue, class Loop,
+template <gemm::EpilogueKind kEpilogue,
           class RowDestination =
               typename gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>::RowMajorRows>
 __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, const Task& task,
-                                int consumer_idx, const typename Loop::Storage& smem,
-                                typename Loop::State& state,
+                                int consumer_idx, const Loop::Storage& smem, Loop::State& state,
                                 float (&accum)[gemm::TileConfig::BLOCK_N / 2],
                                 const RowDestination& row_destination = {}) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
   Store::init(gemm_params, task.tile, consumer_idx, accum);
   Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
-  if (task.phantom) return;  // computed for the pair's shared loads only
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
@@ -148,72 +144,31 @@ struct TaskRing {
   Task task[kTaskSlots];
   uint64_t full[kTaskSlots];
   uint64_t empty[kTaskSlots];
-  // Pairs: the tickets the pair's rank-0 producer takes, handed to the rank-1 producer in the same
-  // slot order (written into the rank-1 CTA's copy; ticket_full there, ticket_empty in rank 0's).
-  int ticket[kTaskSlots];
-  uint64_t ticket_full[kTaskSlots];
-  uint64_t ticket_empty[kTaskSlots];
 };
-
-// TaskScheduler::decode as a call: inlined beside the pair's ticket hand-over it made ptxas spill
-// ~90 bytes of registers in the kernel; as a call it spills none (its state lives in the stack
-// frame, read once per task).
-__device__ __noinline__ bool decode_out_of_line(TaskScheduler& scheduler, int ticket, Task& task) {
-  return scheduler.decode(ticket, task);
-}
-
-// Producer lane 0 of a pair: rank 0 takes the next ticket and hands it to rank 1's producer; rank 1
-// waits for it. Both get the same ticket sequence.
-__device__ inline int take_pair_ticket(TaskRing& handoff, int slot, uint32_t slot_phase,
-                                       uint32_t* next_task) {
-  if (blockIdx.x % 2 == 0) {
-    const int ticket = static_cast<int>(atomicAdd(next_task, 1u));
-    ptx::mbarrier_wait_cluster(&handoff.ticket_empty[slot], slot_phase ^ 1u);  // peer read it
-    ptx::store_shared_cluster(&handoff.ticket[slot], 1u, ticket);
-    ptx::mbarrier_arrive_release_cluster(&handoff.ticket_full[slot], 1u);
-    return ticket;
-  }
-  ptx::mbarrier_wait_cluster(&handoff.ticket_full[slot], slot_phase);
-  const int ticket = handoff.ticket[slot];
-  ptx::mbarrier_arrive_release_cluster(&handoff.ticket_empty[slot], 0u);
-  return ticket;
-}
 
 // The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
 // rank's counter as soon as the previous task's loads are issued, so a CTA that joins late (a
 // communication CTA done with the dispatch) or runs slow tiles simply takes fewer tasks.
-// kPairs: the CTA and its cluster peer take the same tickets (take_pair_ticket), run the ticket's
-// two tasks in step and share their weight k-blocks when both tiles read one (LoopOf<true>,
-// Task::share_b); a cluster barrier before the first task (the peer may
-// still be dispatching or making the schedule, and its barriers must exist before any multicast)
-// and one before exit (the peer's consumers arrive on this CTA's barriers until their last stage).
-template <bool kPairs>
 __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardParams& params,
                                uint8_t* aligned_smem) {
-  using Loop = LoopOf<kPairs>;
-  const typename Loop::Storage smem = Loop::Storage::carve(aligned_smem);
+  const Loop::Storage smem = Loop::Storage::carve(aligned_smem);
   __shared__ TaskRing handoff;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < RingLayout::kNumStages; ++stage) {
       ptx::mbarrier_init(&smem.full[stage], 1);
-      ptx::mbarrier_init(&smem.empty[stage], Loop::kEmptyArrivals);
+      ptx::mbarrier_init(&smem.empty[stage], gemm::TileConfig::kNumConsumerWarpgroups * 4);
     }
     ptx::mbarrier_init(smem.tail, 1);
     for (int slot = 0; slot < kTaskSlots; ++slot) {
       ptx::mbarrier_init(&handoff.full[slot], 1);
       ptx::mbarrier_init(&handoff.empty[slot], gemm::TileConfig::kNumConsumerWarpgroups * 4);
-      ptx::mbarrier_init(&handoff.ticket_full[slot], 1);
-      ptx::mbarrier_init(&handoff.ticket_empty[slot], 1);
     }
     ptx::fence_barrier_init();
   }
-  if constexpr (kPairs) {
-    ptx::cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
-  typename Loop::State state;
+  Task task;
+  Loop::State state;
   int slot = 0;
   uint32_t slot_phase = 0;
   auto advance_slot = [&] {
@@ -227,8 +182,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
   if (warpgroup_idx == 0) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
-      const TaskShape shape = task_shape(params, kPairs);
-      Task task;
+      const TaskShape shape = task_shape(params);
       TaskScheduler scheduler(shape, params.view.offsets(), params.view.counts(),
                               params.num_tokens);
       uint32_t* next_task = &params.view.state()->next_task;
@@ -238,13 +192,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       uint32_t input_wait_ns = 0, slot_wait_ns = 0, tasks = 0;  // 32 bits: 4 s is plenty
       for (;;) {
         int ticket = 0;
-        if (lane == 0) {
-          if constexpr (kPairs) {
-            ticket = take_pair_ticket(handoff, slot, slot_phase, next_task);
-          } else {
-            ticket = static_cast<int>(atomicAdd(next_task, 1u));
-          }
-        }
+        if (lane == 0) ticket = static_cast<int>(atomicAdd(next_task, 1u));
         ticket = __shfl_sync(0xffffffffu, ticket, 0);
         if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
           int mblocks = 0;
@@ -254,12 +202,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
           routed_known = true;
         }
-        bool has_task;
-        if constexpr (kPairs) {
-          has_task = decode_out_of_line(scheduler, ticket, task);
-        } else {
-          has_task = scheduler.decode(ticket, task);
-        }
+        const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
@@ -282,13 +225,13 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         ++tasks;
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
-          wait_for_inputs(params, shape, task);  // (a phantom's are its pair's first task's)
+          wait_for_inputs(params, shape, task);
           if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
         }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
         Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
-                   tail_phase, kPairs && task.share_b);
+                   tail_phase);
       }
     }
   } else {
@@ -300,7 +243,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     uint32_t publish_ns = 0;
     for (;;) {
       ptx::mbarrier_wait(&handoff.full[slot], slot_phase);
-      const Task task = handoff.task[slot];
+      task = handoff.task[slot];
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&handoff.empty[slot]);
       advance_slot();
@@ -309,9 +252,8 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
         case TaskKind::kGateUp: {
-          run_tile<gemm::EpilogueKind::kSwiGluBf16, Loop>(gemm_params, task, consumer_idx, smem,
-                                                          state, accum);
-          if (kPairs && task.phantom) break;  // nothing stored, no block to publish
+          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
+                                                    accum);
           const uint64_t publish_start = tracing ? trace_clock() : 0;
           publish_tile(params.view,
                        task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
@@ -322,15 +264,15 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
         case TaskKind::kSharedDown:
           // fp32 from registers; read only by the reduce, after this kernel
-          run_tile<gemm::EpilogueKind::kStoreFp32, Loop>(gemm_params, task, consumer_idx, smem,
-                                                         state, accum);
+          run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
+                                                   accum);
           break;
         case TaskKind::kDown:
           // The combine push: each row into its owner's slot (combine_store.cuh).
-          run_tile<gemm::EpilogueKind::kStoreBf16, Loop>(
+          run_tile<gemm::EpilogueKind::kStoreBf16>(
               gemm_params, task, consumer_idx, smem, state, accum,
               RowsToOwners{&params.view, task.mblock * gemm::TileConfig::BLOCK_M});
-          if (!(kPairs && task.phantom)) ++down_tiles;
+          ++down_tiles;
           if (task.frees_ring_block) {
             // Every k-block of the tile has landed (both consumers waited for them): its hidden
             // rows may be overwritten by the next round.
@@ -347,7 +289,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       trace_set(params.trace, kTracePublishNs, publish_ns);
     }
   }
-  if constexpr (kPairs) ptx::cluster_sync();
 }
 
 #endif  // __CUDA_ARCH__ >= 900

@@ -30,8 +30,6 @@
 
 namespace mok::megakernel {
 
-// kPairs: launched in 2-CTA clusters whose CTAs share each weight k-block (compute<true>).
-template <bool kPairs>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
                          const __grid_constant__ FusedForwardParams params) {
@@ -52,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
   uint8_t* aligned = dynamic_smem + ((RingLayout::kAlignment - base_address % RingLayout::kAlignment) %
                                      RingLayout::kAlignment);
-  compute<kPairs>(maps, params, aligned);
+  compute(maps, params, aligned);
 #endif
 }
 

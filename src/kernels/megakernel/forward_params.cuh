@@ -39,9 +39,7 @@ struct FusedForwardParams {
 
 // Every task shares one stage ring, laid out for the SwiGLU epilogue (it has the staging tile).
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
-// kPairs: the kernel runs in 2-CTA clusters sharing weight k-blocks (task_list.cuh, pairs).
-template <bool kPairs>
-using LoopOf = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout, kPairs>;
+using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
 // Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
 inline constexpr uint32_t kProducerRegisters = 64;

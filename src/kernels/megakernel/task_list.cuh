@@ -24,16 +24,6 @@
 // g writes its hidden rows, the down tiles of block g - ring_mblocks must have read theirs. That
 // block lies at least two minibatches back, so its down tiles come before R(k) in the list.
 //
-// Pairs (TaskShape::pair_rank >= 0): the CTAs run in 2-CTA clusters, and a ticket is one pair of
-// tasks: tasks 2q and 2q + 1 of a segment go to the cluster's rank-0 and rank-1 CTA. The two run
-// in step through their stage rings (same kind, hence the same k-block count) and, when their
-// tiles read the same weight tile (same expert and column block: Task::share_b), load each weight
-// k-block once for both (TMA multicast; gemm::TileLoader with pairs). A segment with an odd count
-// ends in a pair whose second task is a phantom: the first tile again, computed for the shared
-// loads, with no store, publication or count. The shared gate/up tiles go column block outer,
-// row block inner here, so that consecutive tiles share a weight tile. The list's tasks and
-// segments, hence every dependency, are unchanged.
-//
 // CTAs take tasks by ticket (one atomic counter), so each CTA's tasks come in increasing order,
 // and a CTA runs its tasks in the order it took them. Every task depends only on tasks earlier in
 // the list (or on the dispatch, which depends only on gate/up tasks of earlier blocks, hence
@@ -63,7 +53,6 @@ struct TaskShape {
   int ring_mblocks;    // row blocks of the ring (expert_x, hidden): a multiple of chunk_mblocks
                        // >= 2 chunk_mblocks, or at least routed_mblocks (one round)
   int n_blocks[kNumTaskKinds];  // 256-column blocks of each GEMM's output (before SwiGLU halving)
-  int pair_rank = -1;  // -1: a ticket is one task; 0 or 1: this CTA's rank in its pair (above)
 
   __host__ __device__ int num_chunks() const {
     return (routed_mblocks + chunk_mblocks - 1) / chunk_mblocks;
@@ -75,10 +64,6 @@ struct Task {
   int mblock;             // row block: of the call's expert rows, or of this rank's tokens (shared)
   // Routed down tile whose block's ring slot a later round reuses: it reports that it has read it.
   bool frees_ring_block;
-  // Pairs: the pair's two tiles read the same weight tile (the loads share it); this task is the
-  // phantom second task of an odd segment (its first task's tile again: computed, never stored).
-  bool share_b;
-  bool phantom;
   gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take; row_begin is the expert's
                            // first row in the ring buffers' round of this block
 };
@@ -101,12 +86,8 @@ class TaskScheduler {
     load_segment(0);
   }
 
-  // Tickets of the first segment (the shared gate/up tasks): before them the routed row blocks
-  // need not be known.
   __host__ __device__ int shared_gate_up_tasks() const {
-    const int tasks =
-        shape_.shared_mblocks * shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
-    return shape_.pair_rank < 0 ? tasks : (tasks + 1) / 2;
+    return shape_.shared_mblocks * shape_.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)];
   }
 
   // The routed row blocks of the call, from the schedule: every segment is known from here on.
@@ -116,35 +97,9 @@ class TaskScheduler {
     num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
   }
 
-  // Fills `task` for `ticket` (this CTA's task of the ticket's pair, with pairs); false when the
-  // ticket is past the last task.
+  // Fills `task` for `ticket`; false when the ticket is past the last task.
   __host__ __device__ bool decode(int ticket, Task& task) {
-    if (shape_.pair_rank < 0) return decode_task(ticket, task);
-    while (segment_ < num_segments_ && ticket >= pair_first_ + (segment_size_ + 1) / 2) {
-      pair_first_ += (segment_size_ + 1) / 2;
-      segment_first_ += segment_size_;
-      load_segment(segment_ + 1);
-    }
-    if (segment_ >= num_segments_) return false;
-    const int first = segment_first_ + 2 * (ticket - pair_first_);
-    const bool alone = first + 1 == segment_first_ + segment_size_;  // rank 1 gets a phantom
-    const bool phantom = alone && shape_.pair_rank == 1;
-    decode_task(phantom ? first : first + shape_.pair_rank, task);
-    // The pair's tasks are consecutive: they read one weight tile unless the rank-0 task is its
-    // column's last row block (then the rank-1 task is the next column's first).
-    const int row_block = in_column_index();
-    task.share_b = alone || (shape_.pair_rank == 0 ? row_block + 1 < column_blocks()
-                                                   : row_block > 0);
-    task.phantom = phantom;
-    if (phantom) task.frees_ring_block = false;
-    return true;
-  }
-
- private:
-  // Fills `task` for task `index` of the list (in a segment the cursors reach: indices never
-  // decrease); false past the last task.
-  __host__ __device__ bool decode_task(int index, Task& task) {
-    task_ = index;
+    task_ = ticket;
     while (segment_ < num_segments_ && task_ >= segment_first_ + segment_size_) {
       segment_first_ += segment_size_;
       load_segment(segment_ + 1);
@@ -152,12 +107,10 @@ class TaskScheduler {
     if (segment_ >= num_segments_) return false;
     task.kind = kind_;
     task.frees_ring_block = false;
-    task.share_b = false;
-    task.phantom = false;
     if (is_shared(kind_)) {
       const int local = task_ - segment_first_;
       int mblock, nblock;
-      if (kind_ == TaskKind::kSharedGateUp && shape_.pair_rank < 0) {
+      if (kind_ == TaskKind::kSharedGateUp) {
         // Column block inner: the CTAs side by side read the same x rows, so x (T rows of the
         // full hidden width, more than L2 holds for T = 8192) is read from memory about once,
         // where row block inner read it once per few column blocks; the shared weights (the
@@ -190,17 +143,7 @@ class TaskScheduler {
     return true;
   }
 
-  // The task decoded last: its row block's index among the row blocks of its column (of the
-  // segment's expert, or of the tokens) and their count; consecutive tasks of one column read one
-  // weight tile. (With pairs both shared segments go row block inner.)
-  __host__ __device__ int in_column_index() const {
-    return is_shared(kind_) ? (task_ - segment_first_) % shape_.shared_mblocks
-                            : (task_ - expert_first_task_) % expert_mblocks_;
-  }
-  __host__ __device__ int column_blocks() const {
-    return is_shared(kind_) ? shape_.shared_mblocks : expert_mblocks_;
-  }
-
+ private:
   // Segment `index` of the list in the header comment: its kind and row blocks.
   __host__ __device__ void load_segment(int index) {
     segment_ = index;
@@ -276,7 +219,6 @@ class TaskScheduler {
   int num_segments_ = 0;
   int segment_ = 0;
   int segment_first_ = 0;  // first task index of the segment
-  int pair_first_ = 0;     // pairs: first ticket of the segment
   int segment_size_ = 0;
   TaskKind kind_ = TaskKind::kSharedGateUp;
   int block_begin_ = 0, block_end_ = 0;  // routed segments: the minibatch's row blocks

@@ -39,19 +39,4 @@ __device__ __forceinline__ void tma_load_3d(void* destination, const CUtensorMap
       : "memory");
 }
 
-// tma_load_3d into the same shared-memory offset of every CTA of the cluster in `cta_mask` (bit r:
-// rank r), completing on the mbarrier at the barrier's offset in each of them.
-__device__ __forceinline__ void tma_load_3d_multicast(void* destination,
-                                                      const CUtensorMap* tensor_map,
-                                                      uint64_t* barrier, int32_t inner,
-                                                      int32_t middle, int32_t outer,
-                                                      uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_address(destination)),
-      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(smem_address(barrier)), "r"(inner),
-      "r"(middle), "r"(outer), "h"(cta_mask)
-      : "memory");
-}
-
 }  // namespace mok::ptx
