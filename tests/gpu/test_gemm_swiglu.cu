@@ -1,7 +1,7 @@
-// The SwiGLU epilogue's arithmetic: its branch-free reciprocal and exp are checked exhaustively
-// against the IEEE division and numerics::exp_deterministic over the whole ranges they serve,
-// and the in-place tile SwiGLU (fast path and the generic fallback for gates <= -87) is checked
-// bitwise against the host definition.
+// The SwiGLU epilogue's arithmetic: its branch-free reciprocal and 1 + exp are checked
+// exhaustively against the IEEE division and numerics::one_plus_exp over the whole ranges they
+// serve, and the in-place tile SwiGLU (fast path and the generic fallback for gates <= -87) is
+// checked bitwise against the host definition.
 #include <cuda_runtime.h>
 
 #include <random>
@@ -46,32 +46,33 @@ TEST(GemmSwiGlu, ReciprocalIsCorrectlyRoundedOnOneToTwoPow126) {
 }
 
 // Every float below 87: the non-negative ones [0, 87) and all negative ones, -0 to -inf.
-__global__ void count_exp_mismatches(unsigned long long* mismatches, uint32_t* first_mismatch_bits) {
+__global__ void count_one_plus_exp_mismatches(unsigned long long* mismatches,
+                                              uint32_t* first_mismatch_bits) {
   constexpr uint32_t kEightySevenBits = 0x42ae0000u;  // 87.0f
   constexpr uint64_t kCount = uint64_t{kEightySevenBits} + (0xff800000ull - 0x80000000ull + 1);
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < kCount;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     const uint32_t bits = i < kEightySevenBits ? static_cast<uint32_t>(i)
                                                : static_cast<uint32_t>(0x80000000ull + (i - kEightySevenBits));
-    const float x = __uint_as_float(bits);
-    if (__float_as_uint(exp_below_87(x)) != __float_as_uint(numerics::exp_deterministic(x))) {
+    const float t = __uint_as_float(bits);
+    if (__float_as_uint(one_plus_exp_below_87(t)) != __float_as_uint(numerics::one_plus_exp(t))) {
       atomicAdd(mismatches, 1ull);
       atomicMin(first_mismatch_bits, bits);
     }
   }
 }
 
-TEST(GemmSwiGlu, ExpBelow87MatchesDefinitionForEveryFloat) {
+TEST(GemmSwiGlu, OnePlusExpBelow87MatchesDefinitionForEveryFloat) {
   MOK_REQUIRE_HOPPER();
   DeviceBuffer<unsigned long long> mismatches(1);
   DeviceBuffer<uint32_t> first(1);
   MOK_CUDA_CHECK(cudaMemset(mismatches.get(), 0, sizeof(unsigned long long)));
   MOK_CUDA_CHECK(cudaMemset(first.get(), 0xff, sizeof(uint32_t)));
-  count_exp_mismatches<<<4096, 256>>>(mismatches.get(), first.get());
+  count_one_plus_exp_mismatches<<<4096, 256>>>(mismatches.get(), first.get());
   MOK_CUDA_CHECK_LAUNCH();
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(mismatches.download()[0], 0ull)
-      << "exp_below_87 differs from exp_deterministic; first at x bits 0x" << std::hex
+      << "one_plus_exp_below_87 differs from one_plus_exp; first at t bits 0x" << std::hex
       << first.download()[0];
 }
 

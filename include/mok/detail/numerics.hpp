@@ -52,6 +52,15 @@ MOK_HOST_DEVICE float div_rn(float a, float b) {
 #endif
 }
 
+// The larger of a and b; b when a is NaN. Exact: nothing to round.
+MOK_HOST_DEVICE float max_of(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(a, b);
+#else
+  return std::fmax(a, b);
+#endif
+}
+
 MOK_HOST_DEVICE float bits_to_float(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(bits);
@@ -113,22 +122,38 @@ MOK_HOST_DEVICE float power_of_two(float n) {
   return bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
-// exp(x) within 1.35 * 2^-24 relative on [-87, 88.5] (exp_reduced), bit-identical on host and
-// device. Above 88.5 it returns +inf; below -87, 0.
-MOK_HOST_DEVICE float exp_deterministic(float x) {
-  if (!(x == x)) return x;                           // NaN
-  if (x > 88.5f) return bits_to_float(0x7f800000u);  // +inf
-  if (x < -87.0f) return 0.0f;                       // below the normal range: flush
-  const ExpParts parts = exp_parts(x);               // n in [-126, 128]
+// exp(x) for x in [-87, 88.5] from exp_parts(x): n reaches 128 above 88.38, where 2^n is no
+// float, so the scale goes in two steps there.
+MOK_HOST_DEVICE float exp_of_parts(ExpParts parts) {
   if (parts.exponent > 127.0f) {
     return mul_rn(mul_rn(parts.mantissa, 2.0f), bits_to_float(0x7f000000u));
   }
   return mul_rn(parts.mantissa, power_of_two(parts.exponent));
 }
 
-MOK_HOST_DEVICE float sigmoid(float x) {
-  return div_rn(1.0f, add_rn(1.0f, exp_deterministic(-x)));
+// exp(x) within 1.35 * 2^-24 relative on [-87, 88.5] (exp_reduced), bit-identical on host and
+// device. Above 88.5 it returns +inf; below -87, 0.
+MOK_HOST_DEVICE float exp_deterministic(float x) {
+  if (!(x == x)) return x;                           // NaN
+  if (x > 88.5f) return bits_to_float(0x7f800000u);  // +inf
+  if (x < -87.0f) return 0.0f;                       // below the normal range: flush
+  return exp_of_parts(exp_parts(x));                 // n in [-126, 128]
 }
+
+// 1 + exp(t), with exp's two parts joined by one fused multiply-add: mantissa * 2^n + 1 rounded
+// once (no separate rounding of exp(t)). Below -87 the sum rounds to 1 either way (it does below
+// about -16.6, where exp(t) < 2^-24), so t is clamped there, which keeps 2^n a normal float. From
+// 87 up it is add_rn(1, exp_deterministic(t)), huge or infinite; the parts are computed once for
+// both cases so that the generic SwiGLU path inlines one exp, not two.
+MOK_HOST_DEVICE float one_plus_exp(float t) {
+  if (!(t == t)) return t;                           // NaN
+  if (t > 88.5f) return bits_to_float(0x7f800000u);  // 1 + exp_deterministic(t) = +inf
+  const ExpParts parts = exp_parts(max_of(t, -87.0f));
+  if (t >= 87.0f) return add_rn(1.0f, exp_of_parts(parts));
+  return fma_rn(parts.mantissa, power_of_two(parts.exponent), 1.0f);  // n in [-126, 126]
+}
+
+MOK_HOST_DEVICE float sigmoid(float x) { return div_rn(1.0f, one_plus_exp(-x)); }
 
 // h = silu(g) * u, in fp32 from the GEMM's fp32 accumulators (the caller rounds h for storage).
 MOK_HOST_DEVICE float swiglu(float gate, float up) {
