@@ -90,30 +90,32 @@ void check_output(const void* output, const char* name) {
                 "must be 16-byte aligned, got address ", output);
 }
 
-using GemmKernel = void (*)(CUtensorMap, CUtensorMap, GroupedGemmParams);
+using GemmKernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, GroupedGemmParams);
 
 void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
-                   const CUtensorMap& map_a, const CUtensorMap& map_b,
+                   const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
                    const GroupedGemmParams& params, int num_ctas, cudaStream_t stream) {
   // NOTE: the attribute belongs to the current device, and one process may drive several GPUs
   // (one host thread per rank): set it on every launch (a host-side call of about a microsecond).
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem_bytes)));
-  kernel<<<num_ctas, num_threads, smem_bytes, stream>>>(map_a, map_b, params);
+  kernel<<<num_ctas, num_threads, smem_bytes, stream>>>(map_a, map_b, map_c, params);
   MOK_CUDA_CHECK_LAUNCH();
 }
 
+// map_c: C as a tensor map for the epilogues that store tiles by TMA (Epilogue::kBoxStores), else
+// unused (defaults to an empty one).
 template <GemmKind kKind, EpilogueKind kEpilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmParams& params,
-            const LaunchConfig& config, cudaStream_t stream) {
+            const LaunchConfig& config, cudaStream_t stream, const CUtensorMap& map_c = {}) {
   if (config.pingpong_block_m == 128) {
     launch_kernel(&pingpong_gemm_kernel<kKind, kEpilogue, 128>, PingpongConfig<128>::kNumThreads,
-                  PingpongSharedLayout<kEpilogue, 128>::kLaunchBytes, map_a, map_b, params,
+                  PingpongSharedLayout<kEpilogue, 128>::kLaunchBytes, map_a, map_b, map_c, params,
                   config.num_ctas, stream);
   } else {
     launch_kernel(&grouped_gemm_kernel<kKind, kEpilogue>, TileConfig::kNumThreads,
-                  SharedLayout<kEpilogue>::kLaunchBytes, map_a, map_b, params, config.num_ctas,
-                  stream);
+                  SharedLayout<kEpilogue>::kLaunchBytes, map_a, map_b, map_c, params,
+                  config.num_ctas, stream);
   }
 }
 
@@ -204,9 +206,14 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
     case WgradOutput::kFp32:
       launch<GemmKind::kWgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);
       break;
-    case WgradOutput::kBf16:
-      launch<GemmKind::kWgrad, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
+    case WgradOutput::kBf16: {
+      // dW [experts, n, k] bf16, stored a (16 rows, 64 columns) box at a time (warp_boxes.cuh).
+      const CUtensorMap map_c =
+          make_tensor_map_3d(dw, shape.num_experts, shape.n, shape.k, 16, 64, "dw");
+      launch<GemmKind::kWgrad, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream,
+                                                         map_c);
       break;
+    }
     case WgradOutput::kAccumulateFp32:
       launch<GemmKind::kWgrad, EpilogueKind::kAccumulateFp32>(map_a, map_b, params, config,
                                                              stream);

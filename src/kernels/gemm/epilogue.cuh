@@ -8,6 +8,7 @@
 #include "kernels/gemm/fragment.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
+#include "kernels/gemm/warp_boxes.cuh"
 #include "kernels/gemm/warp_rows.cuh"
 #include "kernels/schedule/tile_scheduler.cuh"
 
@@ -63,19 +64,42 @@ struct Epilogue {
     }
   }
 
+  // wgrad's bf16 weight gradients go out by TMA tile stores when the kernel has C's tensor map
+  // (warp_boxes.cuh); every other output by warp stores.
+  static constexpr bool kBoxStores = kKind == GemmKind::kWgrad && kEpilogue == EpilogueKind::kStoreBf16;
+
   // The tile's results: fp32 from registers, or bf16 through the warps' staging rows
-  // (warp_rows.cuh). Rows past the group's end or past M are never written.
+  // (warp_rows.cuh, or warp_boxes.cuh with map_c). Rows past the group's end or past M are never
+  // written. map_c: wgrad's bf16 C as a [groups, M, N] tensor map with (16, 64) boxes, or null.
   template <class RowDestination = RowMajorRows>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging,
                                float (&accum)[kNumAccumulators],
-                               const RowDestination& row_destination = {}) {
+                               const RowDestination& row_destination = {},
+                               const CUtensorMap* map_c = nullptr) {
     const Fragment f = fragment(params, tile, consumer_idx);
+    if constexpr (kBoxStores) {
+      if (map_c != nullptr) {
+        using Boxes = WarpBoxes<Config::BLOCK_N>;
+        uint32_t packed[Boxes::Rows::kPacked];
+        Boxes::Rows::pack(accum, packed);
+        const int warp_first_row = f.row - static_cast<int>(threadIdx.x % 32) / 4;  // in the tile
+        Boxes::write(staging + f.staging_row * kStagingRowBytes, packed, map_c,
+                     tile.n_block * Config::BLOCK_N,
+                     tile.m_block * Config::BLOCK_M + warp_first_row, tile.group);
+        return;
+      }
+    }
     if (is_half_tile<kKind>(tile)) {
       store_columns<Config::BLOCK_N / 2>(f, tile, staging, accum, row_destination);
     } else {
       store_columns<Config::BLOCK_N>(f, tile, staging, accum, row_destination);
     }
+  }
+
+  // Every consumer thread, after its last tile: the tile stores have landed (with map_c).
+  __device__ static void drain() {
+    if constexpr (kBoxStores) WarpBoxes<Config::BLOCK_N>::drain();
   }
 
  private:

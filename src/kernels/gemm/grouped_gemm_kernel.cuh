@@ -20,10 +20,13 @@ enum class WarpgroupRole { kProducer, kConsumer };
 constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
 
+// map_c: wgrad's bf16 output as a tensor map for the epilogue's tile stores (Epilogue::store);
+// unused by the other kinds.
 template <GemmKind kKind, EpilogueKind kEpilogue>
 __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_c,
                         const GroupedGemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Layout = SharedLayout<kEpilogue>;
@@ -44,6 +47,7 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b);
+    if constexpr (Store::kBoxStores) ptx::prefetch_tensor_map(&map_c);
     for (int stage = 0; stage < Layout::kNumStages; ++stage) {
       ptx::mbarrier_init(&smem.full[stage], 1);
       ptx::mbarrier_init(&smem.empty[stage], TileConfig::kNumConsumerWarpgroups * 4);
@@ -71,8 +75,10 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     while (scheduler.next_tile(tile)) {
       Store::init(params, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
-      Store::store(params, tile, consumer_idx, smem.staging, accum);
+      Store::store(params, tile, consumer_idx, smem.staging, accum, {},
+                   Store::kBoxStores ? &map_c : nullptr);
     }
+    Store::drain();
   }
 #endif
 }

@@ -29,6 +29,7 @@ template <GemmKind kKind, EpilogueKind kEpilogue, int kBlockM>
 __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
     pingpong_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b,
+                         const __grid_constant__ CUtensorMap /*map_c: warp stores here*/,
                          const GroupedGemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Layout = PingpongSharedLayout<kEpilogue, kBlockM>;

@@ -1,6 +1,8 @@
-// TMA loads: global -> shared tiles described by a CUtensorMap, completing on an mbarrier as
-// transaction bytes; out-of-bounds parts of a box are filled with zeros and still count as
-// transaction bytes. (The GEMM epilogues store with warp-wide stores: warp_rows.cuh.)
+// TMA: global -> shared tile loads described by a CUtensorMap, completing on an mbarrier as
+// transaction bytes (out-of-bounds parts of a box are filled with zeros and still count as
+// transaction bytes), and shared -> global tile stores tracked by the issuing thread's bulk
+// async-groups (out-of-bounds parts of a box are not written). The GEMM epilogues store with
+// warp-wide stores (warp_rows.cuh), wgrad's bf16 output with tile stores (warp_boxes.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -37,6 +39,34 @@ __device__ __forceinline__ void tma_load_3d(void* destination, const CUtensorMap
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(smem_address(barrier)), "r"(inner),
       "r"(middle), "r"(outer)
       : "memory");
+}
+
+// Shared -> global: the box at (inner, middle, outer) element coordinates, from `source` (laid out
+// as the map's box, with its swizzle), in this thread's current bulk async-group. The writes of
+// the generic proxy to `source` must be fenced (fence_proxy_async_shared) before.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, const void* source,
+                                             int32_t inner, int32_t middle, int32_t outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+          reinterpret_cast<uint64_t>(tensor_map)),
+      "r"(smem_address(source)), "r"(inner), "r"(middle), "r"(outer)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Until at most kPending of this thread's bulk groups still read their shared source.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+// Until at most kPending of this thread's bulk groups are incomplete (their writes done).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 }  // namespace mok::ptx
