@@ -25,7 +25,9 @@ __global__ void gather_push_kernel(comm::WorkspaceView view, const int32_t* topk
 
 __global__ void count_rows_kernel(comm::WorkspaceView view) { comm::count_rows(view); }
 
-__global__ void __launch_bounds__(comm::kOrderThreads) order_rows_kernel(comm::WorkspaceView view) {
+// One block per SM as the bound: left to aim at four, ptxas kept it to 32 registers and spilled.
+__global__ void __launch_bounds__(comm::kOrderThreads, 1)
+    order_rows_kernel(comm::WorkspaceView view) {
   comm::order_rows(view, blockIdx.x);
 }
 
