@@ -66,7 +66,8 @@ struct Epilogue {
 
   // wgrad's bf16 weight gradients go out by TMA tile stores when the kernel has C's tensor map
   // (warp_boxes.cuh); every other output by warp stores.
-  static constexpr bool kBoxStores = kKind == GemmKind::kWgrad && kEpilogue == EpilogueKind::kStoreBf16;
+  static constexpr bool kBoxStores =
+      kKind == GemmKind::kWgrad && kEpilogue == EpilogueKind::kStoreBf16;
 
   // The tile's results: fp32 from registers, or bf16 through the warps' staging rows
   // (warp_rows.cuh, or warp_boxes.cuh with map_c). Rows past the group's end or past M are never
@@ -78,22 +79,10 @@ struct Epilogue {
                                const RowDestination& row_destination = {},
                                const CUtensorMap* map_c = nullptr) {
     const Fragment f = fragment(params, tile, consumer_idx);
-    if constexpr (kBoxStores) {
-      if (map_c != nullptr) {
-        using Boxes = WarpBoxes<Config::BLOCK_N>;
-        uint32_t packed[Boxes::Rows::kPacked];
-        Boxes::Rows::pack(accum, packed);
-        const int warp_first_row = f.row - static_cast<int>(threadIdx.x % 32) / 4;  // in the tile
-        Boxes::write(staging + f.staging_row * kStagingRowBytes, packed, map_c,
-                     tile.n_block * Config::BLOCK_N,
-                     tile.m_block * Config::BLOCK_M + warp_first_row, tile.group);
-        return;
-      }
-    }
     if (is_half_tile<kKind>(tile)) {
-      store_columns<Config::BLOCK_N / 2>(f, tile, staging, accum, row_destination);
+      store_columns<Config::BLOCK_N / 2>(f, tile, staging, accum, row_destination, map_c);
     } else {
-      store_columns<Config::BLOCK_N>(f, tile, staging, accum, row_destination);
+      store_columns<Config::BLOCK_N>(f, tile, staging, accum, row_destination, map_c);
     }
   }
 
@@ -109,7 +98,8 @@ struct Epilogue {
   template <int kColumns, class RowDestination>
   __device__ static void store_columns(const Fragment& f, const GroupedTile& tile,
                                        uint8_t* staging, float (&accum)[kNumAccumulators],
-                                       const RowDestination& row_destination) {
+                                       const RowDestination& row_destination,
+                                       const CUtensorMap* map_c) {
     if constexpr (!uses_staged_store(kEpilogue)) {
       store_fp32_fragment<kColumns>(f, f.row, f.first_column + f.column, accum);
     } else {
@@ -120,6 +110,14 @@ struct Epilogue {
       uint32_t packed[Rows::kPacked];
       Rows::pack(accum, packed);
       const int warp_first_row = f.row - static_cast<int>(threadIdx.x % 32) / 4;  // in the tile
+      if constexpr (kBoxStores && kColumns == Config::BLOCK_N) {  // (wgrad has no half tiles)
+        if (map_c != nullptr) {
+          WarpBoxes<kColumns>::write(staging + f.staging_row * kStagingRowBytes, packed, map_c,
+                                     tile.n_block * Config::BLOCK_N,
+                                     tile.m_block * Config::BLOCK_M + warp_first_row, tile.group);
+          return;
+        }
+      }
       // The consumer's first bf16 output column, in the C tile.
       const int first_column = kSwiGlu ? f.first_column / 2 : f.first_column;
       Rows::write(staging + f.staging_row * kStagingRowBytes, packed,

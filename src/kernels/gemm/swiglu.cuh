@@ -26,7 +26,7 @@ constexpr float kFastSwiGluGateFloor = -87.0f;
 // n itself in its low mantissa bits, so 2^n is built from them with integer operations.
 __device__ __forceinline__ float one_plus_exp_below_87(float t) {
   constexpr uint32_t kShiftBits = 0x4B400000u;  // bits of numerics::kRoundShift
-  t = fmaxf(t, -87.0f);
+  t = numerics::max_of(t, -87.0f);
   const float shifted = numerics::fma_rn(t, numerics::kLog2e, numerics::kRoundShift);
   const float n = numerics::add_rn(shifted, -numerics::kRoundShift);
   // t in [-87, 87): n in [-126, 126], so 2^n is a normal float.
