@@ -1,8 +1,7 @@
 // Expert-parallel dispatch and combine on two GPUs at a preset's shape: GB/s of NVLink payload per
 // direction against the number of SMs that move rows, for both copy methods.
 //
-//   bench_comm [--preset deepseek-v3] [--tokens 8192] [--sms 4,8,16,24,32,132] [--iters 20]
-//              [--methods vector:1024,vector:512,bulk] [--out comm.json] [--splits splits.json]
+//   bench_comm [options]   (bench_comm --help lists them)
 // (vector:N = one warp per row, N threads per CTA; bulk = 1-D bulk copies through shared memory)
 //
 // Each iteration runs the whole sequence on both GPUs (schedule, dispatch, combine push, reduce),
@@ -23,11 +22,13 @@
 #include <string>
 #include <vector>
 
+#include "bench_options.hpp"
 #include "mok/error.hpp"
 #include "mok/shape.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/device.hpp"
 #include "runtime/workspace.hpp"
 
 namespace {
@@ -41,31 +42,34 @@ struct Args {
   std::string out = "comm.json", splits;
 };
 
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> parts;
-  std::stringstream stream(text);
-  for (std::string part; std::getline(stream, part, ',');) parts.push_back(part);
-  return parts;
-}
+constexpr char kUsage[] = R"(bench_comm: expert-parallel dispatch and combine on two Hopper GPUs at a preset's shape, GB/s of
+NVLink payload per direction against the SMs that move rows, for each copy method.
 
-Args parse(int argc, char** argv) {
-  Args args;
-  for (int index = 1; index + 1 < argc; index += 2) {
-    const std::string key = argv[index], value = argv[index + 1];
+usage: bench_comm [options]
+
+  --preset NAME      layer shape (default deepseek-v3; `mok presets` lists them)
+  --tokens N         tokens per rank (default 8192)
+  --sms N,...        SM counts to sweep (default 4,8,16,24,32,132)
+  --methods M,...    vector:THREADS (one warp per row) or bulk (default vector:1024,vector:512,bulk)
+  --iters N          timed iterations (default 20)
+  --out FILE         results JSON (default comm.json)
+  --splits FILE      also write the rows each rank sends each peer (for the torch baseline)
+)";
+
+// Returns false when --help was asked for.
+bool parse(int argc, char** argv, Args& args) {
+  return mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& key,
+                                                           const std::string& value) {
     if (key == "--preset") args.preset = value;
-    else if (key == "--tokens") args.tokens = std::stoll(value);
-    else if (key == "--iters") args.iters = std::stoi(value);
+    else if (key == "--tokens") args.tokens = mok::bench::integer_option(key, value);
+    else if (key == "--iters") args.iters = static_cast<int>(mok::bench::integer_option(key, value));
     else if (key == "--out") args.out = value;
     else if (key == "--splits") args.splits = value;
-    else if (key == "--methods") args.methods = split_list(value);
-    else if (key == "--sms") {
-      args.sms.clear();
-      for (const std::string& part : split_list(value)) args.sms.push_back(std::stoi(part));
-    } else {
-      throw mok::Error("arguments", "unknown option " + key);
-    }
-  }
-  return args;
+    else if (key == "--methods") args.methods = mok::bench::list_option(key, value);
+    else if (key == "--sms") args.sms = mok::bench::integer_list_option(key, value);
+    else return false;
+    return true;
+  });
 }
 
 // Uniform routing: k distinct experts per token.
@@ -160,119 +164,125 @@ void write_json(const Args& args, const mok::LayerShape& shape, const std::strin
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    const Args args = parse(argc, argv);
-    const mok::LayerShape shape = mok::find_preset(args.preset).shape;
-    const int ep = 2;
-    const int64_t tokens = args.tokens, top_k = shape.top_k, experts_local = shape.num_experts / ep;
-    const int64_t row_bytes = shape.hidden * 2;
-
-    std::vector<std::vector<int32_t>> routing(ep);
-    for (int rank = 0; rank < ep; ++rank) {
-      routing[rank] = uniform_routing(tokens, shape.num_experts, top_k, 1000 + rank);
-    }
-    std::vector<std::vector<int64_t>> rows_sent(ep, std::vector<int64_t>(ep, 0));  // [source][dest]
-    for (int source = 0; source < ep; ++source) {
-      for (int32_t expert : routing[source]) ++rows_sent[source][expert / experts_local];
-    }
-    if (!args.splits.empty()) {
-      std::FILE* file = std::fopen(args.splits.c_str(), "w");
-      MOK_CHECK_ARG(file != nullptr, "--splits", "cannot write ", args.splits);
-      std::fprintf(file, "{\"row_bytes\": %lld, \"rows_sent\": [[%lld, %lld], [%lld, %lld]]}\n",
-                   static_cast<long long>(row_bytes), static_cast<long long>(rows_sent[0][0]),
-                   static_cast<long long>(rows_sent[0][1]), static_cast<long long>(rows_sent[1][0]),
-                   static_cast<long long>(rows_sent[1][1]));
-      std::fclose(file);
-    }
-
-    std::vector<mok::Communicator> comms = mok::Communicator::create_local({0, 1});
-    cudaDeviceProp prop{};
-    MOK_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    std::vector<Config> configs;
-    for (const std::string& method : args.methods) {
-      mok::CopyConfig copy;
-      std::string label = method;
-      if (method == "bulk") {
-        copy.method = mok::comm::CopyMethod::kBulk;
-      } else if (method.rfind("vector:", 0) == 0) {
-        copy.threads_per_cta = std::stoi(method.substr(7));
-        label = "vector-" + method.substr(7);
-      } else {
-        throw mok::Error("--methods", "unknown method '" + method + "' (vector:THREADS or bulk)");
-      }
-      for (int sms : args.sms) {
-        copy.num_ctas = sms;
-        configs.push_back(Config{label, copy, sms, {}, {}, {}, {}});
-      }
-    }
-
-    mok::for_each_rank(ep, [&](int rank) {
-      MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
-      mok::CommWorkspace ws(comms[rank], shape, tokens);
-      int32_t* topk_idx = nullptr;
-      float* topk_w = nullptr;
-      mok::bf16* y = nullptr;
-      MOK_CUDA_CHECK(cudaMalloc(&topk_idx, routing[rank].size() * 4));
-      MOK_CUDA_CHECK(cudaMemcpy(topk_idx, routing[rank].data(), routing[rank].size() * 4,
-                                cudaMemcpyHostToDevice));
-      const std::vector<float> weights(routing[rank].size(), 1.0f / static_cast<float>(top_k));
-      MOK_CUDA_CHECK(cudaMalloc(&topk_w, weights.size() * 4));
-      MOK_CUDA_CHECK(cudaMemcpy(topk_w, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
-      MOK_CUDA_CHECK(cudaMalloc(&y, tokens * row_bytes));
-      fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(ws.x()), tokens * shape.hidden,
-                                        7u + rank);
-      fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(ws.expert_y()),
-                                        ws.layout().rows_capacity() * shape.hidden, 99u + rank);
-      MOK_CUDA_CHECK_LAUNCH();
-      MOK_CUDA_CHECK(cudaDeviceSynchronize());
-      cudaStream_t stream;
-      MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      cudaEvent_t marks[7];
-      for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
-      for (Config& config : configs) {
-        const mok::CopyConfig& copy = config.copy;
-        for (int iteration = 0; iteration < args.warmup + args.iters; ++iteration) {
-          MOK_CUDA_CHECK(cudaEventRecord(marks[5], stream));
-          mok::schedule(ws, topk_idx, tokens, stream);  // includes waiting for the peer's ids
-          MOK_CUDA_CHECK(cudaEventRecord(marks[6], stream));
-          mok::rank_barrier(ws, stream);  // both ranks start the pull together
-          MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
-          mok::dispatch(ws, copy, stream);
-          MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
-          mok::rank_barrier(ws, stream);
-          MOK_CUDA_CHECK(cudaEventRecord(marks[2], stream));
-          mok::combine_push(ws, copy, stream);
-          MOK_CUDA_CHECK(cudaEventRecord(marks[3], stream));
-          mok::combine_reduce(ws, topk_w, nullptr, y, tokens, stream);
-          MOK_CUDA_CHECK(cudaEventRecord(marks[4], stream));
-          ws.check(stream);
-          if (iteration < args.warmup) continue;
-          float elapsed[4];
-          MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[3], marks[5], marks[6]));
-          config.schedule_ms[rank].push_back(elapsed[3]);
-          MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[0], marks[0], marks[1]));
-          MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[1], marks[2], marks[3]));
-          MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[2], marks[3], marks[4]));
-          config.dispatch_ms[rank].push_back(elapsed[0]);
-          config.combine_ms[rank].push_back(elapsed[1]);
-          config.reduce_ms[rank].push_back(elapsed[2]);
-        }
-      }
-      for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventDestroy(mark));
-      MOK_CUDA_CHECK(cudaStreamDestroy(stream));
-      MOK_CUDA_CHECK(cudaFree(topk_idx));
-      MOK_CUDA_CHECK(cudaFree(topk_w));
-      MOK_CUDA_CHECK(cudaFree(y));
-    });
-    std::printf("%s, %s, EP 2, %lld tokens/rank; rows 0->1 %lld, 1->0 %lld (%lld bytes each)\n",
-                args.preset.c_str(), shape.describe().c_str(), static_cast<long long>(tokens),
-                static_cast<long long>(rows_sent[0][1]), static_cast<long long>(rows_sent[1][0]),
-                static_cast<long long>(row_bytes));
-    write_json(args, shape, std::string("2x ") + prop.name, configs, rows_sent, row_bytes);
-    return 0;
-  } catch (const std::exception& error) {
-    std::fprintf(stderr, "bench_comm: %s\n", error.what());
-    return 1;
+int run(int argc, char** argv) {
+  Args args;
+  if (!parse(argc, argv, args)) return 0;
+  if (args.iters < 1) throw mok::bench::UsageError("--iters", "must be >= 1");
+  if (args.tokens < 1) throw mok::bench::UsageError("--tokens", "must be >= 1");
+  const mok::runtime::GpuSummary gpus = mok::runtime::query_gpus();
+  if (gpus.num_hopper_gpus < 2) {
+    throw mok::Error("", "needs 2 Hopper GPUs; found " + gpus.description);
   }
+  const mok::LayerShape shape = mok::find_preset(args.preset).shape;
+  const int ep = 2;
+  const int64_t tokens = args.tokens, top_k = shape.top_k, experts_local = shape.num_experts / ep;
+  const int64_t row_bytes = shape.hidden * 2;
+
+  std::vector<std::vector<int32_t>> routing(ep);
+  for (int rank = 0; rank < ep; ++rank) {
+    routing[rank] = uniform_routing(tokens, shape.num_experts, top_k, 1000 + rank);
+  }
+  std::vector<std::vector<int64_t>> rows_sent(ep, std::vector<int64_t>(ep, 0));  // [source][dest]
+  for (int source = 0; source < ep; ++source) {
+    for (int32_t expert : routing[source]) ++rows_sent[source][expert / experts_local];
+  }
+  if (!args.splits.empty()) {
+    std::FILE* file = std::fopen(args.splits.c_str(), "w");
+    MOK_CHECK_ARG(file != nullptr, "--splits", "cannot write ", args.splits);
+    std::fprintf(file, "{\"row_bytes\": %lld, \"rows_sent\": [[%lld, %lld], [%lld, %lld]]}\n",
+                 static_cast<long long>(row_bytes), static_cast<long long>(rows_sent[0][0]),
+                 static_cast<long long>(rows_sent[0][1]), static_cast<long long>(rows_sent[1][0]),
+                 static_cast<long long>(rows_sent[1][1]));
+    std::fclose(file);
+  }
+
+  std::vector<mok::Communicator> comms = mok::Communicator::create_local({0, 1});
+  cudaDeviceProp prop{};
+  MOK_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::vector<Config> configs;
+  for (const std::string& method : args.methods) {
+    mok::CopyConfig copy;
+    std::string label = method;
+    if (method == "bulk") {
+      copy.method = mok::comm::CopyMethod::kBulk;
+    } else if (method.rfind("vector:", 0) == 0) {
+      copy.threads_per_cta = std::stoi(method.substr(7));
+      label = "vector-" + method.substr(7);
+    } else {
+      throw mok::Error("--methods", "unknown method '" + method + "' (vector:THREADS or bulk)");
+    }
+    for (int sms : args.sms) {
+      copy.num_ctas = sms;
+      configs.push_back(Config{label, copy, sms, {}, {}, {}, {}});
+    }
+  }
+
+  mok::for_each_rank(ep, [&](int rank) {
+    MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
+    mok::CommWorkspace ws(comms[rank], shape, tokens);
+    int32_t* topk_idx = nullptr;
+    float* topk_w = nullptr;
+    mok::bf16* y = nullptr;
+    MOK_CUDA_CHECK(cudaMalloc(&topk_idx, routing[rank].size() * 4));
+    MOK_CUDA_CHECK(cudaMemcpy(topk_idx, routing[rank].data(), routing[rank].size() * 4,
+                              cudaMemcpyHostToDevice));
+    const std::vector<float> weights(routing[rank].size(), 1.0f / static_cast<float>(top_k));
+    MOK_CUDA_CHECK(cudaMalloc(&topk_w, weights.size() * 4));
+    MOK_CUDA_CHECK(cudaMemcpy(topk_w, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+    MOK_CUDA_CHECK(cudaMalloc(&y, tokens * row_bytes));
+    fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(ws.x()), tokens * shape.hidden,
+                                      7u + rank);
+    fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(ws.expert_y()),
+                                      ws.layout().rows_capacity() * shape.hidden, 99u + rank);
+    MOK_CUDA_CHECK_LAUNCH();
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaStream_t stream;
+    MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaEvent_t marks[7];
+    for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
+    for (Config& config : configs) {
+      const mok::CopyConfig& copy = config.copy;
+      for (int iteration = 0; iteration < args.warmup + args.iters; ++iteration) {
+        MOK_CUDA_CHECK(cudaEventRecord(marks[5], stream));
+        mok::schedule(ws, topk_idx, tokens, stream);  // includes waiting for the peer's ids
+        MOK_CUDA_CHECK(cudaEventRecord(marks[6], stream));
+        mok::rank_barrier(ws, stream);  // both ranks start the pull together
+        MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+        mok::dispatch(ws, copy, stream);
+        MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
+        mok::rank_barrier(ws, stream);
+        MOK_CUDA_CHECK(cudaEventRecord(marks[2], stream));
+        mok::combine_push(ws, copy, stream);
+        MOK_CUDA_CHECK(cudaEventRecord(marks[3], stream));
+        mok::combine_reduce(ws, topk_w, nullptr, y, tokens, stream);
+        MOK_CUDA_CHECK(cudaEventRecord(marks[4], stream));
+        ws.check(stream);
+        if (iteration < args.warmup) continue;
+        float elapsed[4];
+        MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[3], marks[5], marks[6]));
+        config.schedule_ms[rank].push_back(elapsed[3]);
+        MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[0], marks[0], marks[1]));
+        MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[1], marks[2], marks[3]));
+        MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[2], marks[3], marks[4]));
+        config.dispatch_ms[rank].push_back(elapsed[0]);
+        config.combine_ms[rank].push_back(elapsed[1]);
+        config.reduce_ms[rank].push_back(elapsed[2]);
+      }
+    }
+    for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventDestroy(mark));
+    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+    MOK_CUDA_CHECK(cudaFree(topk_idx));
+    MOK_CUDA_CHECK(cudaFree(topk_w));
+    MOK_CUDA_CHECK(cudaFree(y));
+  });
+  std::printf("%s, %s, EP 2, %lld tokens/rank; rows 0->1 %lld, 1->0 %lld (%lld bytes each)\n",
+              args.preset.c_str(), shape.describe().c_str(), static_cast<long long>(tokens),
+              static_cast<long long>(rows_sent[0][1]), static_cast<long long>(rows_sent[1][0]),
+              static_cast<long long>(row_bytes));
+  write_json(args, shape, std::string("2x ") + prop.name, configs, rows_sent, row_bytes);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  return mok::bench::run_main("bench_comm", [&] { return run(argc, argv); });
 }

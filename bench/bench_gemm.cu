@@ -19,9 +19,11 @@
 #include <utility>
 #include <vector>
 
+#include "bench_options.hpp"
 #include "mok/gemm.hpp"
 #include "mok/shape.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/device.hpp"
 
 namespace {
 
@@ -84,20 +86,53 @@ struct CaseResult {
   double ms, tflops;
 };
 
-}  // namespace
+constexpr const char* kPresets[] = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"};
+constexpr const char* kPhases[] = {"gemm-gateup",       "gemm-gateup-swiglu", "gemm-down",
+                                   "gemm-dgrad-gateup", "gemm-dgrad-down",    "gemm-wgrad-gateup",
+                                   "gemm-wgrad-down"};
 
-int main(int argc, char** argv) {
+constexpr char kUsage[] = R"(bench_gemm: the grouped expert GEMMs of the benchmark presets at one rank of EP2, balanced
+routing (65,536 rows over the rank's experts), on both GEMM engines; one Hopper GPU.
+
+usage: bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE] [--engine ENGINE]
+
+  --out FILE           results, one JSON object per case and engine (default gemm-mok.json)
+  --iterations N       timed iterations per case, median reported (default 20)
+  --only PRESET/PHASE  one case, e.g. deepseek-v3/gemm-gateup (phases: gemm-gateup,
+                       gemm-gateup-swiglu, gemm-down, gemm-dgrad-gateup, gemm-dgrad-down,
+                       gemm-wgrad-gateup, gemm-wgrad-down)
+  --engine ENGINE      cooperative or pingpong (default both)
+)";
+
+int run(int argc, char** argv) {
   std::string out_path = "gemm-mok.json", only, only_engine;
   int iterations = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--out")) out_path = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--iterations")) iterations = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--engine")) only_engine = argv[i + 1];
+  const bool go = mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& name,
+                                                                    const std::string& value) {
+    if (name == "--out") out_path = value;
+    else if (name == "--iterations") iterations = static_cast<int>(mok::bench::integer_option(name, value));
+    else if (name == "--only") only = value;
+    else if (name == "--engine") only_engine = value;
+    else return false;
+    return true;
+  });
+  if (!go) return 0;
+  if (iterations < 1) throw mok::bench::UsageError("--iterations", "must be >= 1");
+  if (!only_engine.empty() && only_engine != "cooperative" && only_engine != "pingpong") {
+    throw mok::bench::UsageError("--engine", "expected cooperative or pingpong, got '" + only_engine + "'");
   }
+  if (!only.empty()) {
+    bool known = false;
+    for (const char* preset : kPresets) {
+      for (const char* phase : kPhases) known |= only == std::string(preset) + "/" + phase;
+    }
+    if (!known) throw mok::bench::UsageError("--only", "no case is called '" + only + "'");
+  }
+  const mok::runtime::GpuSummary gpus = mok::runtime::query_gpus();
+  if (gpus.num_hopper_gpus < 1) throw mok::Error("", "needs a Hopper GPU; found " + gpus.description);
   constexpr int kEp = 2, kTokensPerRank = 8192;
   std::vector<CaseResult> results;
-  for (const char* preset_name : {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"}) {
+  for (const char* preset_name : kPresets) {
     const mok::LayerShape& layer = mok::find_preset(preset_name).shape;
     const int experts = static_cast<int>(layer.num_experts / kEp);
     // Each rank sends k rows per token; balanced, half of all 2 x 8192 x k rows land on this rank.
@@ -129,13 +164,13 @@ int main(int argc, char** argv) {
       std::function<void(const LaunchOptions&)> launch;
     };
     const std::vector<Case> cases = {
-        {"gemm-gateup", gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, gate_up_out.data, ForwardOutput::kBf16, nullptr, o); }},
-        {"gemm-gateup-swiglu", gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, h.data, ForwardOutput::kSwiGluBf16, nullptr, o); }},
-        {"gemm-down", down, [&](const LaunchOptions& o) { grouped_forward(down, h.bf16(), w_down.bf16(), offs, down_out.data, ForwardOutput::kBf16, nullptr, o); }},
-        {"gemm-dgrad-gateup", gate_up, [&](const LaunchOptions& o) { grouped_dgrad(gate_up, gate_up_out.bf16(), w_gate_up.bf16(), offs, x.bf16(), nullptr, o); }},
-        {"gemm-dgrad-down", down, [&](const LaunchOptions& o) { grouped_dgrad(down, down_out.bf16(), w_down.bf16(), offs, h.bf16(), nullptr, o); }},
-        {"gemm-wgrad-gateup", gate_up, [&](const LaunchOptions& o) { grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
-        {"gemm-wgrad-down", down, [&](const LaunchOptions& o) { grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
+        {kPhases[0], gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, gate_up_out.data, ForwardOutput::kBf16, nullptr, o); }},
+        {kPhases[1], gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, h.data, ForwardOutput::kSwiGluBf16, nullptr, o); }},
+        {kPhases[2], down, [&](const LaunchOptions& o) { grouped_forward(down, h.bf16(), w_down.bf16(), offs, down_out.data, ForwardOutput::kBf16, nullptr, o); }},
+        {kPhases[3], gate_up, [&](const LaunchOptions& o) { grouped_dgrad(gate_up, gate_up_out.bf16(), w_gate_up.bf16(), offs, x.bf16(), nullptr, o); }},
+        {kPhases[4], down, [&](const LaunchOptions& o) { grouped_dgrad(down, down_out.bf16(), w_down.bf16(), offs, h.bf16(), nullptr, o); }},
+        {kPhases[5], gate_up, [&](const LaunchOptions& o) { grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
+        {kPhases[6], down, [&](const LaunchOptions& o) { grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
     };
     const std::pair<const char*, GemmEngine> engines[] = {
         {"cooperative", GemmEngine::kCooperative}, {"pingpong", GemmEngine::kPingpong}};
@@ -169,4 +204,10 @@ int main(int argc, char** argv) {
   }
   out << "]\n";
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return mok::bench::run_main("bench_gemm", [&] { return run(argc, argv); });
 }

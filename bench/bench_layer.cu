@@ -3,15 +3,10 @@
 // torch-native layer (bench/baselines/torch_native.py) reads the routing files this writes, so
 // both run the very same routing.
 //
-//   bench_layer [--cases NAME,...] [--iters 20] [--out layer-mok.json] [--routing-dir DIR]
-//               [--gemm-sms N] [--copy-ctas N] [--fused 0|1] [--schedule-in-kernel 0|1]
-//               [--comm-ctas N,...] [--minibatch-rows N,...] [--ring-rows N,...] [--trace 0|1]
-//               [--schedule-ctas N]
+//   bench_layer [options]   (bench_layer --help lists them)
 //
-// --fused 0 runs the unfused composition instead of the fused kernel (the default); lists of
-// communication CTAs, minibatch rows and ring rows sweep every combination per case (0 = the
-// layer's default; ring rows 0 = a ring for every row, one round), one JSON entry each. --trace 1 adds one forward with the fused kernel's per-CTA
-// timeline and prints its summary per rank.
+// Lists of communication CTAs, minibatch rows and ring rows sweep every combination per case, one
+// JSON entry each.
 //
 // Weights and x are seeded random values made on the device (the timing does not depend on the
 // values); the routing is Problem::generate's, drawn for the case's expert count and top-k.
@@ -23,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_options.hpp"
 #include "mok/error.hpp"
 #include "mok/shape.hpp"
 #include "mok/synthetic.hpp"
@@ -53,36 +49,57 @@ struct Args {
   std::string out = "layer-mok.json", routing_dir;
 };
 
-std::vector<int> int_list(const std::string& text) {
-  std::vector<int> values;
-  std::stringstream stream(text);
-  for (std::string part; std::getline(stream, part, ',');) values.push_back(std::stoi(part));
-  MOK_CHECK_ARG(!values.empty(), "list", "empty list '", text, "'");
-  return values;
+constexpr char kUsage[] = R"(bench_layer: the GPU layer forward (fused kernel by default) at the benchmark presets, ms per
+rank (median, slowest rank), useful TFLOP/s and tokens/s per GPU; EP 2 cases need two Hopper GPUs.
+
+usage: bench_layer [options]
+
+  --cases NAME,...          deepseek-v3-ep1, deepseek-v3-ep2, qwen3-30b-a3b-ep2,
+                            qwen3-235b-a22b-ep2, deepseek-v3-ep2-skewed (default all)
+  --iters N                 timed forwards per configuration (default 20)
+  --out FILE                results JSON (default layer-mok.json)
+  --routing-dir DIR         also write each case's routing there, for the torch-native baseline
+  --fused 0|1               0: the unfused composition instead of the fused kernel (default 1)
+  --schedule-in-kernel 0|1  0: the schedule's own kernels before the fused kernel (default 1)
+  --comm-ctas N,...         communication CTAs to sweep (0 = the layer's default)
+  --minibatch-rows N,...    minibatch rows to sweep (0 = default)
+  --ring-rows N,...         ring rows to sweep (0 = a ring for every row, one round)
+  --schedule-ctas N         CTAs that make the schedule in the kernel (0 = every CTA)
+  --gemm-sms N              SMs of the unfused path's GEMMs (0 = all)
+  --copy-ctas N             CTAs of the unfused path's copies (0 = default)
+  --trace 0|1               1: one more forward with the fused kernel's per-CTA timeline
+)";
+
+int integer(const std::string& name, const std::string& value) {
+  return static_cast<int>(mok::bench::integer_option(name, value));
 }
 
-Args parse(int argc, char** argv) {
-  Args args;
-  for (int index = 1; index + 1 < argc; index += 2) {
-    const std::string key = argv[index], value = argv[index + 1];
+// Returns false when --help was asked for.
+bool parse(int argc, char** argv, Args& args) {
+  return mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& key,
+                                                           const std::string& value) {
     if (key == "--cases") {
-      std::stringstream stream(value);
-      for (std::string part; std::getline(stream, part, ',');) args.cases.push_back(part);
-    } else if (key == "--iters") args.iters = std::stoi(value);
-    else if (key == "--gemm-sms") args.gemm_sms = std::stoi(value);
-    else if (key == "--copy-ctas") args.copy_ctas = std::stoi(value);
-    else if (key == "--schedule-ctas") args.schedule_ctas = std::stoi(value);
-    else if (key == "--fused") args.fused = std::stoi(value) != 0;
-    else if (key == "--schedule-in-kernel") args.schedule_in_kernel = std::stoi(value) != 0;
-    else if (key == "--trace") args.trace = std::stoi(value) != 0;
-    else if (key == "--comm-ctas") args.comm_ctas = int_list(value);
-    else if (key == "--minibatch-rows") args.minibatch_rows = int_list(value);
-    else if (key == "--ring-rows") args.ring_rows = int_list(value);
+      args.cases = mok::bench::list_option(key, value);
+      for (const std::string& name : args.cases) {
+        const bool known = std::any_of(kCases.begin(), kCases.end(),
+                                       [&](const BenchCase& which) { return which.name == name; });
+        if (!known) throw mok::bench::UsageError(key, "no case is called '" + name + "'");
+      }
+    } else if (key == "--iters") args.iters = integer(key, value);
+    else if (key == "--gemm-sms") args.gemm_sms = integer(key, value);
+    else if (key == "--copy-ctas") args.copy_ctas = integer(key, value);
+    else if (key == "--schedule-ctas") args.schedule_ctas = integer(key, value);
+    else if (key == "--fused") args.fused = integer(key, value) != 0;
+    else if (key == "--schedule-in-kernel") args.schedule_in_kernel = integer(key, value) != 0;
+    else if (key == "--trace") args.trace = integer(key, value) != 0;
+    else if (key == "--comm-ctas") args.comm_ctas = mok::bench::integer_list_option(key, value);
+    else if (key == "--minibatch-rows") args.minibatch_rows = mok::bench::integer_list_option(key, value);
+    else if (key == "--ring-rows") args.ring_rows = mok::bench::integer_list_option(key, value);
     else if (key == "--out") args.out = value;
     else if (key == "--routing-dir") args.routing_dir = value;
-    else throw mok::Error("arguments", "unknown option " + key);
-  }
-  return args;
+    else return false;
+    return true;
+  });
 }
 
 // Routing only: Problem::generate on a layer of the case's E and k with minimal H and I (its
@@ -175,53 +192,54 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    const Args args = parse(argc, argv);
-    std::ofstream out(args.out);
-    MOK_CHECK_ARG(out.good(), "--out", "cannot write '", args.out, "'");
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-    out << "{\"date\": \"" << date << "\", \"cases\": [\n";
-    bool first = true, failed = false;
-    for (const BenchCase& which : kCases) {
-      if (!args.cases.empty() &&
-          std::find(args.cases.begin(), args.cases.end(), which.name) == args.cases.end()) {
-        continue;
+int run(int argc, char** argv) {
+  Args args;
+  if (!parse(argc, argv, args)) return 0;
+  if (args.iters < 1) throw mok::bench::UsageError("--iters", "must be >= 1");
+  std::ofstream out(args.out);
+  MOK_CHECK_ARG(out.good(), "--out", "cannot write '", args.out, "'");
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  out << "{\"date\": \"" << date << "\", \"cases\": [\n";
+  bool first = true, failed = false;
+  for (const BenchCase& which : kCases) {
+    if (!args.cases.empty() &&
+        std::find(args.cases.begin(), args.cases.end(), which.name) == args.cases.end()) {
+      continue;
+    }
+    const mok::LayerShape shape = mok::find_preset(which.preset).shape;
+    const std::string unfit = mok::gpu_layer_unfit_reason(shape, which.ep, which.tokens_per_rank);
+    if (!unfit.empty()) {
+      std::printf("%-26s skipped: %s\n", which.name.c_str(), unfit.c_str());
+      continue;
+    }
+    try {
+      const mok::Problem routing = routing_of(which, shape);
+      std::string routing_path;
+      if (!args.routing_dir.empty()) {
+        routing_path = args.routing_dir + "/" + which.name + ".bin";
+        write_routing(routing_path, routing);
       }
-      const mok::LayerShape shape = mok::find_preset(which.preset).shape;
-      const std::string unfit = mok::gpu_layer_unfit_reason(shape, which.ep, which.tokens_per_rank);
-      if (!unfit.empty()) {
-        std::printf("%-26s skipped: %s\n", which.name.c_str(), unfit.c_str());
-        continue;
-      }
-      try {
-        const mok::Problem routing = routing_of(which, shape);
-        std::string routing_path;
-        if (!args.routing_dir.empty()) {
-          routing_path = args.routing_dir + "/" + which.name + ".bin";
-          write_routing(routing_path, routing);
-        }
-        for (const int comm_ctas : args.comm_ctas) {
-          for (const int minibatch_rows : args.minibatch_rows) {
-            for (const int ring_rows : args.ring_rows) {
-              bench_one(which, shape, routing, routing_path, args, comm_ctas, minibatch_rows,
-                        ring_rows, out, first);
-            }
+      for (const int comm_ctas : args.comm_ctas) {
+        for (const int minibatch_rows : args.minibatch_rows) {
+          for (const int ring_rows : args.ring_rows) {
+            bench_one(which, shape, routing, routing_path, args, comm_ctas, minibatch_rows,
+                      ring_rows, out, first);
           }
         }
-      } catch (const std::exception& error) {
-        // A failed case (e.g. a device timeout) is reported; the next case makes a new layer.
-        std::printf("%-26s FAILED: %s\n", which.name.c_str(), error.what());
-        std::fflush(stdout);
-        failed = true;
       }
+    } catch (const std::exception& error) {
+      // A failed case (e.g. a device timeout) is reported; the next case makes a new layer.
+      std::printf("%-26s FAILED: %s\n", which.name.c_str(), error.what());
+      std::fflush(stdout);
+      failed = true;
     }
-    out << "\n]}\n";
-    return failed ? 1 : 0;
-  } catch (const std::exception& error) {
-    std::fprintf(stderr, "bench_layer: error: %s\n", error.what());
-    return 1;
   }
+  out << "\n]}\n";
+  return failed ? 1 : 0;
+}
+
+int main(int argc, char** argv) {
+  return mok::bench::run_main("bench_layer", [&] { return run(argc, argv); });
 }

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The benchmark programs' command lines, on any machine (no GPU needed): --help, and one-line
+# errors with exit status 2 for a wrong command line, before anything is measured.
+# usage: test_bench_cli.sh BUILD_DIR
+set -u
+bin="$1"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cd "$work" || exit 1
+failures=0
+passes=0
+
+# expect CODE PATTERN -- COMMAND...: as in test_cli.sh.
+expect() {
+  local code="$1" pattern="$2"
+  shift 3
+  local output status
+  output=$("$@" 2>&1)
+  status=$?
+  if [[ $status -ne $code ]] || ! grep -qE -- "$pattern" <<<"$output"; then
+    echo "FAIL: $* -> exit $status (want $code), output lacks /$pattern/ or differs:"
+    sed 's/^/    /' <<<"$output" | tail -n 15
+    failures=$((failures + 1))
+  else
+    echo "ok:   $*"
+    passes=$((passes + 1))
+  fi
+}
+
+for program in bench_gemm bench_layer bench_comm; do
+  expect 0 "^usage: $program " -- "$bin/$program" --help
+  expect 0 "^usage: $program " -- "$bin/$program" -h
+  expect 2 "^$program: error: --bogus: unknown option \(see --help\)$" -- "$bin/$program" --bogus 1
+  expect 2 "^$program: error: --out: needs a value" -- "$bin/$program" --out
+  expect 2 "^$program: error: expected --name value, got 'stray'" -- "$bin/$program" stray
+done
+expect 2 "--iterations: expected an integer, got '2x'" -- "$bin/bench_gemm" --iterations 2x
+expect 2 "--iterations: must be >= 1" -- "$bin/bench_gemm" --iterations 0
+expect 2 "--engine: expected cooperative or pingpong, got 'fast'" -- "$bin/bench_gemm" --engine fast
+expect 2 "--only: no case is called 'deepseek-v3/gemm-up'" -- "$bin/bench_gemm" --only deepseek-v3/gemm-up
+expect 2 "--cases: no case is called 'deepseek-v3-ep4'" -- "$bin/bench_layer" --cases deepseek-v3-ep1,deepseek-v3-ep4
+expect 2 "--comm-ctas: expected an integer, got 'x'" -- "$bin/bench_layer" --comm-ctas 8,x
+expect 2 "--iters: must be >= 1" -- "$bin/bench_layer" --iters 0
+expect 2 "--sms: expected an integer, got ''" -- "$bin/bench_comm" --sms 4,,8
+expect 2 "--tokens: must be >= 1" -- "$bin/bench_comm" --tokens 0
+# Nothing was written by any of these.
+expect 0 '^$' -- find . -type f
+
+echo "bench command lines: $passes passed, $failures failed"
+((failures == 0))
