@@ -80,6 +80,43 @@ double median_ms(const std::function<void()>& launch, int iterations) {
   return times[times.size() / 2];
 }
 
+// The SwiGLU epilogue's cost: the plain and the SwiGLU-fused gate/up launched alternately (AB BA
+// AB ...), each launch timed on its own, so that both see the same clocks and temperature; a
+// back-to-back median of each, minutes apart, moved the ratio by ±10 % between runs.
+struct PairTimes {
+  double plain_ms, swiglu_ms;
+};
+
+PairTimes alternated_median_ms(const std::function<void()>& plain,
+                               const std::function<void()>& swiglu, int pairs) {
+  for (int i = 0; i < 3; ++i) {
+    plain();
+    swiglu();
+  }
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t marks[3];
+  for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
+  std::vector<float> plain_times, swiglu_times;
+  for (int i = 0; i < pairs; ++i) {
+    const bool plain_first = i % 2 == 0;
+    MOK_CUDA_CHECK(cudaEventRecord(marks[0]));
+    (plain_first ? plain : swiglu)();
+    MOK_CUDA_CHECK(cudaEventRecord(marks[1]));
+    (plain_first ? swiglu : plain)();
+    MOK_CUDA_CHECK(cudaEventRecord(marks[2]));
+    MOK_CUDA_CHECK(cudaEventSynchronize(marks[2]));
+    float first = 0.0f, second = 0.0f;
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&first, marks[0], marks[1]));
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&second, marks[1], marks[2]));
+    plain_times.push_back(plain_first ? first : second);
+    swiglu_times.push_back(plain_first ? second : first);
+  }
+  for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventDestroy(mark));
+  std::sort(plain_times.begin(), plain_times.end());
+  std::sort(swiglu_times.begin(), swiglu_times.end());
+  return {plain_times[plain_times.size() / 2], swiglu_times[swiglu_times.size() / 2]};
+}
+
 struct CaseResult {
   std::string preset, phase, engine;
   int num_experts, rows_per_expert, n, k;
@@ -95,6 +132,7 @@ constexpr char kUsage[] = R"(bench_gemm: the grouped expert GEMMs of the benchma
 routing (65,536 rows over the rank's experts), on both GEMM engines; one Hopper GPU.
 
 usage: bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE] [--engine ENGINE]
+       bench_gemm --swiglu-cost FILE [--iterations N] [--engine ENGINE]
 
   --out FILE           results, one JSON object per case and engine (default gemm-mok.json)
   --iterations N       timed iterations per case, median reported (default 20)
@@ -102,10 +140,12 @@ usage: bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE] [--engine 
                        gemm-gateup-swiglu, gemm-down, gemm-dgrad-gateup, gemm-dgrad-down,
                        gemm-wgrad-gateup, gemm-wgrad-down)
   --engine ENGINE      cooperative or pingpong (default both)
+  --swiglu-cost FILE   instead: the SwiGLU-fused gate/up against the plain one, launched
+                       alternately, N pairs per preset and engine (JSON to FILE)
 )";
 
 int run(int argc, char** argv) {
-  std::string out_path = "gemm-mok.json", only, only_engine;
+  std::string out_path = "gemm-mok.json", only, only_engine, swiglu_cost_path;
   int iterations = 20;
   const bool go = mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& name,
                                                                     const std::string& value) {
@@ -113,6 +153,7 @@ int run(int argc, char** argv) {
     else if (name == "--iterations") iterations = static_cast<int>(mok::bench::integer_option(name, value));
     else if (name == "--only") only = value;
     else if (name == "--engine") only_engine = value;
+    else if (name == "--swiglu-cost") swiglu_cost_path = value;
     else return false;
     return true;
   });
@@ -120,6 +161,9 @@ int run(int argc, char** argv) {
   if (iterations < 1) throw mok::bench::UsageError("--iterations", "must be >= 1");
   if (!only_engine.empty() && only_engine != "cooperative" && only_engine != "pingpong") {
     throw mok::bench::UsageError("--engine", "expected cooperative or pingpong, got '" + only_engine + "'");
+  }
+  if (!swiglu_cost_path.empty() && !only.empty()) {
+    throw mok::bench::UsageError("--only", "does not go with --swiglu-cost");
   }
   if (!only.empty()) {
     bool known = false;
@@ -132,6 +176,7 @@ int run(int argc, char** argv) {
   if (gpus.num_hopper_gpus < 1) throw mok::Error("", "needs a Hopper GPU; found " + gpus.description);
   constexpr int kEp = 2, kTokensPerRank = 8192;
   std::vector<CaseResult> results;
+  std::string swiglu_cost_json;
   for (const char* preset_name : kPresets) {
     const mok::LayerShape& layer = mok::find_preset(preset_name).shape;
     const int experts = static_cast<int>(layer.num_experts / kEp);
@@ -174,6 +219,28 @@ int run(int argc, char** argv) {
     };
     const std::pair<const char*, GemmEngine> engines[] = {
         {"cooperative", GemmEngine::kCooperative}, {"pingpong", GemmEngine::kPingpong}};
+    if (!swiglu_cost_path.empty()) {
+      for (const auto& [engine_name, engine] : engines) {
+        if (!only_engine.empty() && only_engine != engine_name) continue;
+        LaunchOptions options;
+        options.engine = engine;
+        const PairTimes times = alternated_median_ms([&] { cases[0].launch(options); },
+                                                     [&] { cases[1].launch(options); }, iterations);
+        const double cost = times.swiglu_ms / times.plain_ms - 1.0;
+        std::printf("%-16s swiglu-cost  %-12s plain %8.3f ms  swiglu %8.3f ms  cost %+6.2f %%\n",
+                    preset_name, engine_name, times.plain_ms, times.swiglu_ms, 100.0 * cost);
+        std::fflush(stdout);
+        char line[512];
+        std::snprintf(line, sizeof(line),
+                      "%s  {\"preset\": \"%s\", \"engine\": \"%s\", \"pairs\": %d, "
+                      "\"plain_ms\": %.5f, \"swiglu_ms\": %.5f, \"cost\": %.5f}",
+                      swiglu_cost_json.empty() ? "" : ",\n", preset_name, engine_name, iterations,
+                      times.plain_ms, times.swiglu_ms, cost);
+        swiglu_cost_json += line;
+      }
+      MOK_CUDA_CHECK(cudaDeviceSynchronize());
+      continue;
+    }
     for (const Case& c : cases) {
       if (!only.empty() && only != std::string(preset_name) + "/" + c.phase) continue;
       for (const auto& [engine_name, engine] : engines) {
@@ -191,6 +258,12 @@ int run(int argc, char** argv) {
       }
     }
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  if (!swiglu_cost_path.empty()) {
+    std::ofstream cost_out(swiglu_cost_path);
+    MOK_CHECK_ARG(cost_out.good(), "--swiglu-cost", "cannot write '", swiglu_cost_path, "'");
+    cost_out << "[\n" << swiglu_cost_json << "\n]\n";
+    return 0;
   }
   std::ofstream out(out_path);
   out << "[\n";

@@ -38,6 +38,7 @@ expect 2 "--iterations: expected an integer, got '2x'" -- "$bin/bench_gemm" --it
 expect 2 "--iterations: must be >= 1" -- "$bin/bench_gemm" --iterations 0
 expect 2 "--engine: expected cooperative or pingpong, got 'fast'" -- "$bin/bench_gemm" --engine fast
 expect 2 "--only: no case is called 'deepseek-v3/gemm-up'" -- "$bin/bench_gemm" --only deepseek-v3/gemm-up
+expect 2 "--only: does not go with --swiglu-cost" -- "$bin/bench_gemm" --swiglu-cost cost.json --only deepseek-v3/gemm-gateup
 expect 2 "--cases: no case is called 'deepseek-v3-ep4'" -- "$bin/bench_layer" --cases deepseek-v3-ep1,deepseek-v3-ep4
 expect 2 "--comm-ctas: expected an integer, got 'x'" -- "$bin/bench_layer" --comm-ctas 8,x
 expect 2 "--iters: must be >= 1" -- "$bin/bench_layer" --iters 0
