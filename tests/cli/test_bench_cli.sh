@@ -4,28 +4,10 @@
 # usage: test_bench_cli.sh BUILD_DIR
 set -u
 bin="$1"
+source "$(dirname "${BASH_SOURCE[0]}")/expect.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work" || exit 1
-failures=0
-passes=0
-
-# expect CODE PATTERN -- COMMAND...: as in test_cli.sh.
-expect() {
-  local code="$1" pattern="$2"
-  shift 3
-  local output status
-  output=$("$@" 2>&1)
-  status=$?
-  if [[ $status -ne $code ]] || ! grep -qE -- "$pattern" <<<"$output"; then
-    echo "FAIL: $* -> exit $status (want $code), output lacks /$pattern/ or differs:"
-    sed 's/^/    /' <<<"$output" | tail -n 15
-    failures=$((failures + 1))
-  else
-    echo "ok:   $*"
-    passes=$((passes + 1))
-  fi
-}
 
 for program in bench_gemm bench_layer bench_comm; do
   expect 0 "^usage: $program " -- "$bin/$program" --help

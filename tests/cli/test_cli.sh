@@ -5,26 +5,7 @@ set -u
 mok="$1"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-failures=0
-passes=0
-
-# expect CODE PATTERN -- COMMAND...: runs COMMAND, checks its exit code and that its output
-# (stdout and stderr together) matches PATTERN.
-expect() {
-  local code="$1" pattern="$2"
-  shift 3
-  local output status
-  output=$("$@" 2>&1)
-  status=$?
-  if [[ $status -ne $code ]] || ! grep -qE -- "$pattern" <<<"$output"; then
-    echo "FAIL: $* -> exit $status (want $code), output lacks /$pattern/ or differs:"
-    sed 's/^/    /' <<<"$output" | tail -n 15
-    failures=$((failures + 1))
-  else
-    echo "ok:   $*"
-    passes=$((passes + 1))
-  fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/expect.sh"
 
 expect 0 '^PASS$' -- "$mok" run
 expect 0 'EP 2 vs EP 1: .* bitwise equal' -- "$mok" run --backend cpu --ep 2 --tokens 64 --routing single-expert
