@@ -3,7 +3,7 @@
 # errors with exit status 2 for a wrong command line, before anything is measured.
 # usage: test_bench_cli.sh BUILD_DIR
 set -u
-bin="$1"
+bin=$(cd "$1" && pwd) || exit 1
 source "$(dirname "${BASH_SOURCE[0]}")/expect.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
