@@ -97,14 +97,11 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                                  TileConfig::BLOCK_M, "shared_hidden"),
         gemm::make_tensor_map_3d(buffers.shared_down, 1, hidden, shared_inter, TileConfig::BLOCK_N,
                                  64, "shared_down"),
-        // (the output pointer is unused: combine_into_y writes y)
-        static_cast<int>(hidden), static_cast<int>(shared_inter), buffers.y);
+        static_cast<int>(hidden), static_cast<int>(shared_inter), buffers.shared_output);
   }
   params.view = ws.view();
   params.x = reinterpret_cast<const __nv_bfloat16*>(x);
   params.topk_idx = topk_idx;
-  params.topk_w = buffers.topk_w;
-  params.y = reinterpret_cast<__nv_bfloat16*>(buffers.y);
   params.num_tokens = static_cast<int>(num_tokens);
   params.num_comm_ctas = config.comm_ctas;
   params.chunk_mblocks = config.chunk_mblocks;

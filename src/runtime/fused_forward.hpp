@@ -1,8 +1,7 @@
 // Launcher of the fused forward kernel (kernels/megakernel/forward_kernel.cuh): the schedule, the
-// dispatch, the shared and routed expert GEMMs and the combine push in one persistent launch, and
-// with a shared expert the combine's reduce too (its down tiles write y). begin_call must run on
-// the stream before it, and without a shared expert the combine reduce after it
-// (runtime/comm_ops.hpp): two or three launches per forward.
+// dispatch, the shared and routed expert GEMMs and the combine push in one persistent launch.
+// begin_call must run on the stream before it and the combine reduce after it
+// (runtime/comm_ops.hpp): three launches per forward.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,8 +22,7 @@ struct FusedForwardBuffers {
   const bf16* shared_down = nullptr;     // (H, I_s)
   bf16* routed_hidden = nullptr;         // (expert_rows, I): the ring, as expert_x
   bf16* shared_hidden = nullptr;         // (T_max, I_s)
-  const float* topk_w = nullptr;         // (T, k), the caller's
-  bf16* y = nullptr;                     // (T, H): written here when there is a shared expert
+  float* shared_output = nullptr;        // (T_max, H)
 };
 
 struct FusedForwardConfig {

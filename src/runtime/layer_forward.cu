@@ -116,8 +116,7 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
       weights_.shared_down = device_alloc<bf16>(weights_.shared_down_elements);
     }
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
-    // The fused kernel keeps the shared expert's output in registers (its down tiles reduce y).
-    if (!options.fused.enabled) shared_output_ = device_alloc<float>(tokens_max * hidden);
+    shared_output_ = device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   routed_hidden_ = device_alloc<bf16>(workspace_.layout().expert_rows * inter);
@@ -166,8 +165,7 @@ int64_t LayerForward::buffer_bytes() const {
   int64_t bytes = layout.window_bytes + layout.local_bytes;
   bytes += layout.expert_rows * shape_.intermediate * 2;
   if (shape_.has_shared()) {
-    bytes += tokens_max_ * shape_.shared_intermediate * 2 + 8;
-    if (!options_.fused.enabled) bytes += tokens_max_ * shape_.hidden * 4;  // shared_output
+    bytes += tokens_max_ * (shape_.shared_intermediate * 2 + shape_.hidden * 4) + 8;
   }
   return bytes;
 }
@@ -253,8 +251,7 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   }
   const FusedForwardConfig config = fused_config();
   if (config.schedule_in_kernel) {
-    // begin_call, the fused kernel (schedule to combine push; with a shared expert the reduce
-    // too), and without a shared expert the reduce.
+    // Three launches: begin_call, the fused kernel (schedule to combine push), the reduce.
     begin_call(workspace_, stream);
   } else {
     stage_tokens(workspace_, x, num_tokens, stream);
@@ -268,8 +265,7 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   buffers.shared_down = weights.shared_down;
   buffers.routed_hidden = routed_hidden_;
   buffers.shared_hidden = shared_hidden_;
-  buffers.topk_w = topk_w;
-  buffers.y = y;
+  buffers.shared_output = shared_output_;
   fused_forward(workspace_, shape_, buffers, x, topk_idx, num_tokens, config, stream);
   phase_done();
   // kSharedExpert .. kCombinePush ran inside the fused kernel.
@@ -277,9 +273,8 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
        phase < static_cast<int>(ForwardPhase::kCombineReduce); ++phase) {
     phase_done();
   }
-  // With a shared expert the kernel's shared down tiles reduced the combine into y.
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
-  if (!has_shared) combine_reduce(workspace_, topk_w, nullptr, y, num_tokens, stream);
+  combine_reduce(workspace_, topk_w, has_shared ? shared_output_ : nullptr, y, num_tokens, stream);
   phase_done();
 }
 

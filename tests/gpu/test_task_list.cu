@@ -5,7 +5,6 @@
 // decodes the same whatever tickets a CTA saw before it.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <ostream>
@@ -138,14 +137,6 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
       EXPECT_LT(found->second, ticket) << "ticket " << ticket << " comes before its input";
     }
   }
-  // The shared down tiles reduce the combine (their epilogue reads every routed row of their
-  // tokens): every one comes after every routed down tile.
-  int last_down = -1, first_shared_down = total;
-  for (const auto& [ticket, task] : tasks) {
-    if (task.kind == TaskKind::kDown) last_down = std::max(last_down, ticket);
-    if (task.kind == TaskKind::kSharedDown) first_shared_down = std::min(first_shared_down, ticket);
-  }
-  EXPECT_LT(last_down, first_shared_down) << "a shared down tile before a routed down tile";
   // Ring rounds: a routed gate/up tile of block g overwrites the hidden rows of block
   // g - ring_mblocks, whose down tiles must come first; the dispatch of block g overwrites the
   // rows of block g - ring_mblocks, whose gate/up tiles must come before block g's.

@@ -12,7 +12,6 @@
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
-#include "kernels/megakernel/shared_combine.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/trace.cuh"
@@ -154,17 +153,12 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
                                uint8_t* aligned_smem) {
   const Loop::Storage smem = Loop::Storage::carve(aligned_smem);
   __shared__ TaskRing handoff;
-  // Completes when the consumers are done with a shared down tile's epilogue, which stages the
-  // fp32 tile in the stage ring (shared_combine.cuh): the producer waits for it before loading the
-  // next task.
-  __shared__ uint64_t ring_free;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < RingLayout::kNumStages; ++stage) {
       ptx::mbarrier_init(&smem.full[stage], 1);
       ptx::mbarrier_init(&smem.empty[stage], gemm::TileConfig::kNumConsumerWarpgroups * 4);
     }
     ptx::mbarrier_init(smem.tail, 1);
-    ptx::mbarrier_init(&ring_free, 1);
     for (int slot = 0; slot < kTaskSlots; ++slot) {
       ptx::mbarrier_init(&handoff.full[slot], 1);
       ptx::mbarrier_init(&handoff.empty[slot], gemm::TileConfig::kNumConsumerWarpgroups * 4);
@@ -193,8 +187,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
                               params.num_tokens);
       uint32_t* next_task = &params.view.state()->next_task;
       uint32_t tail_phase = 0;
-      uint32_t ring_free_phase = 0;
-      bool ring_held = false;  // the last task loaded was a shared down tile
       bool routed_known = false;
       const bool tracing = params.trace != nullptr;
       uint32_t input_wait_ns = 0, slot_wait_ns = 0, tasks = 0;  // 32 bits: 4 s is plenty
@@ -237,12 +229,6 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
         }
         __syncwarp();
-        if (ring_held) {
-          if (lane == 0) ptx::mbarrier_wait(&ring_free, ring_free_phase);
-          ring_free_phase ^= 1u;
-          __syncwarp();
-        }
-        ring_held = task.kind == TaskKind::kSharedDown;
         const int kind = static_cast<int>(task.kind);
         Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
                    tail_phase);
@@ -252,8 +238,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     ptx::setmaxnreg_increase<kConsumerRegisters>();
     const int consumer_idx = warpgroup_idx - 1;
     float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
-    uint32_t down_tiles = 0;  // stored by this CTA, not yet counted
-    bool combine_known = false, combined = false;  // every rank's combine flag seen (first SD task)
+    uint32_t down_tiles = 0;  // stored by this CTA
     const bool tracing = params.trace != nullptr && threadIdx.x == 128;
     uint32_t publish_ns = 0;
     for (;;) {
@@ -277,21 +262,11 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           if (tracing) publish_ns += static_cast<uint32_t>(trace_clock() - publish_start);
           break;
         }
-        case TaskKind::kSharedDown: {
-          // The last tasks: y, the combine's reduce folded in (shared_combine.cuh).
-          gemm::Epilogue<gemm::GemmKind::kForward, gemm::EpilogueKind::kStoreFp32>::init(
-              gemm_params, task.tile, consumer_idx, accum);
-          Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
-          if (!combine_known) {
-            // Count this CTA's down tiles first: the flag awaited next needs every one of them.
-            if (down_tiles > 0) finish_down_tiles(params, down_tiles);
-            down_tiles = 0;
-            combined = wait_for_combine(params);
-            combine_known = true;
-          }
-          combine_into_y(params, task, consumer_idx, combined, smem.a, &ring_free, accum);
+        case TaskKind::kSharedDown:
+          // fp32 from registers; read only by the reduce, after this kernel
+          run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
+                                                   accum);
           break;
-        }
         case TaskKind::kDown:
           // The combine push: each row into its owner's slot (combine_store.cuh).
           run_tile<gemm::EpilogueKind::kStoreBf16>(

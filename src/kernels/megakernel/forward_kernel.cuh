@@ -12,9 +12,7 @@
 //     first k-block; after a gate/up tile's stores complete, the consumers raise its row block's
 //     counter. The down tiles' epilogue is the combine push (combine_store.cuh): each row goes
 //     to its owner's slot. When the last down tile of this rank has landed, this rank's combine
-//     flag goes up on every rank. The shared expert's down tiles come last and wait for every
-//     rank's flag: their epilogue is the combine's reduce, writing y (shared_combine.cuh).
-//     Without a shared expert the reduce is the next launch, and it waits for the flags.
+//     flag goes up on every rank, and the reduce (the next launch) waits for it.
 //
 // Every output element is computed by the same tile code, in the same k order, as the unfused
 // composition (LayerForward with fused = false), so the two agree bitwise; no value depends on

@@ -24,8 +24,6 @@ struct FusedForwardParams {
   comm::WorkspaceView view;
   const __nv_bfloat16* x;    // (T, H), the caller's tokens
   const int32_t* topk_idx;   // (T, k)
-  const float* topk_w;       // (T, k): read by the shared down tiles, which write y
-  __nv_bfloat16* y;          // (T, H): the layer's output (with a shared expert; else the reduce's)
   gemm::GroupedGemmParams gemm[kNumTaskKinds];  // n, k and output of each GEMM
   int num_tokens;     // this rank's tokens this call
   int num_comm_ctas;  // blockIdx.x below this dispatches first, then computes like the rest
@@ -43,9 +41,8 @@ struct FusedForwardParams {
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
-// Register split (128 * producer + 256 * consumer = the 384 * 168 the launch gives): the producer
-// warp also decodes tasks and holds the ring for shared down tiles (64 spilled).
-inline constexpr uint32_t kProducerRegisters = 72;
+// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
+inline constexpr uint32_t kProducerRegisters = 64;
 inline constexpr uint32_t kConsumerRegisters = 216;
 
 }  // namespace mok::megakernel

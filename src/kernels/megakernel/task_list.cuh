@@ -3,20 +3,17 @@
 //
 //   kSharedGateUp  x (T, H) -> shared_hidden (T, I_s), SwiGLU        needs nothing
 //   kGateUp        expert_x -> routed_hidden (rows, I), SwiGLU       needs the block's rows dispatched
-//   kSharedDown    shared_hidden -> y (T, H) bf16, adding the routed  needs the block's shared gate/up
-//                  rows of the tokens' combine slots (combine_into_y)  and every rank's down tiles
-//   kDown          routed_hidden -> combine slots (rows, H) bf16     needs the block's gate/up tiles
+//   kSharedDown    shared_hidden -> shared_output (T, H) fp32        needs the block's shared gate/up
+//   kDown          routed_hidden -> expert_y (rows, H) bf16          needs the block's gate/up tiles
 //
 // Rows come in blocks of 128 (BLOCK_M): each local expert's rows start at a block boundary, so
 // block g covers rows [128 g, 128 g + 128) of the call's expert rows and belongs to one expert.
 // The routed blocks are cut into minibatches of `chunk_mblocks` blocks (minibatch k is blocks
 // [k B, (k + 1) B); an expert may span two); the list of segments is
-//   SG | R0 | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1) | SD
+//   SG | R0 | SD | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
 // (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared gate/up tiles run
 // while the first rows arrive, and each minibatch's down tiles wait one minibatch behind its
-// gate/up tiles, so their inputs are normally complete when they start. The shared down tiles
-// come last: their epilogue is the combine's reduce, so it needs every routed row of its tokens,
-// from every rank. Within a segment the
+// gate/up tiles, so their inputs are normally complete when they start. Within a segment the
 // tiles go expert by expert, and within an expert column block outer, row block inner, as in the
 // standalone grouped GEMM: the CTAs running side by side share the expert's weight tiles and its
 // rows through L2. (The shared gate/up tiles go row block outer, column block inner: see decode.)
@@ -97,7 +94,7 @@ class TaskScheduler {
   __host__ __device__ void set_routed_mblocks(int routed_mblocks) {
     shape_.routed_mblocks = routed_mblocks;
     const int chunks = shape_.num_chunks();
-    num_segments_ = 2 * chunks + 2;
+    num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
   }
 
   // Fills `task` for `ticket`; false when the ticket is past the last task.
@@ -154,12 +151,12 @@ class TaskScheduler {
     int chunk = 0;
     if (index == 0) {
       kind_ = TaskKind::kSharedGateUp;
-    } else if (index == num_segments_ - 1) {
-      kind_ = TaskKind::kSharedDown;
     } else if (index == 1) {
       kind_ = TaskKind::kGateUp;
+    } else if (index == 2) {
+      kind_ = TaskKind::kSharedDown;
     } else {
-      const int j = index - 2;
+      const int j = index - 3;
       const int chunks = shape_.num_chunks();
       if (j % 2 == 1) {
         kind_ = TaskKind::kDown;
