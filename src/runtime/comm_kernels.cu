@@ -144,6 +144,8 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
   MOK_CHECK_ARG(num_tokens == 0 || y != nullptr, "y", "null pointer for ", num_tokens, " tokens");
   MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(y) % 16 == 0, "y", "must be 16-byte aligned");
   const int64_t items = num_tokens * (ws.layout().hidden / comm::kReduceVector);
+  MOK_CHECK_ARG(items <= INT32_MAX, "num_tokens", num_tokens, " tokens of ", ws.layout().hidden,
+                " columns are more 8-column vectors than the reduce indexes in 32 bits");
   const int ctas = static_cast<int>(
       std::clamp<int64_t>(ceil_div(items, comm::kReduceThreads), 1, int64_t{ws.num_sms()} * 8));
   combine_reduce_kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(

@@ -63,12 +63,14 @@ __device__ inline void combine_reduce(const WorkspaceView& view, const float* to
   if (!wait_flags_all_ranks(view, FlagKind::kCombine, state->epoch, Phase::kReduce)) return;
   const WorkspaceLayout& layout = view.layout;
   const int32_t* ids = view.topk(view.rank, view.rank);  // (T, k), this rank's own, gathered
-  const int64_t vectors_per_row = layout.hidden / kReduceVector;
-  const int64_t num_items = static_cast<int64_t>(num_tokens) * vectors_per_row;
-  for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < num_items;
-       item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  // NOTE: the item's token and column in 32 bits (the launcher checks the count fits): a 64-bit
+  // division is a long subroutine, once per item.
+  const uint32_t vectors_per_row = static_cast<uint32_t>(layout.hidden / kReduceVector);
+  const uint32_t num_items = static_cast<uint32_t>(num_tokens) * vectors_per_row;
+  for (uint32_t item = blockIdx.x * blockDim.x + threadIdx.x; item < num_items;
+       item += gridDim.x * blockDim.x) {
     const int64_t token = item / vectors_per_row;
-    const int64_t column = (item % vectors_per_row) * kReduceVector;
+    const int64_t column = static_cast<int64_t>(item % vectors_per_row) * kReduceVector;
     float sum[kReduceVector];
 #pragma unroll
     for (int lane = 0; lane < kReduceVector; ++lane) sum[lane] = 0.0f;
