@@ -18,7 +18,6 @@
 #include <cstring>
 #include <ctime>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 

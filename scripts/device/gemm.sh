@@ -2,8 +2,8 @@
 # GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch
 # (mok on both engines, cooperative and ping-pong, and torch timed in two passes each), the
 # chart, the SwiGLU epilogue's cost (fused against plain gate/up launched alternately,
-# gemm-swiglu-cost.json), a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused gate/up GEMM
-# on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative pingpong), on GPU 0. Results and
+# gemm-swiglu-cost.json), a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused
+# gate/up GEMM on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative pingpong), on GPU 0. Results and
 # logs go to the results folder.
 #
 #   OUT=/tmp/out scripts/device/gemm.sh [BIN_DIR]
