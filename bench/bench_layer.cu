@@ -43,7 +43,7 @@ struct Args {
   std::vector<std::string> cases;
   int iters = 20;
   int gemm_sms = 0, copy_ctas = 0, schedule_ctas = 0;
-  bool fused = true, schedule_in_kernel = true, trace = false;
+  bool fused = true, schedule_in_kernel = true, l2_tickets = true, trace = false;
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
 };
@@ -64,6 +64,8 @@ usage: bench_layer [options]
   --minibatch-rows N,...    minibatch rows to sweep (0 = default)
   --ring-rows N,...         ring rows to sweep (0 = a ring for every row, one round)
   --schedule-ctas N         CTAs that make the schedule in the kernel (0 = every CTA)
+  --l2-tickets 0|1          0: the fused kernel's tasks from one pool, not a chunk per L2
+                            partition of the GPU (default 1)
   --gemm-sms N              SMs of the unfused path's GEMMs (0 = all)
   --copy-ctas N             CTAs of the unfused path's copies (0 = default)
   --trace 0|1               1: one more forward with the fused kernel's per-CTA timeline
@@ -91,6 +93,7 @@ bool parse(int argc, char** argv, Args& args) {
     else if (key == "--fused") args.fused = integer(key, value) != 0;
     else if (key == "--schedule-in-kernel") args.schedule_in_kernel = integer(key, value) != 0;
     else if (key == "--trace") args.trace = integer(key, value) != 0;
+    else if (key == "--l2-tickets") args.l2_tickets = integer(key, value) != 0;
     else if (key == "--comm-ctas") args.comm_ctas = mok::bench::integer_list_option(key, value);
     else if (key == "--minibatch-rows") args.minibatch_rows = mok::bench::integer_list_option(key, value);
     else if (key == "--ring-rows") args.ring_rows = mok::bench::integer_list_option(key, value);
@@ -142,6 +145,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.fused_ring_rows = ring_rows;
   spec.fused_schedule_in_kernel = args.schedule_in_kernel;
   spec.fused_schedule_ctas = args.schedule_ctas;
+  spec.fused_l2_partition_tickets = args.l2_tickets;
   spec.trace = args.trace;
   spec.keep_y = false;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
@@ -155,7 +159,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
               which.tokens_per_rank / (result.forward_ms * 1e-3),
               result.buffer_bytes_per_rank / 1e9);
   std::fflush(stdout);
-  char line[1024];
+  char line[2048];
   std::snprintf(line, sizeof(line),
                 "%s  {\"name\": \"%s\", \"preset\": \"%s\", \"ep\": %d, \"tokens_per_rank\": %lld, "
                 "\"routing\": \"%s\", \"routing_file\": \"%s\", \"mok_ms\": %.4f, "
@@ -163,7 +167,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
                 "\"num_experts\": %lld, \"top_k\": %lld, \"fused\": %s, "
                 "\"comm_ctas\": %d, \"minibatch_rows\": %d, \"ring_rows\": %d, "
-                "\"schedule_in_kernel\": %s, \"schedule_ctas\": %d",
+                "\"schedule_in_kernel\": %s, \"schedule_ctas\": %d, \"l2_tickets\": %s",
                 first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
                 static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
                 routing_path.c_str(), result.forward_ms, tflops, flops,
@@ -172,7 +176,8 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 static_cast<long long>(shape.shared_intermediate),
                 static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k),
                 args.fused ? "true" : "false", comm_ctas, minibatch_rows, ring_rows,
-                args.schedule_in_kernel ? "true" : "false", args.schedule_ctas);
+                args.schedule_in_kernel ? "true" : "false", args.schedule_ctas,
+                args.l2_tickets ? "true" : "false");
   out << line;
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {

@@ -6,6 +6,7 @@
 #include "kernels/megakernel/forward_kernel.cuh"
 #include "mok/error.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/l2_partitions.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
 namespace mok {
@@ -110,6 +111,8 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.schedule_in_kernel = config.schedule_in_kernel ? 1 : 0;
   params.num_schedule_ctas = config.schedule_ctas;
   params.trace = config.trace;
+  params.sm_partition = config.sm_partition;
+  params.max_sm_ids = runtime::kMaxSmIds;
 
   const int shared_bytes = fused_forward_shared_bytes();
   // NOTE: the attribute belongs to the current device; one process may drive several GPUs.

@@ -38,6 +38,9 @@ struct FusedForwardConfig {
   // CTAs that make the schedule in the kernel (comm_ctas..num_ctas); the rest start on the shared
   // expert's gate/up tiles meanwhile.
   int schedule_ctas = 0;
+  // L2 partition of each %smid (runtime/l2_partitions.hpp, kMaxSmIds entries), or null: task
+  // tickets go out in chunks per partition (kernels/megakernel/tickets.cuh).
+  const uint8_t* sm_partition = nullptr;
   uint64_t* trace = nullptr;  // (num_ctas, kTraceFields) timeline, or null
 };
 

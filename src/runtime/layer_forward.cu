@@ -11,6 +11,7 @@
 #include "kernels/megakernel/trace.cuh"
 #include "mok/error.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/l2_partitions.hpp"
 
 namespace mok {
 namespace {
@@ -121,6 +122,10 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
   }
   routed_hidden_ = device_alloc<bf16>(workspace_.layout().expert_rows * inter);
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
+  if (options.fused.enabled && options.fused.l2_partition_tickets) {
+    MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
+    sm_partition_ = runtime::l2_partition_map().device_table;  // probed once per device
+  }
   MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -317,6 +322,7 @@ FusedForwardConfig LayerForward::fused_config() const {
                              ? std::clamp(fused.schedule_ctas, config.comm_ctas, config.num_ctas)
                              : config.num_ctas;
   config.trace = trace_;
+  config.sm_partition = options_.fused.l2_partition_tickets ? sm_partition_ : nullptr;
   return config;
 }
 

@@ -47,6 +47,10 @@ struct FusedForwardOptions {
   // CTAs that make the schedule in the kernel, at least comm_ctas; the others start on the shared
   // expert's gate/up tiles meanwhile. 0 = every CTA. Same bits whatever the value.
   int schedule_ctas = 0;
+  // Hand consecutive tasks to the CTAs of one L2 partition at a time (kernels/megakernel/
+  // tickets.cuh), from a map of the GPU's SMs probed at construction (runtime/l2_partitions.hpp);
+  // off: one pool for every CTA. Same bits either way.
+  bool l2_partition_tickets = true;
 };
 
 struct LayerForwardOptions {
@@ -159,6 +163,7 @@ class LayerForward {
   int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
   int num_sms_ = 0;                    // of this rank's GPU
   uint64_t* trace_ = nullptr;          // (num_sms_, trace_fields()) when tracing
+  const uint8_t* sm_partition_ = nullptr;  // L2 partition by %smid (l2_partitions.hpp), or null
   cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };

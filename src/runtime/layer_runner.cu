@@ -147,6 +147,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     options.fused.ring_rows = spec.fused_ring_rows;
     options.fused.schedule_in_kernel = spec.fused_schedule_in_kernel;
     options.fused.schedule_ctas = spec.fused_schedule_ctas;
+    options.fused.l2_partition_tickets = spec.fused_l2_partition_tickets;
     LayerForward layer(comms[rank], shape, tokens, options);
     DeviceArray<bf16> x(tokens * hidden);        // (T, H)
     DeviceArray<int32_t> topk_idx(tokens * top_k);  // (T, k)

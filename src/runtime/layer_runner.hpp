@@ -39,6 +39,7 @@ struct LayerRunSpec {
   int64_t fused_ring_rows = 0;  // 0 = one round (FusedForwardOptions::ring_rows)
   bool fused_schedule_in_kernel = true;
   int fused_schedule_ctas = 0;  // 0 = every CTA
+  bool fused_l2_partition_tickets = true;  // FusedForwardOptions::l2_partition_tickets
   // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
   bool trace = false;
   int warmup = 3;

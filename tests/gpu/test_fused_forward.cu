@@ -101,6 +101,11 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
     EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, partial_schedule), expected), -1)
         << "the schedule on " << schedule_ctas << " CTAs differs from the unfused forward";
   }
+  // Tickets from one pool for every CTA instead of a chunk per L2 partition.
+  GpuRun one_pool = fused_run(3, 256);
+  one_pool.layer.fused.l2_partition_tickets = false;
+  EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, one_pool), expected), -1)
+      << "tickets from one pool differ from the unfused forward";
   GpuRun separate_schedule = fused_run(3, 256);
   separate_schedule.layer.fused.schedule_in_kernel = false;  // the schedule's own kernels first
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, separate_schedule), expected), -1)

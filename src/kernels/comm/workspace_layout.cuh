@@ -58,6 +58,11 @@ enum class FlagKind : int {
 };
 inline constexpr int kNumFlagKinds = 3;
 
+// The fused forward hands out its task tickets in chunks of this many consecutive ones, one chunk
+// at a time to each L2 partition's CTAs (kernels/megakernel/tickets.cuh).
+inline constexpr uint32_t kTaskChunk = 32;
+inline constexpr int kMaxL2Partitions = 2;
+
 // Per-GPU state in the local buffer. `epoch` numbers the calls: flags are compared against it and
 // never reset, so a replayed CUDA graph reuses them safely.
 struct DeviceState {
@@ -70,6 +75,9 @@ struct DeviceState {
   uint32_t schedule_epoch;    // the fused forward's schedule is complete for this epoch
   uint32_t barrier_count;     // the fused forward's communication CTAs in the current barrier
   uint32_t barrier_generation;  // barriers passed (never reset)
+  // The fused forward's ticket chunk of each L2 partition: (first ticket + 1) << 32 | tickets
+  // taken from it (kernels/megakernel/tickets.cuh).
+  alignas(8) unsigned long long task_pool[kMaxL2Partitions];
   ErrorRecord error;
 };
 

@@ -14,6 +14,7 @@
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
+#include "kernels/megakernel/tickets.cuh"
 #include "kernels/megakernel/trace.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
@@ -185,14 +186,17 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       const TaskShape shape = task_shape(params);
       TaskScheduler scheduler(shape, params.view.offsets(), params.view.counts(),
                               params.num_tokens);
-      uint32_t* next_task = &params.view.state()->next_task;
       uint32_t tail_phase = 0;
       bool routed_known = false;
       const bool tracing = params.trace != nullptr;
       uint32_t input_wait_ns = 0, slot_wait_ns = 0, tasks = 0;  // 32 bits: 4 s is plenty
       for (;;) {
         int ticket = 0;
-        if (lane == 0) ticket = static_cast<int>(atomicAdd(next_task, 1u));
+        if (lane == 0) {
+          // (the partition is looked up per ticket: kept in a register, the producer spilled)
+          ticket = take_ticket(params.view.state(),
+                               cta_l2_partition(params.sm_partition, params.max_sm_ids));
+        }
         ticket = __shfl_sync(0xffffffffu, ticket, 0);
         if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
           int mblocks = 0;

@@ -35,6 +35,8 @@ struct FusedForwardParams {
   // gate/up tiles at once
   int num_schedule_ctas;
   uint64_t* trace;         // (grid, kTraceFields) per-CTA timeline (trace.cuh), or null
+  const uint8_t* sm_partition;  // L2 partition by %smid (tickets.cuh), or null
+  int max_sm_ids;               // entries of sm_partition
 };
 
 // Every task shares one stage ring, laid out for the SwiGLU epilogue (it has the staging tile).

@@ -44,6 +44,10 @@ __device__ inline void begin_call(const WorkspaceView& view) {
     state->combine_arrivals = 0;
     state->down_tiles_done = 0;
     state->next_task = 0;
+    // No chunk yet, and every ticket of it taken: the first producer to ask installs one.
+    for (int partition = 0; partition < kMaxL2Partitions; ++partition) {
+      state->task_pool[partition] = kTaskChunk;
+    }
     state->barrier_count = 0;
   }
 }

@@ -1,0 +1,203 @@
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "runtime/cuda_check.hpp"
+#include "runtime/l2_partitions.hpp"
+
+namespace mok::runtime {
+namespace {
+
+constexpr int kProbeLines = 64;  // lines each SM times
+constexpr int kLineWords = 16;   // 128-byte lines of uint64
+constexpr int kLineStride = 37;  // lines between two probed ones, to spread them over slices
+constexpr int kMinGapCycles = 30;
+constexpr uint64_t kTimeoutNs = 200'000'000;  // a CTA that never gets its turn: give up
+
+__device__ __forceinline__ uint64_t load_l2(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// Waits until *flag >= target; false after kTimeoutNs.
+__device__ bool wait_at_least(const int* flag, int target) {
+  const uint64_t start = global_ns();
+  while (*reinterpret_cast<const volatile int*>(flag) < target) {
+    if (global_ns() - start > kTimeoutNs) return false;
+    __nanosleep(256);
+  }
+  return true;
+}
+
+// One thread per CTA, one CTA per SM (the shared memory request keeps two off one SM). Turn k:
+// CTA 0 reads set k (its SM's partition now holds every line of it), then CTA k chases through
+// the same lines (each address depends on the last value loaded, all zero) and records the mean
+// latency. *failed is set when a CTA was not resident.
+__global__ void l2_probe_kernel(const uint64_t* lines, uint32_t* mean_cycles, int* sm_ids,
+                                int* turn, int* done, int* failed) {
+  extern __shared__ uint8_t unused[];
+  if (threadIdx.x != 0) return;
+  const int cta = static_cast<int>(blockIdx.x), ctas = static_cast<int>(gridDim.x);
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  sm_ids[cta] = static_cast<int>(sm);
+  unused[0] = 0;
+  const auto set_of = [&](int k) {
+    return lines + static_cast<size_t>(k) * kProbeLines * kLineStride * kLineWords;
+  };
+  if (cta == 0) {
+    uint64_t sum = 0;
+    for (int k = 1; k < ctas; ++k) {
+      const uint64_t* set = set_of(k);
+      for (int line = 0; line < kProbeLines; ++line)
+        sum += load_l2(set + line * kLineStride * kLineWords);
+      __threadfence();
+      atomicExch(turn, k + static_cast<int>(sum));  // sum is 0: the loads completed first
+      if (!wait_at_least(done, k)) {
+        atomicExch(failed, 1);
+        return;
+      }
+    }
+  } else {
+    if (!wait_at_least(turn, cta)) {
+      atomicExch(failed, 1);
+      return;
+    }
+    const uint64_t* set = set_of(cta);
+    uint64_t chase = 0;
+    const long long start = clock64();
+    for (int line = 0; line < kProbeLines; ++line)
+      chase += load_l2(set + line * kLineStride * kLineWords + chase);
+    const long long stop = clock64();
+    mean_cycles[cta] =
+        static_cast<uint32_t>((stop - start) / kProbeLines) + static_cast<uint32_t>(chase);
+    __threadfence();
+    atomicAdd(done, 1);
+  }
+}
+
+// Runs the probe once; false when it could not (not every CTA resident).
+bool probe_once(int num_sms, std::vector<int>* sm_ids, std::vector<double>* latency) {
+  const size_t words = static_cast<size_t>(num_sms) * kProbeLines * kLineStride * kLineWords;
+  uint64_t* lines = nullptr;
+  uint32_t* cycles = nullptr;
+  int* ints = nullptr;  // sm ids, then turn, done, failed
+  MOK_CUDA_CHECK(cudaMalloc(&lines, words * sizeof(uint64_t)));
+  MOK_CUDA_CHECK(cudaMalloc(&cycles, num_sms * sizeof(uint32_t)));
+  MOK_CUDA_CHECK(cudaMalloc(&ints, (num_sms + 3) * sizeof(int)));
+  MOK_CUDA_CHECK(cudaMemset(lines, 0, words * sizeof(uint64_t)));
+  MOK_CUDA_CHECK(cudaMemset(cycles, 0, num_sms * sizeof(uint32_t)));
+  MOK_CUDA_CHECK(cudaMemset(ints, 0, (num_sms + 3) * sizeof(int)));
+  cudaDeviceProp properties{};
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+  // Evict what the memset left in L2 (perhaps in both partitions), so that the reference SM's
+  // reads are the first ones: write twice the L2's size elsewhere.
+  const size_t flush_bytes = 2 * static_cast<size_t>(properties.l2CacheSize);
+  void* flush = nullptr;
+  MOK_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
+  MOK_CUDA_CHECK(cudaMemset(flush, 1, flush_bytes));
+  MOK_CUDA_CHECK(cudaFree(flush));
+  // More than half an SM's shared memory: one CTA per SM.
+  const int shared_bytes = static_cast<int>(properties.sharedMemPerMultiprocessor / 2 + 1024);
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(l2_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      shared_bytes));
+  l2_probe_kernel<<<num_sms, 32, shared_bytes>>>(lines, cycles, ints, ints + num_sms,
+                                                 ints + num_sms + 1, ints + num_sms + 2);
+  MOK_CUDA_CHECK_LAUNCH();
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int> host_ints(num_sms + 3);
+  std::vector<uint32_t> host_cycles(num_sms);
+  MOK_CUDA_CHECK(
+      cudaMemcpy(host_ints.data(), ints, host_ints.size() * sizeof(int), cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(
+      cudaMemcpy(host_cycles.data(), cycles, num_sms * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(cudaFree(lines));
+  MOK_CUDA_CHECK(cudaFree(cycles));
+  MOK_CUDA_CHECK(cudaFree(ints));
+  if (host_ints[num_sms + 2] != 0) return false;
+  sm_ids->assign(host_ints.begin(), host_ints.begin() + num_sms);
+  latency->assign(num_sms, 0.0);
+  for (int cta = 1; cta < num_sms; ++cta) (*latency)[cta] = host_cycles[cta];
+  return true;
+}
+
+std::unique_ptr<L2PartitionMap> probe_map() {
+  auto map = std::make_unique<L2PartitionMap>();
+  int device = 0, num_sms = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  map->probe_latency.assign(kMaxSmIds, 0);
+  // Twice, with different reference SMs as it happens: both must give the same split.
+  std::vector<uint8_t> table[2];
+  for (int run = 0; run < 2; ++run) {
+    std::vector<int> sm_ids;
+    std::vector<double> latency;
+    if (num_sms < 2 || !probe_once(num_sms, &sm_ids, &latency)) return map;
+    if (run == 0) {
+      for (int cta = 0; cta < num_sms; ++cta) {
+        if (sm_ids[cta] >= 0 && sm_ids[cta] < kMaxSmIds) {
+          map->probe_latency[sm_ids[cta]] = cta == 0 ? -1 : static_cast<int>(latency[cta]);
+        }
+      }
+    }
+    int partitions = 1;
+    const std::vector<uint8_t> by_cta = classify_l2_partitions(latency, kMinGapCycles, &partitions);
+    if (partitions != 2) return map;
+    table[run].assign(kMaxSmIds, 2);  // 2: not seen
+    for (int cta = 0; cta < num_sms; ++cta) {
+      if (sm_ids[cta] < 0 || sm_ids[cta] >= kMaxSmIds) return map;
+      table[run][sm_ids[cta]] = by_cta[cta];
+    }
+  }
+  // The second run's partition numbers are swapped when its reference SM sat on the other side.
+  bool swapped = false;
+  for (int id = 0; id < kMaxSmIds; ++id) {
+    if (table[0][id] != 2 && table[1][id] != 2) {
+      swapped = table[0][id] != table[1][id];
+      break;
+    }
+  }
+  for (int id = 0; id < kMaxSmIds; ++id) {
+    const uint8_t second = table[1][id] == 2 ? 2 : swapped ? 1 - table[1][id] : table[1][id];
+    if (second != table[0][id]) return map;  // the runs disagree: do not trust either
+  }
+  for (int id = 0; id < kMaxSmIds; ++id) {
+    if (table[0][id] == 2)
+      table[0][id] = 0;
+    else
+      ++map->sms_per_partition[table[0][id]];
+  }
+  uint8_t* device_table = nullptr;
+  MOK_CUDA_CHECK(cudaMalloc(&device_table, kMaxSmIds));
+  MOK_CUDA_CHECK(cudaMemcpy(device_table, table[0].data(), kMaxSmIds, cudaMemcpyHostToDevice));
+  map->device_table = device_table;  // kept for the process
+  map->num_partitions = 2;
+  return map;
+}
+
+}  // namespace
+
+const L2PartitionMap& l2_partition_map() {
+  static std::mutex mutex;
+  static std::map<int, std::unique_ptr<L2PartitionMap>> maps;
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  std::unique_ptr<L2PartitionMap>& entry = maps[device];
+  if (!entry) entry = probe_map();
+  return *entry;
+}
+
+}  // namespace mok::runtime
