@@ -10,9 +10,10 @@
 // block g covers rows [128 g, 128 g + 128) of the call's expert rows and belongs to one expert.
 // The routed blocks are cut into minibatches of `chunk_mblocks` blocks (minibatch k is blocks
 // [k B, (k + 1) B); an expert may span two); the list of segments is
-//   SG | R0 | SD | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
-// (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared gate/up tiles run
-// while the first rows arrive, and each minibatch's down tiles wait one minibatch behind its
+//   SG | SD | R0 | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
+// (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared expert's tiles
+// run while the schedule is made and the first minibatch's rows arrive, and each minibatch's down
+// tiles wait one minibatch behind its
 // gate/up tiles, so their inputs are normally complete when they start. Within a segment the
 // tiles go expert by expert, and within an expert column block outer, row block inner, as in the
 // standalone grouped GEMM: the CTAs running side by side share the expert's weight tiles and its
@@ -152,9 +153,9 @@ class TaskScheduler {
     if (index == 0) {
       kind_ = TaskKind::kSharedGateUp;
     } else if (index == 1) {
-      kind_ = TaskKind::kGateUp;
-    } else if (index == 2) {
       kind_ = TaskKind::kSharedDown;
+    } else if (index == 2) {
+      kind_ = TaskKind::kGateUp;
     } else {
       const int j = index - 3;
       const int chunks = shape_.num_chunks();
