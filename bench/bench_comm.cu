@@ -64,7 +64,22 @@ bool parse(int argc, char** argv, Args& args) {
     else if (key == "--iters") args.iters = static_cast<int>(mok::bench::integer_option(key, value));
     else if (key == "--out") args.out = value;
     else if (key == "--splits") args.splits = value;
-    else if (key == "--methods") args.methods = mok::bench::list_option(key, value);
+    else if (key == "--methods") {
+      args.methods = mok::bench::list_option(key, value);
+      for (const std::string& method : args.methods) {
+        if (method == "bulk") continue;
+        if (method.rfind("vector:", 0) != 0) {
+          throw mok::bench::UsageError(key, "unknown method '" + method +
+                                                "' (vector:THREADS or bulk)");
+        }
+        const long long threads = mok::bench::integer_option(key, method.substr(7));
+        if (threads < 32 || threads > mok::comm::kVectorMaxThreads || threads % 32 != 0) {
+          throw mok::bench::UsageError(key, "vector:THREADS needs a multiple of 32 in [32, " +
+                                                std::to_string(mok::comm::kVectorMaxThreads) +
+                                                "], got " + method.substr(7));
+        }
+      }
+    }
     else if (key == "--sms") args.sms = mok::bench::integer_list_option(key, value);
     else return false;
     return true;
@@ -204,11 +219,10 @@ int run(int argc, char** argv) {
     std::string label = method;
     if (method == "bulk") {
       copy.method = mok::comm::CopyMethod::kBulk;
-    } else if (method.rfind("vector:", 0) == 0) {
-      copy.threads_per_cta = std::stoi(method.substr(7));
+    } else {  // vector:THREADS, checked by parse()
+      copy.threads_per_cta =
+          static_cast<int>(mok::bench::integer_option("--methods", method.substr(7)));
       label = "vector-" + method.substr(7);
-    } else {
-      throw mok::Error("--methods", "unknown method '" + method + "' (vector:THREADS or bulk)");
     }
     for (int sms : args.sms) {
       copy.num_ctas = sms;
