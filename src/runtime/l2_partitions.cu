@@ -86,46 +86,70 @@ __global__ void l2_probe_kernel(const uint64_t* lines, uint32_t* mean_cycles, in
   }
 }
 
-// Runs the probe once; false when it could not (not every CTA resident).
+// Device memory the probe frees whatever happens; null when the allocation failed (the probe then
+// does not run: a full GPU must not stop the layer, which only loses the map).
+class ProbeBuffer {
+ public:
+  explicit ProbeBuffer(size_t bytes) {
+    if (cudaMalloc(&pointer_, bytes) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear the allocation error
+      pointer_ = nullptr;
+    }
+  }
+  ~ProbeBuffer() {
+    if (pointer_ != nullptr) cudaFree(pointer_);
+  }
+  ProbeBuffer(const ProbeBuffer&) = delete;
+  ProbeBuffer& operator=(const ProbeBuffer&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(pointer_);
+  }
+
+ private:
+  void* pointer_ = nullptr;
+};
+
+// Runs the probe once; false when it could not (no memory for it, or not every CTA resident).
 bool probe_once(int num_sms, std::vector<int>* sm_ids, std::vector<double>* latency) {
-  const size_t words = static_cast<size_t>(num_sms) * kProbeLines * kLineStride * kLineWords;
-  uint64_t* lines = nullptr;
-  uint32_t* cycles = nullptr;
-  int* ints = nullptr;  // sm ids, then turn, done, failed
-  MOK_CUDA_CHECK(cudaMalloc(&lines, words * sizeof(uint64_t)));
-  MOK_CUDA_CHECK(cudaMalloc(&cycles, num_sms * sizeof(uint32_t)));
-  MOK_CUDA_CHECK(cudaMalloc(&ints, (num_sms + 3) * sizeof(int)));
-  MOK_CUDA_CHECK(cudaMemset(lines, 0, words * sizeof(uint64_t)));
-  MOK_CUDA_CHECK(cudaMemset(cycles, 0, num_sms * sizeof(uint32_t)));
-  MOK_CUDA_CHECK(cudaMemset(ints, 0, (num_sms + 3) * sizeof(int)));
   cudaDeviceProp properties{};
   int device = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   MOK_CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
-  // Evict what the memset left in L2 (perhaps in both partitions), so that the reference SM's
-  // reads are the first ones: write twice the L2's size elsewhere.
-  const size_t flush_bytes = 2 * static_cast<size_t>(properties.l2CacheSize);
-  void* flush = nullptr;
-  MOK_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
-  MOK_CUDA_CHECK(cudaMemset(flush, 1, flush_bytes));
-  MOK_CUDA_CHECK(cudaFree(flush));
+  const size_t line_bytes =
+      static_cast<size_t>(num_sms) * kProbeLines * kLineStride * kLineWords * sizeof(uint64_t);
+  const ProbeBuffer lines(line_bytes), cycles(num_sms * sizeof(uint32_t));
+  const ProbeBuffer ints((num_sms + 3) * sizeof(int));  // sm ids, then turn, done, failed
+  if (lines.as<void>() == nullptr || cycles.as<void>() == nullptr || ints.as<void>() == nullptr) {
+    return false;
+  }
+  MOK_CUDA_CHECK(cudaMemset(lines.as<void>(), 0, line_bytes));
+  MOK_CUDA_CHECK(cudaMemset(cycles.as<void>(), 0, num_sms * sizeof(uint32_t)));
+  MOK_CUDA_CHECK(cudaMemset(ints.as<void>(), 0, (num_sms + 3) * sizeof(int)));
+  {
+    // Evict what the memset left in L2 (perhaps in both partitions), so that the reference SM's
+    // reads are the first ones: write twice the L2's size elsewhere.
+    const size_t flush_bytes = 2 * static_cast<size_t>(properties.l2CacheSize);
+    const ProbeBuffer flush(flush_bytes);
+    if (flush.as<void>() == nullptr) return false;
+    MOK_CUDA_CHECK(cudaMemset(flush.as<void>(), 1, flush_bytes));
+  }
   // More than half an SM's shared memory: one CTA per SM.
   const int shared_bytes = static_cast<int>(properties.sharedMemPerMultiprocessor / 2 + 1024);
   MOK_CUDA_CHECK(cudaFuncSetAttribute(l2_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       shared_bytes));
-  l2_probe_kernel<<<num_sms, 32, shared_bytes>>>(lines, cycles, ints, ints + num_sms,
-                                                 ints + num_sms + 1, ints + num_sms + 2);
+  int* const flags = ints.as<int>();
+  l2_probe_kernel<<<num_sms, 32, shared_bytes>>>(lines.as<uint64_t>(), cycles.as<uint32_t>(), flags,
+                                                 flags + num_sms, flags + num_sms + 1,
+                                                 flags + num_sms + 2);
   MOK_CUDA_CHECK_LAUNCH();
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<int> host_ints(num_sms + 3);
   std::vector<uint32_t> host_cycles(num_sms);
-  MOK_CUDA_CHECK(
-      cudaMemcpy(host_ints.data(), ints, host_ints.size() * sizeof(int), cudaMemcpyDeviceToHost));
-  MOK_CUDA_CHECK(
-      cudaMemcpy(host_cycles.data(), cycles, num_sms * sizeof(uint32_t), cudaMemcpyDeviceToHost));
-  MOK_CUDA_CHECK(cudaFree(lines));
-  MOK_CUDA_CHECK(cudaFree(cycles));
-  MOK_CUDA_CHECK(cudaFree(ints));
+  MOK_CUDA_CHECK(cudaMemcpy(host_ints.data(), ints.as<int>(), host_ints.size() * sizeof(int),
+                            cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(cudaMemcpy(host_cycles.data(), cycles.as<uint32_t>(),
+                            num_sms * sizeof(uint32_t), cudaMemcpyDeviceToHost));
   if (host_ints[num_sms + 2] != 0) return false;
   sm_ids->assign(host_ints.begin(), host_ints.begin() + num_sms);
   latency->assign(num_sms, 0.0);

@@ -25,8 +25,10 @@ struct L2PartitionMap {
   std::vector<int> probe_latency;  // mean cycles per probe read, by %smid (-1: the reference)
 };
 
-// The map of the current device, probed on first use (a few milliseconds, synchronises the
-// device) and kept for the process. Thread-safe; one entry per device.
+// The map of the current device, probed on first use and kept for the process: a few
+// milliseconds, a device synchronisation, and ~40 MB plus twice the L2's size of temporary device
+// memory (without that memory, or on a GPU with one partition, the map has one partition).
+// Thread-safe; one entry per device.
 const L2PartitionMap& l2_partition_map();
 
 // The probe's reading, on the host: CTA c ran on SM smid[c] and measured mean_latency[c] cycles
