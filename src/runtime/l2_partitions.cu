@@ -1,3 +1,5 @@
+#include "runtime/l2_partitions.hpp"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -5,8 +7,8 @@
 #include <memory>
 #include <mutex>
 
+#include "kernels/comm/flags.cuh"
 #include "runtime/cuda_check.hpp"
-#include "runtime/l2_partitions.hpp"
 
 namespace mok::runtime {
 namespace {
@@ -23,17 +25,11 @@ __device__ __forceinline__ uint64_t load_l2(const uint64_t* address) {
   return value;
 }
 
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  return ns;
-}
-
 // Waits until *flag >= target; false after kTimeoutNs.
 __device__ bool wait_at_least(const int* flag, int target) {
-  const uint64_t start = global_ns();
+  const uint64_t start = comm::global_timer_ns();
   while (*reinterpret_cast<const volatile int*>(flag) < target) {
-    if (global_ns() - start > kTimeoutNs) return false;
+    if (comm::global_timer_ns() - start > kTimeoutNs) return false;
     __nanosleep(256);
   }
   return true;
