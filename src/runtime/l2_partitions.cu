@@ -1,3 +1,4 @@
+// The L2 partition probe of l2_partitions.hpp: the kernel, its launch and the cached maps.
 #include "runtime/l2_partitions.hpp"
 
 #include <cuda_runtime.h>
