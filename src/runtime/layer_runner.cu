@@ -15,6 +15,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/device.hpp"
+#include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/trace.cuh"
 #include "runtime/layer_forward.hpp"
 
@@ -79,6 +80,7 @@ std::string summarize_trace(const std::vector<uint64_t>& trace, int fields) {
   auto field = [&](size_t cta, int which) { return trace[cta * fields + which]; };
   uint64_t start = UINT64_MAX, end = 0, dispatched = 0;
   std::vector<double> scheduled, tasks_end, ends, input_wait, slot_wait, publish, tasks;
+  double schedule_wait = 0, kind_wait[kNumTaskKinds] = {};
   for (size_t cta = 0; cta < ctas; ++cta) start = std::min(start, field(cta, kTraceStart));
   auto ms = [&](uint64_t time) { return time > start ? (time - start) * 1e-6 : 0.0; };
   for (size_t cta = 0; cta < ctas; ++cta) {
@@ -91,21 +93,29 @@ std::string summarize_trace(const std::vector<uint64_t>& trace, int fields) {
     slot_wait.push_back(field(cta, kTraceSlotWaitNs) * 1e-6);
     publish.push_back(field(cta, kTracePublishNs) * 1e-6);
     tasks.push_back(static_cast<double>(field(cta, kTraceTasks)));
+    schedule_wait += field(cta, kTraceWaitScheduleNs) * 1e-6 / static_cast<double>(ctas);
+    for (int kind = 0; kind < kNumTaskKinds; ++kind) {
+      kind_wait[kind] += field(cta, kTraceWaitKindNs + kind) * 1e-6 / static_cast<double>(ctas);
+    }
   }
   auto mean = [](const std::vector<double>& values) {
     double sum = 0;
     for (double value : values) sum += value;
     return sum / static_cast<double>(values.size());
   };
-  char line[512];
+  char line[768];
   std::snprintf(line, sizeof(line),
                 "fused kernel %.3f ms over %zu CTAs: schedule done %.3f (median), dispatch done "
                 "%.3f, last task taken %.3f, CTAs end %.3f..%.3f (median %.3f); per CTA: input "
-                "waits %.3f ms, slot waits %.3f, gate/up publish %.3f, tasks %.0f..%.0f",
+                "waits %.3f ms (schedule %.3f, rows %.3f, shared hidden %.3f, hidden %.3f), slot "
+                "waits %.3f, gate/up publish %.3f, tasks %.0f..%.0f",
                 ms(end), ctas, median(scheduled), ms(dispatched),
                 *std::max_element(tasks_end.begin(), tasks_end.end()),
                 *std::min_element(ends.begin(), ends.end()), ms(end), median(ends),
-                mean(input_wait), mean(slot_wait), mean(publish),
+                mean(input_wait), schedule_wait,
+                kind_wait[static_cast<int>(TaskKind::kGateUp)],
+                kind_wait[static_cast<int>(TaskKind::kSharedDown)],
+                kind_wait[static_cast<int>(TaskKind::kDown)], mean(slot_wait), mean(publish),
                 *std::min_element(tasks.begin(), tasks.end()),
                 *std::max_element(tasks.begin(), tasks.end()));
   return line;

@@ -202,7 +202,11 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           int mblocks = 0;
           const uint64_t wait_start = tracing ? trace_clock() : 0;
           if (lane == 0) mblocks = routed_mblocks(params);
-          if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
+          if (tracing) {
+            const uint32_t waited = static_cast<uint32_t>(trace_clock() - wait_start);
+            input_wait_ns += waited;
+            if (lane == 0) trace_set(params.trace, kTraceWaitScheduleNs, waited);
+          }
           scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
           routed_known = true;
         }
@@ -230,7 +234,13 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
           wait_for_inputs(params, shape, task);
-          if (tracing) input_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
+          if (tracing) {
+            const uint32_t waited = static_cast<uint32_t>(trace_clock() - wait_start);
+            input_wait_ns += waited;
+            // per kind, accumulated in the trace record itself (no producer registers)
+            const int field = kTraceWaitKindNs + static_cast<int>(task.kind);
+            params.trace[blockIdx.x * kTraceFields + field] += waited;
+          }
         }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);

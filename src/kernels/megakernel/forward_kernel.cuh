@@ -36,7 +36,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // An earlier fault (e.g. a bad expert id found by the schedule) leaves the offsets undefined.
-  if (threadIdx.x == 0) trace_set(params.trace, kTraceStart, trace_clock());
+  if (threadIdx.x == 0) {
+    trace_set(params.trace, kTraceStart, trace_clock());
+    trace_set(params.trace, kTraceWaitScheduleNs, 0);
+    for (int kind = 0; kind < kNumTaskKinds; ++kind) {  // summed into by this thread's producer
+      trace_set(params.trace, static_cast<TraceField>(kTraceWaitKindNs + kind), 0);
+    }
+  }
   if (comm::cta_sees_error(params.view)) return;
   if (params.schedule_in_kernel && static_cast<int>(blockIdx.x) < params.num_schedule_ctas) {
     make_schedule(params, params.view.state()->epoch, reinterpret_cast<int32_t*>(dynamic_smem));

@@ -17,7 +17,12 @@ enum TraceField : int {
   kTraceInputWaitNs,      // producer: waiting for tasks' inputs (rows, gate/up tiles, schedule)
   kTraceSlotWaitNs,       // producer: waiting for the consumers to free a task slot
   kTracePublishNs,        // consumers: waiting for gate/up stores to land before publishing
-  kTraceFields
+  // kTraceInputWaitNs split by what was awaited: the schedule, then the inputs of each task kind
+  // (TaskKind order: shared gate/up none, routed gate/up its rows and ring slot, shared down its
+  // shared hidden rows, routed down its hidden rows)
+  kTraceWaitScheduleNs,
+  kTraceWaitKindNs,       // + TaskKind, four fields
+  kTraceFields = kTraceWaitKindNs + 4
 };
 
 #if defined(__CUDA_ARCH__)
