@@ -8,7 +8,10 @@
 #include "mok/compare.hpp"
 #include "mok/error.hpp"
 #if defined(MOK_WITH_CUDA)
+#include <cuda_runtime.h>
+
 #include "runtime/device.hpp"
+#include "runtime/l2_partitions.hpp"
 #include "runtime/layer_runner.hpp"
 #endif
 
@@ -161,6 +164,17 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
               run.weight_bytes_per_rank / 1e9, run.buffer_bytes_per_rank / 1e9);
   print_timings(config, result);
   std::puts("bwd      not run: the GPU backward is not built yet (mok run --backend cpu runs it)");
+  // The fused kernel hands its tasks out per L2 partition; the layer probed the map when it was
+  // built (kept for the process, so this reads it).
+  if (cudaSetDevice(0) == cudaSuccess) {
+    const runtime::L2PartitionMap& map = runtime::l2_partition_map();
+    if (map.num_partitions == 2) {
+      std::printf("GPU 0 L2 partitions (probed): %d + %d SMs; fused tasks go out per partition\n",
+                  map.sms_per_partition[0], map.sms_per_partition[1]);
+    } else {
+      std::puts("GPU 0 L2 partitions (probed): one found; fused tasks go out from one pool");
+    }
+  }
   return config.check ? check_gpu_result(config, problem, run.y) : true;
 }
 
