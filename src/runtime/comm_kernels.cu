@@ -146,8 +146,16 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
   const int64_t items = num_tokens * (ws.layout().hidden / comm::kReduceVector);
   MOK_CHECK_ARG(items <= INT32_MAX, "num_tokens", num_tokens, " tokens of ", ws.layout().hidden,
                 " columns are more 8-column vectors than the reduce indexes in 32 bits");
-  const int ctas = static_cast<int>(
-      std::clamp<int64_t>(ceil_div(items, comm::kReduceThreads), 1, int64_t{ws.num_sms()} * 8));
+  // One wave of resident CTAs looping over the items: a grid of several waves left its last one
+  // part-full (76 registers a thread: 3 CTAs of 256 per SM).
+  static const int resident_per_sm = [] {  // the same for every device mok runs on (sm_90)
+    int resident = 0;
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, combine_reduce_kernel, comm::kReduceThreads, 0));
+    return std::max(resident, 1);
+  }();
+  const int ctas = static_cast<int>(std::clamp<int64_t>(
+      ceil_div(items, comm::kReduceThreads), 1, int64_t{ws.num_sms()} * resident_per_sm));
   combine_reduce_kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(
       ws.view(), topk_w, shared_output, reinterpret_cast<__nv_bfloat16*>(y),
       static_cast<int32_t>(num_tokens));
