@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "kernels/comm/flags.cuh"
+#include "kernels/megakernel/tickets.cuh"
 #include "runtime/cuda_check.hpp"
 
 namespace mok::runtime {
@@ -45,9 +46,7 @@ __global__ void l2_probe_kernel(const uint64_t* lines, uint32_t* mean_cycles, in
   extern __shared__ uint8_t unused[];
   if (threadIdx.x != 0) return;
   const int cta = static_cast<int>(blockIdx.x), ctas = static_cast<int>(gridDim.x);
-  uint32_t sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  sm_ids[cta] = static_cast<int>(sm);
+  sm_ids[cta] = static_cast<int>(megakernel::sm_id());
   unused[0] = 0;
   const auto set_of = [&](int k) {
     return lines + static_cast<size_t>(k) * kProbeLines * kLineStride * kLineWords;

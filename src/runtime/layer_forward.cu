@@ -322,7 +322,7 @@ FusedForwardConfig LayerForward::fused_config() const {
                              ? std::clamp(fused.schedule_ctas, config.comm_ctas, config.num_ctas)
                              : config.num_ctas;
   config.trace = trace_;
-  config.sm_partition = options_.fused.l2_partition_tickets ? sm_partition_ : nullptr;
+  config.sm_partition = sm_partition_;  // null unless fused.l2_partition_tickets
   return config;
 }
 

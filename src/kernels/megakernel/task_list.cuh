@@ -13,11 +13,10 @@
 //   SG | SD | R0 | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
 // (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared expert's tiles
 // run while the schedule is made and the first minibatch's rows arrive, and each minibatch's down
-// tiles wait one minibatch behind its
-// gate/up tiles, so their inputs are normally complete when they start. Within a segment the
-// tiles go expert by expert, and within an expert column block outer, row block inner, as in the
-// standalone grouped GEMM: the CTAs running side by side share the expert's weight tiles and its
-// rows through L2. (The shared gate/up tiles go row block outer, column block inner: see decode.)
+// tiles wait one minibatch behind its gate/up tiles, so their inputs are normally complete when
+// they start. Within a segment the tiles go expert by expert, and within an expert column block
+// outer, row block inner, as in the standalone grouped GEMM: the CTAs running side by side share
+// the expert's weight tiles and its rows through L2. (The shared gate/up tiles go row block outer, column block inner: see decode.)
 //
 // Ring rounds: expert_x and the routed hidden rows hold `ring_mblocks` blocks (a multiple of B, at
 // least 2 B), and block g lives at ring block g mod ring_mblocks. Before the dispatch writes block

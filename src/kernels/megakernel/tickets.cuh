@@ -20,13 +20,14 @@
 
 namespace mok::megakernel {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-
+// The SM this thread runs on (also what the probe of runtime/l2_partitions.cu records).
 __device__ __forceinline__ uint32_t sm_id() {
   uint32_t id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
   return id;
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 // The L2 partition this CTA's SM reads through: sm_partition (indexed by %smid, kMaxSmIds
 // entries) from the probe of runtime/l2_partitions.hpp, or 0 without one.
