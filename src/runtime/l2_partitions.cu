@@ -153,18 +153,14 @@ bool probe_once(int num_sms, std::vector<int>* sm_ids, std::vector<double>* late
   return true;
 }
 
-std::unique_ptr<L2PartitionMap> probe_map() {
-  auto map = std::make_unique<L2PartitionMap>();
-  int device = 0, num_sms = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  map->probe_latency.assign(kMaxSmIds, 0);
-  // Twice, with different reference SMs as it happens: both must give the same split.
+// Probes twice, with different reference SMs as it happens: both must give the same split. On
+// success fills map's table and counts; false leaves them (one partition).
+bool probe_split(int num_sms, L2PartitionMap* map) {
   std::vector<uint8_t> table[2];
   for (int run = 0; run < 2; ++run) {
     std::vector<int> sm_ids;
     std::vector<double> latency;
-    if (num_sms < 2 || !probe_once(num_sms, &sm_ids, &latency)) return map;
+    if (num_sms < 2 || !probe_once(num_sms, &sm_ids, &latency)) return false;
     if (run == 0) {
       for (int cta = 0; cta < num_sms; ++cta) {
         if (sm_ids[cta] >= 0 && sm_ids[cta] < kMaxSmIds) {
@@ -174,10 +170,10 @@ std::unique_ptr<L2PartitionMap> probe_map() {
     }
     int partitions = 1;
     const std::vector<uint8_t> by_cta = classify_l2_partitions(latency, kMinGapCycles, &partitions);
-    if (partitions != 2) return map;
+    if (partitions != 2) return false;
     table[run].assign(kMaxSmIds, 2);  // 2: not seen
     for (int cta = 0; cta < num_sms; ++cta) {
-      if (sm_ids[cta] < 0 || sm_ids[cta] >= kMaxSmIds) return map;
+      if (sm_ids[cta] < 0 || sm_ids[cta] >= kMaxSmIds) return false;
       table[run][sm_ids[cta]] = by_cta[cta];
     }
   }
@@ -191,7 +187,7 @@ std::unique_ptr<L2PartitionMap> probe_map() {
   }
   for (int id = 0; id < kMaxSmIds; ++id) {
     const uint8_t second = table[1][id] == 2 ? 2 : swapped ? 1 - table[1][id] : table[1][id];
-    if (second != table[0][id]) return map;  // the runs disagree: do not trust either
+    if (second != table[0][id]) return false;  // the runs disagree: do not trust either
   }
   for (int id = 0; id < kMaxSmIds; ++id) {
     if (table[0][id] == 2)
@@ -204,6 +200,24 @@ std::unique_ptr<L2PartitionMap> probe_map() {
   MOK_CUDA_CHECK(cudaMemcpy(device_table, table[0].data(), kMaxSmIds, cudaMemcpyHostToDevice));
   map->device_table = device_table;  // kept for the process
   map->num_partitions = 2;
+  return true;
+}
+
+std::unique_ptr<L2PartitionMap> probe_map() {
+  auto map = std::make_unique<L2PartitionMap>();
+  int device = 0, num_sms = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  // The probe times L2 reads: work still running on the device (another stream's kernels, a peer's
+  // reads over NVLink) can blur them or keep CTAs off SMs, so it starts on an idle device and has
+  // a few tries.
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  constexpr int kAttempts = 3;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    map->probe_latency.assign(kMaxSmIds, 0);
+    map->sms_per_partition[0] = map->sms_per_partition[1] = 0;
+    if (probe_split(num_sms, map.get())) break;
+  }
   return map;
 }
 
