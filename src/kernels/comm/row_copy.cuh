@@ -16,6 +16,9 @@
 #include <cstdint>
 
 #include "kernels/comm/flags.cuh"
+#if defined(__CUDACC__)
+#include "kernels/ptx/tma.cuh"  // the bulk async-group waits of the bulk path
+#endif
 
 namespace mok::comm {
 
@@ -115,7 +118,7 @@ __device__ __forceinline__ void bulk_store_row(void* destination, const void* st
                                                uint32_t bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(destination),
                "r"(shared_address(stage)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  ptx::bulk_commit_group();
 }
 
 __device__ __forceinline__ void wait_mbarrier(uint64_t* barrier, uint32_t parity) {
@@ -168,11 +171,11 @@ __device__ inline void copy_rows_bulk(int64_t num_rows, int64_t row_bytes, char*
     wait_mbarrier(&barriers[stage], (drained / num_stages) & 1u);
     bulk_store_row(destinations[stage], shared_stages + stage * row_bytes, bytes);
     // The store of the previous row has left its stage: that stage takes the next load.
-    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    ptx::bulk_wait_group_read<1>();
     ++drained;
     issue_next();
   }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  ptx::bulk_wait_group<0>();
   fence_async_proxy_global();
 }
 
