@@ -43,7 +43,8 @@ struct Args {
   std::vector<std::string> cases;
   int iters = 20;
   int gemm_sms = 0, copy_ctas = 0, schedule_ctas = 0;
-  bool fused = true, schedule_in_kernel = true, l2_tickets = true, trace = false;
+  bool fused = true, schedule_in_kernel = true, l2_tickets = true, trace = false,
+       stale_rows = false;
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
 };
@@ -66,6 +67,8 @@ usage: bench_layer [options]
   --schedule-ctas N         CTAs that make the schedule in the kernel (0 = every CTA)
   --l2-tickets 0|1          0: the fused kernel's tasks from one pool, not a chunk per L2
                             partition of the GPU (default 1)
+  --stale-rows 0|1          1: before the warm-up, one forward with another routing, so that
+                            the row buffers' padding holds rows, as in training (default 0)
   --gemm-sms N              SMs of the unfused path's GEMMs (0 = all)
   --copy-ctas N             CTAs of the unfused path's copies (0 = default)
   --trace 0|1               1: one more forward with the fused kernel's per-CTA timeline
@@ -94,6 +97,7 @@ bool parse(int argc, char** argv, Args& args) {
     else if (key == "--schedule-in-kernel") args.schedule_in_kernel = integer(key, value) != 0;
     else if (key == "--trace") args.trace = integer(key, value) != 0;
     else if (key == "--l2-tickets") args.l2_tickets = integer(key, value) != 0;
+    else if (key == "--stale-rows") args.stale_rows = integer(key, value) != 0;
     else if (key == "--comm-ctas") args.comm_ctas = mok::bench::integer_list_option(key, value);
     else if (key == "--minibatch-rows") args.minibatch_rows = mok::bench::integer_list_option(key, value);
     else if (key == "--ring-rows") args.ring_rows = mok::bench::integer_list_option(key, value);
@@ -146,6 +150,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.fused_schedule_in_kernel = args.schedule_in_kernel;
   spec.fused_schedule_ctas = args.schedule_ctas;
   spec.fused_l2_partition_tickets = args.l2_tickets;
+  spec.stale_rows = args.stale_rows;
   spec.trace = args.trace;
   spec.keep_y = false;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);

@@ -192,6 +192,17 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     std::unique_ptr<CUstream_st, void (*)(cudaStream_t)> stream_guard(
         stream, [](cudaStream_t s) { cudaStreamDestroy(s); });
     auto forward = [&] { layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream); };
+    if (spec.stale_rows) {
+      std::vector<int32_t> shifted(spec.topk_idx->begin() + rank * tokens * top_k,
+                                   spec.topk_idx->begin() + (rank + 1) * tokens * top_k);
+      for (int32_t& expert : shifted) {
+        if (expert >= 0) expert = static_cast<int32_t>((expert + 1) % shape.num_experts);
+      }
+      topk_idx.upload(shifted.data());
+      forward();
+      layer.check(stream);
+      topk_idx.upload(spec.topk_idx->data() + rank * tokens * top_k);
+    }
     for (int iteration = 0; iteration < spec.warmup; ++iteration) forward();
     layer.check(stream);
 

@@ -40,6 +40,10 @@ struct LayerRunSpec {
   bool fused_schedule_in_kernel = true;
   int fused_schedule_ctas = 0;  // 0 = every CTA
   bool fused_l2_partition_tickets = true;  // FusedForwardOptions::l2_partition_tickets
+  // Before the warm-up, one forward with every expert id shifted by one, so that the row buffers
+  // hold rows of another routing where this one pads (as in training, where the routing changes
+  // every step) instead of a fresh allocation's zeros.
+  bool stale_rows = false;
   // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
   bool trace = false;
   int warmup = 3;
