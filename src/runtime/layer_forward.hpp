@@ -129,6 +129,9 @@ class LayerForward {
   const LayerForwardOptions& options() const { return options_; }
   CommWorkspace& workspace() { return workspace_; }
   const LayerShape& shape() const { return shape_; }
+  // (expert_rows, I): the routed gate/up tiles' output, the down tiles' input (a ring like
+  // expert_x on the fused path).
+  bf16* routed_hidden() const { return routed_hidden_; }
   int64_t tokens_max() const { return tokens_max_; }
   // Device bytes this object holds besides the weights (workspace and intermediates).
   int64_t buffer_bytes() const;

@@ -128,6 +128,9 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
                                      stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, ws.layout().expert_y_rows * row_bytes,
                                      stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(layer.routed_hidden(), 0xff,
+                                     ws.layout().expert_rows * problem.shape.intermediate * 2,
+                                     stream));
     };
     auto enqueue = [&] {
       if (run.callers_weights) {

@@ -3,9 +3,10 @@
 // reference; EP=1 equals EP=2; ten repeats, graph replays and every setting of communication CTAs,
 // minibatch, compute CTAs and ring size give the same bits (rings smaller than the received rows:
 // several rounds). Routings: uniform, skewed, all tokens to one expert, empty experts, -1 slots;
-// token counts that are not multiples of 128.
+// token counts that are not multiples of 128. The padding rows the MMAs multiply are zeros.
 #include <gtest/gtest.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "layer_test_support.cuh"
@@ -212,6 +213,65 @@ TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
     EXPECT_EQ(first_difference(y, run_gpu_layer(problem, 2, GpuRun{})), -1)
         << "fused differs from unfused";
   }
+}
+
+// The padding rows the MMAs multiply (each expert's last row block, up to its rows rounded up to
+// 64) hold zeros after a fused forward, in expert_x and in the hidden rows, although both were
+// NaN-poisoned before it; the padding past them is left alone (still the poison). One ring round,
+// so a row's ring row is the row itself.
+TEST(FusedForwardEp1Padding, MultipliedPaddingRowsAreZero) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 300, 23, true);
+  GpuRun run = fused_run();
+  int64_t zero_rows = 0, poisoned_rows = 0;
+  run.after_first_run = [&](int, LayerForward& layer, cudaStream_t, const int32_t*, int64_t) {
+    CommWorkspace& ws = layer.workspace();
+    const int64_t experts = ws.layout().experts_per_rank();
+    const int64_t hidden = problem.shape.hidden, inter = problem.shape.intermediate;
+    auto download = [](const auto* device, int64_t count) {
+      std::vector<std::remove_const_t<std::remove_pointer_t<decltype(device)>>> host(
+          static_cast<size_t>(count));
+      MOK_CUDA_CHECK(cudaMemcpy(host.data(), device, host.size() * sizeof(host[0]),
+                                cudaMemcpyDeviceToHost));
+      return host;
+    };
+    const std::vector<int32_t> offsets = download(ws.view().offsets(), experts + 1);
+    const std::vector<int32_t> counts = download(ws.view().counts(), experts);
+    const std::vector<uint16_t> x_rows = download(
+        reinterpret_cast<const uint16_t*>(ws.expert_x()), offsets[experts] * hidden);
+    const std::vector<uint16_t> h_rows = download(
+        reinterpret_cast<const uint16_t*>(layer.routed_hidden()), offsets[experts] * inter);
+    auto all_of_row = [](const std::vector<uint16_t>& rows, int64_t row, int64_t width,
+                         auto predicate) {
+      for (int64_t c = 0; c < width; ++c) {
+        if (!predicate(rows[static_cast<size_t>(row * width + c)])) return false;
+      }
+      return true;
+    };
+    auto zero = [](uint16_t bits) { return (bits & 0x7fffu) == 0; };
+    auto poison = [](uint16_t bits) { return bits == 0xffffu; };
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t end = offsets[e] + counts[e];
+      const int64_t multiplied = offsets[e] + (counts[e] + 63) / 64 * 64;
+      for (int64_t row = end; row < offsets[e + 1]; ++row) {
+        SCOPED_TRACE(::testing::Message() << "expert " << e << " row " << row);
+        if (row < multiplied) {
+          EXPECT_TRUE(all_of_row(x_rows, row, hidden, zero)) << "expert_x";
+          EXPECT_TRUE(all_of_row(h_rows, row, inter, zero)) << "hidden";
+          ++zero_rows;
+        } else {
+          EXPECT_TRUE(all_of_row(x_rows, row, hidden, poison)) << "expert_x written";
+          EXPECT_TRUE(all_of_row(h_rows, row, inter, poison)) << "hidden written";
+          ++poisoned_rows;
+        }
+      }
+    }
+  };
+  const std::vector<bf16> y = run_gpu_layer(problem, 1, run);
+  EXPECT_GT(zero_rows, 0) << "no multiplied padding row: nothing was checked";
+  EXPECT_GT(poisoned_rows, 0) << "no padding past the MMAs: nothing was checked";
+  EXPECT_EQ(first_difference(y, run_gpu_layer(problem, 1, GpuRun{})), -1)
+      << "fused differs from unfused";
 }
 
 TEST(FusedForwardEp2Graph, GraphReplayEqualsEagerAndUnfused) {

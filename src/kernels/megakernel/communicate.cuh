@@ -69,6 +69,24 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   if (cta == 0 && threadIdx.x == 0) store_release_gpu(&view.state()->schedule_epoch, epoch);
 }
 
+// Whether the padding row `row` (row_source -1) is multiplied by a gate/up tile: the MMAs cover a
+// row block's rows up to its valid rows rounded up to 64 (wgmma's M; a block with at most 64 valid
+// rows is a half tile), and a block's padding follows its valid rows. Row 64 of the block is valid
+// exactly when the second 64 rows are multiplied.
+__device__ inline bool padding_is_multiplied(const int32_t* row_source, int64_t row) {
+  constexpr int kHalf = gemm::TileConfig::BLOCK_M / 2;
+  const int64_t in_block = row % gemm::TileConfig::BLOCK_M;
+  return in_block < kHalf || row_source[row - in_block + kHalf] >= 0;
+}
+
+// One warp writes zeros over a row (row_bytes a multiple of 16), lane `lane` of it.
+__device__ inline void zero_row_warp(char* to, int64_t row_bytes, int lane) {
+  int4* destination = reinterpret_cast<int4*>(to);
+  for (int64_t index = lane; index < row_bytes / 16; index += 32) {
+    destination[index] = make_int4(0, 0, 0, 0);
+  }
+}
+
 __device__ inline void communicate(const FusedForwardParams& params) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
@@ -83,6 +101,10 @@ __device__ inline void communicate(const FusedForwardParams& params) {
 
   // Rows in order, dealt to every communication warp in turn, so row blocks fill front to back.
   // Each warp's rows increase, so a warp waiting for a ring slot holds back only later rows.
+  // The padding rows that gate/up tiles multiply are written with zeros and counted like rows:
+  // they change no valid output (an output row depends on its own input row only), but left
+  // as they are they hold rows of earlier calls, and the tensor cores draw more power multiplying
+  // those than zeros (at deepseek-v3 EP1 the forward ran 1 % slower; docs/perf-notes/layer.md v32).
   constexpr int kRows = gemm::TileConfig::BLOCK_M;
   uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
   const uint32_t gate_up_tiles = static_cast<uint32_t>(
@@ -91,7 +113,7 @@ __device__ inline void communicate(const FusedForwardParams& params) {
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < num_rows;
        row += static_cast<int64_t>(params.num_comm_ctas) * warps) {
     const int32_t packed = row_source[row];
-    if (packed < 0) continue;  // padding: never counted, never read
+    if (packed < 0 && !padding_is_multiplied(row_source, row)) continue;  // never read
     const int mblock = static_cast<int>(row / kRows);
     if (mblock >= slot_free_below) {
       // A later round: the block's ring slot is free once the gate/up tiles of the block a round
@@ -105,13 +127,17 @@ __device__ inline void communicate(const FusedForwardParams& params) {
       slot_free_below = mblock + 1;
     }
     const int64_t ring_row = row - ring_round_base(mblock, params.ring_mblocks);
-    const comm::RowSource source = comm::unpack_row_source(layout, packed);
-    const char* from = source.rank == view.rank
-                           ? reinterpret_cast<const char*>(params.x) +
-                                 static_cast<int64_t>(source.token) * layout.row_bytes()
-                           : view.x_row(source.rank, source.token);
-    comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
-        from, view.expert_x_row(ring_row), layout.row_bytes(), lane);
+    if (packed < 0) {
+      zero_row_warp(view.expert_x_row(ring_row), layout.row_bytes(), lane);
+    } else {
+      const comm::RowSource source = comm::unpack_row_source(layout, packed);
+      const char* from = source.rank == view.rank
+                             ? reinterpret_cast<const char*>(params.x) +
+                                   static_cast<int64_t>(source.token) * layout.row_bytes()
+                             : view.x_row(source.rank, source.token);
+      comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
+          from, view.expert_x_row(ring_row), layout.row_bytes(), lane);
+    }
     __syncwarp();
     if (lane == 0) {
       __threadfence();

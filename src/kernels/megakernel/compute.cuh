@@ -58,6 +58,13 @@ __device__ inline int routed_mblocks(const FusedForwardParams& params) {
   return view.offsets()[view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
 }
 
+// The rows of a routed tile's block that its MMAs multiply: the valid ones rounded up to 64.
+__device__ inline int multiplied_rows(const gemm::GroupedTile& tile) {
+  constexpr int kHalf = gemm::TileConfig::BLOCK_M / 2;
+  const int valid = tile.row_count - tile.m_block * gemm::TileConfig::BLOCK_M;
+  return min(gemm::TileConfig::BLOCK_M, gemm::ceil_div(valid, kHalf) * kHalf);
+}
+
 // Producer lane 0, before a task's first load: its input rows are written and released.
 __device__ inline void wait_for_inputs(const FusedForwardParams& params, const TaskShape& shape,
                                        const Task& task) {
@@ -66,9 +73,9 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
-      // The block's rows of its expert (row_begin is the ring's, not the call's).
-      const int rows = min(gemm::TileConfig::BLOCK_M,
-                           task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
+      // The block's rows of its expert (row_begin is the ring's, not the call's) and the zeroed
+      // padding rows its MMAs multiply (communicate.cuh): the rows up to a multiple of 64.
+      const int rows = multiplied_rows(task.tile);
       wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
       if (task.mblock >= shape.ring_mblocks) {
         // The hidden rows' ring slot: free once the block a round back has been read by its down
@@ -266,8 +273,16 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
         case TaskKind::kGateUp: {
-          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
-                                                    accum);
+          if (task.kind == TaskKind::kGateUp) {
+            // the padding rows too: zeros (their input rows are), for the down tiles to multiply
+            using Store = gemm::Epilogue<gemm::GemmKind::kForward, gemm::EpilogueKind::kSwiGluBf16>;
+            run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
+                                                      state, accum,
+                                                      typename Store::RowMajorRowsWithPadding{});
+          } else {
+            run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
+                                                      state, accum);
+          }
           const uint64_t publish_start = tracing ? trace_clock() : 0;
           publish_tile(params.view,
                        task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
