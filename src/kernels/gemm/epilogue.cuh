@@ -32,21 +32,9 @@ struct Epilogue {
   // Where row `tile_row` of a staged tile goes: row-major C, rows tile_base + row * row_stride.
   // A caller may pass another destination per row (the fused forward's combine, which sends each
   // row to its token's owner).
-  // row_limit: the tile rows stored (those past it are not).
   struct RowMajorRows {
     __device__ char* operator()(const Fragment& f, const GroupedTile&, int tile_row) const {
       return f.tile_base + tile_row * f.row_stride;
-    }
-    __device__ int row_limit(const Fragment& f) const { return f.rows_valid; }
-  };
-
-  // Row-major C, and also the padding rows the MMAs multiplied: the valid rows rounded up to
-  // wgmma's 64. The fused forward keeps those zero in its ring (megakernel/communicate.cuh), so a
-  // SwiGLU tile writes zeros there; C must have room for the tile's rows.
-  struct RowMajorRowsWithPadding : RowMajorRows {
-    __device__ int row_limit(const Fragment& f) const {
-      constexpr int kMmaRows = Config::BLOCK_M / 2;
-      return min(Config::BLOCK_M, ceil_div(f.rows_valid, kMmaRows) * kMmaRows);
     }
   };
 
@@ -83,7 +71,7 @@ struct Epilogue {
 
   // The tile's results: fp32 from registers, or bf16 through the warps' staging rows
   // (warp_rows.cuh, or warp_boxes.cuh with map_c). Rows past the group's end or past M are never
-  // written (with RowMajorRows; row_destination.row_limit says). map_c: wgrad's bf16 C as a [groups, M, N] tensor map with (16, 64) boxes, or null.
+  // written. map_c: wgrad's bf16 C as a [groups, M, N] tensor map with (16, 64) boxes, or null.
   template <class RowDestination = RowMajorRows>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging,
@@ -135,7 +123,7 @@ struct Epilogue {
       Rows::write(staging + f.staging_row * kStagingRowBytes, packed,
                   f.columns_valid - first_column, [&](int warp_row) -> char* {
                     const int row = warp_first_row + warp_row;
-                    if (row >= row_destination.row_limit(f)) return nullptr;
+                    if (row >= f.rows_valid) return nullptr;
                     return row_destination(f, tile, row) + first_column * 2;
                   });
     }

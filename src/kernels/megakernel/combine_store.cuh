@@ -27,11 +27,6 @@ struct RowsToOwners {
                           : view->slot_row(source.rank, source.token, source.slot);
     return row_start + f.column_bytes;
   }
-  // Only the expert's rows: the padding rows have no owner.
-  template <class Fragment>
-  __device__ int row_limit(const Fragment& f) const {
-    return f.rows_valid;
-  }
 };
 
 }  // namespace mok::megakernel

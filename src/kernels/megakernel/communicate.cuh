@@ -10,6 +10,7 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
+#include "kernels/megakernel/tail_maps.cuh"
 #include "kernels/schedule/token_schedule.cuh"
 
 namespace mok::megakernel {
@@ -24,13 +25,14 @@ inline constexpr int kDispatchUnroll = 12;
 // The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (its chunked
 // passes count_chunks, scan_chunks, place_rows for the rows' order, the same as order_rows'), with
 // barriers across those CTAs in place of kernel boundaries, while the other CTAs run shared gate/up
-// tiles. Ends by publishing
+// tiles; the tail maps (tail_maps.cuh) with the rows. Ends by publishing
 // schedule_epoch, which the compute producers also wait for before their first routed task (a
 // failed schedule publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
 // scratch: shared memory for (E_l + 1) + warps * E_l ints (the dynamic shared memory, unused until
 // compute).
-__device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch,
+__device__ __noinline__ void make_schedule(const FusedForwardMaps& maps,
+                                           const FusedForwardParams& params, uint32_t epoch,
                                            int32_t* scratch) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
@@ -62,29 +64,14 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   ok = ok && ctas_barrier(view, num_ctas);
   if (ok) comm::scan_chunks(view, cta, num_ctas);
   ok = ok && ctas_barrier(view, num_ctas);
-  if (ok) comm::place_rows(view, cta, num_ctas, offsets, counters);
+  if (ok) {
+    comm::place_rows(view, cta, num_ctas, offsets, counters);
+    write_tail_maps(maps, params, cta, num_ctas, offsets);  // released by the barrier's fences
+  }
   ok = ok && ctas_barrier(view, num_ctas);
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.
   if (cta == 0 && threadIdx.x == 0) store_release_gpu(&view.state()->schedule_epoch, epoch);
-}
-
-// Whether the padding row `row` (row_source -1) is multiplied by a gate/up tile: the MMAs cover a
-// row block's rows up to its valid rows rounded up to 64 (wgmma's M; a block with at most 64 valid
-// rows is a half tile), and a block's padding follows its valid rows. Row 64 of the block is valid
-// exactly when the second 64 rows are multiplied.
-__device__ inline bool padding_is_multiplied(const int32_t* row_source, int64_t row) {
-  constexpr int kHalf = gemm::TileConfig::BLOCK_M / 2;
-  const int64_t in_block = row % gemm::TileConfig::BLOCK_M;
-  return in_block < kHalf || row_source[row - in_block + kHalf] >= 0;
-}
-
-// One warp writes zeros over a row (row_bytes a multiple of 16), lane `lane` of it.
-__device__ inline void zero_row_warp(char* to, int64_t row_bytes, int lane) {
-  int4* destination = reinterpret_cast<int4*>(to);
-  for (int64_t index = lane; index < row_bytes / 16; index += 32) {
-    destination[index] = make_int4(0, 0, 0, 0);
-  }
 }
 
 __device__ inline void communicate(const FusedForwardParams& params) {
@@ -101,10 +88,6 @@ __device__ inline void communicate(const FusedForwardParams& params) {
 
   // Rows in order, dealt to every communication warp in turn, so row blocks fill front to back.
   // Each warp's rows increase, so a warp waiting for a ring slot holds back only later rows.
-  // The padding rows that gate/up tiles multiply are written with zeros and counted like rows:
-  // they change no valid output (an output row depends on its own input row only), but left
-  // as they are they hold rows of earlier calls, and the tensor cores draw more power multiplying
-  // those than zeros (at deepseek-v3 EP1 the forward ran 1 % slower; docs/perf-notes/layer.md v32).
   constexpr int kRows = gemm::TileConfig::BLOCK_M;
   uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
   const uint32_t gate_up_tiles = static_cast<uint32_t>(
@@ -113,7 +96,7 @@ __device__ inline void communicate(const FusedForwardParams& params) {
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < num_rows;
        row += static_cast<int64_t>(params.num_comm_ctas) * warps) {
     const int32_t packed = row_source[row];
-    if (packed < 0 && !padding_is_multiplied(row_source, row)) continue;  // never read
+    if (packed < 0) continue;  // padding: never counted, never read
     const int mblock = static_cast<int>(row / kRows);
     if (mblock >= slot_free_below) {
       // A later round: the block's ring slot is free once the gate/up tiles of the block a round
@@ -127,17 +110,13 @@ __device__ inline void communicate(const FusedForwardParams& params) {
       slot_free_below = mblock + 1;
     }
     const int64_t ring_row = row - ring_round_base(mblock, params.ring_mblocks);
-    if (packed < 0) {
-      zero_row_warp(view.expert_x_row(ring_row), layout.row_bytes(), lane);
-    } else {
-      const comm::RowSource source = comm::unpack_row_source(layout, packed);
-      const char* from = source.rank == view.rank
-                             ? reinterpret_cast<const char*>(params.x) +
-                                   static_cast<int64_t>(source.token) * layout.row_bytes()
-                             : view.x_row(source.rank, source.token);
-      comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
-          from, view.expert_x_row(ring_row), layout.row_bytes(), lane);
-    }
+    const comm::RowSource source = comm::unpack_row_source(layout, packed);
+    const char* from = source.rank == view.rank
+                           ? reinterpret_cast<const char*>(params.x) +
+                                 static_cast<int64_t>(source.token) * layout.row_bytes()
+                           : view.x_row(source.rank, source.token);
+    comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
+        from, view.expert_x_row(ring_row), layout.row_bytes(), lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence();

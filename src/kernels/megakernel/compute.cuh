@@ -13,6 +13,7 @@
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
+#include "kernels/megakernel/tail_maps.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/tickets.cuh"
 #include "kernels/megakernel/trace.cuh"
@@ -58,13 +59,6 @@ __device__ inline int routed_mblocks(const FusedForwardParams& params) {
   return view.offsets()[view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
 }
 
-// The rows of a routed tile's block that its MMAs multiply: the valid ones rounded up to 64.
-__device__ inline int multiplied_rows(const gemm::GroupedTile& tile) {
-  constexpr int kHalf = gemm::TileConfig::BLOCK_M / 2;
-  const int valid = tile.row_count - tile.m_block * gemm::TileConfig::BLOCK_M;
-  return min(gemm::TileConfig::BLOCK_M, gemm::ceil_div(valid, kHalf) * kHalf);
-}
-
 // Producer lane 0, before a task's first load: its input rows are written and released.
 __device__ inline void wait_for_inputs(const FusedForwardParams& params, const TaskShape& shape,
                                        const Task& task) {
@@ -73,9 +67,9 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
-      // The block's rows of its expert (row_begin is the ring's, not the call's) and the zeroed
-      // padding rows its MMAs multiply (communicate.cuh): the rows up to a multiple of 64.
-      const int rows = multiplied_rows(task.tile);
+      // The block's rows of its expert (row_begin is the ring's, not the call's).
+      const int rows = min(gemm::TileConfig::BLOCK_M,
+                           task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
       wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
       if (task.mblock >= shape.ring_mblocks) {
         // The hidden rows' ring slot: free once the block a round back has been read by its down
@@ -249,10 +243,15 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
             params.trace[blockIdx.x * kTraceFields + field] += waited;
           }
         }
-        __syncwarp();
         const int kind = static_cast<int>(task.kind);
-        Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
-                   tail_phase);
+        const CUtensorMap* map_a = tail_map(params, task);
+        if (map_a == nullptr) {
+          map_a = &maps.a[kind];
+        } else if (lane == 0) {
+          ptx::fence_tensormap_acquire(map_a);  // written by this call's schedule
+        }
+        __syncwarp();
+        Loop::load(map_a, &maps.b[kind], smem, params.gemm[kind], task.tile, state, tail_phase);
       }
     }
   } else {
@@ -273,16 +272,8 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
         case TaskKind::kGateUp: {
-          if (task.kind == TaskKind::kGateUp) {
-            // the padding rows too: zeros (their input rows are), for the down tiles to multiply
-            using Store = gemm::Epilogue<gemm::GemmKind::kForward, gemm::EpilogueKind::kSwiGluBf16>;
-            run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
-                                                      state, accum,
-                                                      typename Store::RowMajorRowsWithPadding{});
-          } else {
-            run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
-                                                      state, accum);
-          }
+          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
+                                                    accum);
           const uint64_t publish_start = tracing ? trace_clock() : 0;
           publish_tile(params.view,
                        task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
