@@ -113,9 +113,6 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.trace = config.trace;
   params.sm_partition = config.sm_partition;
   params.max_sm_ids = runtime::kMaxSmIds;
-  static_assert(sizeof(CUtensorMap) == kTailMapBytes);
-  params.tail_maps =
-      config.schedule_in_kernel ? static_cast<CUtensorMap*>(buffers.tail_maps) : nullptr;
 
   const int shared_bytes = fused_forward_shared_bytes();
   // NOTE: the attribute belongs to the current device; one process may drive several GPUs.

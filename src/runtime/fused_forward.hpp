@@ -23,13 +23,7 @@ struct FusedForwardBuffers {
   bf16* routed_hidden = nullptr;         // (expert_rows, I): the ring, as expert_x
   bf16* shared_hidden = nullptr;         // (T_max, I_s)
   float* shared_output = nullptr;        // (T_max, H)
-  // (2, E_l) tensor maps of kTailMapBytes, written by the kernel (kernels/megakernel/
-  // tail_maps.cuh), or null: the padding rows of each expert's last row block are then multiplied
-  // as they are, not as zeros. Unused when the schedule runs before the kernel.
-  void* tail_maps = nullptr;
 };
-
-inline constexpr int64_t kTailMapBytes = 128;  // sizeof(CUtensorMap)
 
 struct FusedForwardConfig {
   int num_ctas = 0;       // the persistent grid: one CTA per SM

@@ -121,9 +121,6 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   routed_hidden_ = device_alloc<bf16>(workspace_.layout().expert_rows * inter);
-  if (options.fused.enabled) {
-    tail_maps_ = device_alloc<uint8_t>(2 * workspace_.layout().experts_per_rank() * kTailMapBytes);
-  }
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
   if (options.fused.enabled && options.fused.l2_partition_tickets) {
     MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
@@ -139,8 +136,7 @@ LayerForward::~LayerForward() {
                        static_cast<void*>(weights_.shared_gate_up),
                        static_cast<void*>(weights_.shared_down), static_cast<void*>(routed_hidden_),
                        static_cast<void*>(shared_hidden_), static_cast<void*>(shared_output_),
-                       static_cast<void*>(shared_offsets_), static_cast<void*>(trace_),
-                       static_cast<void*>(tail_maps_)}) {
+                       static_cast<void*>(shared_offsets_), static_cast<void*>(trace_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
   if (fork_ != nullptr) cudaEventDestroy(fork_);
@@ -173,7 +169,6 @@ int64_t LayerForward::buffer_bytes() const {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   int64_t bytes = layout.window_bytes + layout.local_bytes;
   bytes += layout.expert_rows * shape_.intermediate * 2;
-  if (tail_maps_ != nullptr) bytes += 2 * layout.experts_per_rank() * kTailMapBytes;
   if (shape_.has_shared()) {
     bytes += tokens_max_ * (shape_.shared_intermediate * 2 + shape_.hidden * 4) + 8;
   }
@@ -276,7 +271,6 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   buffers.routed_hidden = routed_hidden_;
   buffers.shared_hidden = shared_hidden_;
   buffers.shared_output = shared_output_;
-  buffers.tail_maps = tail_maps_;
   fused_forward(workspace_, shape_, buffers, x, topk_idx, num_tokens, config, stream);
   phase_done();
   // kSharedExpert .. kCombinePush ran inside the fused kernel.

@@ -132,8 +132,6 @@ class LayerForward {
   // (expert_rows, I): the routed gate/up tiles' output, the down tiles' input (a ring like
   // expert_x on the fused path).
   bf16* routed_hidden() const { return routed_hidden_; }
-  // Fused: the tail maps (FusedForwardBuffers::tail_maps) of the last forward, else null.
-  const void* tail_maps() const { return tail_maps_; }
   int64_t tokens_max() const { return tokens_max_; }
   // Device bytes this object holds besides the weights (workspace and intermediates).
   int64_t buffer_bytes() const;
@@ -166,7 +164,6 @@ class LayerForward {
   bf16* shared_hidden_ = nullptr;   // (T_max, I_s)
   float* shared_output_ = nullptr;  // (T_max, H)
   int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
-  uint8_t* tail_maps_ = nullptr;       // fused: (2, E_l) tensor maps (FusedForwardBuffers)
   int num_sms_ = 0;                    // of this rank's GPU
   uint64_t* trace_ = nullptr;          // (num_sms_, trace_fields()) when tracing
   const uint8_t* sm_partition_ = nullptr;  // L2 partition by %smid (l2_partitions.hpp), or null

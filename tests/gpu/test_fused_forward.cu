@@ -3,15 +3,11 @@
 // reference; EP=1 equals EP=2; ten repeats, graph replays and every setting of communication CTAs,
 // minibatch, compute CTAs and ring size give the same bits (rings smaller than the received rows:
 // several rounds). Routings: uniform, skewed, all tokens to one expert, empty experts, -1 slots;
-// token counts that are not multiples of 128. The tail maps load zeros past each expert's rows.
+// token counts that are not multiples of 128.
 #include <gtest/gtest.h>
 
-#include <type_traits>
 #include <vector>
 
-#include "device_buffer.hpp"
-#include "kernels/ptx/barrier.cuh"
-#include "kernels/ptx/tma.cuh"
 #include "layer_test_support.cuh"
 
 namespace mok::comm_test {
@@ -168,9 +164,7 @@ TEST(FusedForwardEp1Rings, RingBoundsTheBuffers) {
   const int64_t ring_bytes = LayerForward(comm, shape, tokens, ring).buffer_bytes();
   const int64_t capacity = LayerForward(comm, shape, tokens, full).workspace().layout().rows_capacity();
   const int64_t row = shape.hidden * 2;
-  const int64_t tail_maps = 2 * shape.num_experts * kTailMapBytes;
-  EXPECT_EQ(unfused_bytes - full_bytes, capacity * row - tail_maps)
-      << "the fused path holds an expert_y";
+  EXPECT_EQ(unfused_bytes - full_bytes, capacity * row) << "the fused path holds an expert_y";
   EXPECT_GE(full_bytes - ring_bytes, (capacity - 1024) * (row + shape.intermediate * 2) - 8192)
       << "the ring does not bound expert_x and the hidden rows";
   LayerForwardOptions too_small;
@@ -216,94 +210,6 @@ TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
     EXPECT_EQ(checked, std::vector<int>({1, 1}));
     EXPECT_GT(rows[0] + rows[1], 0) << "no rank received rows: nothing was compared";
     EXPECT_EQ(first_difference(y, run_gpu_layer(problem, 2, GpuRun{})), -1)
-        << "fused differs from unfused";
-  }
-}
-
-// One k-block (64 columns, 128 rows from `row`) of a 2-D bf16 A map with the 128-byte swizzle,
-// loaded by TMA as the GEMM's producer does, copied out as it lands in shared memory.
-__global__ void load_a_box_kernel(const CUtensorMap* map, int32_t row, uint4* out) {
-  constexpr int kBytes = 128 * 128;
-  __shared__ __align__(1024) uint8_t tile[kBytes];
-  __shared__ uint64_t barrier;
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_init(&barrier, 1);
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    ptx::fence_tensormap_acquire(map);
-    ptx::mbarrier_arrive_expect_tx(&barrier, kBytes);
-    ptx::tma_load_2d(tile, map, &barrier, 0, row);
-  }
-  ptx::mbarrier_wait(&barrier, 0);
-  for (int i = static_cast<int>(threadIdx.x); i < kBytes / 16; i += static_cast<int>(blockDim.x)) {
-    out[i] = reinterpret_cast<const uint4*>(tile)[i];
-  }
-}
-
-// The tail maps the fused kernel writes (kernels/megakernel/tail_maps.cuh): loaded through them,
-// each expert's last row block holds its rows, and zeros past them (expert_x and the hidden rows
-// were NaN-poisoned before the forward, and the padding rows are not written), in both rings:
-// one round, and a ring smaller than the rows (the tail blocks of later rounds).
-TEST(FusedForwardEp1TailMaps, LastBlocksLoadZerosPastTheRows) {
-  MOK_REQUIRE_HOPPER_GPUS(1);
-  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 600, 23, true);
-  for (const int64_t ring_rows : {int64_t{0}, int64_t{512}}) {
-    SCOPED_TRACE(::testing::Message() << "ring rows " << ring_rows);
-    GpuRun run = fused_run(0, 256, 0, ring_rows);
-    int tails = 0, later_rounds = 0;
-    run.after_first_run = [&](int, LayerForward& layer, cudaStream_t, const int32_t*, int64_t) {
-      CommWorkspace& ws = layer.workspace();
-      const int64_t experts = ws.layout().experts_per_rank();
-      const int64_t ring = ws.layout().expert_rows;  // rows of each ring
-      auto download = [](const auto* device, int64_t count) {
-        std::vector<std::remove_const_t<std::remove_pointer_t<decltype(device)>>> host(
-            static_cast<size_t>(count));
-        MOK_CUDA_CHECK(cudaMemcpy(host.data(), device, host.size() * sizeof(host[0]),
-                                  cudaMemcpyDeviceToHost));
-        return host;
-      };
-      const std::vector<int32_t> offsets = download(ws.view().offsets(), experts + 1);
-      const std::vector<int32_t> counts = download(ws.view().counts(), experts);
-      DeviceBuffer<uint4> box(128 * 128 / 16);
-      const auto* maps = static_cast<const uint8_t*>(layer.tail_maps());
-      ASSERT_NE(maps, nullptr);
-      for (int64_t e = 0; e < experts; ++e) {
-        const int rows = counts[e] % 128;
-        if (rows == 0) continue;
-        const int64_t first_row = offsets[e] + counts[e] / 128 * 128;
-        // The ring's rows are its rounds' rows modulo the ring (a whole number of blocks).
-        const int64_t ring_row = first_row % ring;
-        later_rounds += first_row >= ring ? 1 : 0;
-        ++tails;
-        for (int kind = 0; kind < 2; ++kind) {
-          SCOPED_TRACE(::testing::Message() << "expert " << e << (kind == 0 ? " expert_x" : " hidden"));
-          const int64_t width = kind == 0 ? problem.shape.hidden : problem.shape.intermediate;
-          const bf16* source = kind == 0 ? ws.expert_x() : layer.routed_hidden();
-          load_a_box_kernel<<<1, 128>>>(
-              reinterpret_cast<const CUtensorMap*>(maps + (kind * experts + e) * kTailMapBytes),
-              static_cast<int32_t>(ring_row), box.get());
-          MOK_CUDA_CHECK(cudaDeviceSynchronize());
-          const std::vector<uint4> loaded = download(box.get(), 128 * 128 / 16);
-          const std::vector<bf16> held = download(source + ring_row * width, 128 * width);
-          for (int r = 0; r < 128; ++r) {
-            for (int chunk = 0; chunk < 8; ++chunk) {  // 16 bytes: 8 bf16 of the row
-              const uint4 got = loaded[r * 8 + (chunk ^ (r % 8))];  // the 128-byte swizzle
-              uint4 want{0, 0, 0, 0};
-              if (r < rows) std::memcpy(&want, &held[r * width + chunk * 8], 16);
-              ASSERT_TRUE(got.x == want.x && got.y == want.y && got.z == want.z &&
-                          got.w == want.w)
-                  << "row " << r << " of the block (" << rows << " rows), 16 bytes " << chunk;
-            }
-          }
-        }
-      }
-    };
-    const std::vector<bf16> y = run_gpu_layer(problem, 1, run);
-    EXPECT_GT(tails, 0) << "no expert with a tail block: nothing was checked";
-    if (ring_rows > 0) EXPECT_GT(later_rounds, 0) << "no tail block in a later ring round";
-    EXPECT_EQ(first_difference(y, run_gpu_layer(problem, 1, GpuRun{})), -1)
         << "fused differs from unfused";
   }
 }

@@ -10,7 +10,6 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
-#include "kernels/megakernel/tail_maps.cuh"
 #include "kernels/schedule/token_schedule.cuh"
 
 namespace mok::megakernel {
@@ -25,14 +24,13 @@ inline constexpr int kDispatchUnroll = 12;
 // The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (its chunked
 // passes count_chunks, scan_chunks, place_rows for the rows' order, the same as order_rows'), with
 // barriers across those CTAs in place of kernel boundaries, while the other CTAs run shared gate/up
-// tiles; the tail maps (tail_maps.cuh) with the rows. Ends by publishing
+// tiles. Ends by publishing
 // schedule_epoch, which the compute producers also wait for before their first routed task (a
 // failed schedule publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
 // scratch: shared memory for (E_l + 1) + warps * E_l ints (the dynamic shared memory, unused until
 // compute).
-__device__ __noinline__ void make_schedule(const FusedForwardMaps& maps,
-                                           const FusedForwardParams& params, uint32_t epoch,
+__device__ __noinline__ void make_schedule(const FusedForwardParams& params, uint32_t epoch,
                                            int32_t* scratch) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
@@ -64,10 +62,7 @@ __device__ __noinline__ void make_schedule(const FusedForwardMaps& maps,
   ok = ok && ctas_barrier(view, num_ctas);
   if (ok) comm::scan_chunks(view, cta, num_ctas);
   ok = ok && ctas_barrier(view, num_ctas);
-  if (ok) {
-    comm::place_rows(view, cta, num_ctas, offsets, counters);
-    write_tail_maps(maps, params, cta, num_ctas, offsets);  // released by the barrier's fences
-  }
+  if (ok) comm::place_rows(view, cta, num_ctas, offsets, counters);
   ok = ok && ctas_barrier(view, num_ctas);
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.

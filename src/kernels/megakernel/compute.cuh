@@ -13,7 +13,6 @@
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
-#include "kernels/megakernel/tail_maps.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/tickets.cuh"
 #include "kernels/megakernel/trace.cuh"
@@ -243,15 +242,10 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
             params.trace[blockIdx.x * kTraceFields + field] += waited;
           }
         }
-        const int kind = static_cast<int>(task.kind);
-        const CUtensorMap* map_a = tail_map(params, task);
-        if (map_a == nullptr) {
-          map_a = &maps.a[kind];
-        } else if (lane == 0) {
-          ptx::fence_tensormap_acquire(map_a);  // written by this call's schedule
-        }
         __syncwarp();
-        Loop::load(map_a, &maps.b[kind], smem, params.gemm[kind], task.tile, state, tail_phase);
+        const int kind = static_cast<int>(task.kind);
+        Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                   tail_phase);
       }
     }
   } else {

@@ -45,8 +45,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (comm::cta_sees_error(params.view)) return;
   if (params.schedule_in_kernel && static_cast<int>(blockIdx.x) < params.num_schedule_ctas) {
-    make_schedule(maps, params, params.view.state()->epoch,
-                  reinterpret_cast<int32_t*>(dynamic_smem));
+    make_schedule(params, params.view.state()->epoch, reinterpret_cast<int32_t*>(dynamic_smem));
   }
   if (threadIdx.x == 0) trace_set(params.trace, kTraceScheduled, trace_clock());
   if (static_cast<int>(blockIdx.x) < params.num_comm_ctas) {

@@ -37,9 +37,6 @@ struct FusedForwardParams {
   uint64_t* trace;         // (grid, kTraceFields) per-CTA timeline (trace.cuh), or null
   const uint8_t* sm_partition;  // L2 partition by %smid (tickets.cuh), or null
   int max_sm_ids;               // entries of sm_partition
-  // (2, E_l): A maps of each expert's last row block (tail_maps.cuh), written by the kernel; null:
-  // those blocks load through the whole-ring maps (their padding rows hold what they hold)
-  CUtensorMap* tail_maps;
 };
 
 // Every task shares one stage ring, laid out for the SwiGLU epilogue (it has the staging tile).

@@ -53,32 +53,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, cons
       : "memory");
 }
 
-// Tensor maps in global memory changed on the device (e.g. a copy of a kernel argument with one
-// dimension replaced): the writer replaces fields with tensormap_replace_global_dim and then
-// releases with fence_tensormap_release before the usual release of its data; a thread that then
-// acquires that data runs fence_tensormap_acquire on the map before its TMA copies use it.
-
-// Dimension `ordinal` (0 = innermost) of the 128-byte tensor map at `tensor_map` (global memory,
-// 64-byte aligned) becomes `extent` elements.
-template <int kOrdinal>
-__device__ __forceinline__ void tensormap_replace_global_dim(CUtensorMap* tensor_map,
-                                                             uint32_t extent) {
-  asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], %1, %2;" ::"l"(
-                   reinterpret_cast<uint64_t>(tensor_map)),
-               "n"(kOrdinal), "r"(extent)
-               : "memory");
-}
-
-__device__ __forceinline__ void fence_tensormap_release() {
-  asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
-}
-
-__device__ __forceinline__ void fence_tensormap_acquire(const CUtensorMap* tensor_map) {
-  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(
-                   reinterpret_cast<uint64_t>(tensor_map))
-               : "memory");
-}
-
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
