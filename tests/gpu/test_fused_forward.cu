@@ -3,9 +3,10 @@
 // reference; EP=1 equals EP=2; ten repeats, graph replays and every setting of communication CTAs,
 // minibatch, compute CTAs and ring size give the same bits (rings smaller than the received rows:
 // several rounds). Routings: uniform, skewed, all tokens to one expert, empty experts, -1 slots;
-// token counts that are not multiples of 128.
+// token counts that are not multiples of 128; small tails (swapped tail tiles).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "layer_test_support.cuh"
@@ -211,6 +212,36 @@ TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
     EXPECT_GT(rows[0] + rows[1], 0) << "no rank received rows: nothing was compared";
     EXPECT_EQ(first_difference(y, run_gpu_layer(problem, 2, GpuRun{})), -1)
         << "fused differs from unfused";
+  }
+}
+
+// Experts whose last row block holds 1-32 rows run as swapped tail tiles (gemm/swapped_tail.cuh,
+// wgmma N over the rows), the others as half or full tiles: every count around those edges (and
+// past one and two blocks, and an empty expert), on the wider shape (a partial column block),
+// gives the unfused path's bits at EP1 and EP2, and matches the CPU reference.
+TEST(FusedForwardTails, SmallTailsEqualUnfusedBitwise) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const int64_t tokens = 2 * 160;
+  Problem problem = layer_problem({"uniform", 0.0, true, true}, tokens, 41, true);
+  const std::vector<int> counts = {1, 5, 16, 17, 31, 32, 33, 64, 65, 129, 144, 145, 160, 0, 3, 24};
+  ASSERT_EQ(counts.size(), static_cast<size_t>(problem.shape.num_experts));
+  // Expert e's slots are consecutive places of the list, so they fall on distinct tokens.
+  const int64_t top_k = problem.shape.top_k;
+  std::fill(problem.topk_idx.begin(), problem.topk_idx.end(), -1);
+  int64_t place = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    for (int c = 0; c < counts[e]; ++c, ++place) {
+      problem.topk_idx[(place % tokens) * top_k + place / tokens] = static_cast<int32_t>(e);
+    }
+  }
+  ASSERT_LE(place, tokens * top_k);
+  const std::vector<bf16> ep1 = run_gpu_layer(problem, 1, fused_run());
+  expect_matches_reference(problem, 1, ep1);
+  EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, GpuRun{}), ep1), -1)
+      << "fused differs from unfused";
+  if (runtime::query_gpus().num_hopper_gpus >= 2) {
+    EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, fused_run(2, 256)), ep1), -1)
+        << "EP=2 differs from EP=1";
   }
 }
 

@@ -10,6 +10,7 @@
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/mainloop.cuh"
+#include "kernels/gemm/swapped_tail.cuh"
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
@@ -92,6 +93,19 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
   comm::fence_async_proxy_global();
 }
 
+// A swapped tail tile, mainloop and epilogue, with accumulators of its own.
+// NOTE: not inlined: inlined beside run_tile's 128 accumulators, ptxas spilled 80 bytes.
+template <int kRows, gemm::EpilogueKind kEpilogue, class RowDestination>
+__device__ __noinline__ void run_swapped_tail(const gemm::GroupedGemmParams& gemm_params,
+                                              const gemm::GroupedTile& tile, int consumer_idx,
+                                              const Loop::Storage& smem, Loop::State& state,
+                                              const RowDestination& row_destination) {
+  using Tail = gemm::SwappedTail<kRows>;
+  float accum[Tail::kSlices * Tail::kSlice];
+  Tail::mma(smem, gemm_params, consumer_idx, state, accum);
+  Tail::template store<kEpilogue>(gemm_params, tile, consumer_idx, accum, row_destination);
+}
+
 // row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners).
 template <gemm::EpilogueKind kEpilogue,
           class RowDestination =
@@ -101,6 +115,19 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
                                 float (&accum)[gemm::TileConfig::BLOCK_N / 2],
                                 const RowDestination& row_destination = {}) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
+  if constexpr (kEpilogue != gemm::EpilogueKind::kStoreFp32) {
+    if (!is_shared(task.kind) && gemm::is_swapped_tail(task.tile)) {
+      // a routed block with a few rows: wgmma's N over them (swapped_tail.cuh)
+      if (task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M <= 16) {
+        run_swapped_tail<16, kEpilogue>(gemm_params, task.tile, consumer_idx, smem, state,
+                                        row_destination);
+      } else {
+        run_swapped_tail<32, kEpilogue>(gemm_params, task.tile, consumer_idx, smem, state,
+                                        row_destination);
+      }
+      return;
+    }
+  }
   Store::init(gemm_params, task.tile, consumer_idx, accum);
   Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
