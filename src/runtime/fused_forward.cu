@@ -12,7 +12,7 @@
 namespace mok {
 
 int fused_forward_shared_bytes() {
-  return static_cast<int>(megakernel::RingLayout::kLaunchBytes);
+  return static_cast<int>(megakernel::kSharedBytes);
 }
 
 RingBlocks ring_config(const comm::WorkspaceLayout& layout, int chunk_mblocks) {
@@ -79,6 +79,10 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
       gemm::make_tensor_map_3d(buffers.gate_up, experts, 2 * inter, hidden, TileConfig::BLOCK_N,
                                64, "gate_up"),
       static_cast<int>(2 * inter), static_cast<int>(hidden), buffers.routed_hidden);
+  maps.a_tail[static_cast<int>(TaskKind::kGateUp)] = gemm::make_tensor_map_2d(
+      ws.expert_x(), rows, hidden, megakernel::kCarriedTailRows, "expert_x");
+  maps.a_tail[static_cast<int>(TaskKind::kDown)] = gemm::make_tensor_map_2d(
+      buffers.routed_hidden, rows, inter, megakernel::kCarriedTailRows, "routed_hidden");
   set(TaskKind::kDown,
       gemm::make_tensor_map_2d(buffers.routed_hidden, rows, inter, TileConfig::BLOCK_M,
                                "routed_hidden"),

@@ -215,15 +215,18 @@ TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
   }
 }
 
-// Experts whose last row block holds 1-32 rows run as swapped tail tiles (gemm/swapped_tail.cuh,
-// wgmma N over the rows), the others as half or full tiles: every count around those edges (and
-// past one and two blocks, and an empty expert), on the wider shape (a partial column block),
-// gives the unfused path's bits at EP1 and EP2, and matches the CPU reference.
-TEST(FusedForwardTails, SmallTailsEqualUnfusedBitwise) {
+// Experts whose last row block holds at most kCarriedTailRows rows after a block of the same
+// minibatch have it carried by the tiles of that block (gemm/carried_tail.cuh, wgmma N over the
+// rows); the others run half or full tiles. Counts around those edges (tails of 1, 2 and 8 rows
+// after one and two blocks, 16, 17, 36, an empty expert, small experts), on the wider shape (a
+// partial column block), give the unfused path's bits at EP1 (one minibatch) and EP2 (minibatches
+// of two blocks, which some experts straddle), and match the CPU reference.
+TEST(FusedForwardTails, CarriedTailsEqualUnfusedBitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   const int64_t tokens = 2 * 160;
   Problem problem = layer_problem({"uniform", 0.0, true, true}, tokens, 41, true);
-  const std::vector<int> counts = {1, 5, 16, 17, 31, 32, 33, 64, 65, 129, 144, 145, 160, 0, 3, 24};
+  const std::vector<int> counts = {1, 5, 16, 17, 31, 32, 136, 64, 65, 129, 144, 130, 164, 0, 3,
+                                   264};
   ASSERT_EQ(counts.size(), static_cast<size_t>(problem.shape.num_experts));
   // Expert e's slots are consecutive places of the list, so they fall on distinct tokens.
   const int64_t top_k = problem.shape.top_k;

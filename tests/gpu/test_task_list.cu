@@ -2,13 +2,14 @@
 // checked here without a GPU (these tests run in CI). Every tile of the four GEMMs is decoded from
 // exactly one ticket, with the fields the mainloop and epilogue need, every task comes after the
 // tasks it waits for (the order that rules out deadlock, ring rounds included), and a ticket
-// decodes the same whatever tickets a CTA saw before it.
+// decodes the same whatever tickets a CTA saw before it; carried tails go with the right tiles.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <map>
 #include <ostream>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -158,6 +159,37 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
     EXPECT_GT(wraps, 0) << "the case never reuses a ring slot";
   }
 
+  // Carried tails: the tile of an expert's last block with at most kCarriedTailRows rows, after
+  // a block of the same minibatch, is carried by the tile of the block before it (same kind and
+  // column block), which says how many rows; no other tile carries or is carried.
+  int carried = 0;
+  for (const auto& [ticket, task] : tasks) {
+    if (is_shared(task.kind)) {
+      EXPECT_FALSE(task.carried);
+      EXPECT_EQ(task.tail_rows, 0);
+      continue;
+    }
+    const int count = which.counts[task.tile.group];
+    const int blocks = (count + kRows - 1) / kRows;
+    const int tail = count - (blocks - 1) * kRows;
+    const int last = routed.offsets[task.tile.group] / kRows + blocks - 1;
+    const bool carries_ok = blocks >= 2 && tail <= kCarriedTailRows &&
+                            last / which.chunk_mblocks == (last - 1) / which.chunk_mblocks;
+    EXPECT_EQ(task.carried, carries_ok && task.mblock == last) << "ticket " << ticket;
+    EXPECT_EQ(task.tail_rows, carries_ok && task.mblock == last - 1 ? tail : 0)
+        << "ticket " << ticket;
+    if (task.carried) {
+      ++carried;
+      const auto carrier =
+          ticket_of.find({static_cast<int>(task.kind), task.mblock - 1, task.tile.n_block});
+      ASSERT_NE(carrier, ticket_of.end()) << "ticket " << ticket;
+      EXPECT_EQ(tasks.at(carrier->second).tail_rows, tail) << "ticket " << ticket;
+    }
+  }
+  if (std::string(which.name).rfind("carried", 0) == 0) {
+    EXPECT_GT(carried, 0) << "no tail was carried";
+  }
+
   // A CTA that saw only some tickets (random increasing subsets) decodes each the same way.
   std::mt19937 random(7);
   for (int trial = 0; trial < 20; ++trial) {
@@ -171,6 +203,8 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
       ASSERT_EQ(task.mblock, expected.mblock) << "ticket " << ticket;
       ASSERT_EQ(task.tile.n_block, expected.tile.n_block) << "ticket " << ticket;
       ASSERT_EQ(task.tile.group, expected.tile.group) << "ticket " << ticket;
+      ASSERT_EQ(task.carried, expected.carried) << "ticket " << ticket;
+      ASSERT_EQ(task.tail_rows, expected.tail_rows) << "ticket " << ticket;
     }
   }
 }
@@ -191,7 +225,11 @@ INSTANTIATE_TEST_SUITE_P(
         // Ring rounds: the smallest ring (two minibatches of one block), experts across rounds.
         ListCase{"ring_two_blocks", {200, 0, 513, 64, 129}, 1, 1, {1, 2, 3, 1}, 2},
         // A hot expert through a ring of three minibatches of two blocks.
-        ListCase{"ring_hot_expert", {3000, 10, 0, 300}, 2, 2, {2, 3, 2, 2}, 6}),
+        ListCase{"ring_hot_expert", {3000, 10, 0, 300}, 2, 2, {2, 3, 2, 2}, 6},
+        // Tails of kCarriedTailRows rows or fewer: carried within a minibatch (136, 130, 392),
+        // not across two (264), not without a block before (8), not when larger (140).
+        ListCase{"carried_tails", {136, 264, 130, 8, 392, 140}, 1, 4, {2, 3, 2, 2}, 0},
+        ListCase{"carried_tails_ring", {136, 264, 130, 8, 392, 140, 136}, 1, 4, {2, 3, 2, 2}, 8}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

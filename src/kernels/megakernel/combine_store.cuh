@@ -27,6 +27,10 @@ struct RowsToOwners {
                           : view->slot_row(source.rank, source.token, source.slot);
     return row_start + f.column_bytes;
   }
+  // The rows of the next row block (a carried tail's: compute.cuh).
+  __device__ RowsToOwners next_block() const {
+    return {view, first_row + gemm::TileConfig::BLOCK_M};
+  }
 };
 
 }  // namespace mok::megakernel

@@ -10,7 +10,7 @@
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/mainloop.cuh"
-#include "kernels/gemm/swapped_tail.cuh"
+#include "kernels/gemm/carried_tail.cuh"
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
@@ -67,15 +67,20 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
-      // The block's rows of its expert (row_begin is the ring's, not the call's).
+      // The block's rows of its expert (row_begin is the ring's, not the call's), and the next
+      // block's when this tile carries them (in the same ring round).
       const int rows = min(gemm::TileConfig::BLOCK_M,
                            task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
-      wait_counter(view, comm::TaskCounter::kRowsArrived, task.mblock, rows, comm::Phase::kDispatch);
-      if (task.mblock >= shape.ring_mblocks) {
-        // The hidden rows' ring slot: free once the block a round back has been read by its down
-        // tiles.
-        wait_counter(view, comm::TaskCounter::kDownDone, task.mblock - shape.ring_mblocks,
-                     shape.n_blocks[static_cast<int>(TaskKind::kDown)], comm::Phase::kExperts);
+      for (int block = 0; block < (task.tail_rows > 0 ? 2 : 1); ++block) {
+        const int mblock = task.mblock + block;
+        wait_counter(view, comm::TaskCounter::kRowsArrived, mblock,
+                     block == 0 ? rows : task.tail_rows, comm::Phase::kDispatch);
+        if (mblock >= shape.ring_mblocks) {
+          // The hidden rows' ring slot: free once the block a round back has been read by its
+          // down tiles.
+          wait_counter(view, comm::TaskCounter::kDownDone, mblock - shape.ring_mblocks,
+                       shape.n_blocks[static_cast<int>(TaskKind::kDown)], comm::Phase::kExperts);
+        }
       }
       break;
     }
@@ -85,60 +90,109 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
                    comm::Phase::kExperts);
       break;
     case TaskKind::kDown:
-      wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock,
-                   shape.n_blocks[static_cast<int>(TaskKind::kGateUp)], comm::Phase::kExperts);
+      for (int block = 0; block < (task.tail_rows > 0 ? 2 : 1); ++block) {
+        wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock + block,
+                     shape.n_blocks[static_cast<int>(TaskKind::kGateUp)], comm::Phase::kExperts);
+      }
       break;
   }
   // The TMA loads that follow (async proxy) read what the acquire made visible.
   comm::fence_async_proxy_global();
 }
 
-// A swapped tail tile, mainloop and epilogue, with accumulators of its own.
-// NOTE: not inlined: inlined beside run_tile's 128 accumulators, ptxas spilled 80 bytes.
-template <int kRows, gemm::EpilogueKind kEpilogue, class RowDestination>
-__device__ __noinline__ void run_swapped_tail(const gemm::GroupedGemmParams& gemm_params,
-                                              const gemm::GroupedTile& tile, int consumer_idx,
-                                              const Loop::Storage& smem, Loop::State& state,
-                                              const RowDestination& row_destination) {
-  using Tail = gemm::SwappedTail<kRows>;
-  float accum[Tail::kSlices * Tail::kSlice];
-  Tail::mma(smem, gemm_params, consumer_idx, state, accum);
-  Tail::template store<kEpilogue>(gemm_params, tile, consumer_idx, accum, row_destination);
+// The carried tails' stages (forward_params.cuh).
+__device__ inline uint8_t* tail_stages(uint8_t* aligned_smem) { return aligned_smem + kTailOffset; }
+using Tail = gemm::CarriedTail<kCarriedTailRows>;
+static_assert(Tail::kAccumulators == kTailAccumulators, "the stash holds the tail");
+
+// Producer, all 32 lanes: the loads of a tile that carries a tail (Loop::load's, and the tail's
+// kCarriedTailRows rows of A beside them, on the same full barrier).
+__device__ inline void load_with_tail(const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                      const CUtensorMap* map_tail, const Loop::Storage& smem,
+                                      uint8_t* tail_smem, const gemm::GroupedGemmParams& params,
+                                      const gemm::GroupedTile& tile, Loop::State& state) {
+  using Loader = gemm::TileLoader<gemm::GemmKind::kForward, gemm::TileConfig>;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int num_blocks = gemm::ceil_div(params.k, gemm::TileConfig::BLOCK_K);
+  const int tail_row = tile.row_begin + (tile.m_block + 1) * gemm::TileConfig::BLOCK_M;
+  for (int k_block = 0; k_block < num_blocks; ++k_block) {
+    ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
+    if (lane == 0) {
+      uint64_t* full = &smem.full[state.index];
+      ptx::mbarrier_arrive_expect_tx(full, gemm::TileConfig::kStageBytes + kTailStageBytes);
+      Loader::issue_loads(map_a, map_b, smem, state.index, full, tile, k_block);
+      ptx::tma_load_2d(tail_smem + state.index * kTailStageBytes, map_tail, full,
+                       k_block * gemm::TileConfig::BLOCK_K, tail_row);
+    }
+    __syncwarp();
+    state.advance();
+  }
 }
 
-// row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners).
+// Where this consumer thread's carried tail accumulators wait while the tile is stored: beside
+// the tile's accumulators in the epilogue, ptxas spilled (those keep their registers throughout
+// the consumer loop). Each thread's own floats, 256 apart.
+__device__ inline float* tail_stash(const uint8_t* tail_smem) {
+  return reinterpret_cast<float*>(const_cast<uint8_t*>(tail_smem) +
+                                  (kTailStashOffset - kTailOffset)) +
+         (threadIdx.x - 128);
+}
+
+// A carried tail's stores, from its accumulators in `stash` (tail_stash).
+// NOTE: not inlined: inlined, ptxas spilled ~60 bytes in the consumers (the tile's accumulators
+// keep their registers throughout the consumer loop).
+template <gemm::EpilogueKind kEpilogue, class RowDestination>
+__device__ __noinline__ void store_tail(const gemm::GroupedGemmParams& gemm_params,
+                                        gemm::GroupedTile tile, int consumer_idx,
+                                        const float* stash, const RowDestination& row_destination) {
+  float tail[Tail::kAccumulators];
+#pragma unroll
+  for (int i = 0; i < Tail::kAccumulators; ++i) tail[i] = stash[i * 256];
+  ++tile.m_block;
+  Tail::store<kEpilogue>(gemm_params, tile, consumer_idx, tail, row_destination);
+}
+
+// row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners;
+// its next_block() places a carried tail's rows).
 template <gemm::EpilogueKind kEpilogue,
           class RowDestination =
               typename gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>::RowMajorRows>
 __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, const Task& task,
-                                int consumer_idx, const Loop::Storage& smem, Loop::State& state,
+                                int consumer_idx, const Loop::Storage& smem,
+                                const uint8_t* tail_smem, Loop::State& state,
                                 float (&accum)[gemm::TileConfig::BLOCK_N / 2],
                                 const RowDestination& row_destination = {}) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
-  if constexpr (kEpilogue != gemm::EpilogueKind::kStoreFp32) {
-    if (!is_shared(task.kind) && gemm::is_swapped_tail(task.tile)) {
-      // a routed block with a few rows: wgmma's N over them (swapped_tail.cuh)
-      if (task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M <= 16) {
-        run_swapped_tail<16, kEpilogue>(gemm_params, task.tile, consumer_idx, smem, state,
-                                        row_destination);
-      } else {
-        run_swapped_tail<32, kEpilogue>(gemm_params, task.tile, consumer_idx, smem, state,
-                                        row_destination);
-      }
-      return;
+  Store::init(gemm_params, task.tile, consumer_idx, accum);
+  constexpr bool kCanCarry = kEpilogue != gemm::EpilogueKind::kStoreFp32;
+  if (kCanCarry && task.tail_rows > 0) {
+    float tail[Tail::kAccumulators];
+    Tail::mma_beside_full_tile(smem, tail_smem, kTailStageBytes, gemm_params, consumer_idx,
+                               state, accum, tail);
+    float* stash = tail_stash(tail_smem);
+#pragma unroll
+    for (int i = 0; i < Tail::kAccumulators; ++i) stash[i * 256] = tail[i];
+  } else {
+    Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
+  }
+  Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
+  if constexpr (kCanCarry) {
+    if (task.tail_rows > 0) {
+      store_tail<kEpilogue>(gemm_params, task.tile, consumer_idx, tail_stash(tail_smem),
+                            row_destination.next_block());
     }
   }
-  Store::init(gemm_params, task.tile, consumer_idx, accum);
-  Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
-  Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
 }
 
 // All consumer threads, after storing a tile: the row block's counter of `kind` moves on (the
 // barrier orders every consumer's stores before the raise's fence).
+// `blocks` counters from mblock on (2 for a tile that carries a tail).
 __device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskCounter kind,
-                                    int mblock) {
+                                    int mblock, int blocks = 1) {
   consumer_barrier();
-  if (threadIdx.x == 128) raise_counter(view, kind, mblock);
+  if (threadIdx.x == 128) {
+    for (int block = 0; block < blocks; ++block) raise_counter(view, kind, mblock + block);
+  }
 }
 
 // All consumer threads, after their last stores: count this CTA's down tiles; the CTA that
@@ -239,6 +293,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
         const bool has_task = scheduler.decode(ticket, task);
         if (!has_task) task.mblock = kNoTask;
+        if (has_task && task.carried) continue;  // the tile of the block before computes it
         if (lane == 0) {
           const uint64_t wait_start = tracing ? trace_clock() : 0;
           ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
@@ -271,13 +326,19 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
-        Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
-                   tail_phase);
+        if (task.tail_rows > 0) {
+          load_with_tail(&maps.a[kind], &maps.b[kind], &maps.a_tail[kind], smem,
+                         tail_stages(aligned_smem), params.gemm[kind], task.tile, state);
+        } else {
+          Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                     tail_phase);
+        }
       }
     }
   } else {
     ptx::setmaxnreg_increase<kConsumerRegisters>();
     const int consumer_idx = warpgroup_idx - 1;
+    const uint8_t* tail_smem = tail_stages(aligned_smem);
     float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
     uint32_t down_tiles = 0;  // stored by this CTA
     const bool tracing = params.trace != nullptr && threadIdx.x == 128;
@@ -290,38 +351,40 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       advance_slot();
       if (task.mblock == kNoTask) break;
       const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
+      // A tile that carries the next block's rows stands for that block's tile too.
+      const int blocks = task.tail_rows > 0 ? 2 : 1;
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
         case TaskKind::kGateUp: {
-          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, state,
-                                                    accum);
+          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
+                                                    tail_smem, state, accum);
           const uint64_t publish_start = tracing ? trace_clock() : 0;
           publish_tile(params.view,
                        task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
                                                       : comm::TaskCounter::kSharedHiddenReady,
-                       task.mblock);
+                       task.mblock, blocks);
           if (tracing) publish_ns += static_cast<uint32_t>(trace_clock() - publish_start);
           break;
         }
         case TaskKind::kSharedDown:
           // fp32 from registers; read only by the reduce, after this kernel
-          run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, state,
-                                                   accum);
+          run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem,
+                                                   tail_smem, state, accum);
           break;
-        case TaskKind::kDown:
+        case TaskKind::kDown: {
           // The combine push: each row into its owner's slot (combine_store.cuh).
+          const int first_row = task.mblock * gemm::TileConfig::BLOCK_M;
           run_tile<gemm::EpilogueKind::kStoreBf16>(
-              gemm_params, task, consumer_idx, smem, state, accum,
-              RowsToOwners{&params.view, task.mblock * gemm::TileConfig::BLOCK_M});
-          ++down_tiles;
+              gemm_params, task, consumer_idx, smem, tail_smem, state, accum,
+              RowsToOwners{&params.view, first_row});
+          down_tiles += static_cast<uint32_t>(blocks);
           if (task.frees_ring_block) {
             // Every k-block of the tile has landed (both consumers waited for them): its hidden
-            // rows may be overwritten by the next round.
-            consumer_barrier();
-            if (threadIdx.x == 128) raise_counter(params.view, comm::TaskCounter::kDownDone,
-                                                  task.mblock);
+            // rows (and a carried tail's, in the same round) may be overwritten by the next round.
+            publish_tile(params.view, comm::TaskCounter::kDownDone, task.mblock, blocks);
           }
           break;
+        }
       }
     }
     if (down_tiles > 0) finish_down_tiles(params, down_tiles);

@@ -18,6 +18,8 @@ namespace mok::megakernel {
 struct FusedForwardMaps {
   CUtensorMap a[kNumTaskKinds];
   CUtensorMap b[kNumTaskKinds];
+  // The routed kinds' A with boxes of kCarriedTailRows rows: the tails tiles carry (task_list.cuh)
+  CUtensorMap a_tail[kNumTaskKinds];
 };
 
 struct FusedForwardParams {
@@ -43,8 +45,20 @@ struct FusedForwardParams {
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
+// Past the stage ring, 1024-byte aligned: each stage's carried tail rows (kCarriedTailRows rows of
+// A, laid out as A).
+inline constexpr uint32_t kTailStageBytes = kCarriedTailRows * gemm::TileConfig::BLOCK_K * 2;
+inline constexpr uint32_t kTailOffset = (RingLayout::kBytes + 1023) / 1024 * 1024;
+// Then each consumer thread's carried tail accumulators while the tile's own are stored.
+inline constexpr int kTailAccumulators = 2 * kCarriedTailRows / 2;  // CarriedTail::kAccumulators
+inline constexpr uint32_t kTailStashOffset = kTailOffset + RingLayout::kNumStages * kTailStageBytes;
+inline constexpr uint32_t kTailStashBytes =
+    2 * 128 * kTailAccumulators * static_cast<uint32_t>(sizeof(float));
+inline constexpr uint32_t kSharedBytes =
+    kTailStashOffset + kTailStashBytes + RingLayout::kAlignment;
+static_assert(kSharedBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
 // Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
-inline constexpr uint32_t kProducerRegisters = 64;
+inline constexpr uint32_t kProducerRegisters = 72;
 inline constexpr uint32_t kConsumerRegisters = 216;
 
 }  // namespace mok::megakernel

@@ -59,11 +59,22 @@ struct TaskShape {
   }
 };
 
+// An expert whose last row block holds at most this many rows, after a whole block in the same
+// minibatch, has that tail computed by the tiles of the block before it ("carried"): each of those
+// tiles also multiplies the tail's rows by the weight tile already in its stages, with wgmma's N
+// over them (gemm/carried_tail.cuh), instead of a tile of its own that streams the whole weight
+// tile for a few rows and multiplies 64 (docs/perf-notes/layer.md v34).
+inline constexpr int kCarriedTailRows = 8;
+
 struct Task {
   TaskKind kind;
   int mblock;             // row block: of the call's expert rows, or of this rank's tokens (shared)
   // Routed down tile whose block's ring slot a later round reuses: it reports that it has read it.
   bool frees_ring_block;
+  // Routed: the tile of a carried tail block (nothing to do: the tile of the block before it
+  // computes it), or, > 0, the rows of the next block (the expert's tail) this tile carries.
+  bool carried;
+  int tail_rows;
   gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take; row_begin is the expert's
                            // first row in the ring buffers' round of this block
 };
@@ -107,6 +118,8 @@ class TaskScheduler {
     if (segment_ >= num_segments_) return false;
     task.kind = kind_;
     task.frees_ring_block = false;
+    task.carried = false;
+    task.tail_rows = 0;
     if (is_shared(kind_)) {
       const int local = task_ - segment_first_;
       int mblock, nblock;
@@ -139,8 +152,26 @@ class TaskScheduler {
       task.tile = {expert_, m_block, local / expert_mblocks_,
                    row_begin - ring_round_base(task.mblock, shape_.ring_mblocks),
                    counts_[expert_]};
+      const int tail = carried_tail_rows(row_begin, counts_[expert_]);
+      if (tail > 0) {
+        const int last = (counts_[expert_] - 1) / gemm::TileConfig::BLOCK_M;
+        task.carried = m_block == last;
+        task.tail_rows = m_block == last - 1 ? tail : 0;
+      }
     }
     return true;
+  }
+
+  // The rows of an expert's tail block when the block before it carries it (kCarriedTailRows),
+  // else 0. Both blocks must lie in one minibatch (hence one ring round): the tiles of the block
+  // before then wait for the tail's rows, which the same minibatch brings.
+  __host__ __device__ int carried_tail_rows(int row_begin, int count) const {
+    constexpr int kRows = gemm::TileConfig::BLOCK_M;
+    const int blocks = (count + kRows - 1) / kRows;
+    const int tail = count - (blocks - 1) * kRows;
+    if (blocks < 2 || tail > kCarriedTailRows) return 0;
+    const int tail_block = row_begin / kRows + blocks - 1;
+    return tail_block / shape_.chunk_mblocks == (tail_block - 1) / shape_.chunk_mblocks ? tail : 0;
   }
 
  private:

@@ -119,7 +119,7 @@ struct Wgmma64x128 {
 };
 
 // D(64, 16) += A(64, 16) · B(16, 16) and D(64, 32) += A(64, 16) · B(16, 32): the narrow shapes of
-// the swapped tail tiles (gemm/swapped_tail.cuh); 8 and 16 accumulators per thread.
+// the carried tails (gemm/carried_tail.cuh); 8 and 16 accumulators per thread.
 template <int kTransposeA, int kTransposeB>
 struct Wgmma64x16 {
   static constexpr int kN = 16;
@@ -155,6 +155,25 @@ struct Wgmma64x32 {
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(descriptor_a), "l"(descriptor_b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB));
+  }
+};
+
+template <int kTransposeA, int kTransposeB>
+struct Wgmma64x8 {
+  static constexpr int kN = 8;
+  static constexpr int kNumAccumulators = 4;
+  __device__ __forceinline__ static void mma(uint64_t descriptor_a, uint64_t descriptor_b,
+                                             uint32_t accumulate, float (&d)[4]) {
+    asm volatile(
+        "{\n"
+        ".reg .pred accumulate;\n"
+        "setp.ne.b32 accumulate, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16\n"
+        "{%0, %1, %2, %3},\n"
+        " %4, %5, accumulate, 1, 1, %7, %8;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "l"(descriptor_a), "l"(descriptor_b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB));
   }
 };

@@ -1,22 +1,24 @@
-// Swapped tail tiles: a forward tile whose row block holds only a few of its expert's rows (the
-// last block of an expert, at most kSwappedTailMaxRows rows) computed as Cᵀ = W · Xᵀ, so that
-// wgmma's N, which steps by 8, runs over the rows instead of its M, which is 64.
+// Carried tails: the few rows of an expert's last row block (at most kRows), multiplied by the
+// tile of the block before it, as Cᵀ = W · Xᵀ beside that tile's own MMAs, so that wgmma's N,
+// which steps by 8, runs over the rows instead of its M, which is 64.
 //
-// A normal tile multiplies at least 64 rows (a half tile, is_half_tile): for an expert with a
-// few rows past a multiple of 128, up to 63 rows of padding are multiplied with the weights. With
-// balanced routing (no tails) the fused forward ran 13 % faster at deepseek-v3 EP1 and 8 % at EP2
-// (docs/perf-notes/layer.md v34): random routing leaves most experts a tail of a few rows.
+// On its own, such a block is a half tile (is_half_tile) that streams the whole weight tile through
+// its stages to multiply 64 rows, most of them padding: with balanced routing (no tails) the fused
+// forward ran 13 % faster at deepseek-v3 EP1 and 8 % at EP2 (docs/perf-notes/layer.md v34), and
+// random routing leaves most experts a tail. As a tile of its own with these narrow MMAs it was
+// slower still (each k16 step of a narrow wgmma waits for the one before: +8 %, v34). Beside a full
+// tile's m64n256 MMAs, the weight tile is already in the stages and the narrow MMAs' latency hides.
 //
-// The stages hold what the producer loads for any tile (tile_loader.cuh): A, the block's 128 rows
-// (K-major), and B, the 256 weight rows of the column block (K-major). Both are K-major with the
-// 128-byte swizzle, which is what wgmma wants of either operand, so only the roles change:
-// consumer c multiplies weight rows 128 c + 64 s (s = 0, 1: two m64 slices) by the first kRows
-// rows of A, with wgmma m64n{kRows}k16. Each output element is the same sum of the same products
-// over the same k16 steps in the same order as in a normal tile (wgmma's shape does not change an
-// element; the fused GPU tests compare with the unfused path bitwise).
+// The stages hold the full tile's A (128 rows, K-major) and B (256 weight rows, K-major), and the
+// tail's kRows rows in a stage of their own (the same 128-byte swizzled K-major layout). Either
+// operand of wgmma may be K-major, so only the roles change: consumer c multiplies weight rows
+// 128 c + 64 s (s = 0, 1: two m64 slices) by the tail's rows, with wgmma m64n{kRows}k16. Each
+// output element is the same sum of the same products over the same k16 steps in the same order
+// as in a normal tile (wgmma's shape does not change an element; the fused GPU tests compare with
+// the unfused path bitwise).
 //
-// The epilogue writes from registers: the fragment's rows are output columns, its columns output
-// rows, so a warp's store covers 8 adjacent columns of 4 rows.
+// The tail's epilogue writes from registers: the fragment's rows are output columns, its columns
+// output rows, so a warp's store covers 8 adjacent columns of 4 rows.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,55 +36,71 @@
 
 namespace mok::gemm {
 
-inline constexpr int kSwappedTailMaxRows = 32;
-
-// A forward tile that SwappedTail computes: its block holds at most kSwappedTailMaxRows rows.
-__host__ __device__ inline bool is_swapped_tail(const GroupedTile& tile) {
-  return tile.row_count - tile.m_block * TileConfig::BLOCK_M <= kSwappedTailMaxRows;
-}
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 // kRows: wgmma's N, 16 or 32 (the block's rows rounded up).
 template <int kRows>
-struct SwappedTail {
-  using Mma = std::conditional_t<kRows == 16, ptx::Wgmma64x16<0, 0>, ptx::Wgmma64x32<0, 0>>;
+struct CarriedTail {
+  using Mma = std::conditional_t<
+      kRows == 8, ptx::Wgmma64x8<0, 0>,
+      std::conditional_t<kRows == 16, ptx::Wgmma64x16<0, 0>, ptx::Wgmma64x32<0, 0>>>;
   static_assert(Mma::kN == kRows, "wgmma N = the rows");
   static constexpr int kSlice = Mma::kNumAccumulators;  // accumulators of one m64 slice
   static constexpr int kSlices = 2;                      // per consumer: 128 weight rows
+  static constexpr int kAccumulators = kSlices * kSlice;
 
-  // Consumer side: the k-loop, accum[s * kSlice, (s + 1) * kSlice) = slice s.
-  template <class Storage, class State, int kSize>
-  __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
-                             int consumer_idx, State& state, float (&accum)[kSize]) {
-    static_assert(kSlices * kSlice <= kSize, "the accumulators hold both slices");
+  // Consumer side, for a forward tile that carries a tail: the cooperative mainloop's k-loop
+  // (mainloop.cuh: this warpgroup's 64 rows by the whole weight tile into accum) with the tail's
+  // MMAs beside it (tail[s * kSlice, (s + 1) * kSlice) = slice s). tail_stages: kRows rows of
+  // A per stage, tail_stage_bytes apart.
+  template <class Storage, class State>
+  __device__ static void mma_beside_full_tile(const Storage& smem, const uint8_t* tail_stages,
+                                              uint32_t tail_stage_bytes,
+                                              const GroupedGemmParams& params, int consumer_idx,
+                                              State& state, float (&accum)[TileConfig::BLOCK_N / 2],
+                                              float (&tail)[kSlices * kSlice]) {
+    using FullMma = ptx::Wgmma64x256<0, 0>;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = ceil_div(params.k, TileConfig::BLOCK_K);
 #pragma unroll
-    for (int i = 0; i < kSlices * kSlice; ++i) accum[i] = 0.0f;
+    for (int i = 0; i < kSlices * kSlice; ++i) tail[i] = 0.0f;
+    const uint32_t a_offset = static_cast<uint32_t>(consumer_idx) * (TileConfig::kABytes / 2);
     // Weight rows 128 c + 64 s: 128-byte rows, so whole 1024-byte swizzle atoms.
     const uint32_t weight_offset = static_cast<uint32_t>(consumer_idx) * 128 * 128;
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
       ptx::mbarrier_wait(&smem.full[state.index], state.phase);
-      const uint32_t rows_base = ptx::smem_address(smem.a_stage(state.index));
-      const uint32_t weights_base = ptx::smem_address(smem.b_stage(state.index)) + weight_offset;
+      const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
+      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index));
+      const uint32_t rows_base = ptx::smem_address(tail_stages + state.index * tail_stage_bytes);
 #pragma unroll
-      for (int i = 0; i < kSlices * kSlice; ++i) ptx::fence_operand(accum[i]);
+      for (int i = 0; i < FullMma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+#pragma unroll
+      for (int i = 0; i < kSlices * kSlice; ++i) ptx::fence_operand(tail[i]);
       ptx::wgmma_fence();
+      // One descriptor per operand; a step of 16 bytes adds 1 to its address field (the
+      // addresses stay far below the field's 256 KB), so the unrolled steps need no more live
+      // 64-bit values (each one computed ahead spilled, with the tail's accumulators beside the
+      // tile's).
+      const uint64_t a_desc = ptx::make_smem_descriptor(a_base, 0, 1024);
+      const uint64_t b_desc = ptx::make_smem_descriptor(b_base, 0, 1024);
+      const uint64_t rows_desc = ptx::make_smem_descriptor(rows_base, 0, 1024);
+      const uint64_t weights_desc = b_desc + (weight_offset >> 4);
 #pragma unroll
       for (int k16 = 0; k16 < TileConfig::BLOCK_K / 16; ++k16) {
-        const uint64_t rows = ptx::make_smem_descriptor(rows_base + k16 * 32, 0, 1024);
+        const uint64_t step = static_cast<uint64_t>(k16 * 32) >> 4;
+        FullMma::mma(a_desc + step, b_desc + step, 1u, accum);
 #pragma unroll
         for (int s = 0; s < kSlices; ++s) {
-          const uint64_t weights =
-              ptx::make_smem_descriptor(weights_base + s * 64 * 128 + k16 * 32, 0, 1024);
-          Mma::mma(weights, rows, 1u, reinterpret_cast<float(&)[kSlice]>(accum[s * kSlice]));
+          Mma::mma(weights_desc + ((s * 64 * 128) >> 4) + step, rows_desc + step, 1u,
+                   reinterpret_cast<float(&)[kSlice]>(tail[s * kSlice]));
         }
       }
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<0>();
 #pragma unroll
-      for (int i = 0; i < kSlices * kSlice; ++i) ptx::fence_operand(accum[i]);
+      for (int i = 0; i < FullMma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+#pragma unroll
+      for (int i = 0; i < kSlices * kSlice; ++i) ptx::fence_operand(tail[i]);
       if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
       state.advance();
     }
