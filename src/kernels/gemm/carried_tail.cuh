@@ -9,6 +9,9 @@
 // slower still (each k16 step of a narrow wgmma waits for the one before: +8 %, v34). Beside a full
 // tile's m64n256 MMAs, the weight tile is already in the stages and the narrow MMAs' latency hides.
 //
+// kRows is 8 (m64n8, 8 more accumulators a consumer thread): with 16, ptxas serialised every
+// wgmma of the fused kernel for want of registers (C7512), the tile's 128 accumulators beside.
+//
 // The stages hold the full tile's A (128 rows, K-major) and B (256 weight rows, K-major), and the
 // tail's kRows rows in a stage of their own (the same 128-byte swizzled K-major layout). Either
 // operand of wgmma may be K-major, so only the roles change: consumer c multiplies weight rows
@@ -38,12 +41,10 @@ namespace mok::gemm {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// kRows: wgmma's N, 16 or 32 (the block's rows rounded up).
+// kRows: wgmma's N, 8 or 16: the most rows a carried tail has.
 template <int kRows>
 struct CarriedTail {
-  using Mma = std::conditional_t<
-      kRows == 8, ptx::Wgmma64x8<0, 0>,
-      std::conditional_t<kRows == 16, ptx::Wgmma64x16<0, 0>, ptx::Wgmma64x32<0, 0>>>;
+  using Mma = std::conditional_t<kRows == 8, ptx::Wgmma64x8<0, 0>, ptx::Wgmma64x16<0, 0>>;
   static_assert(Mma::kN == kRows, "wgmma N = the rows");
   static constexpr int kSlice = Mma::kNumAccumulators;  // accumulators of one m64 slice
   static constexpr int kSlices = 2;                      // per consumer: 128 weight rows
@@ -106,8 +107,9 @@ struct CarriedTail {
     }
   }
 
-  // The tile's bf16 results (SwiGLU's h, or the plain outputs) to row_destination's rows, as
-  // Epilogue<kForward, kEpilogue>::store would write them. accum is overwritten.
+  // The tail's bf16 results (SwiGLU's h, or the plain outputs) to row_destination's rows, as
+  // Epilogue<kForward, kEpilogue>::store would write them (`tile`: the tail block's). accum (the
+  // tail's accumulators) is overwritten.
   template <EpilogueKind kEpilogue, class RowDestination, int kSize>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, float (&accum)[kSize],
@@ -126,7 +128,9 @@ struct CarriedTail {
 #pragma unroll
         for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) all_fast &= accum[s * kSlice + 4 * j + e] > kFastSwiGluGateFloor;
+          for (int e = 0; e < 2; ++e) {
+            all_fast &= accum[s * kSlice + 4 * j + e] > kFastSwiGluGateFloor;
+          }
         }
       }
 #pragma unroll

@@ -18,7 +18,7 @@ namespace mok::megakernel {
 struct FusedForwardMaps {
   CUtensorMap a[kNumTaskKinds];
   CUtensorMap b[kNumTaskKinds];
-  // The routed kinds' A with boxes of kCarriedTailRows rows: the tails tiles carry (task_list.cuh)
+  // The routed kinds' A in boxes of kCarriedTailRows rows: carried tails (task_list.cuh)
   CUtensorMap a_tail[kNumTaskKinds];
 };
 

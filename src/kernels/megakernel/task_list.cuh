@@ -24,6 +24,11 @@
 // g writes its hidden rows, the down tiles of block g - ring_mblocks must have read theirs. That
 // block lies at least two minibatches back, so its down tiles come before R(k) in the list.
 //
+// Carried tails (kCarriedTailRows): an expert's last block of a few rows, after a block of the same
+// minibatch, keeps its tickets, but the tiles of the block before compute it and raise its
+// counters; its own tiles are skipped (Task::carried, Task::tail_rows). They wait for both
+// blocks' inputs, which the same minibatch brings, so the order argument below holds.
+//
 // CTAs take tasks by ticket (one atomic counter), so each CTA's tasks come in increasing order,
 // and a CTA runs its tasks in the order it took them. Every task depends only on tasks earlier in
 // the list (or on the dispatch, which depends only on gate/up tasks of earlier blocks, hence
