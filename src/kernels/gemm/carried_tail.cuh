@@ -122,29 +122,23 @@ struct CarriedTail {
     // weight (gate and up rows interleaved by 8) the first row is a gate row and the second the
     // up row of the same h column: h overwrites the gate's accumulator.
     if constexpr (kSwiGlu) {
+      // visit(i) for each gate accumulator accum[i] (its up: accum[i + 2]).
+      const auto for_each_gate = [](auto&& visit) {
+#pragma unroll
+        for (int s = 0; s < kSlices; ++s) {
+#pragma unroll
+          for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) visit(s * kSlice + 4 * j + e);
+          }
+        }
+      };
       bool all_fast = true;
-#pragma unroll
-      for (int s = 0; s < kSlices; ++s) {
-#pragma unroll
-        for (int j = 0; j < kRows / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            all_fast &= accum[s * kSlice + 4 * j + e] > kFastSwiGluGateFloor;
-          }
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < kSlices; ++s) {
-#pragma unroll
-        for (int j = 0; j < kRows / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& gate = accum[s * kSlice + 4 * j + e];
-            const float up = accum[s * kSlice + 4 * j + 2 + e];
-            gate = all_fast ? swiglu_fast(gate, up) : numerics::swiglu(gate, up);
-          }
-        }
-      }
+      for_each_gate([&](int gate) { all_fast &= accum[gate] > kFastSwiGluGateFloor; });
+      for_each_gate([&](int gate) {
+        accum[gate] = all_fast ? swiglu_fast(accum[gate], accum[gate + 2])
+                               : numerics::swiglu(accum[gate], accum[gate + 2]);
+      });
     }
     using Fragment = typename Epilogue<GemmKind::kForward, kEpilogue>::Fragment;
     Fragment f{};
