@@ -215,18 +215,18 @@ TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
   }
 }
 
-// Experts whose last row block holds at most kCarriedTailRows rows after a block of the same
-// minibatch have it carried by the tiles of that block (gemm/carried_tail.cuh, wgmma N over the
-// rows); the others run half or full tiles. Counts around those edges (tails of 1, 2 and 8 rows
-// after one and two blocks, 16, 17, 36, an empty expert, small experts), on the wider shape (a
-// partial column block), give the unfused path's bits at EP1 (one minibatch) and EP2 (minibatches
-// of two blocks, which some experts straddle), and match the CPU reference.
+// Experts whose last row block holds a few rows have them carried by the tiles of the blocks
+// before it, 8 rows each (gemm/carried_tail.cuh, wgmma N over the rows); the others run half or
+// full tiles. Counts around those edges (tails of 1, 2, 8, 9, 16 and 17 rows after one, two and
+// three blocks, an empty expert, small experts), on the wider shape (a partial column block),
+// give the unfused path's bits at EP1 (one minibatch) and EP2 (minibatches of two blocks, which
+// some experts straddle), and match the CPU reference.
 TEST(FusedForwardTails, CarriedTailsEqualUnfusedBitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
-  const int64_t tokens = 2 * 160;
+  const int64_t tokens = 2 * 240;
   Problem problem = layer_problem({"uniform", 0.0, true, true}, tokens, 41, true);
-  const std::vector<int> counts = {1, 5, 16, 17, 31, 32, 136, 64, 65, 129, 144, 130, 164, 0, 3,
-                                   264};
+  const std::vector<int> counts = {1, 5, 16, 17, 265, 400, 136, 64, 401, 129, 144, 130, 164, 0,
+                                   3, 264};
   ASSERT_EQ(counts.size(), static_cast<size_t>(problem.shape.num_experts));
   // Expert e's slots are consecutive places of the list, so they fall on distinct tokens.
   const int64_t top_k = problem.shape.top_k;

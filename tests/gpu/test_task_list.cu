@@ -5,6 +5,7 @@
 // decodes the same whatever tickets a CTA saw before it; carried tails go with the right tiles.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <ostream>
@@ -159,10 +160,12 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
     EXPECT_GT(wraps, 0) << "the case never reuses a ring slot";
   }
 
-  // Carried tails: the tile of an expert's last block with at most kCarriedTailRows rows, after
-  // a block of the same minibatch, is carried by the tile of the block before it (same kind and
-  // column block), which says how many rows; no other tile carries or is carried.
-  int carried = 0;
+  // Carried tails: the tile of an expert's last block is carried when ceil(rows / 8) blocks before
+  // it, in its minibatch, can each take 8 of its rows (at most kMaxTailCarriers, one with ring
+  // rounds): block last - 1 - j takes rows 8 j .. 8 j + 7 (same kind and column block); no other
+  // tile carries or is carried.
+  const bool one_round = routed.mblocks <= shape_of(which, routed.mblocks).ring_mblocks;
+  int carried = 0, several = 0;
   for (const auto& [ticket, task] : tasks) {
     if (is_shared(task.kind)) {
       EXPECT_FALSE(task.carried);
@@ -172,22 +175,34 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
     const int count = which.counts[task.tile.group];
     const int blocks = (count + kRows - 1) / kRows;
     const int tail = count - (blocks - 1) * kRows;
+    const int carriers = (tail + kCarriedTailRows - 1) / kCarriedTailRows;
     const int last = routed.offsets[task.tile.group] / kRows + blocks - 1;
-    const bool carries_ok = blocks >= 2 && tail <= kCarriedTailRows &&
-                            last / which.chunk_mblocks == (last - 1) / which.chunk_mblocks;
+    const bool carries_ok = blocks >= 2 && carriers <= blocks - 1 &&
+                            carriers <= (one_round ? kMaxTailCarriers : 1) &&
+                            last / which.chunk_mblocks == (last - carriers) / which.chunk_mblocks;
+    const int j = last - 1 - task.mblock;
+    const bool carrier = carries_ok && j >= 0 && j < carriers;
     EXPECT_EQ(task.carried, carries_ok && task.mblock == last) << "ticket " << ticket;
-    EXPECT_EQ(task.tail_rows, carries_ok && task.mblock == last - 1 ? tail : 0)
+    EXPECT_EQ(task.tail_rows, carrier ? std::min(kCarriedTailRows, tail - j * kCarriedTailRows) : 0)
         << "ticket " << ticket;
+    if (carrier) {
+      EXPECT_EQ(task.tail_carrier, j) << "ticket " << ticket;
+      EXPECT_EQ(task.tail_carriers, carriers) << "ticket " << ticket;
+    }
     if (task.carried) {
       ++carried;
-      const auto carrier =
-          ticket_of.find({static_cast<int>(task.kind), task.mblock - 1, task.tile.n_block});
-      ASSERT_NE(carrier, ticket_of.end()) << "ticket " << ticket;
-      EXPECT_EQ(tasks.at(carrier->second).tail_rows, tail) << "ticket " << ticket;
+      several += carriers > 1 ? 1 : 0;
+      for (int k = 0; k < carriers; ++k) {
+        const auto found =
+            ticket_of.find({static_cast<int>(task.kind), task.mblock - 1 - k, task.tile.n_block});
+        ASSERT_NE(found, ticket_of.end()) << "ticket " << ticket;
+        EXPECT_EQ(tasks.at(found->second).tail_carrier, k) << "ticket " << ticket;
+      }
     }
   }
   if (std::string(which.name).rfind("carried", 0) == 0) {
     EXPECT_GT(carried, 0) << "no tail was carried";
+    if (which.ring_mblocks == 0) EXPECT_GT(several, 0) << "no tail had several carriers";
   }
 
   // A CTA that saw only some tickets (random increasing subsets) decodes each the same way.
@@ -205,6 +220,7 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
       ASSERT_EQ(task.tile.group, expected.tile.group) << "ticket " << ticket;
       ASSERT_EQ(task.carried, expected.carried) << "ticket " << ticket;
       ASSERT_EQ(task.tail_rows, expected.tail_rows) << "ticket " << ticket;
+      ASSERT_EQ(task.tail_carrier, expected.tail_carrier) << "ticket " << ticket;
     }
   }
 }
@@ -226,9 +242,11 @@ INSTANTIATE_TEST_SUITE_P(
         ListCase{"ring_two_blocks", {200, 0, 513, 64, 129}, 1, 1, {1, 2, 3, 1}, 2},
         // A hot expert through a ring of three minibatches of two blocks.
         ListCase{"ring_hot_expert", {3000, 10, 0, 300}, 2, 2, {2, 3, 2, 2}, 6},
-        // Tails of kCarriedTailRows rows or fewer: carried within a minibatch (136, 130, 392),
-        // not across two (264), not without a block before (8), not when larger (140).
-        ListCase{"carried_tails", {136, 264, 130, 8, 392, 140}, 1, 4, {2, 3, 2, 2}, 0},
+        // Tails carried by one block (136, 264, 130, 392), two (400) or three (532); not without
+        // blocks enough before (8, 140, 280), not past three carriers (160). With ring rounds by
+        // one at most, and not across two minibatches (264 in minibatches of 4 blocks).
+        ListCase{"carried_tails", {136, 264, 130, 8, 392, 140, 280, 532, 160, 400}, 1, 8,
+                 {2, 3, 2, 2}, 0},
         ListCase{"carried_tails_ring", {136, 264, 130, 8, 392, 140, 136}, 1, 4, {2, 3, 2, 2}, 8}),
     [](const auto& info) { return std::string(info.param.name); });
 

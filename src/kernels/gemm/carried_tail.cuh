@@ -108,11 +108,12 @@ struct CarriedTail {
   }
 
   // The tail's bf16 results (SwiGLU's h, or the plain outputs) to row_destination's rows, as
-  // Epilogue<kForward, kEpilogue>::store would write them (`tile`: the tail block's). accum (the
-  // tail's accumulators) is overwritten.
+  // Epilogue<kForward, kEpilogue>::store would write them (`tile`: the tail block's; the
+  // fragment's columns are its rows first_row on). accum (the tail's accumulators) is
+  // overwritten.
   template <EpilogueKind kEpilogue, class RowDestination, int kSize>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
-                               int consumer_idx, float (&accum)[kSize],
+                               int first_row, int consumer_idx, float (&accum)[kSize],
                                const RowDestination& row_destination) {
     static_assert(kEpilogue == EpilogueKind::kSwiGluBf16 || kEpilogue == EpilogueKind::kStoreBf16,
                   "bf16 outputs");
@@ -150,7 +151,7 @@ struct CarriedTail {
     for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int row = 8 * j + 2 * (lane_idx % 4) + e;  // the fragment's column
+        const int row = first_row + 8 * j + 2 * (lane_idx % 4) + e;  // the fragment's column
         if (row >= f.rows_valid) continue;
         char* destination = row_destination(f, tile, row);
 #pragma unroll

@@ -36,8 +36,8 @@ struct Epilogue {
     __device__ char* operator()(const Fragment& f, const GroupedTile&, int tile_row) const {
       return f.tile_base + tile_row * f.row_stride;
     }
-    // The same for the tile of the next row block (its Fragment places it).
-    __device__ RowMajorRows next_block() const { return {}; }
+    // The same for the tile of the row block `blocks` on (its Fragment places it).
+    __device__ RowMajorRows block(int /*blocks*/) const { return {}; }
   };
 
   __device__ static Fragment fragment(const GroupedGemmParams& params, const GroupedTile& tile,

@@ -27,9 +27,9 @@ struct RowsToOwners {
                           : view->slot_row(source.rank, source.token, source.slot);
     return row_start + f.column_bytes;
   }
-  // The rows of the next row block (a carried tail's: compute.cuh).
-  __device__ RowsToOwners next_block() const {
-    return {view, first_row + gemm::TileConfig::BLOCK_M};
+  // The rows of the row block `blocks` on (a carried tail's: compute.cuh).
+  __device__ RowsToOwners block(int blocks) const {
+    return {view, first_row + blocks * gemm::TileConfig::BLOCK_M};
   }
 };
 

@@ -67,14 +67,14 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
-      // The block's rows of its expert (row_begin is the ring's, not the call's), and the next
-      // block's when this tile carries them (in the same ring round).
-      const int rows = min(gemm::TileConfig::BLOCK_M,
-                           task.tile.row_count - task.tile.m_block * gemm::TileConfig::BLOCK_M);
+      // The block's rows of its expert (row_begin is the ring's, not the call's), and the tail's
+      // when this tile carries some (in the same ring round).
       for (int block = 0; block < (task.tail_rows > 0 ? 2 : 1); ++block) {
-        const int mblock = task.mblock + block;
-        wait_counter(view, comm::TaskCounter::kRowsArrived, mblock,
-                     block == 0 ? rows : task.tail_rows, comm::Phase::kDispatch);
+        const int m_block = task.tile.m_block + (block == 0 ? 0 : 1 + task.tail_carrier);
+        const int mblock = task.mblock + (m_block - task.tile.m_block);
+        const int rows = min(gemm::TileConfig::BLOCK_M,
+                             task.tile.row_count - m_block * gemm::TileConfig::BLOCK_M);
+        wait_counter(view, comm::TaskCounter::kRowsArrived, mblock, rows, comm::Phase::kDispatch);
         if (mblock >= shape.ring_mblocks) {
           // The hidden rows' ring slot: free once the block a round back has been read by its
           // down tiles.
@@ -89,12 +89,17 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
                    shape.n_blocks[static_cast<int>(TaskKind::kSharedGateUp)],
                    comm::Phase::kExperts);
       break;
-    case TaskKind::kDown:
-      for (int block = 0; block < (task.tail_rows > 0 ? 2 : 1); ++block) {
-        wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock + block,
-                     shape.n_blocks[static_cast<int>(TaskKind::kGateUp)], comm::Phase::kExperts);
+    case TaskKind::kDown: {
+      // (a carried tail's hidden rows are ready once all its carriers have stored theirs)
+      const int tiles = shape.n_blocks[static_cast<int>(TaskKind::kGateUp)];
+      wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock, tiles,
+                   comm::Phase::kExperts);
+      if (task.tail_rows > 0) {
+        wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock + 1 + task.tail_carrier,
+                     tiles * task.tail_carriers, comm::Phase::kExperts);
       }
       break;
+    }
   }
   // The TMA loads that follow (async proxy) read what the acquire made visible.
   comm::fence_async_proxy_global();
@@ -105,16 +110,19 @@ __device__ inline uint8_t* tail_stages(uint8_t* aligned_smem) { return aligned_s
 using Tail = gemm::CarriedTail<kCarriedTailRows>;
 static_assert(Tail::kAccumulators == kTailAccumulators, "the stash holds the tail");
 
-// Producer, all 32 lanes: the loads of a tile that carries a tail (Loop::load's, and the tail's
-// kCarriedTailRows rows of A beside them, on the same full barrier).
+// Producer, all 32 lanes: the loads of a tile that carries a tail (Loop::load's, and its
+// kCarriedTailRows rows of the tail beside them, on the same full barrier).
 __device__ inline void load_with_tail(const CUtensorMap* map_a, const CUtensorMap* map_b,
                                       const CUtensorMap* map_tail, const Loop::Storage& smem,
                                       uint8_t* tail_smem, const gemm::GroupedGemmParams& params,
-                                      const gemm::GroupedTile& tile, Loop::State& state) {
+                                      const Task& task, Loop::State& state) {
   using Loader = gemm::TileLoader<gemm::GemmKind::kForward, gemm::TileConfig>;
+  const gemm::GroupedTile& tile = task.tile;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int num_blocks = gemm::ceil_div(params.k, gemm::TileConfig::BLOCK_K);
-  const int tail_row = tile.row_begin + (tile.m_block + 1) * gemm::TileConfig::BLOCK_M;
+  const int tail_row = tile.row_begin +
+                       (tile.m_block + 1 + task.tail_carrier) * gemm::TileConfig::BLOCK_M +
+                       task.tail_carrier * kCarriedTailRows;
   for (int k_block = 0; k_block < num_blocks; ++k_block) {
     ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
     if (lane == 0) {
@@ -141,19 +149,21 @@ __device__ inline float* tail_stash(const uint8_t* tail_smem) {
 // A carried tail's stores, from its accumulators in `stash` (tail_stash).
 // NOTE: not inlined: inlined, ptxas spilled ~60 bytes in the consumers (the tile's accumulators
 // keep their registers throughout the consumer loop).
+// `tile`: the carrier's; `carrier`: its tail_carrier (rows 8 j .. of the block 1 + j on).
 template <gemm::EpilogueKind kEpilogue, class RowDestination>
 __device__ __noinline__ void store_tail(const gemm::GroupedGemmParams& gemm_params,
-                                        gemm::GroupedTile tile, int consumer_idx,
+                                        gemm::GroupedTile tile, int carrier, int consumer_idx,
                                         const float* stash, const RowDestination& row_destination) {
   float tail[Tail::kAccumulators];
 #pragma unroll
   for (int i = 0; i < Tail::kAccumulators; ++i) tail[i] = stash[i * 256];
-  ++tile.m_block;
-  Tail::store<kEpilogue>(gemm_params, tile, consumer_idx, tail, row_destination);
+  tile.m_block += 1 + carrier;
+  Tail::store<kEpilogue>(gemm_params, tile, carrier * kCarriedTailRows, consumer_idx, tail,
+                         row_destination.block(1 + carrier));
 }
 
 // row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners;
-// its next_block() places a carried tail's rows).
+// its block(n) places the rows n blocks on: a carried tail's).
 template <gemm::EpilogueKind kEpilogue,
           class RowDestination =
               typename gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>::RowMajorRows>
@@ -178,20 +188,21 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
   if constexpr (kCanCarry) {
     if (task.tail_rows > 0) {
-      store_tail<kEpilogue>(gemm_params, task.tile, consumer_idx, tail_stash(tail_smem),
-                            row_destination.next_block());
+      store_tail<kEpilogue>(gemm_params, task.tile, task.tail_carrier, consumer_idx,
+                            tail_stash(tail_smem), row_destination);
     }
   }
 }
 
 // All consumer threads, after storing a tile: the row block's counter of `kind` moves on (the
 // barrier orders every consumer's stores before the raise's fence).
-// `blocks` counters from mblock on (2 for a tile that carries a tail).
+// tail_mblock >= 0: the carried tail's block, whose counter moves on too.
 __device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskCounter kind,
-                                    int mblock, int blocks = 1) {
+                                    int mblock, int tail_mblock = -1) {
   consumer_barrier();
   if (threadIdx.x == 128) {
-    for (int block = 0; block < blocks; ++block) raise_counter(view, kind, mblock + block);
+    raise_counter(view, kind, mblock);
+    if (tail_mblock >= 0) raise_counter(view, kind, tail_mblock);
   }
 }
 
@@ -328,7 +339,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         const int kind = static_cast<int>(task.kind);
         if (task.tail_rows > 0) {
           load_with_tail(&maps.a[kind], &maps.b[kind], &maps.a_tail[kind], smem,
-                         tail_stages(aligned_smem), params.gemm[kind], task.tile, state);
+                         tail_stages(aligned_smem), params.gemm[kind], task, state);
         } else {
           Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
                      tail_phase);
@@ -351,8 +362,8 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       advance_slot();
       if (task.mblock == kNoTask) break;
       const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
-      // A tile that carries the next block's rows stands for that block's tile too.
-      const int blocks = task.tail_rows > 0 ? 2 : 1;
+      // A tile that carries rows of a tail stands for (part of) the tail's tile too.
+      const int tail_mblock = task.tail_rows > 0 ? task.mblock + 1 + task.tail_carrier : -1;
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
         case TaskKind::kGateUp: {
@@ -362,7 +373,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           publish_tile(params.view,
                        task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
                                                       : comm::TaskCounter::kSharedHiddenReady,
-                       task.mblock, blocks);
+                       task.mblock, tail_mblock);
           if (tracing) publish_ns += static_cast<uint32_t>(trace_clock() - publish_start);
           break;
         }
@@ -377,11 +388,13 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
           run_tile<gemm::EpilogueKind::kStoreBf16>(
               gemm_params, task, consumer_idx, smem, tail_smem, state, accum,
               RowsToOwners{&params.view, first_row});
-          down_tiles += static_cast<uint32_t>(blocks);
+          // (the tail's tile counts once, with its first carrier)
+          down_tiles += task.tail_rows > 0 && task.tail_carrier == 0 ? 2 : 1;
           if (task.frees_ring_block) {
             // Every k-block of the tile has landed (both consumers waited for them): its hidden
-            // rows (and a carried tail's, in the same round) may be overwritten by the next round.
-            publish_tile(params.view, comm::TaskCounter::kDownDone, task.mblock, blocks);
+            // rows (and a carried tail's, in the same round: one carrier with ring rounds) may
+            // be overwritten by the next round.
+            publish_tile(params.view, comm::TaskCounter::kDownDone, task.mblock, tail_mblock);
           }
           break;
         }

@@ -24,10 +24,10 @@
 // g writes its hidden rows, the down tiles of block g - ring_mblocks must have read theirs. That
 // block lies at least two minibatches back, so its down tiles come before R(k) in the list.
 //
-// Carried tails (kCarriedTailRows): an expert's last block of a few rows, after a block of the same
-// minibatch, keeps its tickets, but the tiles of the block before compute it and raise its
-// counters; its own tiles are skipped (Task::carried, Task::tail_rows). They wait for both
-// blocks' inputs, which the same minibatch brings, so the order argument below holds.
+// Carried tails (kCarriedTailRows): an expert's last block of a few rows keeps its tickets, but
+// the tiles of the blocks before it, in the same minibatch, compute it and raise its counters;
+// its own tiles are skipped (Task::carried, Task::tail_rows). They wait for their own and the
+// tail's inputs, which the same minibatch brings, so the order argument below holds.
 //
 // CTAs take tasks by ticket (one atomic counter), so each CTA's tasks come in increasing order,
 // and a CTA runs its tasks in the order it took them. Every task depends only on tasks earlier in
@@ -64,22 +64,30 @@ struct TaskShape {
   }
 };
 
-// An expert whose last row block holds at most this many rows, after a whole block in the same
-// minibatch, has that tail computed by the tiles of the block before it ("carried"): each of those
-// tiles also multiplies the tail's rows by the weight tile already in its stages, with wgmma's N
-// over them (gemm/carried_tail.cuh), instead of a tile of its own that streams the whole weight
-// tile for a few rows and multiplies 64 (docs/perf-notes/layer.md v34).
+// An expert whose last row block holds only a few rows (its tail) has them computed by the tiles
+// of the blocks before it ("carried"): each of those tiles also multiplies kCarriedTailRows of
+// the tail's rows by the weight tile already in its stages, with wgmma's N over them
+// (gemm/carried_tail.cuh), instead of a tile of its own that streams the whole weight tile for a
+// few rows and multiplies 64 (docs/perf-notes/layer.md v34). Carrier j (the block j + 1 before
+// the tail) takes the tail's rows 8 j .. 8 j + 7; a tail needs ceil(rows / 8) carriers, at most
+// kMaxTailCarriers, all in the tail's minibatch. With several carriers the tail's counters reach
+// their counts only once every carrier has raised them; the dispatch's ring-slot wait does not
+// know that, so a ring of several rounds takes one carrier at most.
 inline constexpr int kCarriedTailRows = 8;
+inline constexpr int kMaxTailCarriers = 3;
 
 struct Task {
   TaskKind kind;
   int mblock;             // row block: of the call's expert rows, or of this rank's tokens (shared)
   // Routed down tile whose block's ring slot a later round reuses: it reports that it has read it.
   bool frees_ring_block;
-  // Routed: the tile of a carried tail block (nothing to do: the tile of the block before it
-  // computes it), or, > 0, the rows of the next block (the expert's tail) this tile carries.
+  // Routed: the tile of a carried tail block (nothing to do: the tiles of the blocks before it
+  // compute it); or, tail_rows > 0, a carrier: the tail's rows 8 j .. 8 j + tail_rows - 1 with
+  // j = tail_carrier (the tail is block mblock + 1 + j), one of tail_carriers.
   bool carried;
   int tail_rows;
+  int tail_carrier;
+  int tail_carriers;
   gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take; row_begin is the expert's
                            // first row in the ring buffers' round of this block
 };
@@ -125,6 +133,8 @@ class TaskScheduler {
     task.frees_ring_block = false;
     task.carried = false;
     task.tail_rows = 0;
+    task.tail_carrier = 0;
+    task.tail_carriers = 0;
     if (is_shared(kind_)) {
       const int local = task_ - segment_first_;
       int mblock, nblock;
@@ -157,26 +167,40 @@ class TaskScheduler {
       task.tile = {expert_, m_block, local / expert_mblocks_,
                    row_begin - ring_round_base(task.mblock, shape_.ring_mblocks),
                    counts_[expert_]};
-      const int tail = carried_tail_rows(row_begin, counts_[expert_]);
-      if (tail > 0) {
+      const int carriers = tail_carriers(row_begin, counts_[expert_]);
+      if (carriers > 0) {
         const int last = (counts_[expert_] - 1) / gemm::TileConfig::BLOCK_M;
+        const int carrier = last - 1 - m_block;  // j: the block j + 1 before the tail
         task.carried = m_block == last;
-        task.tail_rows = m_block == last - 1 ? tail : 0;
+        if (carrier >= 0 && carrier < carriers) {
+          const int tail = counts_[expert_] - last * gemm::TileConfig::BLOCK_M;
+          const int rows = tail - carrier * kCarriedTailRows;
+          task.tail_rows = rows < kCarriedTailRows ? rows : kCarriedTailRows;
+          task.tail_carrier = carrier;
+          task.tail_carriers = carriers;
+        }
       }
     }
     return true;
   }
 
-  // The rows of an expert's tail block when the block before it carries it (kCarriedTailRows),
-  // else 0. Both blocks must lie in one minibatch (hence one ring round): the tiles of the block
-  // before then wait for the tail's rows, which the same minibatch brings.
-  __host__ __device__ int carried_tail_rows(int row_begin, int count) const {
+  // How many tiles of an expert's blocks carry its tail (kCarriedTailRows each), 0 for none: the
+  // blocks right before the tail, all in the tail's minibatch (the carriers wait for the tail's
+  // rows, which the same minibatch brings), and one of them at most unless the ring holds every
+  // row in one round.
+  __host__ __device__ int tail_carriers(int row_begin, int count) const {
     constexpr int kRows = gemm::TileConfig::BLOCK_M;
     const int blocks = (count + kRows - 1) / kRows;
     const int tail = count - (blocks - 1) * kRows;
-    if (blocks < 2 || tail > kCarriedTailRows) return 0;
+    const int carriers = (tail + kCarriedTailRows - 1) / kCarriedTailRows;
+    const bool one_round = shape_.routed_mblocks <= shape_.ring_mblocks;
+    if (blocks < 2 || carriers > blocks - 1 || carriers > (one_round ? kMaxTailCarriers : 1)) {
+      return 0;
+    }
     const int tail_block = row_begin / kRows + blocks - 1;
-    return tail_block / shape_.chunk_mblocks == (tail_block - 1) / shape_.chunk_mblocks ? tail : 0;
+    const bool one_minibatch =
+        tail_block / shape_.chunk_mblocks == (tail_block - carriers) / shape_.chunk_mblocks;
+    return one_minibatch ? carriers : 0;
   }
 
  private:
