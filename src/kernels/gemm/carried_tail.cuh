@@ -27,7 +27,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/gemm_types.cuh"
@@ -41,11 +40,11 @@ namespace mok::gemm {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// kRows: wgmma's N, 8 or 16: the most rows a carried tail has.
+// kRows: wgmma's N, the rows one carrier takes.
 template <int kRows>
 struct CarriedTail {
-  using Mma = std::conditional_t<kRows == 8, ptx::Wgmma64x8<0, 0>, ptx::Wgmma64x16<0, 0>>;
-  static_assert(Mma::kN == kRows, "wgmma N = the rows");
+  using Mma = ptx::Wgmma64x8<0, 0>;
+  static_assert(Mma::kN == kRows, "wgmma N = the rows (m64n8 only: see above)");
   static constexpr int kSlice = Mma::kNumAccumulators;  // accumulators of one m64 slice
   static constexpr int kSlices = 2;                      // per consumer: 128 weight rows
   static constexpr int kAccumulators = kSlices * kSlice;
@@ -59,12 +58,12 @@ struct CarriedTail {
                                               uint32_t tail_stage_bytes,
                                               const GroupedGemmParams& params, int consumer_idx,
                                               State& state, float (&accum)[TileConfig::BLOCK_N / 2],
-                                              float (&tail)[kSlices * kSlice]) {
+                                              float (&tail)[kAccumulators]) {
     using FullMma = ptx::Wgmma64x256<0, 0>;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = ceil_div(params.k, TileConfig::BLOCK_K);
 #pragma unroll
-    for (int i = 0; i < kSlices * kSlice; ++i) tail[i] = 0.0f;
+    for (int i = 0; i < kAccumulators; ++i) tail[i] = 0.0f;
     const uint32_t a_offset = static_cast<uint32_t>(consumer_idx) * (TileConfig::kABytes / 2);
     // Weight rows 128 c + 64 s: 128-byte rows, so whole 1024-byte swizzle atoms.
     const uint32_t weight_offset = static_cast<uint32_t>(consumer_idx) * 128 * 128;
@@ -76,12 +75,10 @@ struct CarriedTail {
 #pragma unroll
       for (int i = 0; i < FullMma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
 #pragma unroll
-      for (int i = 0; i < kSlices * kSlice; ++i) ptx::fence_operand(tail[i]);
+      for (int i = 0; i < kAccumulators; ++i) ptx::fence_operand(tail[i]);
       ptx::wgmma_fence();
       // One descriptor per operand; a step of 16 bytes adds 1 to its address field (the
-      // addresses stay far below the field's 256 KB), so the unrolled steps need no more live
-      // 64-bit values (each one computed ahead spilled, with the tail's accumulators beside the
-      // tile's).
+      // addresses stay far below the field's 256 KB).
       const uint64_t a_desc = ptx::make_smem_descriptor(a_base, 0, 1024);
       const uint64_t b_desc = ptx::make_smem_descriptor(b_base, 0, 1024);
       const uint64_t rows_desc = ptx::make_smem_descriptor(rows_base, 0, 1024);
@@ -101,7 +98,7 @@ struct CarriedTail {
 #pragma unroll
       for (int i = 0; i < FullMma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
 #pragma unroll
-      for (int i = 0; i < kSlices * kSlice; ++i) ptx::fence_operand(tail[i]);
+      for (int i = 0; i < kAccumulators; ++i) ptx::fence_operand(tail[i]);
       if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
       state.advance();
     }

@@ -34,7 +34,7 @@ __device__ inline void load_with_tail(const CUtensorMap* map_a, const CUtensorMa
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int num_blocks = gemm::ceil_div(params.k, gemm::TileConfig::BLOCK_K);
   const int tail_row = tile.row_begin +
-                       (tile.m_block + 1 + task.tail_carrier) * gemm::TileConfig::BLOCK_M +
+                       (tile.m_block + task.tail_offset()) * gemm::TileConfig::BLOCK_M +
                        task.tail_carrier * kCarriedTailRows;
   for (int k_block = 0; k_block < num_blocks; ++k_block) {
     ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
@@ -52,27 +52,28 @@ __device__ inline void load_with_tail(const CUtensorMap* map_a, const CUtensorMa
 
 // Where this consumer thread's carried tail accumulators wait while the tile is stored: beside
 // the tile's accumulators in the epilogue, ptxas spilled (those keep their registers throughout
-// the consumer loop). Each thread's own floats, 256 apart.
+// the consumer loop). Each thread's own floats, kConsumerThreads apart.
 __device__ inline float* tail_stash(const uint8_t* tail_smem) {
   return reinterpret_cast<float*>(const_cast<uint8_t*>(tail_smem) +
                                   (kTailStashOffset - kTailOffset)) +
-         (threadIdx.x - 128);
+         (threadIdx.x - (kThreads - kConsumerThreads));
 }
 
 // A carried tail's stores, from its accumulators in `stash` (tail_stash).
 // NOTE: not inlined: inlined, ptxas spilled ~60 bytes in the consumers (the tile's accumulators
 // keep their registers throughout the consumer loop).
-// `tile`: the carrier's; `carrier`: its tail_carrier (rows 8 j .. of the block 1 + j on).
+// `task`: the carrier; row_destination: its own rows'.
 template <gemm::EpilogueKind kEpilogue, class RowDestination>
 __device__ __noinline__ void store_tail(const gemm::GroupedGemmParams& gemm_params,
-                                        gemm::GroupedTile tile, int carrier, int consumer_idx,
-                                        const float* stash, const RowDestination& row_destination) {
+                                        const Task& task, int consumer_idx, const float* stash,
+                                        const RowDestination& row_destination) {
   float tail[Tail::kAccumulators];
 #pragma unroll
-  for (int i = 0; i < Tail::kAccumulators; ++i) tail[i] = stash[i * 256];
-  tile.m_block += 1 + carrier;
-  Tail::store<kEpilogue>(gemm_params, tile, carrier * kCarriedTailRows, consumer_idx, tail,
-                         row_destination.block(1 + carrier));
+  for (int i = 0; i < Tail::kAccumulators; ++i) tail[i] = stash[i * kConsumerThreads];
+  gemm::GroupedTile tile = task.tile;  // the tail block's
+  tile.m_block += task.tail_offset();
+  Tail::store<kEpilogue>(gemm_params, tile, task.tail_carrier * kCarriedTailRows, consumer_idx,
+                         tail, row_destination.block(task.tail_offset()));
 }
 
 #endif  // __CUDA_ARCH__ >= 900

@@ -67,21 +67,23 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
     case TaskKind::kSharedGateUp:
       return;  // x was staged before the launch
     case TaskKind::kGateUp: {
-      // The block's rows of its expert (row_begin is the ring's, not the call's), and the tail's
-      // when this tile carries some (in the same ring round).
-      for (int block = 0; block < (task.tail_rows > 0 ? 2 : 1); ++block) {
-        const int m_block = task.tile.m_block + (block == 0 ? 0 : 1 + task.tail_carrier);
-        const int mblock = task.mblock + (m_block - task.tile.m_block);
+      // A block `offset` blocks on of the tile's expert (row_begin is the ring's, not the call's):
+      // its rows, and its hidden rows' ring slot, free once the block a round back has been read
+      // by its down tiles. The tile's own block, and the tail's when it carries some (in the same
+      // ring round).
+      const auto wait_block = [&](int offset) {
+        const int mblock = task.mblock + offset;
         const int rows = min(gemm::TileConfig::BLOCK_M,
-                             task.tile.row_count - m_block * gemm::TileConfig::BLOCK_M);
+                             task.tile.row_count - (task.tile.m_block + offset) *
+                                                       gemm::TileConfig::BLOCK_M);
         wait_counter(view, comm::TaskCounter::kRowsArrived, mblock, rows, comm::Phase::kDispatch);
         if (mblock >= shape.ring_mblocks) {
-          // The hidden rows' ring slot: free once the block a round back has been read by its
-          // down tiles.
           wait_counter(view, comm::TaskCounter::kDownDone, mblock - shape.ring_mblocks,
                        shape.n_blocks[static_cast<int>(TaskKind::kDown)], comm::Phase::kExperts);
         }
-      }
+      };
+      wait_block(0);
+      if (task.tail_rows > 0) wait_block(task.tail_offset());
       break;
     }
     case TaskKind::kSharedDown:
@@ -95,7 +97,7 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
       wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock, tiles,
                    comm::Phase::kExperts);
       if (task.tail_rows > 0) {
-        wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock + 1 + task.tail_carrier,
+        wait_counter(view, comm::TaskCounter::kHiddenReady, task.mblock + task.tail_offset(),
                      tiles * task.tail_carriers, comm::Phase::kExperts);
       }
       break;
@@ -124,15 +126,15 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
                                state, accum, tail);
     float* stash = tail_stash(tail_smem);
 #pragma unroll
-    for (int i = 0; i < Tail::kAccumulators; ++i) stash[i * 256] = tail[i];
+    for (int i = 0; i < Tail::kAccumulators; ++i) stash[i * kConsumerThreads] = tail[i];
   } else {
     Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
   }
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
   if constexpr (kCanCarry) {
     if (task.tail_rows > 0) {
-      store_tail<kEpilogue>(gemm_params, task.tile, task.tail_carrier, consumer_idx,
-                            tail_stash(tail_smem), row_destination);
+      store_tail<kEpilogue>(gemm_params, task, consumer_idx, tail_stash(tail_smem),
+                            row_destination);
     }
   }
 }
@@ -306,7 +308,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
       if (task.mblock == kNoTask) break;
       const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
       // A tile that carries rows of a tail stands for (part of) the tail's tile too.
-      const int tail_mblock = task.tail_rows > 0 ? task.mblock + 1 + task.tail_carrier : -1;
+      const int tail_mblock = task.tail_rows > 0 ? task.mblock + task.tail_offset() : -1;
       switch (task.kind) {
         case TaskKind::kSharedGateUp:
         case TaskKind::kGateUp: {

@@ -45,15 +45,17 @@ struct FusedForwardParams {
 using RingLayout = gemm::SharedLayout<gemm::EpilogueKind::kSwiGluBf16>;
 using Loop = gemm::Mainloop<gemm::GemmKind::kForward, RingLayout>;
 inline constexpr int kThreads = gemm::TileConfig::kNumThreads;
+inline constexpr int kConsumerThreads = 128 * gemm::TileConfig::kNumConsumerWarpgroups;
 // Past the stage ring, 1024-byte aligned: each stage's carried tail rows (kCarriedTailRows rows of
 // A, laid out as A).
 inline constexpr uint32_t kTailStageBytes = kCarriedTailRows * gemm::TileConfig::BLOCK_K * 2;
 inline constexpr uint32_t kTailOffset = (RingLayout::kBytes + 1023) / 1024 * 1024;
 // Then each consumer thread's carried tail accumulators while the tile's own are stored.
-inline constexpr int kTailAccumulators = 2 * kCarriedTailRows / 2;  // CarriedTail::kAccumulators
+// (two m64 slices of 64 x rows outputs over a warpgroup's 128 threads: rows a thread)
+inline constexpr int kTailAccumulators = kCarriedTailRows;  // CarriedTail::kAccumulators
 inline constexpr uint32_t kTailStashOffset = kTailOffset + RingLayout::kNumStages * kTailStageBytes;
 inline constexpr uint32_t kTailStashBytes =
-    2 * 128 * kTailAccumulators * static_cast<uint32_t>(sizeof(float));
+    kConsumerThreads * kTailAccumulators * static_cast<uint32_t>(sizeof(float));
 inline constexpr uint32_t kSharedBytes =
     kTailStashOffset + kTailStashBytes + RingLayout::kAlignment;
 static_assert(kSharedBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");

@@ -16,7 +16,8 @@
 // tiles wait one minibatch behind its gate/up tiles, so their inputs are normally complete when
 // they start. Within a segment the tiles go expert by expert, and within an expert column block
 // outer, row block inner, as in the standalone grouped GEMM: the CTAs running side by side share
-// the expert's weight tiles and its rows through L2. (The shared gate/up tiles go row block outer, column block inner: see decode.)
+// the expert's weight tiles and its rows through L2. (The shared gate/up tiles go row block
+// outer, column block inner: see decode.)
 //
 // Ring rounds: expert_x and the routed hidden rows hold `ring_mblocks` blocks (a multiple of B, at
 // least 2 B), and block g lives at ring block g mod ring_mblocks. Before the dispatch writes block
@@ -90,6 +91,9 @@ struct Task {
   int tail_carriers;
   gemm::GroupedTile tile;  // what the GEMM mainloop and epilogue take; row_begin is the expert's
                            // first row in the ring buffers' round of this block
+
+  // A carrier's tail block is this many blocks after its own.
+  __host__ __device__ int tail_offset() const { return 1 + tail_carrier; }
 };
 
 // The first row of block `mblock`'s round, in the call's expert rows (ring slot 0 of the round).

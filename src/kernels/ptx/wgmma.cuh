@@ -118,27 +118,8 @@ struct Wgmma64x128 {
   }
 };
 
-// D(64, 16) += A(64, 16) · B(16, 16) and D(64, 8) += A(64, 16) · B(16, 8): the narrow shapes of
-// the carried tails (gemm/carried_tail.cuh); 8 and 4 accumulators per thread.
-template <int kTransposeA, int kTransposeB>
-struct Wgmma64x16 {
-  static constexpr int kN = 16;
-  static constexpr int kNumAccumulators = 8;
-  __device__ __forceinline__ static void mma(uint64_t descriptor_a, uint64_t descriptor_b,
-                                             uint32_t accumulate, float (&d)[8]) {
-    asm volatile(
-        "{\n"
-        ".reg .pred accumulate;\n"
-        "setp.ne.b32 accumulate, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7},\n"
-        " %8, %9, accumulate, 1, 1, %11, %12;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(descriptor_a), "l"(descriptor_b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB));
-  }
-};
-
+// D(64, 8) += A(64, 16) · B(16, 8): the narrow shape of the carried tails
+// (gemm/carried_tail.cuh); 4 accumulators per thread.
 template <int kTransposeA, int kTransposeB>
 struct Wgmma64x8 {
   static constexpr int kN = 8;
