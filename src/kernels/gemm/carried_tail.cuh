@@ -132,7 +132,7 @@ struct CarriedTail {
         }
       };
       bool all_fast = true;
-      for_each_gate([&](int gate) { all_fast &= accum[gate] > kFastSwiGluGateFloor; });
+      for_each_gate([&](int gate) { all_fast &= swiglu_gate_is_fast(accum[gate]); });
       for_each_gate([&](int gate) {
         accum[gate] = all_fast ? swiglu_fast(accum[gate], accum[gate + 2])
                                : numerics::swiglu(accum[gate], accum[gate + 2]);
