@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch
 # (mok on both engines, cooperative and ping-pong, and torch timed in two passes each), the
-# chart, the SwiGLU epilogue's cost (fused against plain gate/up launched alternately,
+# chart, the SwiGLU epilogue's cost (fused against plain gate/up launched alternately, 5 rounds,
 # gemm-swiglu-cost.json), a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused
 # gate/up GEMM on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative pingpong), on GPU 0. Results and
 # logs go to the results folder.
@@ -68,8 +68,8 @@ python3 bench/baselines/torch_grouped_mm.py combine --mok /tmp/gemm-mok-1.json -
   --torch "$OUT/gemm-torch.json" --out "$RESULTS" \
   --commit "${MOK_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}" 2>&1 | tee -a "$LOG"
 python3 bench/plot_gemm.py "$RESULTS" "$OUT/gemm.png" 2>&1 | tee -a "$LOG"
-say "SwiGLU cost: the SwiGLU-fused gate/up against the plain one, launched alternately"
-timeout 120 "$BIN/bench_gemm" --swiglu-cost "$OUT/gemm-swiglu-cost.json" --iterations 30 2>&1 |
+say "SwiGLU cost: the SwiGLU-fused gate/up against the plain one, launched alternately (5 rounds)"
+timeout 170 "$BIN/bench_gemm" --swiglu-cost "$OUT/gemm-swiglu-cost.json" --iterations 30 --rounds 5 2>&1 |
   tee -a "$LOG"
 
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
