@@ -80,6 +80,28 @@ TEST(LayoutWindow, SameShapesGiveTheSameWindowOnEveryRank) {
   EXPECT_EQ(a.x_offset, b.x_offset);
 }
 
+TEST(RowSource, UnpackInvertsPackUpToTheLargestPackedValue) {
+  // The sources of every rank's first and last tokens and slots, for the bench shapes and for a
+  // shape whose packed values reach just below 2^31 (the workspace's limit).
+  const WorkspaceLayout shapes[] = {WorkspaceLayout::make(2, 8192, 7168, 8, 256, 128),
+                                    WorkspaceLayout::make(8, 173, 256, 3, 16, 128),
+                                    WorkspaceLayout::make(4, 67108863, 8, 8, 8, 64)};
+  for (const WorkspaceLayout& layout : shapes) {
+    ASSERT_LT(layout.num_ranks * layout.tokens_max * layout.top_k, int64_t{1} << 31);
+    for (int rank = 0; rank < layout.num_ranks; ++rank) {
+      for (const int64_t token : {int64_t{0}, int64_t{1}, layout.tokens_max - 1}) {
+        for (const int64_t slot : {int64_t{0}, int64_t{layout.top_k - 1}}) {
+          const RowSource source =
+              unpack_row_source(layout, pack_row_source(layout, rank, token, slot));
+          EXPECT_EQ(source.rank, rank);
+          EXPECT_EQ(source.token, token);
+          EXPECT_EQ(source.slot, slot);
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Layout,
     ::testing::Values(std::vector<int64_t>{2, 8192, 7168, 8, 256, 128},   // deepseek-v3, EP 2

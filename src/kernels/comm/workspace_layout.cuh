@@ -239,11 +239,16 @@ MOK_COMM_HOST_DEVICE int32_t pack_row_source(const WorkspaceLayout& layout, int 
                                              int64_t token, int64_t slot) {
   return static_cast<int32_t>((rank * layout.tokens_max + token) * layout.top_k + slot);
 }
+// In unsigned 32-bit arithmetic: packed lies in [0, 2^31) (the workspace checks R * T_max * k
+// fits), so are its quotients, and a 64-bit division is a long subroutine on the GPU, which the
+// down tiles' epilogue ran once per output row.
 MOK_COMM_HOST_DEVICE RowSource unpack_row_source(const WorkspaceLayout& layout, int32_t packed) {
-  const int32_t slot = static_cast<int32_t>(packed % layout.top_k);
-  const int64_t global_token = packed / layout.top_k;
-  return {static_cast<int32_t>(global_token / layout.tokens_max),
-          static_cast<int32_t>(global_token % layout.tokens_max), slot};
+  const uint32_t bits = static_cast<uint32_t>(packed);
+  const uint32_t top_k = static_cast<uint32_t>(layout.top_k);
+  const uint32_t tokens = static_cast<uint32_t>(layout.tokens_max);
+  const uint32_t global_token = bits / top_k;
+  return {static_cast<int32_t>(global_token / tokens), static_cast<int32_t>(global_token % tokens),
+          static_cast<int32_t>(bits - global_token * top_k)};
 }
 
 }  // namespace mok::comm
