@@ -30,6 +30,11 @@ struct WarpRows {
   static constexpr int kChunks = kOutChunks < kPassChunks ? kOutChunks : kPassChunks;  // a pass's
   static_assert(32 % kChunks == 0, "a warp copies whole rows at a time");
   static constexpr int kRowsAtOnce = 32 / kChunks;
+  // The copy loop of plain outputs is unrolled, so that a lane's staged loads are in flight
+  // together (the fused forward −0.5 to −1 % at deepseek-v3, perf-notes/layer.md v37); for SwiGLU
+  // outputs the same unroll made the SwiGLU GEMM slower (its cost over the plain one up by 0.6–1.2
+  // points), so that loop stays rolled.
+  static constexpr int kCopyUnroll = kSwiGlu ? 1 : 16 / kRowsAtOnce;
 
   // The bf16 output pairs of accum[0, kColumns / 2) in fragment order: packed[2 o + half] is
   // output chunk o (8 columns) of fragment row lane / 4 + 8 half. Plain outputs: pair
@@ -66,7 +71,7 @@ struct WarpRows {
       __syncwarp();
       const int chunk = lane_idx % kChunks;
       const int column = 8 * (pass * kPassChunks + chunk);
-#pragma unroll 1
+#pragma unroll kCopyUnroll
       for (int first = 0; first < 16; first += kRowsAtOnce) {
         const int row = first + lane_idx / kChunks;
         const uint4 value = *reinterpret_cast<const uint4*>(
