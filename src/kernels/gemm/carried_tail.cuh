@@ -49,59 +49,52 @@ struct CarriedTail {
   static constexpr int kSlices = 2;                      // per consumer: 128 weight rows
   static constexpr int kAccumulators = kSlices * kSlice;
 
+  // The tail's MMAs of one k16 step (the mainloop's `beside`): consumer c multiplies weight rows
+  // 128 c + 64 s of the stage's B (128-byte rows, so whole 1024-byte swizzle atoms) by the
+  // stage's tail rows.
+  template <class Storage>
+  struct TailMmas {
+    const Storage& smem;
+    uint32_t tail_base;  // shared address of stage 0's tail rows
+    uint32_t tail_stage_bytes;
+    int consumer_idx;
+    float (&tail)[kAccumulators];
+
+    __device__ void fence() const {
+#pragma unroll
+      for (int i = 0; i < kAccumulators; ++i) ptx::fence_operand(tail[i]);
+    }
+    __device__ void issue(int stage, int k16) const {
+      const uint32_t weights = ptx::smem_address(smem.b_stage(stage)) +
+                               static_cast<uint32_t>(consumer_idx) * 128 * 128 + k16 * 32;
+      const uint64_t rows_desc = ptx::make_smem_descriptor(
+          tail_base + static_cast<uint32_t>(stage) * tail_stage_bytes + k16 * 32, 0, 1024);
+#pragma unroll
+      for (int s = 0; s < kSlices; ++s) {
+        Mma::mma(ptx::make_smem_descriptor(weights + s * 64 * 128, 0, 1024), rows_desc, 1u,
+                 reinterpret_cast<float(&)[kSlice]>(tail[s * kSlice]));
+      }
+    }
+  };
+
   // Consumer side, for a forward tile that carries a tail: the cooperative mainloop's k-loop
-  // (mainloop.cuh: this warpgroup's 64 rows by the whole weight tile into accum) with the tail's
-  // MMAs beside it (tail[s * kSlice, (s + 1) * kSlice) = slice s). tail_stages: kRows rows of
-  // A per stage, tail_stage_bytes apart.
-  template <class Storage, class State>
-  __device__ static void mma_beside_full_tile(const Storage& smem, const uint8_t* tail_stages,
+  // (Loop: mainloop.cuh, this warpgroup's 64 rows by the whole weight tile into accum) with the
+  // tail's MMAs beside it (tail[s * kSlice, (s + 1) * kSlice) = slice s). tail_stages: kRows rows
+  // of A per stage, tail_stage_bytes apart.
+  template <class Loop>
+  __device__ static void mma_beside_full_tile(const typename Loop::Storage& smem,
+                                              const uint8_t* tail_stages,
                                               uint32_t tail_stage_bytes,
-                                              const GroupedGemmParams& params, int consumer_idx,
-                                              State& state, float (&accum)[TileConfig::BLOCK_N / 2],
+                                              const GroupedGemmParams& params,
+                                              const GroupedTile& tile, int consumer_idx,
+                                              typename Loop::State& state,
+                                              float (&accum)[TileConfig::BLOCK_N / 2],
                                               float (&tail)[kAccumulators]) {
-    using FullMma = ptx::Wgmma64x256<0, 0>;
-    const int lane_idx = static_cast<int>(threadIdx.x % 32);
-    const int num_blocks = ceil_div(params.k, TileConfig::BLOCK_K);
 #pragma unroll
     for (int i = 0; i < kAccumulators; ++i) tail[i] = 0.0f;
-    const uint32_t a_offset = static_cast<uint32_t>(consumer_idx) * (TileConfig::kABytes / 2);
-    // Weight rows 128 c + 64 s: 128-byte rows, so whole 1024-byte swizzle atoms.
-    const uint32_t weight_offset = static_cast<uint32_t>(consumer_idx) * 128 * 128;
-    for (int k_block = 0; k_block < num_blocks; ++k_block) {
-      ptx::mbarrier_wait(&smem.full[state.index], state.phase);
-      const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
-      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index));
-      const uint32_t rows_base = ptx::smem_address(tail_stages + state.index * tail_stage_bytes);
-#pragma unroll
-      for (int i = 0; i < FullMma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
-#pragma unroll
-      for (int i = 0; i < kAccumulators; ++i) ptx::fence_operand(tail[i]);
-      ptx::wgmma_fence();
-      // One descriptor per operand; a step of 16 bytes adds 1 to its address field (the
-      // addresses stay far below the field's 256 KB).
-      const uint64_t a_desc = ptx::make_smem_descriptor(a_base, 0, 1024);
-      const uint64_t b_desc = ptx::make_smem_descriptor(b_base, 0, 1024);
-      const uint64_t rows_desc = ptx::make_smem_descriptor(rows_base, 0, 1024);
-      const uint64_t weights_desc = b_desc + (weight_offset >> 4);
-#pragma unroll
-      for (int k16 = 0; k16 < TileConfig::BLOCK_K / 16; ++k16) {
-        const uint64_t step = static_cast<uint64_t>(k16 * 32) >> 4;
-        FullMma::mma(a_desc + step, b_desc + step, 1u, accum);
-#pragma unroll
-        for (int s = 0; s < kSlices; ++s) {
-          Mma::mma(weights_desc + ((s * 64 * 128) >> 4) + step, rows_desc + step, 1u,
-                   reinterpret_cast<float(&)[kSlice]>(tail[s * kSlice]));
-        }
-      }
-      ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<0>();
-#pragma unroll
-      for (int i = 0; i < FullMma::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
-#pragma unroll
-      for (int i = 0; i < kAccumulators; ++i) ptx::fence_operand(tail[i]);
-      if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
-      state.advance();
-    }
+    const TailMmas<typename Loop::Storage> beside{smem, ptx::smem_address(tail_stages),
+                                                  tail_stage_bytes, consumer_idx, tail};
+    Loop::mma_full_tile_with(smem, params, tile, consumer_idx, state, accum, beside);
   }
 
   // The tail's bf16 results (SwiGLU's h, or the plain outputs) to row_destination's rows, as

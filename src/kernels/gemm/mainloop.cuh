@@ -84,6 +84,14 @@ struct Mainloop {
   // k-block. The k order, hence every sum, is the same either way.
   static constexpr bool kGroupInFlight = kKind != GemmKind::kForward;
 
+  // What a consumer issues besides the tile's own MMAs (nothing, by default): fence() on its
+  // accumulators wherever the tile's are fenced, and issue(stage, k16) after the tile's wgmma of
+  // each k16 step, in the same wgmma group (carried_tail.cuh).
+  struct NothingBeside {
+    __device__ void fence() const {}
+    __device__ void issue(int /*stage*/, int /*k16*/) const {}
+  };
+
   // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`; in
   // a half tile (is_half_tile), rows 0-63 of column half consumer_idx into accum[0, 64).
   __device__ static void mma(const Storage& smem, const GroupedGemmParams& params,
@@ -102,6 +110,17 @@ struct Mainloop {
     }
   }
 
+  // mma() for a full tile (not a half one), with `beside`'s MMAs in each k16 step.
+  template <class Beside>
+  __device__ static void mma_full_tile_with(const Storage& smem, const GroupedGemmParams& params,
+                                            const GroupedTile& tile, int consumer_idx,
+                                            State& state, float (&accum)[Mma::kNumAccumulators],
+                                            Beside& beside) {
+    mma_k_blocks<Mma>(smem, params, tile,
+                      consumer_idx * (Config::kABytes / Config::kNumConsumerWarpgroups), 0, state,
+                      accum, beside);
+  }
+
  private:
   using HalfMma = ptx::Wgmma64x128<kAMajorMN ? 1 : 0, kBMajorMN ? 1 : 0>;
   static_assert(2 * HalfMma::kN == Config::BLOCK_N, "a half tile's consumers split N in two");
@@ -111,11 +130,12 @@ struct Mainloop {
 
   // The k-loop of one tile with wgmma shape Shape, A and B read from the given byte offsets
   // into each stage.
-  template <class Shape>
+  template <class Shape, class Beside = const NothingBeside>
   __device__ static void mma_k_blocks(const Storage& smem, const GroupedGemmParams& params,
                                       const GroupedTile& tile, uint32_t a_offset,
                                       uint32_t b_offset, State& state,
-                                      float (&accum)[Shape::kNumAccumulators]) {
+                                      float (&accum)[Shape::kNumAccumulators],
+                                      Beside& beside = NothingBeside{}) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
     int previous_stage = -1;
@@ -125,6 +145,7 @@ struct Mainloop {
       const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) + b_offset;
 #pragma unroll
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+      beside.fence();
       ptx::wgmma_fence();
 #pragma unroll
       for (int k16 = 0; k16 < Config::BLOCK_K / 16; ++k16) {
@@ -134,6 +155,7 @@ struct Mainloop {
         const uint64_t desc_a = ptx::make_smem_descriptor(a_base + a_step, kALeadingBytes, 1024);
         const uint64_t desc_b = ptx::make_smem_descriptor(b_base + b_step, kBLeadingBytes, 1024);
         Shape::mma(desc_a, desc_b, 1u, accum);
+        beside.issue(state.index, k16);
       }
       ptx::wgmma_commit_group();
       if constexpr (kGroupInFlight) {
@@ -143,6 +165,7 @@ struct Mainloop {
       }
 #pragma unroll
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+      beside.fence();
       const int done_stage = kGroupInFlight ? previous_stage : state.index;
       if (lane_idx == 0 && done_stage >= 0) ptx::mbarrier_arrive(&smem.empty[done_stage]);
       previous_stage = state.index;
@@ -152,6 +175,7 @@ struct Mainloop {
       ptx::wgmma_wait_group<0>();
 #pragma unroll
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
+      beside.fence();
       if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
     }
   }

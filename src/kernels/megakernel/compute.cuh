@@ -122,8 +122,8 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
   constexpr bool kCanCarry = kEpilogue != gemm::EpilogueKind::kStoreFp32;
   if (kCanCarry && task.tail_rows > 0) {
     float tail[Tail::kAccumulators];
-    Tail::mma_beside_full_tile(smem, tail_smem, kTailStageBytes, gemm_params, consumer_idx,
-                               state, accum, tail);
+    Tail::mma_beside_full_tile<Loop>(smem, tail_smem, kTailStageBytes, gemm_params, task.tile,
+                                     consumer_idx, state, accum, tail);
     float* stash = tail_stash(tail_smem);
 #pragma unroll
     for (int i = 0; i < Tail::kAccumulators; ++i) stash[i * kConsumerThreads] = tail[i];
