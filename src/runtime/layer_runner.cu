@@ -11,12 +11,12 @@
 #include <cstdio>
 #include <memory>
 
+#include "kernels/megakernel/task_list.cuh"
+#include "kernels/megakernel/trace.cuh"
 #include "mok/error.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/device.hpp"
-#include "kernels/megakernel/task_list.cuh"
-#include "kernels/megakernel/trace.cuh"
 #include "runtime/layer_forward.hpp"
 
 namespace mok {
