@@ -71,7 +71,7 @@ MOK_HOST_DEVICE float bits_to_float(uint32_t bits) {
 #endif
 }
 
-// exp(x) = exp(r) * 2^n with x = n*ln2 + r, |r| <= ln2/2, and exp(r) by a degree-6 polynomial
+// exp(x) = exp(r) * 2^n with x = n*ln2 + r, |r| <= ln2/2, and exp(r) by a degree-5 polynomial
 // (exp_reduced) in fused multiply-adds. No branch: valid wherever 2^n is a normal float.
 struct ExpParts {
   float mantissa;  // exp(r), in [0.7, 1.42]
@@ -90,23 +90,24 @@ MOK_HOST_DEVICE float exp_rounded_exponent(float x) {
 
 // exp(x - n ln 2) for the integer n = exp_rounded_exponent(x), given n.
 //
-// The reduction keeps ln 2 in two constants: as one float it is 1.9e-9 off, which n (up to 127)
-// turns into errors of about 5 * 2^-24 in exp. The polynomial is 1 + r + r^2 q(r), with q of
-// degree 4 fitted to (e^r - 1 - r) / r^2 on |r| <= ln2/2 by Chebyshev interpolation at 5 nodes
-// (mpmath.chebyfit) and its coefficients rounded to the nearest float; the exact 1 + r keeps
-// exp(0) = 1. Its truncation error is under 0.17 * 2^-24 (relative, on |r| <= ln2/2).
-// Measured against std::exp in double for every float x in [-87, 88.5], exp_deterministic is
-// within 1.35 * 2^-24 relative (the degree-7 Taylor polynomial this replaced: 1.33 * 2^-24;
-// degree 5, fitted the same way: 3.9 * 2^-24 and more).
+// Cheap enough for the SwiGLU epilogue, where every operation here is paid 64 times per thread
+// and tile while the tensor cores wait (docs/perf-notes/gemm.md v18): the reduction takes ln 2 as
+// one float (1.9e-9 off, which n turns into up to n * 0.032 * 2^-24 of relative error in exp,
+// about 4 * 2^-24 at n = 126), and exp(r) = 1 + r + r^2 q(r) with q of degree 3: a minimax fit
+// (Remez exchange on the relative error of exp over |r| <= ln2/2, truncation error 1.76 * 2^-24)
+// whose coefficients were rounded to float and then moved by a few float steps to minimise the
+// measured error of this evaluation (2.69 * 2^-24). The exact 1 + r keeps exp(0) = 1.
+// Measured against std::exp in double for every float x in [-87, 88.5]: exp within 6.7 * 2^-24
+// relative and 1 + exp(x) within 5.6 ulp; on [-87, 87], 1 / (1 + exp(x)) within 5.7 ulp. All far
+// below the bf16 rounding of h (2^-9) that follows. (The previous definition, ln 2 in two
+// constants and a degree-4 q: 1.35 * 2^-24, two operations more per SwiGLU output.)
 MOK_HOST_DEVICE float exp_reduced(float x, float n) {
-  constexpr float kLn2High = 0.693145751953125f;  // few mantissa bits: n * kLn2High is exact
-  constexpr float kLn2Low = 1.42860677e-06f;
-  const float r = fma_rn(-n, kLn2Low, fma_rn(-n, kLn2High, x));
-  float p = 0x1.6d10fcp-10f;
-  p = fma_rn(p, r, 0x1.120b62p-7f);
-  p = fma_rn(p, r, 0x1.55551ap-5f);
-  p = fma_rn(p, r, 0x1.5554dep-3f);
-  p = fma_rn(p, r, 0x1p-1f);
+  constexpr float kLn2 = 0x1.62e430p-1f;  // ln 2 rounded to float
+  const float r = fma_rn(-n, kLn2, x);
+  float p = 0x1.106284p-7f;
+  p = fma_rn(p, r, 0x1.5729fp-5f);
+  p = fma_rn(p, r, 0x1.5557a2p-3f);
+  p = fma_rn(p, r, 0x1.fffdfcp-2f);
   p = fma_rn(p, r, 1.0f);
   p = fma_rn(p, r, 1.0f);
   return p;
@@ -131,7 +132,7 @@ MOK_HOST_DEVICE float exp_of_parts(ExpParts parts) {
   return mul_rn(parts.mantissa, power_of_two(parts.exponent));
 }
 
-// exp(x) within 1.35 * 2^-24 relative on [-87, 88.5] (exp_reduced), bit-identical on host and
+// exp(x) within 7 * 2^-24 relative on [-87, 88.5] (exp_reduced), bit-identical on host and
 // device. Above 88.5 it returns +inf; below -87, 0.
 MOK_HOST_DEVICE float exp_deterministic(float x) {
   if (!(x == x)) return x;                           // NaN
