@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -57,9 +58,22 @@ void fill(const Buffer& buffer, size_t count, uint32_t seed, float scale) {
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-double median_ms(const std::function<void()>& launch, int iterations) {
-  for (int i = 0; i < 3; ++i) launch();
-  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+// Before a case is timed it runs for warmup_ms (at least 4 launches): under the power cap the
+// clock follows the power drawn over the last fraction of a second, so after a few launches of
+// warm-up a case still ran at the clock its predecessor left (docs/perf-notes/gemm.md v18).
+void warm_up(const std::function<void()>& launch, double warmup_ms) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0;; ++i) {
+    launch();
+    if (i % 4 != 3) continue;
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::chrono::duration<double, std::milli> elapsed = std::chrono::steady_clock::now() - start;
+    if (elapsed.count() >= warmup_ms) break;
+  }
+}
+
+double median_ms(const std::function<void()>& launch, int iterations, double warmup_ms) {
+  warm_up(launch, warmup_ms);
   cudaEvent_t start, stop;
   MOK_CUDA_CHECK(cudaEventCreate(&start));
   MOK_CUDA_CHECK(cudaEventCreate(&stop));
@@ -80,17 +94,21 @@ double median_ms(const std::function<void()>& launch, int iterations) {
 }
 
 // The SwiGLU epilogue's cost: the plain and the SwiGLU-fused gate/up launched alternately (AB BA
-// AB ...), each launch timed on its own, so that both see the same clocks and temperature; a
-// back-to-back median of each, minutes apart, moved the ratio by ±10 % between runs.
+// AB ...), each launch (or block of `block` launches) timed on its own, so that both see the same
+// clocks and temperature; a back-to-back median of each, minutes apart, moved the ratio by ±10 %
+// between runs. Longer blocks let each kernel's own power draw set the clock it runs at.
 struct PairTimes {
   double plain_ms, swiglu_ms;
 };
 
 PairTimes alternated_median_ms(const std::function<void()>& plain,
-                               const std::function<void()>& swiglu, int pairs) {
+                               const std::function<void()>& swiglu, int pairs, int block) {
+  const auto run = [block](const std::function<void()>& launch) {
+    for (int i = 0; i < block; ++i) launch();
+  };
   for (int i = 0; i < 3; ++i) {
-    plain();
-    swiglu();
+    run(plain);
+    run(swiglu);
   }
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   cudaEvent_t marks[3];
@@ -99,16 +117,16 @@ PairTimes alternated_median_ms(const std::function<void()>& plain,
   for (int i = 0; i < pairs; ++i) {
     const bool plain_first = i % 2 == 0;
     MOK_CUDA_CHECK(cudaEventRecord(marks[0]));
-    (plain_first ? plain : swiglu)();
+    run(plain_first ? plain : swiglu);
     MOK_CUDA_CHECK(cudaEventRecord(marks[1]));
-    (plain_first ? swiglu : plain)();
+    run(plain_first ? swiglu : plain);
     MOK_CUDA_CHECK(cudaEventRecord(marks[2]));
     MOK_CUDA_CHECK(cudaEventSynchronize(marks[2]));
     float first = 0.0f, second = 0.0f;
     MOK_CUDA_CHECK(cudaEventElapsedTime(&first, marks[0], marks[1]));
     MOK_CUDA_CHECK(cudaEventElapsedTime(&second, marks[1], marks[2]));
-    plain_times.push_back(plain_first ? first : second);
-    swiglu_times.push_back(plain_first ? second : first);
+    plain_times.push_back((plain_first ? first : second) / block);
+    swiglu_times.push_back((plain_first ? second : first) / block);
   }
   for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventDestroy(mark));
   std::sort(plain_times.begin(), plain_times.end());
@@ -130,11 +148,14 @@ constexpr const char* kPhases[] = {"gemm-gateup",       "gemm-gateup-swiglu", "g
 constexpr char kUsage[] = R"(bench_gemm: the grouped expert GEMMs of the benchmark presets at one rank of EP2, balanced
 routing (65,536 rows over the rank's experts), on both GEMM engines; one Hopper GPU.
 
-usage: bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE] [--engine ENGINE]
-       bench_gemm --swiglu-cost FILE [--iterations N] [--rounds R] [--engine ENGINE]
+usage: bench_gemm [--out FILE] [--iterations N] [--warmup-ms MS] [--only PRESET/PHASE]
+                  [--engine ENGINE]
+       bench_gemm --swiglu-cost FILE [--iterations N] [--rounds R] [--block B] [--engine ENGINE]
 
   --out FILE           results, one JSON object per case and engine (default gemm-mok.json)
   --iterations N       timed iterations per case, median reported (default 20)
+  --warmup-ms MS       untimed launches of each case for MS ms first, so that it is timed at the
+                       clock its own power draw sets (default 300)
   --only PRESET/PHASE  one case, e.g. deepseek-v3/gemm-gateup (phases: gemm-gateup,
                        gemm-gateup-swiglu, gemm-down, gemm-dgrad-gateup, gemm-dgrad-down,
                        gemm-wgrad-gateup, gemm-wgrad-down)
@@ -144,11 +165,14 @@ usage: bench_gemm [--out FILE] [--iterations N] [--only PRESET/PHASE] [--engine 
                        cost is the ratio of its two medians, the median round is reported
                        (JSON to FILE)
   --rounds R           rounds of --swiglu-cost (default 1)
+  --block B            --swiglu-cost alternates blocks of B back-to-back launches of each
+                       (default 1); each block is timed as a whole, the figures are per launch
 )";
 
 int run(int argc, char** argv) {
   std::string out_path = "gemm-mok.json", only, only_engine, swiglu_cost_path;
-  int iterations = 20, rounds = 1;
+  int iterations = 20, rounds = 1, block = 1;
+  double warmup_ms = 300;
   const bool go = mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& name,
                                                                     const std::string& value) {
     if (name == "--out") out_path = value;
@@ -157,12 +181,16 @@ int run(int argc, char** argv) {
     else if (name == "--engine") only_engine = value;
     else if (name == "--swiglu-cost") swiglu_cost_path = value;
     else if (name == "--rounds") rounds = static_cast<int>(mok::bench::integer_option(name, value));
+    else if (name == "--block") block = static_cast<int>(mok::bench::integer_option(name, value));
+    else if (name == "--warmup-ms") warmup_ms = static_cast<double>(mok::bench::integer_option(name, value));
     else return false;
     return true;
   });
   if (!go) return 0;
   if (iterations < 1) throw mok::bench::UsageError("--iterations", "must be >= 1");
   if (rounds < 1) throw mok::bench::UsageError("--rounds", "must be >= 1");
+  if (block < 1) throw mok::bench::UsageError("--block", "must be >= 1");
+  if (warmup_ms < 0) throw mok::bench::UsageError("--warmup-ms", "must be >= 0");
   if (!only_engine.empty() && only_engine != "cooperative" && only_engine != "pingpong") {
     throw mok::bench::UsageError("--engine", "expected cooperative or pingpong, got '" + only_engine + "'");
   }
@@ -235,7 +263,7 @@ int run(int argc, char** argv) {
         for (int round = 0; round < rounds; ++round) {
           const PairTimes times = alternated_median_ms([&] { cases[0].launch(options); },
                                                        [&] { cases[1].launch(options); },
-                                                       iterations);
+                                                       iterations, block);
           const double cost = times.swiglu_ms / times.plain_ms - 1.0;
           std::printf("%-16s swiglu-cost  %-12s plain %8.3f ms  swiglu %8.3f ms  cost %+6.2f %%\n",
                       preset_name, engine_name, times.plain_ms, times.swiglu_ms, 100.0 * cost);
@@ -257,10 +285,10 @@ int run(int argc, char** argv) {
         char line[1024];
         std::snprintf(line, sizeof(line),
                       "%s  {\"preset\": \"%s\", \"engine\": \"%s\", \"pairs\": %d, "
-                      "\"rounds\": %d, \"plain_ms\": %.5f, \"swiglu_ms\": %.5f, \"cost\": %.5f, "
+                      "\"rounds\": %d, \"block\": %d, \"plain_ms\": %.5f, \"swiglu_ms\": %.5f, \"cost\": %.5f, "
                       "\"round_costs\": [%s]}",
                       swiglu_cost_json.empty() ? "" : ",\n", preset_name, engine_name, iterations,
-                      rounds, times.plain_ms, times.swiglu_ms, cost, round_costs.c_str());
+                      rounds, block, times.plain_ms, times.swiglu_ms, cost, round_costs.c_str());
         swiglu_cost_json += line;
       }
       MOK_CUDA_CHECK(cudaDeviceSynchronize());
@@ -272,7 +300,7 @@ int run(int argc, char** argv) {
         if (!only_engine.empty() && only_engine != engine_name) continue;
         LaunchOptions options;
         options.engine = engine;
-        const double ms = median_ms([&] { c.launch(options); }, iterations);
+        const double ms = median_ms([&] { c.launch(options); }, iterations, warmup_ms);
         const double flops = 2.0 * rows_total * double(c.shape.n) * c.shape.k;
         results.push_back({preset_name, c.phase, engine_name, experts, rows, c.shape.n,
                            c.shape.k, ms, flops / ms / 1e9});

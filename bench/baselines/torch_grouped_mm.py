@@ -9,7 +9,7 @@ dense bf16 GEMM rate (8192^3), and writes bench/results JSON in schema mok-bench
 The SwiGLU-fused case is compared with the plain torch gate/up GEMM (torch has no fused one).
 mok runs every case on each engine (cooperative, ping-pong); torch is timed once per case and
 each engine's figure is set beside it.
-Median of >= 20 CUDA-event-timed iterations after warm-up, random data; mok's and torch's figures
+Median of >= 20 CUDA-event-timed iterations after 300 ms of warm-up, random data; mok's and torch's figures
 are each the mean over passes (mok before and after torch, torch twice), since the clocks drift
 under the power cap during a run.
 """
@@ -22,12 +22,15 @@ import torch
 
 from timing import median_ms  # bench/baselines/timing.py, beside this script
 
+# Each case runs untimed this long first, as bench_gemm's cases do (--warmup-ms there).
+WARMUP_MS = 300
+
 
 def dense_tflops(iterations):
     size = 8192
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b, iterations)
+    ms = median_ms(lambda: a @ b, iterations, warmup_ms=WARMUP_MS)
     return 2 * size**3 / ms / 1e9
 
 
@@ -48,7 +51,7 @@ def torch_case(case, iterations):
     else:
         x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
         fn = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    ms = median_ms(fn, iterations)
+    ms = median_ms(fn, iterations, warmup_ms=WARMUP_MS)
     torch.cuda.empty_cache()
     return ms
 
