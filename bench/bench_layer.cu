@@ -41,7 +41,7 @@ const std::vector<BenchCase> kCases = {
 
 struct Args {
   std::vector<std::string> cases;
-  int iters = 20;
+  int iters = 20, warmup_ms = 500;
   int gemm_sms = 0, copy_ctas = 0, schedule_ctas = 0;
   bool fused = true, schedule_in_kernel = true, l2_tickets = true, trace = false,
        stale_rows = true;
@@ -57,6 +57,9 @@ usage: bench_layer [options]
   --cases NAME,...          deepseek-v3-ep1, deepseek-v3-ep2, qwen3-30b-a3b-ep2,
                             qwen3-235b-a22b-ep2, deepseek-v3-ep2-skewed (default all)
   --iters N                 timed forwards per configuration (default 20)
+  --warmup-ms MS            untimed forwards for MS ms first (at least 3), so that the timed
+                            ones run at the clock the forward's own power draw sets under the
+                            power cap, not the idle GPU's (default 500)
   --out FILE                results JSON (default layer-mok.json)
   --routing-dir DIR         also write each case's routing there, for the torch-native baseline
   --fused 0|1               0: the unfused composition instead of the fused kernel (default 1)
@@ -91,6 +94,7 @@ bool parse(int argc, char** argv, Args& args) {
         if (!known) throw mok::bench::UsageError(key, "no case is called '" + name + "'");
       }
     } else if (key == "--iters") args.iters = integer(key, value);
+    else if (key == "--warmup-ms") args.warmup_ms = integer(key, value);
     else if (key == "--gemm-sms") args.gemm_sms = integer(key, value);
     else if (key == "--copy-ctas") args.copy_ctas = integer(key, value);
     else if (key == "--schedule-ctas") args.schedule_ctas = integer(key, value);
@@ -144,6 +148,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.gemm_sms = args.gemm_sms;
   spec.copy_ctas = args.copy_ctas;
   spec.iterations = args.iters;
+  spec.warmup_ms = args.warmup_ms;
   spec.fused = args.fused;
   spec.fused_comm_ctas = comm_ctas;
   spec.fused_minibatch_rows = minibatch_rows;
@@ -207,6 +212,7 @@ int run(int argc, char** argv) {
   Args args;
   if (!parse(argc, argv, args)) return 0;
   if (args.iters < 1) throw mok::bench::UsageError("--iters", "must be >= 1");
+  if (args.warmup_ms < 0) throw mok::bench::UsageError("--warmup-ms", "must be >= 0");
   std::ofstream out(args.out);
   MOK_CHECK_ARG(out.good(), "--out", "cannot write '", args.out, "'");
   char date[32];

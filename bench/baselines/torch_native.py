@@ -14,7 +14,7 @@ The layer, per rank, as a PyTorch user writes it without a fused kernel:
   combine           all_to_all_single back, y = shared + index_add of w * row in fp32, -> bf16
 The routing is the one bench_layer used (its --routing-dir files), so both move the same rows.
 Weights are random (timing does not depend on them). Median of the timed iterations (CUDA
-events) after warm-up, the maximum over ranks; the dense bf16 GEMM rate (8192^3) is measured in
+events) after --warmup-ms of warm-up (as bench_layer's), the maximum over ranks; the dense bf16 GEMM rate (8192^3) is measured in
 the EP=1 process.
 """
 import argparse
@@ -132,6 +132,12 @@ def measure(args):
     else:
         rank = 0
     mok = json.load(open(args.mok))
+
+    def rank0_decides(more):  # the ranks' warm-up runs as many forwards as rank 0's
+        flag = torch.tensor([1 if more else 0], device="cuda")
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
     for case in mok["cases"]:
         if case["ep"] != world or not case.get("routing_file"):
@@ -145,7 +151,8 @@ def measure(args):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         ms = median_ms(lambda: layer.forward(x, idx, w), args.iterations,
-                       barrier=dist.barrier if world > 1 else None)
+                       barrier=dist.barrier if world > 1 else None,
+                       warmup_ms=args.warmup_ms, decide=rank0_decides if world > 1 else None)
         peak_extra = torch.cuda.max_memory_allocated() - before
         if world > 1:
             figures = torch.tensor([ms, float(peak_extra)], device="cuda", dtype=torch.float64)
@@ -161,7 +168,7 @@ def measure(args):
         size = 8192
         a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-        dense_ms = median_ms(lambda: a @ b, max(args.iterations, 20))
+        dense_ms = median_ms(lambda: a @ b, max(args.iterations, 20), warmup_ms=args.warmup_ms)
         results["dense_gemm_tflops"] = 2 * size**3 / dense_ms / 1e9
         print(f"dense bf16 GEMM 8192^3: {results['dense_gemm_tflops']:.1f} TFLOP/s", flush=True)
     if rank == 0:
@@ -260,6 +267,8 @@ def main():
     m.add_argument("--ep", type=int, required=True)
     m.add_argument("--out", required=True)
     m.add_argument("--iterations", type=int, default=20)
+    m.add_argument("--warmup-ms", type=float, default=500,
+                   help="untimed forwards for this long first, as bench_layer (default 500)")
     c = sub.add_parser("combine")
     c.add_argument("--mok", required=True)
     c.add_argument("--torch", action="append", default=[])

@@ -6,6 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -122,6 +125,44 @@ std::string summarize_trace(const std::vector<uint64_t>& trace, int fields) {
 }
 
 
+// The ranks' warm-up beyond spec.warmup forwards: chunks of 4 forwards on every rank until rank 0
+// has spent spec.warmup_ms warming up. The ranks must run the same number (a forward at EP > 1
+// waits for its peers'), so rank 0 decides and the others follow through a host barrier.
+class WarmUp {
+ public:
+  explicit WarmUp(int ranks) : barrier_(ranks) {}
+
+  template <typename Forward>
+  void run(const LayerRunSpec& spec, int rank, cudaStream_t stream, const Forward& forward) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int iteration = 0; iteration < spec.warmup; ++iteration) forward();
+    if (spec.warmup_ms <= 0) return;
+    try {
+      for (;;) {
+        for (int iteration = 0; iteration < 4; ++iteration) forward();
+        MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+        if (rank == 0) {
+          const std::chrono::duration<double, std::milli> spent =
+              std::chrono::steady_clock::now() - start;
+          more_.store(spent.count() < spec.warmup_ms);
+        }
+        barrier_.arrive_and_wait();  // every rank's chunk done, rank 0's decision made
+        const bool more = more_.load();
+        barrier_.arrive_and_wait();  // read by every rank before rank 0 decides again
+        if (!more) return;
+      }
+    } catch (...) {
+      more_.store(false);  // the others stop after their chunk
+      barrier_.arrive_and_drop();
+      throw;
+    }
+  }
+
+ private:
+  std::barrier<> barrier_;
+  std::atomic<bool> more_{true};
+};
+
 }  // namespace
 
 LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
@@ -146,6 +187,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   std::vector<std::vector<double>> rank_phase_ms(spec.ep, std::vector<double>(kNumForwardPhases));
   std::vector<std::string> trace_lines(spec.ep);
 
+  WarmUp warm_up(spec.ep);
   for_each_rank(spec.ep, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
     LayerForwardOptions options;
@@ -203,7 +245,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       layer.check(stream);
       topk_idx.upload(spec.topk_idx->data() + rank * tokens * top_k);
     }
-    for (int iteration = 0; iteration < spec.warmup; ++iteration) forward();
+    warm_up.run(spec, rank, stream, forward);
     layer.check(stream);
 
     // (iterations, phases + 1) events: before the first step and after each.

@@ -3,7 +3,8 @@
 // so the command-line tool includes it as it is.
 //
 // Rank r of R drives GPU r and holds tokens [r*T, (r+1)*T) and experts [r*E/R, (r+1)*E/R) of the
-// global problem, as Problem::rank_inputs does. Timing: `warmup` forwards, then `iterations`
+// global problem, as Problem::rank_inputs does. Timing: `warmup` forwards (for at least
+// `warmup_ms`), then `iterations`
 // forwards each between two CUDA events on every rank's stream (no host sync between them); a
 // rank's figure is the median, the layer's figure the slowest rank's (DESIGN.md §5).
 #pragma once
@@ -48,7 +49,11 @@ struct LayerRunSpec {
   bool stale_rows = true;
   // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
   bool trace = false;
-  int warmup = 3;
+  int warmup = 3;  // untimed forwards first: at least this many, and
+  // more until this many milliseconds have passed (every rank runs as many as rank 0): under the
+  // power cap the clock follows the power of the last fraction of a second, so a few forwards of
+  // warm-up time the first iterations at the clock the idle GPU left (docs/perf-notes/layer.md).
+  double warmup_ms = 0;
   int iterations = 20;
   bool keep_y = true;  // download y (global, (T_global, H)) after the last forward
 };
