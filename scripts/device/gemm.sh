@@ -2,7 +2,7 @@
 # GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch
 # (mok on both engines, cooperative and ping-pong, and torch timed in two passes each), the
 # chart, the SwiGLU epilogue's cost (fused against plain gate/up launched alternately, 5 rounds,
-# gemm-swiglu-cost.json), a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused
+# gemm-swiglu-cost.json; and in blocks of 64 launches, gemm-swiglu-cost-block64.json), a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused
 # gate/up GEMM on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative pingpong), on GPU 0. Results and
 # logs go to the results folder.
 #
@@ -71,6 +71,9 @@ python3 bench/plot_gemm.py "$RESULTS" "$OUT/gemm.png" 2>&1 | tee -a "$LOG"
 say "SwiGLU cost: the SwiGLU-fused gate/up against the plain one, launched alternately (5 rounds)"
 timeout 170 "$BIN/bench_gemm" --swiglu-cost "$OUT/gemm-swiglu-cost.json" --iterations 30 --rounds 5 2>&1 |
   tee -a "$LOG"
+say "SwiGLU cost with blocks of 64 launches of each alternated (each kernel at its own clock; 3 rounds)"
+timeout 120 "$BIN/bench_gemm" --swiglu-cost "$OUT/gemm-swiglu-cost-block64.json" --engine cooperative \
+  --iterations 4 --rounds 3 --block 64 2>&1 | tee -a "$LOG"
 
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   : > "$OUT/gemm-ncu.txt"
