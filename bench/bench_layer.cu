@@ -64,7 +64,8 @@ usage: bench_layer [options]
   --routing-dir DIR         also write each case's routing there, for the torch-native baseline
   --fused 0|1               0: the unfused composition instead of the fused kernel (default 1)
   --schedule-in-kernel 0|1  0: the schedule's own kernels before the fused kernel (default 1)
-  --comm-ctas N,...         communication CTAs to sweep (0 = the layer's default)
+  --comm-ctas N,...         communication CTAs to sweep (0, the default: none, three spare
+                            warps of every CTA dispatch beside its tiles)
   --minibatch-rows N,...    minibatch rows to sweep (0 = default)
   --ring-rows N,...         ring rows to sweep (0 = a ring for every row, one round)
   --schedule-ctas N         CTAs that make the schedule in the kernel (0 = every CTA)

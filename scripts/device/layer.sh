@@ -54,7 +54,7 @@ step "bench_layer (mok, fused after the schedule kernels)" 200 "$BIN/bench_layer
 step "bench_layer (mok, unfused)" 200 "$BIN/bench_layer" --iters 20 --fused 0 \
   --out "$OUT/layer-mok-unfused.json" $cases
 step "bench_layer sweep (communication CTAs x minibatch rows)" 240 "$BIN/bench_layer" --iters 10 \
-  --cases ${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2} --comm-ctas 8,16,24,32 \
+  --cases ${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2} --comm-ctas 0,8,16,24 \
   --minibatch-rows 2048,4096,8192 --out "$OUT/layer-sweep.json"
 step "bench_layer ring rounds (ring rows; 0 = one round)" 180 "$BIN/bench_layer" --iters 10 \
   --cases deepseek-v3-ep2,qwen3-30b-a3b-ep2 --ring-rows 32768,8192 --out "$OUT/layer-ring.json"

@@ -37,16 +37,17 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   MOK_CHECK_ARG(layout.block_m == TileConfig::BLOCK_M, "workspace.block_m",
                 "the fused forward needs row blocks of ", TileConfig::BLOCK_M, ", got ",
                 layout.block_m);
-  MOK_CHECK_ARG(config.comm_ctas >= 1 && config.comm_ctas < config.num_ctas, "comm_ctas",
-                "must be in [1, ", config.num_ctas, "), got ", config.comm_ctas);
+  MOK_CHECK_ARG(config.comm_ctas >= 0 && config.comm_ctas < config.num_ctas, "comm_ctas",
+                "must be in [0, ", config.num_ctas, "), got ", config.comm_ctas);
   const RingBlocks ring = ring_config(layout, config.chunk_mblocks);
   MOK_CHECK_ARG(ring.chunk_mblocks == config.chunk_mblocks &&
                     ring.ring_mblocks == config.ring_mblocks,
                 "ring_mblocks", "minibatch ", config.chunk_mblocks, " and ring ",
                 config.ring_mblocks, " row blocks do not fit this workspace (ring_config gives ",
                 ring.chunk_mblocks, " and ", ring.ring_mblocks, ")");
-  MOK_CHECK_ARG(config.schedule_ctas >= config.comm_ctas && config.schedule_ctas <= config.num_ctas,
-                "schedule_ctas", "must be in [comm_ctas = ", config.comm_ctas, ", ",
+  MOK_CHECK_ARG(config.schedule_ctas >= std::max(config.comm_ctas, 1) &&
+                    config.schedule_ctas <= config.num_ctas,
+                "schedule_ctas", "must be in [max(comm_ctas, 1) = ", std::max(config.comm_ctas, 1), ", ",
                 config.num_ctas, "], got ", config.schedule_ctas);
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr), "forward",
                 "null x or topk_idx for ", num_tokens, " tokens");

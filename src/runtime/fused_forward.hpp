@@ -27,7 +27,9 @@ struct FusedForwardBuffers {
 
 struct FusedForwardConfig {
   int num_ctas = 0;       // the persistent grid: one CTA per SM
-  int comm_ctas = 0;      // of which communicate (>= 1, < num_ctas)
+  // Of which dispatch first, then compute (< num_ctas); 0: none, three warps of every CTA's
+  // producer warpgroup dispatch beside its tiles instead.
+  int comm_ctas = 0;
   int chunk_mblocks = 0;  // minibatch, in row blocks of 128 (>= 1)
   // Row blocks of the ring (expert_x and routed_hidden): >= ceil(rows_capacity / 128) for one
   // round, else a multiple of chunk_mblocks >= 2 chunk_mblocks within expert_rows (ring_config()).

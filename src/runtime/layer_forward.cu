@@ -283,27 +283,16 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   phase_done();
 }
 
-// The dispatch must keep ahead of the gate/up tiles that read its rows. A row costs 2H bytes to
-// move and ~6·H·I_eff FLOPs to compute (I_eff = I + I_s / k: the shared expert's work per routed
-// row), so the copy rate needed, hence the CTAs, goes as 1 / I_eff. Fitted on the sweep of
-// docs/perf-notes/layer.md (2× H200): deepseek-v3 (I_eff 2304) is fastest at 8 CTAs,
-// qwen3-30b-a3b (768) at 24. At EP 1 the dispatch is a local copy: 8.
-int LayerForward::default_comm_ctas() const {
-  if (workspace_.num_ranks() == 1) return 8;
-  const double effective_inter = static_cast<double>(shape_.intermediate) +
-                                 static_cast<double>(shape_.shared_intermediate) /
-                                     static_cast<double>(shape_.top_k);
-  const int ctas = static_cast<int>(std::lround(18432.0 / effective_inter));
-  return std::clamp(ctas, 8, 32);
-}
-
 FusedForwardConfig LayerForward::fused_config() const {
   const FusedForwardOptions& fused = options_.fused;
   MOK_CHECK_ARG(fused.comm_ctas >= 0, "fused.comm_ctas", "must be >= 0, got ", fused.comm_ctas);
   MOK_CHECK_ARG(fused.minibatch_rows >= 0, "fused.minibatch_rows", "must be >= 0, got ",
                 fused.minibatch_rows);
   FusedForwardConfig config;
-  config.comm_ctas = fused.comm_ctas > 0 ? fused.comm_ctas : default_comm_ctas();
+  // 0: no communication CTAs; the producer warpgroups' spare warps of every CTA dispatch. Ahead
+  // of the 8-32 communication CTAs the shapes had before on all four benchmark cases, -0.6 to
+  // -2 % (docs/perf-notes/layer.md v42).
+  config.comm_ctas = fused.comm_ctas;
   config.num_ctas = options_.gemm.num_sms > 0
                         ? std::min(num_sms_, config.comm_ctas + options_.gemm.num_sms)
                         : num_sms_;
@@ -319,7 +308,8 @@ FusedForwardConfig LayerForward::fused_config() const {
   MOK_CHECK_ARG(fused.schedule_ctas >= 0, "fused.schedule_ctas", "must be >= 0, got ",
                 fused.schedule_ctas);
   config.schedule_ctas = fused.schedule_ctas > 0
-                             ? std::clamp(fused.schedule_ctas, config.comm_ctas, config.num_ctas)
+                             ? std::clamp(fused.schedule_ctas, std::max(config.comm_ctas, 1),
+                                          config.num_ctas)
                              : config.num_ctas;
   config.trace = trace_;
   config.sm_partition = sm_partition_;  // null unless fused.l2_partition_tickets

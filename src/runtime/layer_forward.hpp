@@ -34,7 +34,9 @@ namespace mok {
 // combine push (kernels/megakernel). 0 picks the default.
 struct FusedForwardOptions {
   bool enabled = true;  // off: the unfused composition (reference for the fused kernel's bits)
-  int comm_ctas = 0;       // CTAs that dispatch before they compute; default: default_comm_ctas()
+  // CTAs that dispatch before they compute; 0 (default): none, three otherwise idle warps of
+  // every CTA's producer warpgroup dispatch beside its tiles (docs/perf-notes/layer.md v42).
+  int comm_ctas = 0;
   int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 8192
   // Rows of the ring that holds the dispatched rows and their hidden rows: 0 = every row a call
   // can route to this rank (R * T_max * k + padding; never a second round). Fewer bound the
@@ -151,7 +153,6 @@ class LayerForward {
                    int64_t num_tokens, cudaStream_t stream, const std::function<void()>& phase_done);
   // The fused kernel's grid, split and minibatch from the options and this GPU.
   FusedForwardConfig fused_config() const;
-  int default_comm_ctas() const;
   // The shared GEMMs' grid when they share the GPU with the copy CTAs; 0 = no overlap possible.
   int shared_gemm_sms_beside_copy() const;
 

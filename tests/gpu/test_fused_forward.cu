@@ -86,9 +86,10 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
     int comm_ctas, minibatch_rows, compute_sms;
   };
   // One row block per minibatch with a single communication CTA and 2 compute CTAs: the longest
-  // task list and the most waiting; then wider settings up to the defaults.
+  // task list and the most waiting; then wider settings up to the defaults (0 communication
+  // CTAs: the producer warpgroups' spare warps dispatch), also on 3 CTAs only.
   for (const Setting setting : {Setting{1, 128, 2}, Setting{5, 384, 37}, Setting{20, 4096, 0},
-                                Setting{64, 100000, 0}, Setting{0, 0, 0}}) {
+                                Setting{64, 100000, 0}, Setting{0, 128, 3}, Setting{0, 0, 0}}) {
     const GpuRun run = fused_run(setting.comm_ctas, setting.minibatch_rows, setting.compute_sms);
     EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, run), expected), -1)
         << "comm CTAs " << setting.comm_ctas << ", minibatch rows " << setting.minibatch_rows

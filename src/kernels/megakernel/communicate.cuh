@@ -1,5 +1,5 @@
-// The fused forward's communication: the schedule (every CTA) and the dispatch (the first
-// num_comm_ctas CTAs), see forward_kernel.cuh.
+// The fused forward's communication: the schedule (every CTA) and the dispatch (the producer
+// warpgroups' spare warps of every CTA, or the first num_comm_ctas CTAs), see forward_kernel.cuh.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,9 @@ namespace mok::megakernel {
 // kernels' 1024) need more than the copy kernels' 8 to keep the bytes in flight that an NVLink pull
 // needs; 16 spilled registers in the whole kernel, 12 does not.
 inline constexpr int kDispatchUnroll = 12;
+// The same for the producer warpgroup's warps, which dispatch within 40 registers when the kernel
+// has no communication CTAs.
+inline constexpr int kProducerDispatchUnroll = 4;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -69,27 +72,26 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   if (cta == 0 && threadIdx.x == 0) store_release_gpu(&view.state()->schedule_epoch, epoch);
 }
 
-__device__ inline void communicate(const FusedForwardParams& params) {
+// The dispatch's rows, dealt in order to warps first_warp, first_warp + num_warps, ...: each
+// warp copies its rows into expert_x and counts each row block's arrivals
+// (TaskCounter::kRowsArrived). kUnroll: 16-byte loads each lane keeps in flight.
+template <int kUnroll>
+__device__ inline void dispatch_rows(const FusedForwardParams& params, int64_t first_warp,
+                                     int64_t num_warps) {
   const comm::WorkspaceView& view = params.view;
   const comm::WorkspaceLayout& layout = view.layout;
-  comm::DeviceState* state = view.state();
-  const uint32_t epoch = state->epoch;
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int warps = static_cast<int>(blockDim.x / 32);
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  if (comm::cta_sees_error(view)) return;
   const int64_t num_rows = view.offsets()[layout.experts_per_rank()];
   const int32_t* row_source = view.row_source();
 
-  // Rows in order, dealt to every communication warp in turn, so row blocks fill front to back.
+  // Rows in order, dealt to every dispatching warp in turn, so row blocks fill front to back.
   // Each warp's rows increase, so a warp waiting for a ring slot holds back only later rows.
   constexpr int kRows = gemm::TileConfig::BLOCK_M;
   uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
   const uint32_t gate_up_tiles = static_cast<uint32_t>(
       gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kGateUp)].n, gemm::TileConfig::BLOCK_N));
   int slot_free_below = params.ring_mblocks;  // blocks this warp knows it may write
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < num_rows;
-       row += static_cast<int64_t>(params.num_comm_ctas) * warps) {
+  for (int64_t row = first_warp; row < num_rows; row += num_warps) {
     const int32_t packed = row_source[row];
     if (packed < 0) continue;  // padding: never counted, never read
     const int mblock = static_cast<int>(row / kRows);
@@ -110,19 +112,31 @@ __device__ inline void communicate(const FusedForwardParams& params) {
                            ? reinterpret_cast<const char*>(params.x) +
                                  static_cast<int64_t>(source.token) * layout.row_bytes()
                            : view.x_row(source.rank, source.token);
-    comm::copy_row_warp<comm::RowLoad::kBypassL1, kDispatchUnroll>(
-        from, view.expert_x_row(ring_row), layout.row_bytes(), lane);
+    comm::copy_row_warp<comm::RowLoad::kBypassL1, kUnroll>(from, view.expert_x_row(ring_row),
+                                                           layout.row_bytes(), lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence();
       atomicAdd(arrived + row / gemm::TileConfig::BLOCK_M, 1u);
     }
   }
+}
 
-  // A rank with no routed rows has no down tile to raise its combine flag.
-  if (num_rows == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
-    comm::signal_all_ranks(view, comm::FlagKind::kCombine, epoch);
+// A rank with no routed rows has no down tile to raise its combine flag: one thread raises it.
+__device__ inline void signal_combine_if_no_rows(const FusedForwardParams& params) {
+  const comm::WorkspaceView& view = params.view;
+  if (view.offsets()[view.layout.experts_per_rank()] == 0) {
+    comm::signal_all_ranks(view, comm::FlagKind::kCombine, view.state()->epoch);
   }
+}
+
+__device__ inline void communicate(const FusedForwardParams& params) {
+  if (comm::cta_sees_error(params.view)) return;
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  dispatch_rows<kDispatchUnroll>(params, static_cast<int64_t>(blockIdx.x) * warps + warp,
+                                 static_cast<int64_t>(params.num_comm_ctas) * warps);
+  if (blockIdx.x == 0 && threadIdx.x == 0) signal_combine_if_no_rows(params);
 }
 
 #endif  // __CUDA_ARCH__ >= 900

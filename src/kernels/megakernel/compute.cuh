@@ -12,6 +12,7 @@
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/megakernel/carried_tails.cuh"
 #include "kernels/megakernel/combine_store.cuh"
+#include "kernels/megakernel/communicate.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
@@ -288,6 +289,27 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         } else {
           Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
                      tail_phase);
+        }
+      }
+    } else if (params.num_comm_ctas == 0) {
+      // No communication CTAs: the producer warpgroup's other three warps, idle otherwise, dispatch
+      // in every CTA beside its tiles once the schedule is made. Spread over every SM, the copy
+      // is not held to the ~23 GB/s one SM's loads reach (docs/perf-notes/layer.md v42).
+      int scheduled = 0;
+      if (lane == 0) {
+        routed_mblocks(params);  // waits for the schedule
+        scheduled = comm::has_error(&params.view.state()->error) ? 0 : 1;
+      }
+      if (__shfl_sync(0xffffffffu, scheduled, 0)) {
+        constexpr int kDispatchWarps = 3;
+        dispatch_rows<kProducerDispatchUnroll>(
+            params, static_cast<int64_t>(blockIdx.x) * kDispatchWarps + threadIdx.x / 32 - 1,
+            static_cast<int64_t>(gridDim.x) * kDispatchWarps);
+        if (blockIdx.x == 0 && threadIdx.x == 32) signal_combine_if_no_rows(params);
+        if (params.trace != nullptr && lane == 0) {
+          atomicMax(reinterpret_cast<unsigned long long*>(
+                        &params.trace[blockIdx.x * kTraceFields + kTraceDispatched]),
+                    static_cast<unsigned long long>(trace_clock()));
         }
       }
     }

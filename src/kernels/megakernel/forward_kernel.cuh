@@ -4,9 +4,10 @@
 //   the first num_schedule_ctas CTAs first: the schedule — stage x into the window, push topk_idx
 //     to every rank, count and order the rows of the local experts (token_schedule.cuh); the
 //     other CTAs start on the shared gate/up tiles (they read the caller's x) meanwhile
-//   communication CTAs (blockIdx < num_comm_ctas): the dispatch — pull every routed row into
-//     expert_x in row order, counting each row block's arrivals (TaskCounter::kRowsArrived) —
-//     then they compute too
+//   the dispatch — pull every routed row into expert_x in row order, counting each row block's
+//     arrivals (TaskCounter::kRowsArrived): by default (num_comm_ctas = 0) warps 1-3 of every
+//     CTA's producer warpgroup, beside its tiles; else the first num_comm_ctas CTAs, which then
+//     compute too
 //   compute: the GEMM engine's producer warpgroup and two consumer warpgroups take tasks of the
 //     list of task_list.cuh by ticket. The producer waits for a task's inputs before loading its
 //     first k-block; after a gate/up tile's stores complete, the consumers raise its row block's
@@ -39,6 +40,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     trace_set(params.trace, kTraceStart, trace_clock());
     trace_set(params.trace, kTraceWaitScheduleNs, 0);
+    trace_set(params.trace, kTraceDispatched, 0);  // raised by this CTA's dispatching warps, if any
     for (int kind = 0; kind < kNumTaskKinds; ++kind) {  // summed into by this thread's producer
       trace_set(params.trace, static_cast<TraceField>(kTraceWaitKindNs + kind), 0);
     }

@@ -28,7 +28,8 @@ struct FusedForwardParams {
   const int32_t* topk_idx;   // (T, k)
   gemm::GroupedGemmParams gemm[kNumTaskKinds];  // n, k and output of each GEMM
   int num_tokens;     // this rank's tokens this call
-  int num_comm_ctas;  // blockIdx.x below this dispatches first, then computes like the rest
+  int num_comm_ctas;  // blockIdx.x below this dispatches first, then computes like the rest;
+                      // 0: warps 1-3 of every CTA dispatch beside its tiles
   int chunk_mblocks;  // row blocks per minibatch
   int ring_mblocks;   // row blocks of expert_x and the routed hidden rows (task_list.cuh)
   int has_shared;

@@ -10,7 +10,7 @@ namespace mok::megakernel {
 enum TraceField : int {
   kTraceStart = 0,        // kernel entry (thread 0)
   kTraceScheduled,        // schedule done (thread 0)
-  kTraceDispatched,       // this CTA's dispatch share done (thread 0; communication CTAs only)
+  kTraceDispatched,       // this CTA's dispatch share done (its last dispatching warp)
   kTraceTasksEnd,         // the producer found no task left
   kTraceEnd,              // the consumers' last stores landed
   kTraceTasks,            // tasks this CTA ran
