@@ -9,9 +9,9 @@ dense bf16 GEMM rate (8192^3), and writes bench/results JSON in schema mok-bench
 The SwiGLU-fused case is compared with the plain torch gate/up GEMM (torch has no fused one).
 mok runs every case on each engine (cooperative, ping-pong); torch is timed once per case and
 each engine's figure is set beside it.
-Median of >= 20 CUDA-event-timed iterations after 300 ms of warm-up, random data; mok's and torch's figures
-are each the mean over passes (mok before and after torch, torch twice), since the clocks drift
-under the power cap during a run.
+Median of >= 20 CUDA-event-timed iterations after 300 ms of warm-up, random data; mok's and
+torch's figures are each the mean over passes (mok before and after torch, torch twice), since
+the clocks drift under the power cap during a run.
 """
 import argparse
 import datetime

@@ -14,8 +14,8 @@ The layer, per rank, as a PyTorch user writes it without a fused kernel:
   combine           all_to_all_single back, y = shared + index_add of w * row in fp32, -> bf16
 The routing is the one bench_layer used (its --routing-dir files), so both move the same rows.
 Weights are random (timing does not depend on them). Median of the timed iterations (CUDA
-events) after --warmup-ms of warm-up (as bench_layer's), the maximum over ranks; the dense bf16 GEMM rate (8192^3) is measured in
-the EP=1 process.
+events) after --warmup-ms of warm-up (as bench_layer's), the maximum over ranks; the dense bf16
+GEMM rate (8192^3) is measured in the EP=1 process.
 """
 import argparse
 import datetime

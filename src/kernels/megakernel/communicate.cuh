@@ -10,6 +10,7 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
+#include "kernels/megakernel/trace.cuh"
 #include "kernels/schedule/token_schedule.cuh"
 
 namespace mok::megakernel {
@@ -18,8 +19,8 @@ namespace mok::megakernel {
 // kernels' 1024) need more than the copy kernels' 8 to keep the bytes in flight that an NVLink pull
 // needs; 16 spilled registers in the whole kernel, 12 does not.
 inline constexpr int kDispatchUnroll = 12;
-// The same for the producer warpgroup's warps, which dispatch within 40 registers when the kernel
-// has no communication CTAs.
+// The same for the producer warpgroup's spare warps, which dispatch within its kProducerRegisters
+// when the kernel has no communication CTAs.
 inline constexpr int kProducerDispatchUnroll = 4;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -70,6 +71,27 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.
   if (cta == 0 && threadIdx.x == 0) store_release_gpu(&view.state()->schedule_epoch, epoch);
+}
+
+// One thread: waits until this call's schedule is made (make_schedule publishes schedule_epoch;
+// with schedule_in_kernel = 0 it was made before the launch). False when it failed or timed out
+// (the error is recorded).
+__device__ inline bool wait_for_schedule(const FusedForwardParams& params) {
+  const comm::WorkspaceView& view = params.view;
+  comm::DeviceState* state = view.state();
+  const uint32_t epoch = state->epoch;
+  const bool scheduled = spin_until(
+      view,
+      [&] {
+        return !params.schedule_in_kernel || load_acquire_gpu(&state->schedule_epoch) == epoch;
+      },
+      [&] {
+        comm::ErrorDetail detail{comm::Phase::kSchedule};
+        detail.expected = epoch;
+        comm::raise_error(&state->error, comm::ErrorCode::kTimeout,
+                          static_cast<uint32_t>(view.rank), detail);
+      });
+  return scheduled && !comm::has_error(&state->error);
 }
 
 // The dispatch's rows, dealt in order to warps first_warp, first_warp + num_warps, ...: each
@@ -127,6 +149,26 @@ __device__ inline void signal_combine_if_no_rows(const FusedForwardParams& param
   const comm::WorkspaceView& view = params.view;
   if (view.offsets()[view.layout.experts_per_rank()] == 0) {
     comm::signal_all_ranks(view, comm::FlagKind::kCombine, view.state()->epoch);
+  }
+}
+
+// The dispatch with no communication CTAs (num_comm_ctas = 0): warps 1-3 of every CTA's producer
+// warpgroup, idle otherwise, once the schedule is made, beside the CTA's tiles. Spread over every
+// SM, the copy is not held to the ~23 GB/s one SM's loads reach (docs/perf-notes/layer.md v42).
+__device__ inline void dispatch_beside_tiles(const FusedForwardParams& params) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int scheduled = 0;
+  if (lane == 0) scheduled = wait_for_schedule(params) ? 1 : 0;
+  if (!__shfl_sync(0xffffffffu, scheduled, 0)) return;
+  constexpr int kDispatchWarps = 3;
+  dispatch_rows<kProducerDispatchUnroll>(
+      params, static_cast<int64_t>(blockIdx.x) * kDispatchWarps + threadIdx.x / 32 - 1,
+      static_cast<int64_t>(gridDim.x) * kDispatchWarps);
+  if (blockIdx.x == 0 && threadIdx.x == 32) signal_combine_if_no_rows(params);
+  if (params.trace != nullptr && lane == 0) {
+    atomicMax(reinterpret_cast<unsigned long long*>(
+                  &params.trace[blockIdx.x * kTraceFields + kTraceDispatched]),
+              static_cast<unsigned long long>(trace_clock()));
   }
 }
 

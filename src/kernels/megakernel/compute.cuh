@@ -39,24 +39,11 @@ __device__ inline TaskShape task_shape(const FusedForwardParams& params) {
   return shape;
 }
 
-// Producer lane 0: waits until the communication CTAs have made this call's schedule, then reads
-// the routed row blocks; 0 when the schedule failed (the error is recorded).
+// Producer lane 0: waits until this call's schedule is made, then reads the routed row blocks;
+// 0 when the schedule failed (the error is recorded).
 __device__ inline int routed_mblocks(const FusedForwardParams& params) {
+  if (!wait_for_schedule(params)) return 0;
   const comm::WorkspaceView& view = params.view;
-  comm::DeviceState* state = view.state();
-  const uint32_t epoch = state->epoch;
-  const bool scheduled = spin_until(
-      view,
-      [&] {
-        return !params.schedule_in_kernel || load_acquire_gpu(&state->schedule_epoch) == epoch;
-      },
-      [&] {
-        comm::ErrorDetail detail{comm::Phase::kSchedule};
-        detail.expected = epoch;
-        comm::raise_error(&state->error, comm::ErrorCode::kTimeout,
-                          static_cast<uint32_t>(view.rank), detail);
-      });
-  if (!scheduled || comm::has_error(&state->error)) return 0;
   return view.offsets()[view.layout.experts_per_rank()] / gemm::TileConfig::BLOCK_M;
 }
 
@@ -292,26 +279,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         }
       }
     } else if (params.num_comm_ctas == 0) {
-      // No communication CTAs: the producer warpgroup's other three warps, idle otherwise, dispatch
-      // in every CTA beside its tiles once the schedule is made. Spread over every SM, the copy
-      // is not held to the ~23 GB/s one SM's loads reach (docs/perf-notes/layer.md v42).
-      int scheduled = 0;
-      if (lane == 0) {
-        routed_mblocks(params);  // waits for the schedule
-        scheduled = comm::has_error(&params.view.state()->error) ? 0 : 1;
-      }
-      if (__shfl_sync(0xffffffffu, scheduled, 0)) {
-        constexpr int kDispatchWarps = 3;
-        dispatch_rows<kProducerDispatchUnroll>(
-            params, static_cast<int64_t>(blockIdx.x) * kDispatchWarps + threadIdx.x / 32 - 1,
-            static_cast<int64_t>(gridDim.x) * kDispatchWarps);
-        if (blockIdx.x == 0 && threadIdx.x == 32) signal_combine_if_no_rows(params);
-        if (params.trace != nullptr && lane == 0) {
-          atomicMax(reinterpret_cast<unsigned long long*>(
-                        &params.trace[blockIdx.x * kTraceFields + kTraceDispatched]),
-                    static_cast<unsigned long long>(trace_clock()));
-        }
-      }
+      dispatch_beside_tiles(params);
     }
   } else {
     ptx::setmaxnreg_increase<kConsumerRegisters>();
