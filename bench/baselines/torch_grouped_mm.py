@@ -9,7 +9,8 @@ dense bf16 GEMM rate (8192^3), and writes bench/results JSON in schema mok-bench
 The SwiGLU-fused case is compared with the plain torch gate/up GEMM (torch has no fused one).
 mok runs every case on each engine (cooperative, ping-pong); torch is timed once per case and
 each engine's figure is set beside it.
-Median of >= 20 CUDA-event-timed iterations after 300 ms of warm-up, random data; mok's and
+Median of >= 20 CUDA-event-timed iterations after 300 ms of warm-up, on random data drawn as
+bench_gemm draws its own (data.py: uniform, activations in [-1, 1), weights in [-0.05, 0.05)); mok's and
 torch's figures are each the mean over passes (mok before and after torch, torch twice), since
 the clocks drift under the power cap during a run.
 """
@@ -20,6 +21,7 @@ import subprocess
 
 import torch
 
+from data import uniform  # bench/baselines/data.py: bench_gemm's distributions
 from timing import median_ms  # bench/baselines/timing.py, beside this script
 
 # Each case runs untimed this long first, as bench_gemm's cases do (--warmup-ms there).
@@ -28,8 +30,8 @@ WARMUP_MS = 300
 
 def dense_tflops(iterations):
     size = 8192
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    a = uniform(size, size)
+    b = uniform(size, size)
     ms = median_ms(lambda: a @ b, iterations, warmup_ms=WARMUP_MS)
     return 2 * size**3 / ms / 1e9
 
@@ -39,17 +41,17 @@ def torch_case(case, iterations):
     total = experts * rows
     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * rows
     phase = case["phase"]
-    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    w = uniform(experts, n, k, half_width=0.05)
     if phase.startswith("gemm-dgrad"):
-        dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+        dy = uniform(total, n)
         fn = lambda: torch._grouped_mm(dy, w, offs=offs)
     elif phase.startswith("gemm-wgrad"):
         del w
-        dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+        dy = uniform(total, n)
+        x = uniform(total, k)
         fn = lambda: torch._grouped_mm(dy.t(), x, offs=offs)
     else:
-        x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+        x = uniform(total, k)
         fn = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     ms = median_ms(fn, iterations, warmup_ms=WARMUP_MS)
     torch.cuda.empty_cache()

@@ -13,7 +13,8 @@ The layer, per rank, as a PyTorch user writes it without a fused kernel:
                     [E_l, 2I, H] weight), silu(g) * u in bf16, torch._grouped_mm down
   combine           all_to_all_single back, y = shared + index_add of w * row in fp32, -> bf16
 The routing is the one bench_layer used (its --routing-dir files), so both move the same rows.
-Weights are random (timing does not depend on them). Median of the timed iterations (CUDA
+Weights and x are random, drawn as bench_layer draws its own (data.py: uniform, with the same
+standard deviations), since under the power cap the clock depends on the bits multiplied. Median of the timed iterations (CUDA
 events) after --warmup-ms of warm-up (as bench_layer's), the maximum over ranks; the dense bf16
 GEMM rate (8192^3) is measured in the EP=1 process.
 """
@@ -23,6 +24,7 @@ import json
 import math
 import os
 
+from data import uniform, uniform_std  # bench/baselines/data.py: bench_layer's distributions
 from timing import median_ms  # bench/baselines/timing.py, beside this script
 
 
@@ -51,7 +53,7 @@ class NativeLayer:
         bf16 = torch.bfloat16
 
         def weight(*shape, fan_in):
-            return torch.randn(*shape, device="cuda", dtype=bf16).mul_(1.0 / math.sqrt(fan_in))
+            return uniform_std(*shape, std=1.0 / math.sqrt(fan_in))
 
         self.w_gate_up = weight(self.local_experts, 2 * inter, hidden, fan_in=hidden)
         self.w_down = weight(self.local_experts, hidden, inter, fan_in=inter)
@@ -147,7 +149,7 @@ def measure(args):
         idx = idx[rank * tokens : (rank + 1) * tokens].cuda()
         w = w[rank * tokens : (rank + 1) * tokens].cuda()
         layer = NativeLayer(case, rank, world)
-        x = torch.randn(tokens, case["hidden"], device="cuda", dtype=torch.bfloat16)
+        x = uniform_std(tokens, case["hidden"], std=1.0)
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         ms = median_ms(lambda: layer.forward(x, idx, w), args.iterations,
@@ -166,8 +168,8 @@ def measure(args):
         torch.cuda.empty_cache()
     if world == 1:
         size = 8192
-        a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        a = uniform(size, size)
+        b = uniform(size, size)
         dense_ms = median_ms(lambda: a @ b, max(args.iterations, 20), warmup_ms=args.warmup_ms)
         results["dense_gemm_tflops"] = 2 * size**3 / dense_ms / 1e9
         print(f"dense bf16 GEMM 8192^3: {results['dense_gemm_tflops']:.1f} TFLOP/s", flush=True)

@@ -2,9 +2,11 @@
 # GEMM part of the device check: runs the grouped GEMM GPU tests, the benchmark next to torch
 # (mok on both engines, cooperative and ping-pong, and torch timed in two passes each), the
 # chart, the SwiGLU epilogue's cost (fused against plain gate/up launched alternately, 5 rounds,
-# gemm-swiglu-cost.json; and in blocks of 64 launches, gemm-swiglu-cost-block64.json), a SASS check and Nsight Compute profiles of the plain and SwiGLU-fused
-# gate/up GEMM on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative pingpong), on GPU 0. Results and
-# logs go to the results folder.
+# gemm-swiglu-cost.json; and in blocks of 64 launches, gemm-swiglu-cost-block64.json), the clock,
+# power and TFLOP per joule at the power cap of deepseek-v3 gate/up beside torch (gemm-power.json),
+# a SASS check and Nsight Compute profiles of deepseek-v3's gate/up and qwen3-235b's plain and
+# SwiGLU-fused gate/up GEMMs on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative
+# pingpong), on GPU 0. Results and logs go to the results folder.
 #
 #   OUT=/tmp/out scripts/device/gemm.sh [BIN_DIR]
 # BIN_DIR holds mok_gpu_tests (or a GEMM-only mok_gemm_tests) and bench_gemm, e.g. built here with
@@ -75,10 +77,14 @@ say "SwiGLU cost with blocks of 64 launches of each alternated (each kernel at i
 timeout 120 "$BIN/bench_gemm" --swiglu-cost "$OUT/gemm-swiglu-cost-block64.json" --engine cooperative \
   --iterations 4 --rounds 3 --block 64 2>&1 | tee -a "$LOG"
 
+say "At the power cap: clock, power and TFLOP per joule of deepseek-v3 gate/up, mok beside torch (2 rounds)"
+timeout 150 python3 bench/baselines/gemm_power.py --bench "$BIN/bench_gemm" --out "$OUT/gemm-power.json" \
+  --gpu "${CUDA_VISIBLE_DEVICES%%,*}" --commit "${MOK_COMMIT:-unknown}" 2>&1 | tee -a "$LOG"
+
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   : > "$OUT/gemm-ncu.txt"
   NCU_SECTIONS=${MOK_GEMM_NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats WarpStateStats SchedulerStats}
-  for NCU_CASE in ${MOK_GEMM_NCU_CASES:-qwen3-235b-a22b/gemm-gateup qwen3-235b-a22b/gemm-gateup-swiglu}; do
+  for NCU_CASE in ${MOK_GEMM_NCU_CASES:-deepseek-v3/gemm-gateup qwen3-235b-a22b/gemm-gateup qwen3-235b-a22b/gemm-gateup-swiglu}; do
     for NCU_ENGINE in ${MOK_GEMM_NCU_ENGINES:-cooperative pingpong}; do
       say "Nsight Compute: $NCU_CASE ($NCU_ENGINE)"
       echo "==== $NCU_CASE ($NCU_ENGINE)" >> "$OUT/gemm-ncu.txt"
