@@ -69,11 +69,13 @@ struct Mainloop {
     return Loader::num_k_blocks(params, tile);
   }
 
-  // Producer side (tile_loader.cuh).
+  // Producer side (tile_loader.cuh), with `beside`'s loads in each stage.
+  template <class Beside = NothingBesideLoads>
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const GroupedGemmParams& params,
-                              const GroupedTile& tile, State& state, uint32_t& tail_phase) {
-    Loader::load(map_a, map_b, smem, params, tile, state, tail_phase);
+                              const GroupedTile& tile, State& state, uint32_t& tail_phase,
+                              const Beside& beside = {}) {
+    Loader::load(map_a, map_b, smem, params, tile, state, tail_phase, beside);
   }
 
   // dgrad and wgrad keep one k-block's wgmma group in flight while the next one is issued (the
@@ -104,9 +106,8 @@ struct Mainloop {
                             consumer_idx * (Config::kBBytes / Config::kNumConsumerWarpgroups),
                             state, reinterpret_cast<float(&)[HalfMma::kNumAccumulators]>(accum));
     } else {
-      mma_k_blocks<Mma>(smem, params, tile,
-                        consumer_idx * (Config::kABytes / Config::kNumConsumerWarpgroups), 0, state,
-                        accum);
+      const NothingBeside nothing{};
+      mma_full_tile_with(smem, params, tile, consumer_idx, state, accum, nothing);
     }
   }
 

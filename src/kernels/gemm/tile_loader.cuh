@@ -16,6 +16,14 @@
 
 namespace mok::gemm {
 
+// What a producer loads into each stage besides the tile's own operands (nothing, by default):
+// kBytes more on the stage's full barrier, issued by issue(stage, barrier, k_block) after the
+// tile's copies (the fused forward's carried tails, megakernel/carried_tails.cuh). Forward only.
+struct NothingBesideLoads {
+  static constexpr uint32_t kBytes = 0;
+  __device__ void issue(int /*stage*/, uint64_t* /*barrier*/, int /*k_block*/) const {}
+};
+
 template <GemmKind kKind, class Config>
 struct TileLoader {
   __device__ static int num_k_blocks(const GroupedGemmParams& params, const GroupedTile& tile) {
@@ -57,11 +65,14 @@ struct TileLoader {
   }
 
   // Run by all 32 lanes of the producer warp (lane 0 issues). Returns after the copies of every
-  // k-block of `tile` have been issued.
-  template <class Storage, class State>
+  // k-block of `tile` (and `beside`'s) have been issued.
+  template <class Storage, class State, class Beside = NothingBesideLoads>
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const GroupedGemmParams& params,
-                              const GroupedTile& tile, State& state, uint32_t& tail_phase) {
+                              const GroupedTile& tile, State& state, uint32_t& tail_phase,
+                              const Beside& beside = {}) {
+    static_assert(Beside::kBytes == 0 || kKind == GemmKind::kForward,
+                  "loads beside the tile's: forward tiles only (no staged wgrad tail)");
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
@@ -81,8 +92,10 @@ struct TileLoader {
         __syncwarp();
         if (lane_idx == 0) ptx::mbarrier_arrive(&smem.full[state.index]);
       } else if (lane_idx == 0) {
-        ptx::mbarrier_arrive_expect_tx(&smem.full[state.index], Config::kStageBytes);
-        issue_loads(map_a, map_b, smem, state.index, &smem.full[state.index], tile, k_block);
+        uint64_t* full = &smem.full[state.index];
+        ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes + Beside::kBytes);
+        issue_loads(map_a, map_b, smem, state.index, full, tile, k_block);
+        beside.issue(state.index, full, k_block);
       }
       __syncwarp();
       state.advance();

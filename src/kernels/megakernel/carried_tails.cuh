@@ -8,7 +8,6 @@
 
 #include "kernels/gemm/carried_tail.cuh"
 #include "kernels/gemm/gemm_types.cuh"
-#include "kernels/gemm/tile_loader.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/ptx/barrier.cuh"
@@ -23,32 +22,27 @@ __device__ inline uint8_t* tail_stages(uint8_t* aligned_smem) { return aligned_s
 using Tail = gemm::CarriedTail<kCarriedTailRows>;
 static_assert(Tail::kAccumulators == kTailAccumulators, "the stash holds the tail");
 
-// Producer, all 32 lanes: the loads of a tile that carries a tail (Loop::load's, and its
-// kCarriedTailRows rows of the tail beside them, on the same full barrier).
-__device__ inline void load_with_tail(const CUtensorMap* map_a, const CUtensorMap* map_b,
-                                      const CUtensorMap* map_tail, const Loop::Storage& smem,
-                                      uint8_t* tail_smem, const gemm::GroupedGemmParams& params,
-                                      const Task& task, Loop::State& state) {
-  using Loader = gemm::TileLoader<gemm::GemmKind::kForward, gemm::TileConfig>;
-  const gemm::GroupedTile& tile = task.tile;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int num_blocks = gemm::ceil_div(params.k, gemm::TileConfig::BLOCK_K);
-  const int tail_row = tile.row_begin +
-                       (tile.m_block + task.tail_offset()) * gemm::TileConfig::BLOCK_M +
-                       task.tail_carrier * kCarriedTailRows;
-  for (int k_block = 0; k_block < num_blocks; ++k_block) {
-    ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
-    if (lane == 0) {
-      uint64_t* full = &smem.full[state.index];
-      ptx::mbarrier_arrive_expect_tx(full, gemm::TileConfig::kStageBytes + kTailStageBytes);
-      Loader::issue_loads(map_a, map_b, smem, state.index, full, tile, k_block);
-      ptx::tma_load_2d(tail_smem + state.index * kTailStageBytes, map_tail, full,
-                       k_block * gemm::TileConfig::BLOCK_K, tail_row);
-    }
-    __syncwarp();
-    state.advance();
+// Producer: what a tile that carries a tail loads beside its own operands (Loop::load's
+// `beside`): its kCarriedTailRows rows of the tail, into the stage's tail rows, on the same full
+// barrier.
+struct TailLoads {
+  static constexpr uint32_t kBytes = kTailStageBytes;
+  const CUtensorMap* map_tail;  // the routed kind's A in boxes of kCarriedTailRows rows
+  uint8_t* tail_smem;           // tail_stages
+  int tail_row;                 // the carrier's first row of the tail, in A
+
+  __device__ TailLoads(const CUtensorMap* map, uint8_t* smem, const Task& task)
+      : map_tail(map),
+        tail_smem(smem),
+        tail_row(task.tile.row_begin +
+                 (task.tile.m_block + task.tail_offset()) * gemm::TileConfig::BLOCK_M +
+                 task.tail_carrier * kCarriedTailRows) {}
+
+  __device__ void issue(int stage, uint64_t* full, int k_block) const {
+    ptx::tma_load_2d(tail_smem + stage * kTailStageBytes, map_tail, full,
+                     k_block * gemm::TileConfig::BLOCK_K, tail_row);
   }
-}
+};
 
 // Where this consumer thread's carried tail accumulators wait while the tile is stored: beside
 // the tile's accumulators in the epilogue, ptxas spilled (those keep their registers throughout

@@ -271,8 +271,8 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
         __syncwarp();
         const int kind = static_cast<int>(task.kind);
         if (task.tail_rows > 0) {
-          load_with_tail(&maps.a[kind], &maps.b[kind], &maps.a_tail[kind], smem,
-                         tail_stages(aligned_smem), params.gemm[kind], task, state);
+          Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                     tail_phase, TailLoads(&maps.a_tail[kind], tail_stages(aligned_smem), task));
         } else {
           Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
                      tail_phase);
