@@ -33,6 +33,9 @@ struct BenchCase {
 
 const std::vector<BenchCase> kCases = {
     {"deepseek-v3-ep1", "deepseek-v3", "uniform", 1, 8192},
+    {"qwen3-30b-a3b-ep1", "qwen3-30b-a3b", "uniform", 1, 16384},
+    {"qwen3-235b-a22b-ep1", "qwen3-235b-a22b", "uniform", 1, 8192},
+    {"mixtral-8x7b-ep1", "mixtral-8x7b", "uniform", 1, 8192},
     {"deepseek-v3-ep2", "deepseek-v3", "uniform", 2, 8192},
     {"qwen3-30b-a3b-ep2", "qwen3-30b-a3b", "uniform", 2, 16384},
     {"qwen3-235b-a22b-ep2", "qwen3-235b-a22b", "uniform", 2, 8192},
@@ -47,6 +50,11 @@ struct Args {
        stale_rows = true;
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
+  bool backward = true;
+  // A case of any shape (--hidden and the rest): the preset's values where a flag is not given.
+  bool custom = false;
+  BenchCase custom_case{"custom", "deepseek-v3", "uniform", 1, 8192};
+  mok::LayerShape custom_shape = mok::find_preset("deepseek-v3").shape;
 };
 
 constexpr char kUsage[] = R"(bench_layer: the GPU layer forward (fused kernel by default) at the benchmark presets, ms per
@@ -54,8 +62,16 @@ rank (median, slowest rank), useful TFLOP/s and tokens/s per GPU; EP 2 cases nee
 
 usage: bench_layer [options]
 
-  --cases NAME,...          deepseek-v3-ep1, deepseek-v3-ep2, qwen3-30b-a3b-ep2,
+  --cases NAME,...          deepseek-v3-ep1, qwen3-30b-a3b-ep1, qwen3-235b-a22b-ep1,
+                            mixtral-8x7b-ep1, deepseek-v3-ep2, qwen3-30b-a3b-ep2,
                             qwen3-235b-a22b-ep2, deepseek-v3-ep2-skewed (default all)
+  --backward 0|1            1: also the GPU backward, timed alone and as forward + backward
+                            pairs (default 1)
+  --preset NAME, --hidden H, --intermediate I, --shared-intermediate I_S, --experts E,
+  --top-k K, --tokens T, --ep R, --routing uniform|skewed:ALPHA|single-expert
+                            one case of any shape instead (named "custom"): the preset's values
+                            (default deepseek-v3, 8192 tokens per rank, EP 1) where a flag is
+                            not given
   --iters N                 timed forwards per configuration (default 20)
   --warmup-ms MS            untimed forwards for MS ms first (at least 3), so that the timed
                             ones run at the clock the forward's own power draw sets under the
@@ -95,6 +111,31 @@ bool parse(int argc, char** argv, Args& args) {
         if (!known) throw mok::bench::UsageError(key, "no case is called '" + name + "'");
       }
     } else if (key == "--iters") args.iters = integer(key, value);
+    else if (key == "--backward") args.backward = integer(key, value) != 0;
+    else if (key == "--preset") {
+      args.custom = true;
+      args.custom_case.preset = value;
+      args.custom_shape = mok::find_preset(value).shape;
+    } else if (key == "--hidden") args.custom = true, args.custom_shape.hidden = integer(key, value);
+    else if (key == "--intermediate") {
+      args.custom = true;
+      args.custom_shape.intermediate = integer(key, value);
+    } else if (key == "--shared-intermediate") {
+      args.custom = true;
+      args.custom_shape.shared_intermediate = integer(key, value);
+    } else if (key == "--experts") {
+      args.custom = true;
+      args.custom_shape.num_experts = integer(key, value);
+    } else if (key == "--top-k") args.custom = true, args.custom_shape.top_k = integer(key, value);
+    else if (key == "--tokens") {
+      args.custom = true;
+      args.custom_case.tokens_per_rank = integer(key, value);
+    } else if (key == "--ep") args.custom = true, args.custom_case.ep = integer(key, value);
+    else if (key == "--routing") {
+      args.custom = true;
+      mok::Routing::parse(value);  // checked here, named by the error
+      args.custom_case.routing = value;
+    }
     else if (key == "--warmup-ms") args.warmup_ms = integer(key, value);
     else if (key == "--gemm-sms") args.gemm_sms = integer(key, value);
     else if (key == "--copy-ctas") args.copy_ctas = integer(key, value);
@@ -160,6 +201,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.stale_rows = args.stale_rows;
   spec.trace = args.trace;
   spec.keep_y = false;
+  spec.backward = args.backward;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
@@ -170,6 +212,14 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
               which.tokens_per_rank / (result.forward_ms * 1e-3),
               result.buffer_bytes_per_rank / 1e9);
+  if (args.backward) {
+    std::printf("%-26s backward %8.3f ms/rank  %7.1f useful TFLOP/s; forward + backward %8.3f "
+                "ms/rank  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU; backward buffers %.2f GB/rank\n",
+                "", result.backward_ms, 2 * flops / (result.backward_ms * 1e-3) * 1e-12,
+                result.forward_backward_ms, 3 * flops / (result.forward_backward_ms * 1e-3) * 1e-12,
+                which.tokens_per_rank / (result.forward_backward_ms * 1e-3),
+                result.backward_buffer_bytes_per_rank / 1e9);
+  }
   std::fflush(stdout);
   char line[2048];
   std::snprintf(line, sizeof(line),
@@ -192,6 +242,12 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 args.schedule_in_kernel ? "true" : "false", args.schedule_ctas,
                 args.l2_tickets ? "true" : "false", args.stale_rows ? "true" : "false");
   out << line;
+  if (args.backward) {
+    out << ", \"backward_ms\": " << result.backward_ms
+        << ", \"fwdbwd_ms\": " << result.forward_backward_ms
+        << ", \"backward_buffer_bytes_per_rank\": " << result.backward_buffer_bytes_per_rank
+        << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank;
+  }
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
     std::printf("%s%s %.3f", phase == 0 ? "    phases (ms, slowest rank): " : ", ",
@@ -221,13 +277,20 @@ int run(int argc, char** argv) {
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   out << "{\"date\": \"" << date << "\", \"cases\": [\n";
   bool first = true, failed = false;
-  for (const BenchCase& which : kCases) {
+  if (args.custom && !args.cases.empty()) {
+    throw mok::bench::UsageError("--cases", "cannot be combined with a custom shape (--hidden ...)");
+  }
+  const std::vector<BenchCase> cases = args.custom ? std::vector<BenchCase>{args.custom_case} : kCases;
+  for (const BenchCase& which : cases) {
     if (!args.cases.empty() &&
         std::find(args.cases.begin(), args.cases.end(), which.name) == args.cases.end()) {
       continue;
     }
-    const mok::LayerShape shape = mok::find_preset(which.preset).shape;
-    const std::string unfit = mok::gpu_layer_unfit_reason(shape, which.ep, which.tokens_per_rank);
+    const mok::LayerShape shape =
+        args.custom ? args.custom_shape : mok::find_preset(which.preset).shape;
+    shape.validate(which.ep);
+    const std::string unfit =
+        mok::gpu_layer_unfit_reason(shape, which.ep, which.tokens_per_rank, args.backward);
     if (!unfit.empty()) {
       std::printf("%-26s skipped: %s\n", which.name.c_str(), unfit.c_str());
       continue;

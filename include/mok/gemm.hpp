@@ -23,6 +23,11 @@ struct GroupedShape {
   int capacity_rows = 0;  // rows allocated in the row-indexed tensors
   int n = 0;              // out features of the forward GEMM (rows of W_e)
   int k = 0;              // in features of the forward GEMM (columns of W_e)
+  // Optional (device, E int32): rows of expert e are expert_offsets[e] .. expert_offsets[e] +
+  // expert_counts[e], the rest up to expert_offsets[e + 1] being padding that no tile reads into
+  // a result (a tile-padded row layout, as the layer's schedule makes). Null: every row up to
+  // expert_offsets[e + 1] is the expert's.
+  const int* expert_counts = nullptr;
 };
 
 // Which kernel runs a grouped GEMM. Both sum every output element over the same k-blocks in the
@@ -55,10 +60,20 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
                      const int* expert_offsets, void* y, ForwardOutput output,
                      cudaStream_t stream, const LaunchOptions& options = {});
 
-// dx_e = dy_e · W_e. dy [capacity_rows, n], w [E, n, k], dx [capacity_rows, k] bf16.
+enum class DgradOutput {
+  kBf16,  // dx [capacity_rows, k] bf16
+  kFp32,  // dx [capacity_rows, k] fp32
+};
+
+// dx_e = dy_e · W_e. dy [capacity_rows, n], w [E, n, k], dx [capacity_rows, k].
 void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
-                   const int* expert_offsets, bf16* dx, cudaStream_t stream,
+                   const int* expert_offsets, void* dx, DgradOutput output, cudaStream_t stream,
                    const LaunchOptions& options = {});
+inline void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
+                          const int* expert_offsets, bf16* dx, cudaStream_t stream,
+                          const LaunchOptions& options = {}) {
+  grouped_dgrad(shape, dy, w, expert_offsets, dx, DgradOutput::kBf16, stream, options);
+}
 
 // dw_e = dy_eᵀ · x_e, summed over the expert's rows in row order. dy [capacity_rows, n],
 // x [capacity_rows, k], dw [E, n, k].

@@ -2,9 +2,8 @@
 
 `mok.functional` is the op-level API, `mok.nn.MoE` a module that drops into a model.
 CPU tensors run mok's CPU backend (the reference, with the GPU design's rounding points), forward
-and backward. CUDA tensors (Hopper) run mok's GPU layer forward, expert-parallel over a
-torch.distributed group; their backward is a plain-PyTorch reference (`mok._reference`) until
-mok's GPU backward is built.
+and backward. CUDA tensors (Hopper) run mok's GPU layer forward and backward, expert-parallel over
+a torch.distributed group.
 """
 
 from . import _ops  # noqa: F401  (loads the ops before anything uses them)

@@ -1,7 +1,7 @@
 """Loads the compiled torch ops (mok::forward, mok::backward and the workspace ops) and registers
-what is written in Python: the fake (meta) implementations, for torch.compile; the autograd formula
-of mok::forward; and the CUDA kernel of mok::backward, which is the plain-PyTorch REFERENCE of
-`mok._reference` (mok's GPU backward is not built yet; the GPU forward is mok's)."""
+what is written in Python: the fake (meta) implementations, for torch.compile, and the autograd
+formula of mok::forward. Both ops run mok's own kernels: the CPU backend on CPU tensors, the GPU
+layer forward and backward on CUDA tensors (`mok._reference` is kept as a test oracle only)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import os
 from pathlib import Path
 
 import torch
-
-from . import _reference
 
 
 def _load_library() -> Path:
@@ -33,7 +31,7 @@ LIBRARY_PATH = _load_library()
 HAVE_GPU_LAYER: bool = bool(torch.ops.mok.have_gpu_layer())
 
 # The process group of each workspace handle (handle 0, the automatic EP = 1 workspace: none), for
-# the reference backward's all_to_all. Written by mok.functional.create_workspace.
+# the tests' reference backward (mok._reference). Written by mok.functional.create_workspace.
 WORKSPACE_GROUPS: dict = {}
 
 
@@ -51,14 +49,19 @@ def _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_sh
 
 
 @torch.library.register_fake("mok::backward")
-def _backward_fake(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace=0):
+def _backward_fake(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
+                   workspace=0, bf16_grads=False):
+    def grad(weight):
+        fp32 = _f32_like(weight, x.device)
+        return fp32.to(torch.bfloat16) if bf16_grads else fp32
+
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         _f32_like(topk_w, x.device),
-        _f32_like(w_gate_up, x.device),
-        _f32_like(w_down, x.device),
-        _f32_like(w_shared_gate_up, x.device),
-        _f32_like(w_shared_down, x.device),
+        grad(w_gate_up),
+        grad(w_down),
+        grad(w_shared_gate_up),
+        grad(w_shared_down),
     )
 
 
@@ -71,11 +74,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y):
     x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down = ctx.saved_tensors
+    # bf16 parameters get bf16 gradients straight from the weight-gradient GEMMs' epilogues (the
+    # fp32 sums rounded once), as autograd expects; mok.functional.backward keeps fp32.
+    bf16_grads = w_gate_up.dtype == torch.bfloat16
     dx, d_topk_w, grad_gate_up, grad_down, grad_sgu, grad_sd = torch.ops.mok.backward(
         grad_y.contiguous(), x, topk_idx, topk_w, w_gate_up, w_down,
-        w_shared_gate_up, w_shared_down, ctx.workspace,
+        w_shared_gate_up, w_shared_down, ctx.workspace, bf16_grads,
     )
-    # Autograd wants each gradient in its input's dtype; mok.functional.backward keeps fp32.
     shared = ((grad_sgu.to(w_shared_gate_up.dtype), grad_sd.to(w_shared_down.dtype))
               if ctx.has_shared else (None, None))
     grads = (dx, None, d_topk_w.to(topk_w.dtype), grad_gate_up.to(w_gate_up.dtype),
@@ -84,13 +89,3 @@ def _backward(ctx, grad_y):
 
 
 torch.library.register_autograd("mok::forward", _backward, setup_context=_setup_context)
-
-
-def _backward_cuda(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace=0):
-    """mok::backward on CUDA tensors: the labelled plain-PyTorch reference (see mok._reference)."""
-    return _reference.backward(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
-                               w_shared_down, WORKSPACE_GROUPS.get(workspace))
-
-
-_CUDA_KERNELS = torch.library.Library("mok", "IMPL")
-_CUDA_KERNELS.impl("backward", _backward_cuda, "CUDA")

@@ -20,8 +20,9 @@ What runs where:
                   points), one rank.
     CUDA tensors  forward: mok's GPU layer (LayerForward) on the current CUDA stream, no host
                   synchronisation, EP over the workspace's process group, bitwise EP-invariant.
-                  backward: a plain-PyTorch REFERENCE (mok._reference: fp32 recompute, all_to_all
-                  over the group, host syncs), not mok's kernel; mok's GPU backward is not built yet.
+                  backward: mok's GPU backward (LayerBackward) on the current stream, no host
+                  synchronisation, EP over the same group; it recomputes the gate/up activations
+                  from x (the context is the forward's inputs alone).
 """
 
 from __future__ import annotations
@@ -297,7 +298,7 @@ def build_schedule(topk_idx: torch.Tensor, num_experts: int) -> Schedule:
 def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: AnyExpertWeights,
             workspace: Optional[Workspace] = None) -> torch.Tensor:
     """y = S(x) + sum_j topk_w[:, j] * F_{topk_idx[:, j]}(x), (T, H) bf16. Differentiable: autograd
-    runs mok::backward (CPU: mok's CPU backend; CUDA: the plain-PyTorch reference).
+    runs mok::backward (CPU: mok's CPU backend; CUDA: mok's GPU backward).
 
     CUDA tensors run mok's GPU layer on the current stream without host synchronisation. EP > 1
     needs `workspace` (get_workspace with the group); without one a CUDA call is EP = 1 on an
@@ -321,7 +322,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: 
     """Gradients of the layer for upstream gradient dy, all weight gradients in fp32 and in the
     layout of `weights`. With `main_grads` (fp32 buffers of that layout), each gradient is also
     added to its buffer in place. Recomputes the forward internally: nothing is saved between the
-    calls. CUDA tensors: the plain-PyTorch reference (module docstring)."""
+    calls. CUDA tensors: mok's GPU backward on the current stream (module docstring)."""
     fused = _fused(weights)
     if workspace is not None:
         workspace.check(x, topk_idx, fused)

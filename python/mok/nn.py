@@ -26,8 +26,7 @@ class MoE(nn.Module):
     of 8. Other dtypes are kept as given and cast to bf16 on every call.
 
     Input (..., H) of any float dtype (computed in bf16); output (..., H) bf16. CPU tensors run
-    mok's CPU backend, forward and backward. CUDA tensors run mok's GPU layer forward; backward is
-    the plain-PyTorch reference (mok._reference), not yet mok's GPU backward.
+    mok's CPU backend, forward and backward. CUDA tensors run mok's GPU layer forward and backward.
 
     Expert parallelism: with `process_group` of R ranks, rank r holds experts r*E/R .. and the
     first CUDA call makes the workspace collectively (every rank calls the module). Its capacity is

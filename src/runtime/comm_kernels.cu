@@ -31,10 +31,10 @@ __global__ void __launch_bounds__(comm::kOrderThreads, 1)
   comm::order_rows(view, blockIdx.x);
 }
 
-template <comm::CopyMethod kMethod>
+template <comm::CopyMethod kMethod, comm::DispatchTensor kTensor>
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1) dispatch_kernel(comm::WorkspaceView view) {
   extern __shared__ __align__(128) char shared_stages[];
-  comm::dispatch_pull<kMethod>(view, shared_stages);
+  comm::dispatch_pull<kMethod>(view, shared_stages, kTensor);
 }
 
 template <comm::CopyMethod kMethod>
@@ -120,12 +120,22 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {
+void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
+              comm::DispatchTensor tensor) {
   MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace",
                 "the standalone dispatch needs expert_x for every row (", ws.layout().rows_capacity(),
                 "), this one has ", ws.layout().expert_rows, " (a fused forward's ring)");
-  launch_copy(ws, config, stream, dispatch_kernel<comm::CopyMethod::kVector>,
-                      dispatch_kernel<comm::CopyMethod::kBulk>);
+  if (tensor == comm::DispatchTensor::kDy) {
+    MOK_CHECK_ARG(ws.layout().backward, "workspace",
+                  "dispatching dy needs a workspace with the backward's regions");
+    launch_copy(ws, config, stream,
+                dispatch_kernel<comm::CopyMethod::kVector, comm::DispatchTensor::kDy>,
+                dispatch_kernel<comm::CopyMethod::kBulk, comm::DispatchTensor::kDy>);
+  } else {
+    launch_copy(ws, config, stream,
+                dispatch_kernel<comm::CopyMethod::kVector, comm::DispatchTensor::kX>,
+                dispatch_kernel<comm::CopyMethod::kBulk, comm::DispatchTensor::kX>);
+  }
 }
 
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {

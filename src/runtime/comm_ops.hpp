@@ -38,7 +38,10 @@ void begin_call(CommWorkspace& ws, cudaStream_t stream);
 // topk_idx (T, k) int32 on this device; T = num_tokens <= tokens_max. ws.x() must hold the tokens.
 void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream);
 
-void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream);
+// Pulls every routed row into ws.expert_x() (tensor kX: the tokens' x from the owners' windows)
+// or, in a workspace with the backward's regions, into ws.expert_dy() (kDy: their dy).
+void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
+              comm::DispatchTensor tensor = comm::DispatchTensor::kX);
 
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream);
 

@@ -145,7 +145,8 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
                                                config.block_m(), "x");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
                                                config.block_n(), 64, "w");
-  const GroupedGemmParams params{expert_offsets, shape.num_experts, 0, shape.n, shape.k, y};
+  const GroupedGemmParams params{expert_offsets, shape.num_experts, 0,      shape.n,
+                                 shape.k,        y,                  shape.expert_counts};
   switch (output) {
     case ForwardOutput::kBf16:
       launch<GemmKind::kForward, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
@@ -160,7 +161,7 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
 }
 
 void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
-                   const int* expert_offsets, bf16* dx, cudaStream_t stream,
+                   const int* expert_offsets, void* dx, DgradOutput output, cudaStream_t stream,
                    const LaunchOptions& options) {
   check_shape(shape, expert_offsets);
   if (shape.num_experts == 0) return;
@@ -170,15 +171,21 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
   static_assert(PingpongConfig<128>::BLOCK_K == TileConfig::BLOCK_K &&
                     PingpongConfig<128>::kChunk == TileConfig::kChunk,
                 "one weight map for every engine");
+  const EpilogueKind epilogue =
+      output == DgradOutput::kFp32 ? EpilogueKind::kStoreFp32 : EpilogueKind::kStoreBf16;
   const LaunchConfig config = pick_config(
-      options, pick_engine(options, GemmKind::kDgrad, EpilogueKind::kStoreBf16, shape.n),
-      unknown_tiles);
+      options, pick_engine(options, GemmKind::kDgrad, epilogue, shape.n), unknown_tiles);
   const CUtensorMap map_a = make_tensor_map_2d(dy, shape.capacity_rows, shape.n,
                                                config.block_m(), "dy");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
                                                TileConfig::BLOCK_K, TileConfig::kChunk, "w");
-  const GroupedGemmParams params{expert_offsets, shape.num_experts, 0, shape.k, shape.n, dx};
-  launch<GemmKind::kDgrad, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
+  const GroupedGemmParams params{expert_offsets, shape.num_experts, 0,      shape.k,
+                                 shape.n,        dx,                 shape.expert_counts};
+  if (output == DgradOutput::kFp32) {
+    launch<GemmKind::kDgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);
+  } else {
+    launch<GemmKind::kDgrad, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
+  }
 }
 
 void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
@@ -192,7 +199,9 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
                                                TileConfig::BLOCK_K, "dy");
   const CUtensorMap map_b = make_tensor_map_2d(x, shape.capacity_rows, shape.k,
                                                TileConfig::BLOCK_K, "x");
-  const GroupedGemmParams params{expert_offsets, shape.num_experts, shape.n, shape.k, 0, dw};
+  const GroupedGemmParams params{expert_offsets, shape.num_experts, shape.n,
+                                 shape.k,        0,                  dw,
+                                 shape.expert_counts};
   const EpilogueKind epilogue = output == WgradOutput::kFp32   ? EpilogueKind::kStoreFp32
                                 : output == WgradOutput::kBf16 ? EpilogueKind::kStoreBf16
                                                                : EpilogueKind::kAccumulateFp32;

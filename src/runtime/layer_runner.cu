@@ -20,6 +20,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/device.hpp"
+#include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
 
 namespace mok {
@@ -35,6 +36,11 @@ class DeviceArray {
   DeviceArray& operator=(const DeviceArray&) = delete;
   ~DeviceArray() { cudaFree(data_); }
   T* get() const { return data_; }
+  int64_t size() const { return count_; }
+  void download(T* host) const {
+    MOK_CUDA_CHECK(cudaMemcpy(host, data_, static_cast<size_t>(count_) * sizeof(T),
+                              cudaMemcpyDeviceToHost));
+  }
   void upload(const T* host) {
     MOK_CUDA_CHECK(cudaMemcpy(data_, host, static_cast<size_t>(count_) * sizeof(T),
                               cudaMemcpyHostToDevice));
@@ -163,6 +169,79 @@ class WarmUp {
   std::atomic<bool> more_{true};
 };
 
+// The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
+// a dy, warmed up and timed in forward + backward pairs; its outputs into `result` (keep_y).
+template <class Forward>
+void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
+                  const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
+                  const float* topk_w, cudaStream_t stream, const Forward& forward,
+                  WarmUp& warm_up, LayerRunResult& result, double& backward_ms, double& pair_ms,
+                  int64_t& buffer_bytes) {
+  const LayerShape& shape = spec.shape;
+  const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
+  LayerBackward layer(comm, shape, tokens);
+  buffer_bytes = layer.buffer_bytes();
+  DeviceArray<bf16> dy(tokens * hidden), dx(tokens * hidden);
+  DeviceArray<float> d_topk_w(tokens * top_k);
+  DeviceArray<float> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
+  DeviceArray<float> grad_shared_gate_up(weights.shared_gate_up_elements);
+  DeviceArray<float> grad_shared_down(weights.shared_down_elements);
+  if (spec.problem != nullptr) {
+    dy.upload(spec.problem->dy.data() + rank * tokens * hidden);
+  } else {
+    fill_random(dy.get(), tokens * hidden, 1.0, spec.seed, 50 + rank);
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  const bool shared = shape.has_shared();
+  const DeviceLayerGradients grads{grad_gate_up.get(), grad_down.get(),
+                                   shared ? grad_shared_gate_up.get() : nullptr,
+                                   shared ? grad_shared_down.get() : nullptr,
+                                   gemm::WgradOutput::kFp32};
+  auto backward = [&] {
+    layer.backward(weights, x, topk_idx, topk_w, dy.get(), dx.get(), d_topk_w.get(), grads, tokens,
+                   stream);
+  };
+  auto pair = [&] {
+    forward();
+    backward();
+  };
+  warm_up.run(spec, rank, stream, pair);
+  layer.check(stream);
+  // (iterations, 3) events: before the forward, between, after the backward.
+  std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * 3);
+  for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * 3];
+    MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+    forward();
+    MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
+    backward();
+    MOK_CUDA_CHECK(cudaEventRecord(marks[2], stream));
+  }
+  layer.check(stream);
+  std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * 3];
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[2]));
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[2]));
+  }
+  for (cudaEvent_t event : events) cudaEventDestroy(event);
+  backward_ms = median(backward_times);
+  pair_ms = median(pair_times);
+  if (!spec.keep_y) return;
+  const int64_t experts_local = shape.num_experts / spec.ep;
+  dx.download(result.dx.data() + rank * tokens * hidden);
+  d_topk_w.download(result.d_topk_w.data() + rank * tokens * top_k);
+  grad_gate_up.download(result.grad_gate_up.data() +
+                        rank * experts_local * 2 * shape.intermediate * hidden);
+  grad_down.download(result.grad_down.data() + rank * experts_local * hidden * shape.intermediate);
+  if (shared) {
+    grad_shared_gate_up.download(result.grad_shared_gate_up.data() +
+                                 rank * grad_shared_gate_up.size());
+    grad_shared_down.download(result.grad_shared_down.data() + rank * grad_shared_down.size());
+  }
+}
+
 }  // namespace
 
 LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
@@ -186,6 +265,19 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   std::vector<int64_t> buffer_bytes(spec.ep), weight_bytes(spec.ep);
   std::vector<std::vector<double>> rank_phase_ms(spec.ep, std::vector<double>(kNumForwardPhases));
   std::vector<std::string> trace_lines(spec.ep);
+  std::vector<double> rank_backward_ms(spec.ep), rank_pair_ms(spec.ep);
+  std::vector<int64_t> backward_bytes(spec.ep);
+  if (spec.backward && spec.keep_y) {
+    const int64_t experts = shape.num_experts, inter = shape.intermediate;
+    const int64_t shared_inter = shape.shared_intermediate;
+    result.dx.resize(static_cast<size_t>(global_tokens * hidden));
+    result.d_topk_w.resize(static_cast<size_t>(global_tokens * top_k));
+    result.grad_gate_up.resize(static_cast<size_t>(experts * 2 * inter * hidden));
+    result.grad_down.resize(static_cast<size_t>(experts * hidden * inter));
+    result.grad_shared_gate_up.resize(static_cast<size_t>(spec.ep * 2 * shared_inter * hidden));
+    result.grad_shared_down.resize(static_cast<size_t>(spec.ep * hidden * shared_inter));
+  }
+  WarmUp warm_up_pairs(spec.ep);
 
   WarmUp warm_up(spec.ep);
   for_each_rank(spec.ep, [&](int rank) {
@@ -283,7 +375,18 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
                                 static_cast<size_t>(tokens * hidden) * sizeof(bf16),
                                 cudaMemcpyDeviceToHost));
     }
+    if (spec.backward) {
+      run_backward(spec, rank, comms[rank], weights, x.get(), topk_idx.get(), topk_w.get(), stream,
+                   forward, warm_up_pairs, result, rank_backward_ms[rank],
+                   rank_pair_ms[rank], backward_bytes[rank]);
+    }
   });
+  if (spec.backward) {
+    result.backward_ms = *std::max_element(rank_backward_ms.begin(), rank_backward_ms.end());
+    result.forward_backward_ms = *std::max_element(rank_pair_ms.begin(), rank_pair_ms.end());
+    result.backward_buffer_bytes_per_rank =
+        *std::max_element(backward_bytes.begin(), backward_bytes.end());
+  }
   result.forward_ms = *std::max_element(result.rank_ms.begin(), result.rank_ms.end());
   for (int phase = 0; phase < kNumForwardPhases; ++phase) {
     result.phase_names.push_back(phase_name(static_cast<ForwardPhase>(phase)));
@@ -299,7 +402,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   return result;
 }
 
-std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank) {
+std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank,
+                                   bool backward) {
   const runtime::GpuSummary gpus = runtime::query_gpus();
   if (gpus.num_hopper_gpus < ep) {
     return detail::concat("EP ", ep, " needs ", ep, " Hopper GPU(s); found ", gpus.description);
@@ -313,14 +417,25 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
       2.0 * layout.rows_capacity() * shape.intermediate +
       tokens_per_rank * (2.0 * shape.shared_intermediate + 4.0 * shape.hidden) +
       tokens_per_rank * (4.0 * shape.hidden + 8.0 * shape.top_k);  // x, y, topk_idx, topk_w
+  double backward_bytes = 0;
+  if (backward) {  // LayerBackward's workspace and rows, fp32 gradients, dy, dx, d_topk_w
+    const comm::WorkspaceLayout with_backward = comm::WorkspaceLayout::make(
+        ep, tokens_per_rank, shape.hidden, shape.top_k, shape.num_experts,
+        WorkspaceOptions{}.block_m, 0, true, true);
+    backward_bytes = static_cast<double>(with_backward.window_bytes + with_backward.local_bytes) +
+                     12.0 * with_backward.rows_capacity() * shape.intermediate +
+                     tokens_per_rank * (12.0 * shape.shared_intermediate + 4.0 * shape.hidden) +
+                     2.0 * weights + tokens_per_rank * (4.0 * shape.hidden + 4.0 * shape.top_k);
+  }
   for (int device = 0; device < ep; ++device) {
     size_t free_bytes = 0, total_bytes = 0;
     MOK_CUDA_CHECK(cudaSetDevice(device));
     MOK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    if (weights + buffers > 0.9 * static_cast<double>(free_bytes)) {
+    if (weights + buffers + backward_bytes > 0.9 * static_cast<double>(free_bytes)) {
       return detail::concat("GPU ", device, " has ", static_cast<int64_t>(free_bytes >> 20),
                             " MiB free; the layer needs about ",
-                            static_cast<int64_t>((weights + buffers) / (1 << 20)), " MiB per rank");
+                            static_cast<int64_t>((weights + buffers + backward_bytes) / (1 << 20)),
+                            " MiB per rank", backward ? " (forward and backward)" : "");
     }
   }
   return "";

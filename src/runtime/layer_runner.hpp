@@ -1,5 +1,6 @@
-// Runs the GPU layer forward (LayerForward) for every rank of one process, times it and returns
-// y: what `mok run --backend cuda` and bench_layer share. Plain C++ interface (no CUDA headers),
+// Runs the GPU layer forward (LayerForward) — and, when asked, the backward (LayerBackward) — for
+// every rank of one process, times it and returns the outputs: what `mok run --backend cuda` and
+// bench_layer share. Plain C++ interface (no CUDA headers),
 // so the command-line tool includes it as it is.
 //
 // Rank r of R drives GPU r and holds tokens [r*T, (r+1)*T) and experts [r*E/R, (r+1)*E/R) of the
@@ -49,6 +50,10 @@ struct LayerRunSpec {
   bool stale_rows = true;
   // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
   bool trace = false;
+  // After the forward's timing, the GPU backward (LayerBackward) on the same inputs and a dy
+  // (the problem's, or seeded random values): timed alone and as forward + backward pairs, after
+  // the same warm-up (of pairs). Its outputs are kept with y (keep_y).
+  bool backward = false;
   int warmup = 3;  // untimed forwards first: at least this many, and
   // more until this many milliseconds have passed (every rank runs as many as rank 0): under the
   // power cap the clock follows the power of the last fraction of a second, so a few forwards of
@@ -67,6 +72,18 @@ struct LayerRunResult {
   std::vector<std::string> phase_names;
   std::vector<double> phase_ms;
   int64_t buffer_bytes_per_rank = 0;  // workspace and intermediates, weights excluded
+  // spec.backward: medians over the timed pairs, slowest rank; the backward's own buffers; and,
+  // with keep_y, every output in global layout (weight gradients fp32, gate/up interleaved as
+  // DeviceLayerWeights; the shared expert's per rank, (ep, ...)).
+  double backward_ms = 0;
+  double forward_backward_ms = 0;
+  int64_t backward_buffer_bytes_per_rank = 0;
+  std::vector<bf16> dx;                     // (T_global, H)
+  std::vector<float> d_topk_w;              // (T_global, k)
+  std::vector<float> grad_gate_up;          // (E, 2I, H)
+  std::vector<float> grad_down;             // (E, H, I)
+  std::vector<float> grad_shared_gate_up;   // (ep, 2I_s, H)
+  std::vector<float> grad_shared_down;      // (ep, H, I_s)
   int64_t weight_bytes_per_rank = 0;
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
 };
@@ -77,6 +94,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec);
 
 // Empty when `ep` Hopper GPUs are visible and each has room for its share of the layer (weights,
 // workspace, intermediates, inputs), else why not ("needs 2 GPUs, 1 visible").
-std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank);
+// backward: room for the backward too (LayerBackward, fp32 weight gradients).
+std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank,
+                                   bool backward = false);
 
 }  // namespace mok

@@ -59,7 +59,7 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
                 options.expert_rows);
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
       num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, options.block_m,
-      options.expert_rows, options.expert_y);
+      options.expert_rows, options.expert_y, options.backward);
   MOK_CHECK_ARG(num_ranks * tokens_max * shape.top_k < (int64_t{1} << 31) &&
                     layout.rows_capacity() < (int64_t{1} << 31),
                 "tokens_max", tokens_max, " tokens per rank overflow the 32-bit row indices");

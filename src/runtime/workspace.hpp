@@ -27,6 +27,8 @@ struct WorkspaceOptions {
   // expert_y holds the routed down GEMM's rows for the standalone combine push; the fused forward
   // writes them straight into the owners' slots and needs none.
   bool expert_y = true;
+  // The backward's regions: dy, topk_w and d_topk_w in the window, expert_dy (LayerBackward).
+  bool backward = false;
 };
 
 class CommWorkspace {
@@ -54,6 +56,18 @@ class CommWorkspace {
   // (expert_rows, H) and (expert_y_rows, H): dispatched rows and expert outputs, local.
   bf16* expert_x() const { return reinterpret_cast<bf16*>(view_.expert_x_row(0)); }
   bf16* expert_y() const { return reinterpret_cast<bf16*>(view_.expert_y_row(0)); }
+  // Backward regions (WorkspaceOptions::backward): (T_max, H) dy and (T_max, k) topk_w of this
+  // rank's tokens, written before `schedule`; (T_max, k) d_topk_w, stored by the expert ranks;
+  // (rows_capacity, H) expert_dy, the dispatched dy rows.
+  bf16* dy() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.dy_offset); }
+  float* topk_w() const {
+    return reinterpret_cast<float*>(window_base() + view_.layout.topk_w_offset);
+  }
+  float* d_topk_w() const {
+    return reinterpret_cast<float*>(window_base() + view_.layout.d_topk_w_offset);
+  }
+  bf16* expert_dy() const { return reinterpret_cast<bf16*>(view_.expert_dy_row(0)); }
+  const int32_t* expert_counts() const { return view_.counts(); }  // (E_l), device
   const int32_t* expert_offsets() const { return view_.offsets(); }  // (E_l + 1), device
   const int32_t* row_source() const { return view_.row_source(); }   // (rows_capacity), device
 

@@ -116,6 +116,33 @@ struct ForwardCall {
 // create_workspace has a fixed capacity: a call with more tokens is an error naming both.
 void forward(int64_t workspace, const ForwardCall& call);
 
+struct BackwardCall {
+  Shape local_shape;                // as ForwardCall's
+  DeviceWeights weights;
+  const void* x = nullptr;            // (T, H) bf16
+  const int32_t* topk_idx = nullptr;  // (T, k)
+  const float* topk_w = nullptr;      // (T, k)
+  const void* dy = nullptr;           // (T, H) bf16
+  void* dx = nullptr;                 // (T, H) bf16
+  float* d_topk_w = nullptr;          // (T, k)
+  // Weight gradients in the weights' layouts (gate/up interleaved); shared ones null when I_s = 0.
+  // fp32 and overwritten, or bf16 (bf16_gradients), or fp32 added into (accumulate: main_grad).
+  void* grad_gate_up = nullptr;
+  void* grad_down = nullptr;
+  void* grad_shared_gate_up = nullptr;
+  void* grad_shared_down = nullptr;
+  bool bf16_gradients = false;
+  bool accumulate = false;
+  int64_t num_tokens = 0;
+  int device = 0;
+  void* stream = nullptr;  // cudaStream_t
+};
+
+// Enqueues mok's GPU backward (recompute mode: the gate/up activations are computed again from
+// x) on `stream`, no host synchronisation. `workspace` as for forward; the backward's own buffers
+// are made on its first call (collectively, when num_ranks > 1: every rank calls backward).
+void backward(int64_t workspace, const BackwardCall& call);
+
 // Waits for `stream` and throws CoreError naming rank, phase and cause of a device fault that a
 // forward recorded. workspace 0: every automatic workspace of `device`.
 void check(int64_t workspace, int device, void* stream);

@@ -20,6 +20,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/comm_nccl_check.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
 
 namespace mok::torch_bridge {
@@ -42,13 +43,16 @@ struct Workspace {
   int64_t tokens_max = 0;
   bool automatic = false;
   ncclComm_t comm = nullptr;  // made here from the unique id; null for EP = 1
+  Communicator communicator;  // over `comm`, or the single rank
   std::unique_ptr<LayerForward> layer;
+  std::unique_ptr<LayerBackward> backward;  // made by the first backward call
 
   Workspace() = default;
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
   ~Workspace() {
-    layer.reset();  // collective teardown of the window first, then the communicator under it
+    backward.reset();  // collective teardown of the windows first, then the communicator under them
+    layer.reset();
 #if defined(MOK_WITH_NCCL)
     if (comm != nullptr) {
       cudaSetDevice(device);
@@ -133,6 +137,7 @@ std::shared_ptr<Workspace> make_workspace(const WorkspaceSpec& spec, bool automa
   options.fused.comm_ctas = spec.copy_ctas;
   options.fused.minibatch_rows = spec.minibatch_rows;
   options.fused.ring_rows = spec.ring_rows;
+  workspace->communicator = comm;
   workspace->layer = std::make_unique<LayerForward>(comm, core_shape(spec.shape), spec.tokens_max,
                                                     options);
   return workspace;
@@ -145,7 +150,8 @@ int64_t next_power_of_two(int64_t value) {
 }
 
 // This device's automatic EP = 1 workspace for the call's shape, large enough for the call.
-std::shared_ptr<Workspace> automatic_workspace(const ForwardCall& call) {
+template <class Call>
+std::shared_ptr<Workspace> automatic_workspace(const Call& call) {
   const Shape& shape = call.local_shape;  // EP = 1: local experts are all the experts
   const AutomaticKey key{call.device, shape.hidden, shape.intermediate, shape.shared_intermediate,
                          shape.num_experts, shape.top_k};
@@ -183,7 +189,8 @@ std::shared_ptr<Workspace> find_workspace(int64_t handle) {
 
 // The call's tensors against the workspace's layer: same H, I, I_s, k, this rank's share of E,
 // the same device, no more tokens than the capacity.
-void check_call(const Workspace& workspace, const ForwardCall& call) {
+template <class Call>
+void check_call(const Workspace& workspace, const Call& call) {
   const Shape& mine = workspace.shape;
   const Shape& given = call.local_shape;
   MOK_CHECK_ARG(call.device == workspace.device, "x", "on cuda:", call.device,
@@ -297,10 +304,39 @@ void forward(int64_t handle, const ForwardCall& call) {
   });
 }
 
+void backward(int64_t handle, const BackwardCall& call) {
+  translating_errors([&] {
+    std::shared_ptr<Workspace> workspace =
+        handle == 0 ? automatic_workspace(call) : find_workspace(handle);
+    check_call(*workspace, call);
+    MOK_CUDA_CHECK(cudaSetDevice(call.device));
+    if (workspace->backward == nullptr) {
+      LayerBackwardOptions options;
+      if (workspace->layer->options().copy.num_ctas > 0) {
+        options.copy.num_ctas = workspace->layer->options().copy.num_ctas;
+      }
+      workspace->backward = std::make_unique<LayerBackward>(
+          workspace->communicator, core_shape(workspace->shape), workspace->tokens_max, options);
+    }
+    const DeviceLayerGradients grads{
+        call.grad_gate_up, call.grad_down, call.grad_shared_gate_up, call.grad_shared_down,
+        call.accumulate      ? gemm::WgradOutput::kAccumulateFp32
+        : call.bf16_gradients ? gemm::WgradOutput::kBf16
+                              : gemm::WgradOutput::kFp32};
+    workspace->backward->backward(
+        device_weights(*workspace->layer, call.weights), static_cast<const bf16*>(call.x),
+        call.topk_idx, call.topk_w, static_cast<const bf16*>(call.dy), static_cast<bf16*>(call.dx),
+        call.d_topk_w, grads, call.num_tokens, static_cast<cudaStream_t>(call.stream));
+  });
+}
+
 void check(int64_t handle, int device, void* stream) {
   translating_errors([&] {
     for (const auto& workspace : workspaces_of(handle, device)) {
       workspace->layer->check(static_cast<cudaStream_t>(stream));
+      if (workspace->backward != nullptr) {
+        workspace->backward->check(static_cast<cudaStream_t>(stream));
+      }
     }
   });
 }
@@ -309,6 +345,7 @@ void reset_after_error(int64_t handle, int device) {
   translating_errors([&] {
     for (const auto& workspace : workspaces_of(handle, device)) {
       workspace->layer->workspace().reset_after_error();
+      if (workspace->backward != nullptr) workspace->backward->workspace().reset_after_error();
     }
   });
 }

@@ -1,5 +1,6 @@
-// The CUDA kernel of mok::forward: the GPU layer forward (LayerForward) on torch's current CUDA
-// stream, with the caller's tensors as weights (no copy) and no host synchronisation. Also the
+// The CUDA kernels of mok::forward and mok::backward: the GPU layer forward (LayerForward) and
+// backward (LayerBackward) on torch's current CUDA stream, with the caller's tensors as weights
+// (no copy) and no host synchronisation. Also the
 // device-fault check and reset ops, which need the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -51,6 +52,59 @@ Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
   });
 }
 
+using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// mok's GPU backward: fresh weight gradients in the weights' layouts, fp32 or (bf16_grads) bf16.
+BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& topk_idx,
+                             const Tensor& topk_w, const Tensor& w_gate_up, const Tensor& w_down,
+                             const OptionalTensor& w_shared_gate_up,
+                             const OptionalTensor& w_shared_down, int64_t workspace,
+                             bool bf16_grads) {
+  return core_errors_as_value_errors([&] {
+    const LayerCall layer = read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down,
+                                            w_shared_gate_up, w_shared_down);
+    check_tensor(dy, "dy", at::kBFloat16, x.device());
+    check_sizes(dy, "dy", {x.size(0), x.size(1)}, "(T, H)");
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    const Tensor topk_idx32 = topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
+    const at::TensorOptions fp32 = x.options().dtype(at::kFloat);
+    const at::TensorOptions grad_options = bf16_grads ? x.options() : fp32;
+    Tensor dx = at::empty_like(x);
+    Tensor d_topk_w = at::empty({topk_w.size(0), topk_w.size(1)}, fp32);
+    Tensor grad_gate_up = at::empty(w_gate_up.sizes(), grad_options);
+    Tensor grad_down = at::empty(w_down.sizes(), grad_options);
+    const bool shared = optional_data(w_shared_gate_up) != nullptr;
+    Tensor grad_shared_gate_up = shared ? at::empty(w_shared_gate_up->sizes(), grad_options)
+                                        : at::empty({0}, grad_options);
+    Tensor grad_shared_down =
+        shared ? at::empty(w_shared_down->sizes(), grad_options) : at::empty({0}, grad_options);
+
+    bridge::BackwardCall call;
+    call.local_shape = layer.shape;
+    call.weights.gate_up = w_gate_up.data_ptr();
+    call.weights.down = w_down.data_ptr();
+    call.weights.shared_gate_up = optional_data(w_shared_gate_up);
+    call.weights.shared_down = optional_data(w_shared_down);
+    call.x = x.data_ptr();
+    call.topk_idx = topk_idx32.data_ptr<int32_t>();
+    call.topk_w = topk_w.data_ptr<float>();
+    call.dy = dy.data_ptr();
+    call.dx = dx.data_ptr();
+    call.d_topk_w = d_topk_w.data_ptr<float>();
+    call.grad_gate_up = grad_gate_up.data_ptr();
+    call.grad_down = grad_down.data_ptr();
+    call.grad_shared_gate_up = shared ? grad_shared_gate_up.data_ptr() : nullptr;
+    call.grad_shared_down = shared ? grad_shared_down.data_ptr() : nullptr;
+    call.bf16_gradients = bf16_grads;
+    call.num_tokens = x.size(0);
+    call.device = x.device().index();
+    call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    bridge::backward(workspace, call);
+    return BackwardResult{dx, d_topk_w, grad_gate_up, grad_down, grad_shared_gate_up,
+                          grad_shared_down};
+  });
+}
+
 c10::DeviceIndex device_index(int64_t device) {
   MOK_TORCH_CHECK(device >= 0 && device < c10::cuda::device_count(), "device: cuda:", device,
                   " out of range: ", static_cast<int64_t>(c10::cuda::device_count()),
@@ -76,8 +130,7 @@ void reset_after_error_op(int64_t workspace, int64_t device) {
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("forward", &forward_cuda);
-  // mok::backward's CUDA kernel is the plain-PyTorch reference in python/mok/_reference.py (the
-  // GPU backward is not built yet).
+  m.impl("backward", &backward_cuda);
 }
 
 }  // namespace mok::torch_ops

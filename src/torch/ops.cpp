@@ -110,7 +110,8 @@ using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
 BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& topk_idx,
                             const Tensor& topk_w, const Tensor& w_gate_up, const Tensor& w_down,
                             const OptionalTensor& w_shared_gate_up,
-                            const OptionalTensor& w_shared_down, int64_t workspace) {
+                            const OptionalTensor& w_shared_down, int64_t workspace,
+                            bool bf16_grads) {
   return core_errors_as_value_errors([&] {
     CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
                             w_shared_down, workspace);
@@ -142,8 +143,10 @@ BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& top
     Tensor grad_shared_gate_up = call.layer.has_shared
                                      ? interleave(grad_shared_gate, grad_shared_up)
                                      : at::empty({0}, fp32);
-    return BackwardResult{dx, d_topk_w, interleave(grad_gate, grad_up), grad_down,
-                          grad_shared_gate_up, grad_shared_down};
+    // bf16_grads: the fp32 sums rounded once, as the GPU's bf16 weight gradients are.
+    auto out = [&](const Tensor& grad) { return bf16_grads ? grad.to(at::kBFloat16) : grad; };
+    return BackwardResult{dx, d_topk_w, out(interleave(grad_gate, grad_up)), out(grad_down),
+                          out(grad_shared_gate_up), out(grad_shared_down)};
   });
 }
 
@@ -208,8 +211,8 @@ TORCH_LIBRARY(mok, m) {
   m.def("forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
         "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> Tensor");
   m.def("backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, "
-        "Tensor w_down, Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor w_down, Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
+        "bool bf16_grads=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("nccl_unique_id() -> Tensor", &nccl_unique_id_op);
   m.def("create_workspace(Tensor unique_id, int rank, int num_ranks, int device, int hidden, "
         "int intermediate, int shared_intermediate, int num_experts, int top_k, "

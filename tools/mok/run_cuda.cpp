@@ -1,9 +1,12 @@
-// mok run --backend cuda: the fused GPU layer forward on every rank's GPU, timed, and checked
-// against the CPU reference on a sample of tokens (and, for EP > 1, bitwise against EP = 1).
+// mok run --backend cuda: the fused GPU layer forward and the GPU backward on every rank's GPU,
+// timed, and checked against the CPU reference on a sample of tokens (y, dx, d_topk_w; the weight
+// gradients too where the whole CPU backward is quick) and, for EP > 1, bitwise against EP = 1.
 #include "run_cuda.hpp"
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <type_traits>
 
 #include "mok/compare.hpp"
 #include "mok/error.hpp"
@@ -62,15 +65,24 @@ std::vector<int64_t> sample_tokens(const Problem& problem, int64_t* experts_cove
   return tokens;
 }
 
-// y of the sampled tokens by the CPU reference (EP = 1, all experts; the same math as any EP).
-std::vector<bf16> reference_sample_y(const Problem& problem, const std::vector<int64_t>& tokens) {
+// The sampled tokens as a problem of their own (EP = 1, all experts): y, dx and d_topk_w of a
+// token depend on its own row alone, so the CPU reference computes them for the sample exactly as
+// for the whole batch.
+struct SampleOutputs {
+  std::vector<bf16> y, dx;
+  std::vector<float> d_topk_w;
+};
+
+SampleOutputs reference_sample(const Problem& problem, const std::vector<int64_t>& tokens,
+                               bool backward) {
   const LayerShape& shape = problem.shape;
   const int64_t count = static_cast<int64_t>(tokens.size()), hidden = shape.hidden, top_k = shape.top_k;
-  std::vector<bf16> x(static_cast<size_t>(count * hidden)), y(x.size());
+  std::vector<bf16> x(static_cast<size_t>(count * hidden)), dy(x.size());
   std::vector<int32_t> idx(static_cast<size_t>(count * top_k));
   std::vector<float> w(idx.size());
   for (int64_t row = 0; row < count; ++row) {
     std::copy_n(problem.x.begin() + tokens[row] * hidden, hidden, x.begin() + row * hidden);
+    std::copy_n(problem.dy.begin() + tokens[row] * hidden, hidden, dy.begin() + row * hidden);
     std::copy_n(problem.topk_idx.begin() + tokens[row] * top_k, top_k, idx.begin() + row * top_k);
     std::copy_n(problem.topk_w.begin() + tokens[row] * top_k, top_k, w.begin() + row * top_k);
   }
@@ -78,36 +90,109 @@ std::vector<bf16> reference_sample_y(const Problem& problem, const std::vector<i
   inputs.tokens = {View<const bf16>(x.data(), {count, hidden}),
                    View<const int32_t>(idx.data(), {count, top_k}),
                    View<const float>(w.data(), {count, top_k})};
-  inputs.dy = inputs.tokens.x;
+  inputs.dy = View<const bf16>(dy.data(), {count, hidden});
+  SampleOutputs sample;
+  sample.y.resize(x.size());
   reference::RankOutputs outputs;
-  outputs.y = View<bf16>(y.data(), {count, hidden});
-  reference::forward(shape, std::span<const reference::RankInputs>(&inputs, 1),
-                     std::span<const reference::RankOutputs>(&outputs, 1));
-  return y;
+  outputs.y = View<bf16>(sample.y.data(), {count, hidden});
+  const std::span<const reference::RankInputs> ranks(&inputs, 1);
+  reference::forward(shape, ranks, std::span<const reference::RankOutputs>(&outputs, 1));
+  if (!backward) return sample;
+  // The weight gradients of the sample are computed too (the reference has no way to skip them).
+  sample.dx.resize(x.size());
+  sample.d_topk_w.resize(idx.size());
+  std::vector<float> gate(problem.gate.size()), up(gate.size()), down(problem.down.size());
+  std::vector<float> shared_gate(problem.shared_gate.size()), shared_up(shared_gate.size());
+  std::vector<float> shared_down(problem.shared_down.size());
+  outputs.dx = View<bf16>(sample.dx.data(), {count, hidden});
+  outputs.d_topk_w = View<float>(sample.d_topk_w.data(), {count, top_k});
+  const int64_t experts = shape.num_experts, inter = shape.intermediate;
+  const int64_t shared_inter = shape.shared_intermediate;
+  outputs.grads.gate = View<float>(gate.data(), {experts, inter, hidden});
+  outputs.grads.up = View<float>(up.data(), {experts, inter, hidden});
+  outputs.grads.down = View<float>(down.data(), {experts, hidden, inter});
+  outputs.grads.shared_gate = View<float>(shared_gate.data(), {shared_inter, hidden});
+  outputs.grads.shared_up = View<float>(shared_up.data(), {shared_inter, hidden});
+  outputs.grads.shared_down = View<float>(shared_down.data(), {hidden, shared_inter});
+  reference::backward(shape, ranks, std::span<const reference::RankOutputs>(&outputs, 1),
+                      GradMode::kOverwrite);
+  return sample;
 }
 
-bool check_gpu_result(const RunConfig& config, const Problem& problem, const std::vector<bf16>& y) {
+template <class T>
+bool print_sample_error(const char* name, const std::vector<T>& all, const std::vector<T>& expected,
+                        const std::vector<int64_t>& tokens, int64_t width) {
+  std::vector<T> actual(expected.size());
+  std::vector<double> expected_values(expected.size());
+  for (size_t row = 0; row < tokens.size(); ++row) {
+    std::copy_n(all.begin() + tokens[row] * width, width, actual.begin() + row * width);
+  }
+  for (size_t index = 0; index < expected.size(); ++index) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      expected_values[index] = expected[index].to_float();
+    } else {
+      expected_values[index] = expected[index];
+    }
+  }
+  const ErrorStats stats = compare(std::span<const T>(actual), expected_values);
+  const bool passed = stats.within(kBf16Tolerance);
+  std::printf("  %-18s %s  %s\n", name, stats.describe().c_str(), passed ? "ok" : "FAIL");
+  return passed;
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// The whole CPU backward runs for the weight gradients' check when it is this cheap (multiply-adds
+// of forward and backward; a few seconds on a few cores).
+constexpr double kFullCheckMaxFlops = 2e10;
+
+bool check_gpu_result(const RunConfig& config, const Problem& problem, const LayerRunResult& run,
+                      const ProblemOutputs& gpu) {
   int64_t experts_covered = 0;
   const std::vector<int64_t> tokens = sample_tokens(problem, &experts_covered);
-  const int64_t hidden = problem.shape.hidden;
-  std::printf("check: y of %zu of the %lld tokens (every one of the %lld experts that received "
-              "tokens is used by at least one; the rest evenly spaced) against the CPU reference "
-              "computed for those tokens (pass: rel-L2 <= %.0e, every element written):\n",
+  const LayerShape& shape = problem.shape;
+  std::printf("check: y, dx and d_topk_w of %zu of the %lld tokens (every one of the %lld experts "
+              "that received tokens is used by at least one; the rest evenly spaced) against the "
+              "CPU reference computed for those tokens (pass: rel-L2 <= %.0e, every element "
+              "written):\n",
               tokens.size(), static_cast<long long>(problem.num_tokens),
               static_cast<long long>(experts_covered), kBf16Tolerance);
   std::fflush(stdout);
-  const std::vector<bf16> expected = reference_sample_y(problem, tokens);
-  std::vector<bf16> actual(expected.size());
-  std::vector<double> expected_values(expected.size());
-  for (size_t row = 0; row < tokens.size(); ++row) {
-    std::copy_n(y.begin() + tokens[row] * hidden, hidden, actual.begin() + row * hidden);
+  const SampleOutputs expected = reference_sample(problem, tokens, true);
+  bool passed = print_sample_error("y (sample)", run.y, expected.y, tokens, shape.hidden);
+  passed &= print_sample_error("dx (sample)", run.dx, expected.dx, tokens, shape.hidden);
+  passed &= print_sample_error("d_topk_w (sample)", run.d_topk_w, expected.d_topk_w, tokens,
+                               shape.top_k);
+
+  const double flops = 18.0 * static_cast<double>(problem.num_tokens) * shape.hidden *
+                       (shape.top_k * shape.intermediate + shape.shared_intermediate);
+  if (flops <= kFullCheckMaxFlops) {
+    // Every weight gradient against the CPU reference's, at the same EP.
+    ProblemOutputs cpu = ProblemOutputs::poisoned(problem, config.ep);
+    reference::backward(shape, problem.all_rank_inputs(config.ep), cpu.rank_outputs(problem),
+                        GradMode::kOverwrite);
+    auto grads = [&](const char* name, const std::vector<float>& value, const std::vector<float>& ref) {
+      std::vector<double> expected_values(ref.begin(), ref.end());
+      const ErrorStats stats = compare(std::span<const float>(value), expected_values);
+      const bool ok = stats.within(kBf16Tolerance);
+      std::printf("  %-18s %s  %s\n", name, stats.describe().c_str(), ok ? "ok" : "FAIL");
+      return ok;
+    };
+    passed &= grads("grad_gate", gpu.grad_gate, cpu.grad_gate);
+    passed &= grads("grad_up", gpu.grad_up, cpu.grad_up);
+    passed &= grads("grad_down", gpu.grad_down, cpu.grad_down);
+    if (shape.has_shared()) {
+      passed &= grads("grad_shared_gate", gpu.grad_shared_gate, cpu.grad_shared_gate);
+      passed &= grads("grad_shared_up", gpu.grad_shared_up, cpu.grad_shared_up);
+      passed &= grads("grad_shared_down", gpu.grad_shared_down, cpu.grad_shared_down);
+    }
+  } else {
+    std::printf("  weight gradients: not compared here (the whole CPU backward would take %.0e "
+                "multiply-adds; the GPU tests check them on smaller layers)\n", flops / 2);
   }
-  for (size_t index = 0; index < expected.size(); ++index) {
-    expected_values[index] = expected[index].to_float();
-  }
-  const ErrorStats stats = compare(std::span<const bf16>(actual), expected_values);
-  bool passed = stats.within(kBf16Tolerance);
-  std::printf("  %-18s %s  %s\n", "y (sample)", stats.describe().c_str(), passed ? "ok" : "FAIL");
 
   if (config.ep > 1) {
     LayerRunSpec single;
@@ -119,13 +204,15 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const std
     single.problem = &problem;
     single.warmup = 0;
     single.iterations = 1;
-    const std::vector<bf16> y_single = run_layer_forward(single).y;
-    const bool equal = y_single.size() == y.size() &&
-                       std::equal(y.begin(), y.end(), y_single.begin(),
-                                  [](bf16 a, bf16 b) { return a.bits == b.bits; });
-    std::printf("  EP %lld vs EP 1 on the GPU: y (all %lld tokens) bitwise %s\n",
-                static_cast<long long>(config.ep), static_cast<long long>(problem.num_tokens),
-                equal ? "equal" : "DIFFERENT");
+    single.backward = true;
+    const LayerRunResult one = run_layer_forward(single);
+    const bool equal = same_bits(one.y, run.y) && same_bits(one.dx, run.dx) &&
+                       same_bits(one.d_topk_w, run.d_topk_w) &&
+                       same_bits(one.grad_gate_up, run.grad_gate_up) &&
+                       same_bits(one.grad_down, run.grad_down);
+    std::printf("  EP %lld vs EP 1 on the GPU: y, dx, d_topk_w, routed weight gradients (all) "
+                "bitwise %s\n",
+                static_cast<long long>(config.ep), equal ? "equal" : "DIFFERENT");
     passed &= equal;
   }
   return passed;
@@ -134,13 +221,32 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const std
 }  // namespace
 
 std::string cuda_backend_unfit_reason(const RunConfig& config) {
-  return gpu_layer_unfit_reason(config.shape, static_cast<int>(config.ep), config.tokens_per_rank);
+  return gpu_layer_unfit_reason(config.shape, static_cast<int>(config.ep), config.tokens_per_rank,
+                                /*backward=*/true);
 }
 
 std::string cuda_device_description() {
   const runtime::GpuSummary gpus = runtime::query_gpus();
   return gpus.description;
 }
+
+namespace {
+
+// (E, 2I, H) interleaved in blocks of 8 rows (DeviceLayerWeights' layout) -> gate, up (E, I, H).
+void split_gate_up(const std::vector<float>& fused, int64_t experts, int64_t inter, int64_t hidden,
+                   std::vector<float>& gate, std::vector<float>& up) {
+  gate.clear();
+  up.clear();
+  for (int64_t expert = 0; expert < experts; ++expert) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const float* gate_row = fused.data() + (expert * 2 * inter + (i / 8) * 16 + i % 8) * hidden;
+      gate.insert(gate.end(), gate_row, gate_row + hidden);
+      up.insert(up.end(), gate_row + 8 * hidden, gate_row + 9 * hidden);
+    }
+  }
+}
+
+}  // namespace
 
 bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result) {
   LayerRunSpec spec;
@@ -150,20 +256,36 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
   spec.topk_idx = &problem.topk_idx;
   spec.topk_w = &problem.topk_w;
   spec.problem = &problem;
+  spec.backward = true;
   const LayerRunResult run = run_layer_forward(spec);
   result.forward_ms = run.forward_ms;
-  result.has_backward = false;
+  result.backward_ms = run.backward_ms;
+  result.has_backward = true;
   result.times_per_rank = true;
   result.device = cuda_device_description();
   result.outputs = ProblemOutputs{};
-  result.outputs.ep = config.ep;
-  result.outputs.y = run.y;
-  std::printf("GPU forward: median of %d after %d warm-up, slowest of %lld rank(s); per rank "
-              "%.2f GB weights + %.2f GB workspace and buffers\n",
+  ProblemOutputs& outputs = result.outputs;
+  outputs.ep = config.ep;
+  outputs.y = run.y;
+  outputs.dx = run.dx;
+  outputs.d_topk_w = run.d_topk_w;
+  const LayerShape& shape = config.shape;
+  split_gate_up(run.grad_gate_up, shape.num_experts, shape.intermediate, shape.hidden,
+                outputs.grad_gate, outputs.grad_up);
+  outputs.grad_down = run.grad_down;
+  if (shape.has_shared()) {
+    split_gate_up(run.grad_shared_gate_up, config.ep, shape.shared_intermediate, shape.hidden,
+                  outputs.grad_shared_gate, outputs.grad_shared_up);
+    outputs.grad_shared_down = run.grad_shared_down;
+  }
+  std::printf("GPU forward and backward: medians of %d after %d warm-up, slowest of %lld rank(s); "
+              "per rank %.2f GB weights + %.2f GB forward and %.2f GB backward workspace and "
+              "buffers; the backward is timed right after a forward (pairs), the forward alone\n",
               spec.iterations, spec.warmup, static_cast<long long>(config.ep),
-              run.weight_bytes_per_rank / 1e9, run.buffer_bytes_per_rank / 1e9);
+              run.weight_bytes_per_rank / 1e9, run.buffer_bytes_per_rank / 1e9,
+              run.backward_buffer_bytes_per_rank / 1e9);
   print_timings(config, result);
-  std::puts("bwd      not run: the GPU backward is not built yet (mok run --backend cpu runs it)");
+  std::printf("fwd+bwd as timed pairs: %.3f ms/rank\n", run.forward_backward_ms);
   // The fused kernel hands its tasks out per L2 partition; the layer probed the map when it was
   // built (kept for the process, so this reads it).
   if (cudaSetDevice(0) == cudaSuccess) {
@@ -175,7 +297,7 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
       std::puts("GPU 0 L2 partitions (probed): one found; fused tasks go out from one pool");
     }
   }
-  return config.check ? check_gpu_result(config, problem, run.y) : true;
+  return config.check ? check_gpu_result(config, problem, run, outputs) : true;
 }
 
 #else

@@ -13,10 +13,14 @@ namespace mok::comm {
 
 struct DispatchRows {
   WorkspaceView view;
+  DispatchTensor tensor = DispatchTensor::kX;
   __device__ RowCopy operator()(int64_t row) const {
     const int32_t packed = view.row_source()[row];
     if (packed < 0) return {nullptr, nullptr};
     const RowSource source = unpack_row_source(view.layout, packed);
+    if (tensor == DispatchTensor::kDy) {
+      return {view.dy_row(source.rank, source.token), view.expert_dy_row(row)};
+    }
     return {view.x_row(source.rank, source.token), view.expert_x_row(row)};
   }
 };
@@ -24,10 +28,11 @@ struct DispatchRows {
 // Every row of every local expert; the gather flags were acquired by the schedule, and a kernel
 // boundary separates it from this pull.
 template <CopyMethod kMethod>
-__device__ inline void dispatch_pull(const WorkspaceView& view, char* shared_stages) {
+__device__ inline void dispatch_pull(const WorkspaceView& view, char* shared_stages,
+                                     DispatchTensor tensor = DispatchTensor::kX) {
   if (cta_sees_error(view)) return;
   const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
-  const DispatchRows rows{view};
+  const DispatchRows rows{view, tensor};
   if constexpr (kMethod == CopyMethod::kBulk) {
     copy_rows_bulk(num_rows, view.layout.row_bytes(), shared_stages, rows);
   } else {

@@ -8,6 +8,11 @@
 //   topk          (R, T_max, k) int32                 all-gathered expert ids, source rank major
 //   x             (T_max, H) bf16                     this rank's tokens, pulled by expert ranks
 //   slots         (T_max, k, H) bf16                  combine slots, pushed by expert ranks
+//   dy            (T_max, H) bf16                     backward: this rank's dy, pulled like x
+//   topk_w        (T_max, k) fp32                     backward: this rank's router weights, read
+//                                                     by the expert ranks for d_h = w · g
+//   d_topk_w      (T_max, k) fp32                     backward: <g, h> of each (t, j), stored by
+//                                                     the expert rank (one writer per element)
 // Local (this GPU only):
 //   state         DeviceState                         epochs, arrival counters, error record
 //   counts        (E_l) int32                         rows of each local expert
@@ -29,6 +34,7 @@
 //   expert_y      (expert_y_rows, H) bf16             expert outputs, same rows; 0 rows when the
 //                                                     down GEMM writes every row to its owner's
 //                                                     slot (the fused forward), own rows included
+//   expert_dy     (rows_capacity, H) bf16             backward: dispatched dy rows, as expert_x
 #pragma once
 
 #include <cstdint>
@@ -94,12 +100,14 @@ struct WorkspaceLayout {
   int64_t block_m = 0;      // tile height: each expert's rows start at a multiple of it
   int64_t expert_rows = 0;    // rows of expert_x (rows_capacity unless a ring is smaller)
   int64_t expert_y_rows = 0;  // rows of expert_y: rows_capacity or 0
+  bool backward = false;      // the backward's regions (dy, topk_w, d_topk_w, expert_dy)
 
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
-  int64_t slots_offset = 0, window_bytes = 0;
+  int64_t slots_offset = 0, dy_offset = 0, topk_w_offset = 0, d_topk_w_offset = 0;
+  int64_t window_bytes = 0;
   int64_t state_offset = 0, counts_offset = 0, offsets_offset = 0, row_source_offset = 0;
   int64_t local_row_offset = 0, task_counters_offset = 0, chunk_rows_offset = 0;
-  int64_t expert_x_offset = 0, expert_y_offset = 0, local_bytes = 0;
+  int64_t expert_x_offset = 0, expert_y_offset = 0, expert_dy_offset = 0, local_bytes = 0;
 
   MOK_COMM_HOST_DEVICE int64_t experts_per_rank() const { return num_experts / num_ranks; }
   // Chunks of kScheduleChunk ids that a source rank's (T, k) ids are cut into, at most.
@@ -122,12 +130,14 @@ struct WorkspaceLayout {
   MOK_COMM_HOST_DEVICE bool has_expert_y() const { return expert_y_rows > 0; }
 
   // Sized from shapes only. The caller validates the arguments (see Workspace).
-  // expert_rows: rows of expert_x, 0 = rows_capacity(); with_expert_y: allocate expert_y.
+  // expert_rows: rows of expert_x, 0 = rows_capacity(); with_expert_y: allocate expert_y;
+  // with_backward: the backward's regions too.
   MOK_COMM_HOST_DEVICE static WorkspaceLayout make(int32_t num_ranks, int64_t tokens_max,
                                                    int64_t hidden, int64_t top_k,
                                                    int64_t num_experts, int64_t block_m,
                                                    int64_t expert_rows = 0,
-                                                   bool with_expert_y = true) {
+                                                   bool with_expert_y = true,
+                                                   bool with_backward = false) {
     WorkspaceLayout layout;
     layout.num_ranks = num_ranks;
     layout.tokens_max = tokens_max;
@@ -139,6 +149,8 @@ struct WorkspaceLayout {
                              ? expert_rows
                              : layout.rows_capacity();
     layout.expert_y_rows = with_expert_y ? layout.rows_capacity() : 0;
+    layout.backward = with_backward;
+    const int64_t backward_rows = with_backward ? 1 : 0;
 
     int64_t cursor = 0;
     auto take = [&cursor](int64_t bytes) {
@@ -151,6 +163,9 @@ struct WorkspaceLayout {
     layout.topk_offset = take(int64_t{num_ranks} * tokens_max * top_k * 4);
     layout.x_offset = take(tokens_max * layout.row_bytes());
     layout.slots_offset = take(tokens_max * top_k * layout.row_bytes());
+    layout.dy_offset = take(backward_rows * tokens_max * layout.row_bytes());
+    layout.topk_w_offset = take(backward_rows * tokens_max * top_k * 4);
+    layout.d_topk_w_offset = take(backward_rows * tokens_max * top_k * 4);
     layout.window_bytes = cursor;
 
     cursor = 0;
@@ -164,6 +179,7 @@ struct WorkspaceLayout {
     layout.task_counters_offset = take(kNumTaskCounters * layout.mblocks_capacity() * 4);
     layout.expert_x_offset = take(layout.expert_rows * layout.row_bytes());
     layout.expert_y_offset = take(layout.expert_y_rows * layout.row_bytes());
+    layout.expert_dy_offset = take(backward_rows * layout.rows_capacity() * layout.row_bytes());
     layout.local_bytes = cursor;
     return layout;
   }
@@ -197,6 +213,16 @@ struct WorkspaceView {
   MOK_COMM_HOST_DEVICE char* slot_row(int owner, int64_t token, int64_t slot) const {
     return windows[owner] + layout.slots_offset + (token * layout.top_k + slot) * layout.row_bytes();
   }
+  // Backward regions (layout.backward).
+  MOK_COMM_HOST_DEVICE char* dy_row(int owner, int64_t token) const {
+    return windows[owner] + layout.dy_offset + token * layout.row_bytes();
+  }
+  MOK_COMM_HOST_DEVICE float* topk_w(int owner) const {  // (T_max, k)
+    return reinterpret_cast<float*>(windows[owner] + layout.topk_w_offset);
+  }
+  MOK_COMM_HOST_DEVICE float* d_topk_w(int owner) const {  // (T_max, k)
+    return reinterpret_cast<float*>(windows[owner] + layout.d_topk_w_offset);
+  }
 
   // ---- local ----------------------------------------------------------------------------------
   MOK_COMM_HOST_DEVICE DeviceState* state() const {
@@ -229,7 +255,14 @@ struct WorkspaceView {
   MOK_COMM_HOST_DEVICE char* expert_y_row(int64_t row) const {
     return local + layout.expert_y_offset + row * layout.row_bytes();
   }
+  MOK_COMM_HOST_DEVICE char* expert_dy_row(int64_t row) const {  // layout.backward
+    return local + layout.expert_dy_offset + row * layout.row_bytes();
+  }
 };
+
+// Which token rows a dispatch moves: the forward's x into expert_x, or the backward's dy into
+// expert_dy (the same rows, in the same order).
+enum class DispatchTensor : int { kX = 0, kDy = 1 };
 
 // A row's source packed into one int: which rank's token, and which of its top-k slots.
 struct RowSource {

@@ -101,6 +101,9 @@ struct GroupedGemmParams {
   int n;  // columns of C (before the SwiGLU halving)
   int k;  // reduction length for forward/dgrad; unused for wgrad (the group's row count)
   void* output;  // forward/dgrad: [rows, N] (SwiGLU: [rows, N / 2]); wgrad: [groups, M, N]
+  // [num_groups] device, or null: group g's rows are group_offsets[g] .. + group_counts[g] (the
+  // rest up to group_offsets[g + 1] is padding no tile reads); null: up to group_offsets[g + 1].
+  const int* group_counts = nullptr;
 };
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

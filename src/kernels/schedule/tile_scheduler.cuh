@@ -73,6 +73,7 @@ class GroupedTileScheduler {
 
   __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
       : offsets_(params.group_offsets),
+        counts_(params.group_counts),
         num_groups_(params.num_groups),
         num_n_blocks_(ceil_div(params.n, Config::BLOCK_N)),
         num_fixed_m_blocks_(kRowsAreM ? 0 : ceil_div(params.m, Config::BLOCK_M)),
@@ -109,13 +110,14 @@ class GroupedTileScheduler {
     group_ = group;
     if (group >= num_groups_) return;
     row_begin_ = offsets_[group];
-    row_count_ = offsets_[group + 1] - row_begin_;
+    row_count_ = counts_ != nullptr ? counts_[group] : offsets_[group + 1] - row_begin_;
     const int num_m_blocks =
         kRowsAreM ? ceil_div(row_count_, Config::BLOCK_M) : num_fixed_m_blocks_;
     group_num_tiles_ = num_m_blocks * num_n_blocks_;
   }
 
   const int* offsets_;
+  const int* counts_;
   int num_groups_;
   int num_n_blocks_;
   int num_fixed_m_blocks_;

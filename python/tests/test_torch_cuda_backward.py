@@ -1,0 +1,175 @@
+"""mok's GPU backward through the torch front end on one Hopper GPU (EP = 1): every gradient
+against an fp64 autograd oracle, no worse than a bf16 PyTorch autograd layer measured against the
+same oracle; bitwise repeats; a CUDA graph of forward + backward replayed; main_grad accumulation;
+no host synchronisation. Run as
+
+    python3 -m pytest python/tests/test_torch_cuda_backward.py
+
+Without a Hopper GPU every test skips with the reason.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mok
+from mok import functional as mf
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "needs a Hopper GPU (mok's GPU layer is built for sm_90a)"
+    if not mok._ops.HAVE_GPU_LAYER:
+        return "this build of mok has no GPU layer"
+    return None
+
+
+SKIP_REASON = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+
+# (H, I, I_s, E, k, T): the tiny preset; a wider one with top-6 and an odd token count.
+SHAPES = [(256, 128, 128, 16, 4, 300), (512, 192, 64, 16, 6, 301), (256, 136, 0, 8, 1, 77)]
+
+
+def problem(shape, seed):
+    hidden, inter, shared, experts, top_k, tokens = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(torch.bfloat16).cuda()
+
+    x = randn(tokens, hidden)
+    scores = torch.randn(tokens, experts, generator=gen)
+    topk_w, topk_idx = scores.softmax(-1).topk(top_k, dim=-1)
+    topk_w = (topk_w * torch.sign(torch.randn(tokens, top_k, generator=gen))).contiguous()  # any sign
+    topk_idx = topk_idx.to(torch.int32)
+    topk_idx[3, top_k - 1] = -1  # an unused slot
+    weights = mf.ExpertWeights(
+        randn(experts, inter, hidden, scale=hidden ** -0.5), randn(experts, inter, hidden, scale=hidden ** -0.5),
+        randn(experts, hidden, inter, scale=inter ** -0.5),
+        *((randn(shared, hidden, scale=hidden ** -0.5), randn(shared, hidden, scale=hidden ** -0.5),
+           randn(hidden, shared, scale=shared ** -0.5)) if shared else (None, None, None)))
+    dy = randn(tokens, hidden)
+    return x, topk_idx.cuda(), topk_w.cuda(), weights.fused(), dy
+
+
+def plain_layer(x, topk_idx, topk_w, weights, dtype):
+    """The layer in plain PyTorch autograd, every op in `dtype` (bf16: what a PyTorch user gets
+    without mok; float64: the oracle)."""
+    gate, up = mf.split_gate_up(weights.w_gate_up)
+    xs = x.to(dtype)
+    y = torch.zeros_like(xs)
+    if weights.w_shared_gate_up is not None:
+        shared_gate, shared_up = mf.split_gate_up(weights.w_shared_gate_up)
+        y = y + (F.silu(xs @ shared_gate.to(dtype).t()) * (xs @ shared_up.to(dtype).t())) @ weights.w_shared_down.to(dtype).t()
+    for j in range(topk_idx.shape[1]):
+        for expert in range(gate.shape[0]):
+            rows = (topk_idx[:, j] == expert).nonzero().flatten()
+            if rows.numel():
+                h = F.silu(xs[rows] @ gate[expert].to(dtype).t()) * (xs[rows] @ up[expert].to(dtype).t())
+                out = h @ weights.w_down[expert].to(dtype).t()
+                y = y.index_add(0, rows, topk_w[rows, j, None].to(dtype) * out)
+    return y
+
+
+def leaves(x, topk_w, weights, dtype=None):
+    def leaf(t):
+        return (t.detach().clone() if dtype is None else t.detach().to(dtype)).requires_grad_()
+
+    return leaf(x), leaf(topk_w), mf.FusedExpertWeights(*(leaf(t) if t is not None else None for t in weights))
+
+
+def gradients(x, topk_w, weights):
+    names = ["dx", "d_topk_w"] + [f"grad_{n}" for n in weights._fields]
+    values = [x.grad, topk_w.grad] + [t.grad if t is not None else None for t in weights]
+    return {n: v for n, v in zip(names, values) if v is not None}
+
+
+def rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-I{}-Is{}-E{}-k{}-T{}".format(*s))
+def test_gradients_no_worse_than_bf16_autograd(shape):
+    x, idx, w, weights, dy = problem(shape, seed=1)
+    mx, mw, mweights = leaves(x, w, weights)
+    mf.forward(mx, idx, mw, mweights).backward(dy)
+    torch.cuda.synchronize()
+    mine = gradients(mx, mw, mweights)
+
+    ox, ow, oweights = leaves(x, w, weights, torch.float64)
+    (plain_layer(ox, idx, ow, oweights, torch.float64) * dy.double()).sum().backward()
+    oracle = gradients(ox, ow, oweights)
+
+    bx, bw, bweights = leaves(x, w, weights)
+    plain_layer(bx, idx, bw, bweights, torch.bfloat16).backward(dy)
+    bf16 = gradients(bx, bw, bweights)
+
+    assert mine.keys() == oracle.keys()
+    for name in mine:
+        assert torch.isfinite(mine[name].float()).all(), f"{name}: non-finite (unwritten?)"
+        mok_error, torch_error = rel_l2(mine[name], oracle[name]), rel_l2(bf16[name], oracle[name])
+        assert mok_error <= torch_error + 1e-4, f"{name}: mok {mok_error:.3e} vs bf16 autograd {torch_error:.3e}"
+    unused = (3, shape[4] - 1)
+    assert mine["d_topk_w"][unused].item() == 0.0
+
+
+def run_step(x, idx, w, weights, dy):
+    mx, mw, mweights = leaves(x, w, weights)
+    mf.forward(mx, idx, mw, mweights).backward(dy)
+    return gradients(mx, mw, mweights)
+
+
+def test_backward_repeats_bitwise():
+    x, idx, w, weights, dy = problem(SHAPES[1], seed=2)
+    first = run_step(x, idx, w, weights, dy)
+    for _ in range(2):
+        again = run_step(x, idx, w, weights, dy)
+        for name, value in first.items():
+            assert torch.equal(value.view(torch.uint8), again[name].view(torch.uint8)), name
+
+
+def test_no_host_sync_in_forward_and_backward():
+    x, idx, w, weights, dy = problem(SHAPES[0], seed=3)
+    run_step(x, idx, w, weights, dy)  # workspaces made (the only sync: their allocation)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run_step(x, idx, w, weights, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_of_a_training_step_replays_bitwise():
+    x, idx, w, weights, dy = problem(SHAPES[0], seed=4)
+    eager = [mf.backward(dy, x, idx, w, weights)]
+    static = [t.clone() for t in (x, dy)]
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mf.backward(static[1], static[0], idx, w, weights)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mf.backward(static[1], static[0], idx, w, weights)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.dx.view(torch.int16), eager[0].dx.view(torch.int16))
+    assert torch.equal(captured.d_topk_w, eager[0].d_topk_w)
+    for mine, expected in zip(captured.weights, eager[0].weights):
+        if mine is not None:
+            assert torch.equal(mine, expected)
+
+
+def test_main_grads_accumulate():
+    x, idx, w, weights, dy = problem(SHAPES[0], seed=5)
+    fresh = mf.backward(dy, x, idx, w, weights)
+    main = mf.FusedExpertWeights(*(torch.full(t.shape, 0.5, device="cuda") if t is not None else None
+                                   for t in weights))
+    mf.backward(dy, x, idx, w, weights, main_grads=main)
+    for buffer, grad in zip(main, fresh.weights):
+        if buffer is not None:
+            torch.testing.assert_close(buffer, grad + 0.5, rtol=0, atol=1e-6)

@@ -1,0 +1,123 @@
+// The SwiGLU backward between the backward's two dgrad GEMMs, one warp per expert row.
+//
+// Given a row's recomputed gate/up pre-activations (a, b: the gate/up GEMM's fp32 output, gate and
+// up columns interleaved in blocks of 8 as the fused weight's rows are) and g = W_downᵀ dy (fp32,
+// on the unscaled dy row), with w the row's router weight:
+//   h = bf16(silu(a) · b)            the forward's hidden value, rounded as the forward stores it
+//   d_topk_w = Σ_i g_i · h_i         fp32; no division by w (w may be 0 or negative)
+//   d_h = w · g;  (d_a, d_b) = numerics::swiglu_backward(a, b, d_h)    -> bf16, interleaved
+//   w · h                            -> bf16, the down projection's wgrad operand
+// The shared expert is the same with w = 1 and no d_topk_w. Every value follows the CPU
+// reference's formulas (include/mok/detail/numerics.hpp); only d_topk_w's sum runs in another
+// order (lanes over column blocks, then a fixed shuffle tree), the same for every row, whichever
+// rank or grid computes it.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/comm/workspace_layout.cuh"
+#include "mok/detail/numerics.hpp"
+
+namespace mok::gemm {
+
+inline constexpr int kSwiGluBackwardThreads = 256;
+inline constexpr int kSwiGluBlock = 8;  // the gate/up interleave: 8 gate columns, then 8 up
+
+struct SwiGluBackwardRows {
+  const float* gate_up;      // (rows, 2I) fp32, 8-interleaved
+  const float* grad_hidden;  // (rows, I) fp32: g = W_downᵀ dy
+  __nv_bfloat16* d_gate_up;  // (rows, 2I) bf16, 8-interleaved
+  __nv_bfloat16* weighted_hidden;  // (rows, I) bf16: w · h
+  int intermediate;                // I, a multiple of 8
+};
+
+// One row: returns Σ_i g_i · h_i (every lane holds the same value).
+__device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int64_t row,
+                                            float weight, int lane) {
+  const int64_t inter = rows.intermediate;
+  const float* gate_up = rows.gate_up + row * 2 * inter;       // (2I)
+  const float* grad_hidden = rows.grad_hidden + row * inter;  // (I)
+  __nv_bfloat16* d_gate_up = rows.d_gate_up + row * 2 * inter;
+  __nv_bfloat16* weighted_hidden = rows.weighted_hidden + row * inter;
+  float dot = 0.0f;
+  for (int64_t block = lane; block < inter / kSwiGluBlock; block += 32) {
+    float gate[kSwiGluBlock], up[kSwiGluBlock], grad[kSwiGluBlock];
+    const float4* gate_vectors = reinterpret_cast<const float4*>(gate_up + block * 2 * kSwiGluBlock);
+    const float4* grad_vectors = reinterpret_cast<const float4*>(grad_hidden + block * kSwiGluBlock);
+    *reinterpret_cast<float4*>(&gate[0]) = gate_vectors[0];
+    *reinterpret_cast<float4*>(&gate[4]) = gate_vectors[1];
+    *reinterpret_cast<float4*>(&up[0]) = gate_vectors[2];
+    *reinterpret_cast<float4*>(&up[4]) = gate_vectors[3];
+    *reinterpret_cast<float4*>(&grad[0]) = grad_vectors[0];
+    *reinterpret_cast<float4*>(&grad[4]) = grad_vectors[1];
+    __align__(16) __nv_bfloat16 d_gate[kSwiGluBlock], d_up[kSwiGluBlock], hidden_out[kSwiGluBlock];
+#pragma unroll
+    for (int i = 0; i < kSwiGluBlock; ++i) {
+      const float hidden = __bfloat162float(__float2bfloat16_rn(numerics::swiglu(gate[i], up[i])));
+      dot = numerics::add_rn(dot, numerics::mul_rn(grad[i], hidden));
+      const numerics::SwiGluGrad d =
+          numerics::swiglu_backward(gate[i], up[i], numerics::mul_rn(weight, grad[i]));
+      d_gate[i] = __float2bfloat16_rn(d.d_gate);
+      d_up[i] = __float2bfloat16_rn(d.d_up);
+      hidden_out[i] = __float2bfloat16_rn(numerics::mul_rn(weight, hidden));
+    }
+    int4* d_vectors = reinterpret_cast<int4*>(d_gate_up + block * 2 * kSwiGluBlock);
+    d_vectors[0] = *reinterpret_cast<const int4*>(d_gate);
+    d_vectors[1] = *reinterpret_cast<const int4*>(d_up);
+    *reinterpret_cast<int4*>(weighted_hidden + block * kSwiGluBlock) =
+        *reinterpret_cast<const int4*>(hidden_out);
+  }
+  // NOTE: a butterfly: every lane ends with the same sum, built in the same order for every row.
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    dot = numerics::add_rn(dot, __shfl_xor_sync(0xffffffffu, dot, offset));
+  }
+  return dot;
+}
+
+// Routed rows: every row of the local experts that holds a token's (t, j) (padding rows are
+// skipped: no GEMM reads them into a result). w comes from the owner's window, d_topk_w goes
+// into it (one writer per element).
+__device__ inline void swiglu_backward_routed(const comm::WorkspaceView& view,
+                                              const SwiGluBackwardRows& rows) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
+  for (int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows;
+       row += warps) {
+    const int32_t packed = view.row_source()[row];
+    if (packed < 0) continue;
+    const comm::RowSource source = comm::unpack_row_source(view.layout, packed);
+    const int64_t slot = source.token * view.layout.top_k + source.slot;
+    const float weight = view.topk_w(source.rank)[slot];
+    const float dot = swiglu_backward_row(rows, row, weight, lane);
+    if (lane == 0) view.d_topk_w(source.rank)[slot] = dot;
+  }
+}
+
+// The shared expert: rows [0, num_rows) of this rank's tokens, w = 1.
+__device__ inline void swiglu_backward_shared(const SwiGluBackwardRows& rows, int64_t num_rows) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows;
+       row += warps) {
+    swiglu_backward_row(rows, row, 1.0f, lane);
+  }
+}
+
+// d_topk_w (T, k) of this rank's tokens from its window, 0 for unused slots; after the combine's
+// reduce has acquired every rank's combine flag (the expert ranks stored them before their push).
+__device__ inline void collect_d_topk_w(const comm::WorkspaceView& view, float* d_topk_w,
+                                        int64_t num_tokens) {
+  const int32_t* ids = view.topk(view.rank, view.rank);
+  const float* gathered = view.d_topk_w(view.rank);
+  const int64_t count = num_tokens * view.layout.top_k;
+  for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    d_topk_w[index] = ids[index] < 0 ? 0.0f : gathered[index];
+  }
+}
+
+}  // namespace mok::gemm

@@ -1,0 +1,253 @@
+// The GPU layer backward: buffers sized from shapes and one enqueue of the composition per call
+// (see layer_backward.hpp).
+#include "runtime/layer_backward.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/gemm/swiglu_backward.cuh"
+#include "mok/error.hpp"
+#include "runtime/cuda_check.hpp"
+
+namespace mok {
+namespace {
+
+__global__ void write_offsets_kernel(int32_t* offsets, int32_t num_tokens) {
+  offsets[0] = 0;
+  offsets[1] = num_tokens;
+}
+
+__global__ void __launch_bounds__(gemm::kSwiGluBackwardThreads)
+    swiglu_backward_routed_kernel(comm::WorkspaceView view, gemm::SwiGluBackwardRows rows) {
+  if (comm::cta_sees_error(view)) return;
+  gemm::swiglu_backward_routed(view, rows);
+}
+
+__global__ void __launch_bounds__(gemm::kSwiGluBackwardThreads)
+    swiglu_backward_shared_kernel(gemm::SwiGluBackwardRows rows, int32_t num_rows) {
+  gemm::swiglu_backward_shared(rows, num_rows);
+}
+
+__global__ void collect_d_topk_w_kernel(comm::WorkspaceView view, float* d_topk_w,
+                                        int32_t num_tokens) {
+  if (comm::cta_sees_error(view)) return;
+  gemm::collect_d_topk_w(view, d_topk_w, num_tokens);
+}
+
+__global__ void fill_kernel(float* values, int64_t count, float value) {
+  for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    values[index] = value;
+  }
+}
+
+template <class T>
+T* device_alloc(int64_t count) {
+  void* memory = nullptr;
+  MOK_CUDA_CHECK(cudaMalloc(&memory, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T)));
+  return static_cast<T*>(memory);
+}
+
+int checked_int(int64_t value, const char* what) {
+  MOK_CHECK_ARG(value <= std::numeric_limits<int>::max(), what, value,
+                " does not fit the GEMM engine's 32-bit sizes");
+  return static_cast<int>(value);
+}
+
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
+  WorkspaceOptions workspace = options.workspace;
+  workspace.expert_rows = 0;  // every row at once
+  workspace.expert_y = true;  // the dx rows before the combine push
+  workspace.backward = true;
+  return workspace;
+}
+
+}  // namespace
+
+LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
+                             const LayerBackwardOptions& options)
+    : shape_(shape),
+      tokens_max_(tokens_max),
+      options_(options),
+      workspace_(comm, shape, tokens_max, backward_workspace(options)) {
+  MOK_CHECK_ARG(shape.intermediate % 8 == 0, "intermediate",
+                "the GPU layer needs a multiple of 8, got ", shape.intermediate);
+  MOK_CHECK_ARG(shape.shared_intermediate % 8 == 0, "shared_intermediate",
+                "the GPU layer needs a multiple of 8, got ", shape.shared_intermediate);
+  MOK_CHECK_ARG(shape.hidden % 8 == 0, "hidden", "the GPU layer needs a multiple of 8, got ",
+                shape.hidden);
+  const int64_t rows = workspace_.layout().rows_capacity();
+  checked_int(rows, "rows capacity");
+  const int64_t hidden = shape.hidden, inter = shape.intermediate;
+  const int64_t shared_inter = shape.shared_intermediate;
+  gate_up_ = device_alloc<float>(rows * 2 * inter);
+  grad_hidden_ = device_alloc<float>(rows * inter);
+  d_gate_up_ = device_alloc<bf16>(rows * 2 * inter);
+  weighted_hidden_ = device_alloc<bf16>(rows * inter);
+  const int64_t num_slots = tokens_max * shape.top_k;
+  ones_ = device_alloc<float>(num_slots);
+  MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
+  fill_kernel<<<static_cast<unsigned>(std::clamp<int64_t>((num_slots + 255) / 256, 1, 1024)), 256>>>(
+      ones_, num_slots, 1.0f);
+  MOK_CUDA_CHECK_LAUNCH();
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  if (shape.has_shared()) {
+    shared_gate_up_ = device_alloc<float>(tokens_max * 2 * shared_inter);
+    shared_grad_hidden_ = device_alloc<float>(tokens_max * shared_inter);
+    shared_d_gate_up_ = device_alloc<bf16>(tokens_max * 2 * shared_inter);
+    shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
+    shared_dx_ = device_alloc<float>(tokens_max * hidden);
+    shared_offsets_ = device_alloc<int32_t>(2);
+  }
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
+}
+
+LayerBackward::~LayerBackward() {
+  for (void* memory :
+       {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
+        static_cast<void*>(d_gate_up_), static_cast<void*>(weighted_hidden_),
+        static_cast<void*>(ones_), static_cast<void*>(shared_gate_up_),
+        static_cast<void*>(shared_grad_hidden_), static_cast<void*>(shared_d_gate_up_),
+        static_cast<void*>(shared_hidden_), static_cast<void*>(shared_dx_),
+        static_cast<void*>(shared_offsets_)}) {
+    cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
+  }
+}
+
+int64_t LayerBackward::buffer_bytes() const {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const int64_t rows = layout.rows_capacity();
+  const int64_t inter = shape_.intermediate, shared_inter = shape_.shared_intermediate;
+  int64_t bytes = layout.window_bytes + layout.local_bytes;
+  bytes += rows * inter * (2 * 4 + 4 + 2 * 2 + 2);  // gate_up, g, d_gate_up, w·h
+  bytes += tokens_max_ * shape_.top_k * 4;
+  if (shape_.has_shared()) {
+    bytes += tokens_max_ * shared_inter * (2 * 4 + 4 + 2 * 2 + 2) + tokens_max_ * shape_.hidden * 4;
+  }
+  return bytes;
+}
+
+void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
+                                      const bf16* dy, const DeviceLayerGradients& grads,
+                                      int tokens, cudaStream_t stream) {
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.shared_intermediate);
+  const gemm::LaunchOptions& gemm_options = options_.gemm;
+  write_offsets_kernel<<<1, 1, 0, stream>>>(shared_offsets_, tokens);
+  MOK_CUDA_CHECK_LAUNCH();
+  // (T, H) -> (T, 2I_s) fp32: the gate/up pre-activations again.
+  gemm::grouped_forward({1, tokens, 2 * inter, hidden}, x, weights.shared_gate_up, shared_offsets_,
+                        shared_gate_up_, gemm::ForwardOutput::kFp32, stream, gemm_options);
+  // g = dy · W_sd: (T, H) -> (T, I_s) fp32.
+  gemm::grouped_dgrad({1, tokens, hidden, inter}, dy, weights.shared_down, shared_offsets_,
+                      shared_grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
+  const gemm::SwiGluBackwardRows rows{shared_gate_up_, shared_grad_hidden_,
+                                      reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
+                                      reinterpret_cast<__nv_bfloat16*>(shared_hidden_), inter};
+  const int warps_per_cta = gemm::kSwiGluBackwardThreads / 32;
+  const int ctas = static_cast<int>(std::clamp<int64_t>((tokens + warps_per_cta - 1) / warps_per_cta,
+                                                        1, int64_t{num_sms_} * 8));
+  swiglu_backward_shared_kernel<<<ctas, gemm::kSwiGluBackwardThreads, 0, stream>>>(rows, tokens);
+  MOK_CUDA_CHECK_LAUNCH();
+  // dx_shared = d_gate_up · W_sgu: (T, 2I_s) -> (T, H) fp32, added by the combine's reduce.
+  gemm::grouped_dgrad({1, tokens, 2 * inter, hidden}, shared_d_gate_up_, weights.shared_gate_up,
+                      shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream, gemm_options);
+  // dW_sd = dyᵀ · h, dW_sgu = d_gate_upᵀ · x, over the tokens in order.
+  gemm::grouped_wgrad({1, tokens, hidden, inter}, dy, shared_hidden_, shared_offsets_,
+                      grads.shared_down, grads.output, stream, gemm_options);
+  gemm::grouped_wgrad({1, tokens, 2 * inter, hidden}, shared_d_gate_up_, x, shared_offsets_,
+                      grads.shared_gate_up, grads.output, stream, gemm_options);
+}
+
+void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
+                                       const DeviceLayerGradients& grads,
+                                       cudaStream_t stream) {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const int experts = static_cast<int>(layout.experts_per_rank());
+  const int rows = static_cast<int>(layout.rows_capacity());
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.intermediate);
+  const int* offsets = workspace_.expert_offsets();
+  const int* counts = workspace_.expert_counts();
+  const gemm::LaunchOptions& gemm_options = options_.gemm;
+  // (rows, H) -> (rows, 2I) fp32: the gate/up pre-activations again.
+  gemm::grouped_forward({experts, rows, 2 * inter, hidden, counts}, workspace_.expert_x(),
+                        weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kFp32, stream,
+                        gemm_options);
+  // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
+  gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
+                      offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
+  const gemm::SwiGluBackwardRows swiglu_rows{gate_up_, grad_hidden_,
+                                             reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
+                                             reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
+                                             inter};
+  swiglu_backward_routed_kernel<<<num_sms_ * 4, gemm::kSwiGluBackwardThreads, 0, stream>>>(
+      workspace_.view(), swiglu_rows);
+  MOK_CUDA_CHECK_LAUNCH();
+  // dx rows = d_gate_up · W_gate_up: (rows, 2I) -> (rows, H) bf16, into expert_y for the push.
+  gemm::grouped_dgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_, weights.gate_up,
+                      offsets, workspace_.expert_y(), gemm::DgradOutput::kBf16, stream,
+                      gemm_options);
+  combine_push(workspace_, options_.copy, stream);
+  // While the peers' dx rows arrive: dW_down = dyᵀ · (w·h), dW_gate_up = d_gate_upᵀ · x.
+  gemm::grouped_wgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(),
+                      weighted_hidden_, offsets, grads.down, grads.output, stream, gemm_options);
+  gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_,
+                      workspace_.expert_x(), offsets, grads.gate_up, grads.output, stream, gemm_options);
+}
+
+void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
+                             const int32_t* topk_idx, const float* topk_w, const bf16* dy,
+                             bf16* dx, float* d_topk_w, const DeviceLayerGradients& grads,
+                             int64_t num_tokens, cudaStream_t stream) {
+  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
+                " out of range [0, ", tokens_max_, "]");
+  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
+                                    dy != nullptr && dx != nullptr && d_topk_w != nullptr),
+                "x", "null tensor pointer for ", num_tokens, " tokens");
+  MOK_CHECK_ARG(weights.gate_up != nullptr && weights.down != nullptr, "weights",
+                "null routed expert weights");
+  MOK_CHECK_ARG(grads.gate_up != nullptr && grads.down != nullptr, "grads",
+                "null routed expert gradients");
+  if (shape_.has_shared()) {
+    MOK_CHECK_ARG(weights.shared_gate_up != nullptr && weights.shared_down != nullptr, "weights",
+                  "null shared expert weights (I_s = ", shape_.shared_intermediate, ")");
+    MOK_CHECK_ARG(grads.shared_gate_up != nullptr && grads.shared_down != nullptr, "grads",
+                  "null shared expert gradients (I_s = ", shape_.shared_intermediate, ")");
+  }
+  const int tokens = static_cast<int>(num_tokens);
+  const int64_t num_slots = num_tokens * shape_.top_k;
+  // This rank's x, dy and router weights into its window, for the expert ranks.
+  stage_tokens(workspace_, x, num_tokens, stream);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace_.dy(), dy,
+                                 static_cast<size_t>(num_tokens * workspace_.layout().row_bytes()),
+                                 cudaMemcpyDeviceToDevice, stream));
+  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace_.topk_w(), topk_w, static_cast<size_t>(num_slots * 4),
+                                 cudaMemcpyDeviceToDevice, stream));
+  schedule(workspace_, topk_idx, num_tokens, stream);
+  const bool shared = shape_.has_shared() && tokens > 0;
+  if (shared) run_shared_expert(weights, x, dy, grads, tokens, stream);
+  dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kX);
+  dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kDy);
+  run_routed_experts(weights, grads, stream);
+  if (shape_.has_shared() && tokens == 0 && grads.output != gemm::WgradOutput::kAccumulateFp32) {
+    // No token: the shared expert's gradients are zero.
+    const size_t element_bytes = grads.output == gemm::WgradOutput::kBf16 ? 2 : 4;
+    const size_t elements = static_cast<size_t>(shape_.shared_intermediate * shape_.hidden);
+    MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_gate_up, 0, 2 * elements * element_bytes, stream));
+    MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_down, 0, elements * element_bytes, stream));
+  }
+  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
+  combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
+  if (num_slots > 0) {
+    const int ctas = static_cast<int>(std::clamp<int64_t>((num_slots + 255) / 256, 1, num_sms_));
+    collect_d_topk_w_kernel<<<ctas, 256, 0, stream>>>(workspace_.view(), d_topk_w, tokens);
+    MOK_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace mok

@@ -1,0 +1,109 @@
+// The GPU backward of one MoE layer on one expert-parallel rank, composed from the tested engines
+// (the communication steps of comm_ops.hpp, the grouped GEMMs of mok/gemm.hpp) and one SwiGLU
+// backward kernel (kernels/gemm/swiglu_backward.cuh). Recompute mode: the context is the forward's
+// inputs (x, topk_idx, topk_w) alone, and the routed and shared gate/up activations are computed
+// again here.
+//
+//   stage x, dy, topk_w   into the window, for the expert ranks to pull and read
+//   schedule              on-GPU all-gather of topk_idx, each local expert's rows in global order
+//   shared expert         gate/up (fp32) | down dgrad g (fp32) | SwiGLU backward | gate/up dgrad
+//                         (fp32 dx, added by the combine) | both wgrads
+//   dispatch x, dy        into expert_x and expert_dy (the same rows)
+//   routed gate/up        recomputed, fp32 (rows, 2I)
+//   routed down dgrad     g = W_downᵀ dy, fp32 (rows, I)
+//   SwiGLU backward       d_topk_w = <g, h> into the owner's window; d_gate_up (bf16), w·h (bf16)
+//   routed gate/up dgrad  dx rows (bf16) into expert_y
+//   combine push          dx rows to their owners' slots
+//   wgrads                down: dyᵀ · (w·h); gate/up: d_gate_upᵀ · x, each over the expert's rows
+//                         in global token order (the same K order at any EP degree)
+//   combine reduce        dx = Σ_j slot_j (j in order, fp32) + shared dx, rounded once
+//   d_topk_w              collected from the window (0 for unused slots)
+//
+// Every GEMM reads only each expert's real rows (the schedule's counts): the padding rows of the
+// tile-padded layout cost no MMA in the dgrads and wgrads and never reach a result. Everything is
+// enqueued on the caller's stream with no host synchronisation (CUDA-graph capturable).
+// Construction and destruction are collective (see CommWorkspace).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/bf16.hpp"
+#include "mok/gemm.hpp"
+#include "mok/layer.hpp"
+#include "runtime/comm.hpp"
+#include "runtime/comm_ops.hpp"
+#include "runtime/layer_forward.hpp"
+#include "runtime/workspace.hpp"
+
+namespace mok {
+
+struct LayerBackwardOptions {
+  CopyConfig copy{32};      // dispatch and combine CTAs (as the unfused forward's)
+  gemm::LaunchOptions gemm;  // expert GEMM grid; 0 SMs = every SM
+  WorkspaceOptions workspace;
+};
+
+// Weight gradients in the layouts of DeviceLayerWeights (gate/up interleaved in blocks of 8
+// rows): fresh fp32, fresh bf16 (what autograd gives bf16 parameters; the fp32 sums rounded once),
+// or fp32 main_grad buffers added into. Shared ones null when I_s = 0.
+struct DeviceLayerGradients {
+  void* gate_up = nullptr;         // (E_l, 2I, H)
+  void* down = nullptr;            // (E_l, H, I)
+  void* shared_gate_up = nullptr;  // (2I_s, H)
+  void* shared_down = nullptr;     // (H, I_s)
+  gemm::WgradOutput output = gemm::WgradOutput::kFp32;
+};
+
+class LayerBackward {
+ public:
+  // tokens_max: the most tokens any call passes on any rank (the same on every rank).
+  LayerBackward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
+                const LayerBackwardOptions& options = {});
+  ~LayerBackward();
+  LayerBackward(const LayerBackward&) = delete;
+  LayerBackward& operator=(const LayerBackward&) = delete;
+
+  // x, dy, dx (T, H) bf16; topk_idx (T, k) int32; topk_w, d_topk_w (T, k) fp32: device pointers
+  // on this rank's GPU, T <= tokens_max, the same routing as the forward. Every rank calls it
+  // with the same options.
+  void backward(const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
+                const float* topk_w, const bf16* dy, bf16* dx, float* d_topk_w,
+                const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream);
+
+  // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
+  void check(cudaStream_t stream) const { workspace_.check(stream); }
+  CommWorkspace& workspace() { return workspace_; }
+  const LayerShape& shape() const { return shape_; }
+  int64_t tokens_max() const { return tokens_max_; }
+  // Device bytes this object holds (workspace and intermediates).
+  int64_t buffer_bytes() const;
+
+ private:
+  void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
+                         const DeviceLayerGradients& grads, int tokens, cudaStream_t stream);
+  void run_routed_experts(const DeviceLayerWeights& weights, const DeviceLayerGradients& grads,
+                          cudaStream_t stream);
+
+  LayerShape shape_;
+  int64_t tokens_max_ = 0;
+  LayerBackwardOptions options_;
+  CommWorkspace workspace_;
+  int num_sms_ = 0;
+  // Routed rows (rows_capacity of the workspace):
+  float* gate_up_ = nullptr;            // (rows, 2I) fp32, recomputed, interleaved
+  float* grad_hidden_ = nullptr;        // (rows, I) fp32, g = W_downᵀ dy
+  bf16* d_gate_up_ = nullptr;           // (rows, 2I) bf16, interleaved
+  bf16* weighted_hidden_ = nullptr;     // (rows, I) bf16, w · h
+  float* ones_ = nullptr;               // (T_max, k) 1.0f: the reduce's weights for dx
+  // Shared expert (T_max rows; null without one):
+  float* shared_gate_up_ = nullptr;     // (T_max, 2I_s) fp32
+  float* shared_grad_hidden_ = nullptr;  // (T_max, I_s) fp32
+  bf16* shared_d_gate_up_ = nullptr;    // (T_max, 2I_s) bf16
+  bf16* shared_hidden_ = nullptr;       // (T_max, I_s) bf16
+  float* shared_dx_ = nullptr;          // (T_max, H) fp32
+  int32_t* shared_offsets_ = nullptr;   // (2): 0, T of the current call
+};
+
+}  // namespace mok

@@ -1,0 +1,355 @@
+// The GPU layer backward (LayerBackward) against the CPU reference and the fp64 oracle, and its
+// determinism contracts bitwise: repeats, GEMM and copy SM counts, a replayed CUDA graph, and
+// EP = 1 against EP = 2 (where two GPUs are present). Every output is NaN-poisoned before each run.
+// Routings: uniform with unused slots and signed weights, skewed (most experts empty), all tokens
+// to one expert; token counts 1, odd, and not multiples of 128; top-k 1 to 6.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "layer_test_support.cuh"
+#include "runtime/layer_backward.hpp"
+
+namespace mok::comm_test {
+namespace {
+
+// Every output of one backward, in global layout (as ProblemOutputs): gate/up gradients split
+// out of the interleaved (E, 2I, H) layout.
+struct BackwardOutputs {
+  std::vector<bf16> dx;
+  std::vector<float> d_topk_w, grad_gate, grad_up, grad_down;
+  std::vector<float> grad_shared_gate, grad_shared_up, grad_shared_down;  // (ep, ...)
+};
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Index of the first tensor whose bits differ, as a name; empty when all match.
+std::string first_different_tensor(const BackwardOutputs& a, const BackwardOutputs& b) {
+  if (first_difference(a.dx, b.dx) >= 0 || a.dx.size() != b.dx.size()) return "dx";
+  if (!same_bits(a.d_topk_w, b.d_topk_w)) return "d_topk_w";
+  if (!same_bits(a.grad_gate, b.grad_gate)) return "grad_gate";
+  if (!same_bits(a.grad_up, b.grad_up)) return "grad_up";
+  if (!same_bits(a.grad_down, b.grad_down)) return "grad_down";
+  return "";
+}
+
+struct BackwardRun {
+  LayerBackwardOptions layer;
+  int repeats = 1;  // runs after the first; each must give the first's bits
+  bool use_graph = false;
+  GradMode mode = GradMode::kOverwrite;
+  float main_grad_start = 0.0f;  // kAccumulate: every gradient starts from this value
+};
+
+// (E_l, 2I, H) interleaved in blocks of 8 rows -> gate and up (E_l, I, H), appended.
+void split_gate_up(const std::vector<float>& fused, int64_t experts, int64_t inter, int64_t hidden,
+                   std::vector<float>& gate, std::vector<float>& up) {
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const int64_t row = e * 2 * inter + (i / 8) * 16 + i % 8;
+      const float* gate_row = fused.data() + row * hidden;
+      const float* up_row = gate_row + 8 * hidden;
+      gate.insert(gate.end(), gate_row, gate_row + hidden);
+      up.insert(up.end(), up_row, up_row + hidden);
+    }
+  }
+}
+
+BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardRun& run) {
+  const std::vector<Communicator>& comms = local_communicators(ep);
+  const LayerShape& shape = problem.shape;
+  const int64_t tokens = problem.num_tokens / ep, hidden = shape.hidden;
+  const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
+  const int64_t local_experts = shape.num_experts / ep;
+  std::vector<BackwardOutputs> per_rank(ep);
+  for_each_rank(ep, [&](int rank) {
+    MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
+    const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
+    auto host = [](const auto& view) { return std::vector(view.data, view.data + view.numel()); };
+    const LayerWeights& w = inputs.weights;
+    DeviceBuffer<bf16> gate_up(gemm::interleave_gate_up(host(w.gate), host(w.up),
+                                                        static_cast<int>(local_experts),
+                                                        static_cast<int>(inter),
+                                                        static_cast<int>(hidden)));
+    DeviceBuffer<bf16> down(host(w.down));
+    const bool shared = shape.has_shared();
+    DeviceBuffer<bf16> shared_gate_up(
+        shared ? gemm::interleave_gate_up(host(w.shared_gate), host(w.shared_up), 1,
+                                          static_cast<int>(shared_inter), static_cast<int>(hidden))
+               : std::vector<bf16>{});
+    DeviceBuffer<bf16> shared_down(shared ? host(w.shared_down) : std::vector<bf16>{});
+    DeviceLayerWeights weights{gate_up.get(),
+                               down.get(),
+                               shared ? shared_gate_up.get() : nullptr,
+                               shared ? shared_down.get() : nullptr,
+                               static_cast<int64_t>(gate_up.size()),
+                               static_cast<int64_t>(down.size()),
+                               shared ? static_cast<int64_t>(shared_gate_up.size()) : 0,
+                               shared ? static_cast<int64_t>(shared_down.size()) : 0};
+    DeviceBuffer<bf16> x(host(inputs.tokens.x));
+    DeviceBuffer<int32_t> topk_idx(host(inputs.tokens.topk_idx));
+    DeviceBuffer<float> topk_w(host(inputs.tokens.topk_w));
+    DeviceBuffer<bf16> dy(host(inputs.dy));
+    DeviceBuffer<bf16> dx(static_cast<size_t>(tokens * hidden));
+    DeviceBuffer<float> d_topk_w(static_cast<size_t>(tokens * shape.top_k));
+    DeviceBuffer<float> grad_gate_up(gate_up.size()), grad_down(down.size());
+    DeviceBuffer<float> grad_shared_gate_up(shared_gate_up.size()),
+        grad_shared_down(shared_down.size());
+    DeviceLayerGradients grads{grad_gate_up.get(), grad_down.get(),
+                               shared ? grad_shared_gate_up.get() : nullptr,
+                               shared ? grad_shared_down.get() : nullptr,
+                               run.mode == GradMode::kAccumulate
+                                   ? gemm::WgradOutput::kAccumulateFp32
+                                   : gemm::WgradOutput::kFp32};
+    LayerBackward layer(comms[rank], shape, tokens, run.layer);
+    cudaStream_t stream = nullptr;
+    MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto prepare = [&] {  // poison every output (accumulate: start every gradient from a value)
+      dx.poison();
+      d_topk_w.poison();
+      for (DeviceBuffer<float>* grad :
+           {&grad_gate_up, &grad_down, &grad_shared_gate_up, &grad_shared_down}) {
+        if (run.mode == GradMode::kAccumulate) {
+          grad->upload(std::vector<float>(grad->size(), run.main_grad_start));
+        } else {
+          grad->poison();
+        }
+      }
+      CommWorkspace& ws = layer.workspace();
+      const size_t row_bytes = static_cast<size_t>(ws.layout().row_bytes());
+      MOK_CUDA_CHECK(cudaMemset(ws.expert_y(), 0xff, ws.layout().expert_y_rows * row_bytes));
+      MOK_CUDA_CHECK(cudaMemset(ws.expert_x(), 0xff, ws.layout().expert_rows * row_bytes));
+      MOK_CUDA_CHECK(cudaMemset(ws.expert_dy(), 0xff, ws.layout().rows_capacity() * row_bytes));
+      MOK_CUDA_CHECK(cudaMemset(ws.slots(), 0xff,
+                                ws.layout().tokens_max * ws.layout().top_k * row_bytes));
+      MOK_CUDA_CHECK(cudaMemset(ws.d_topk_w(), 0xff, ws.layout().tokens_max * ws.layout().top_k * 4));
+      MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    auto enqueue = [&] {
+      layer.backward(weights, x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(),
+                     d_topk_w.get(), grads, tokens, stream);
+    };
+    auto collect = [&] {
+      BackwardOutputs out;
+      out.dx = dx.download();
+      out.d_topk_w = d_topk_w.download();
+      split_gate_up(grad_gate_up.download(), local_experts, inter, hidden, out.grad_gate,
+                    out.grad_up);
+      out.grad_down = grad_down.download();
+      if (shared) {
+        split_gate_up(grad_shared_gate_up.download(), 1, shared_inter, hidden,
+                      out.grad_shared_gate, out.grad_shared_up);
+        out.grad_shared_down = grad_shared_down.download();
+      }
+      return out;
+    };
+    prepare();
+    enqueue();
+    layer.check(stream);
+    const BackwardOutputs first = collect();
+    for (int repeat = 0; repeat < run.repeats; ++repeat) {
+      prepare();
+      enqueue();
+      layer.check(stream);
+      const std::string differs = first_different_tensor(collect(), first);
+      MOK_CHECK_ARG(differs.empty(), "repeat", "rank ", rank, " run ", repeat, ": ", differs,
+                    " differs from the first run");
+    }
+    if (run.use_graph) {
+      replay_in_graph(stream, enqueue, 2, prepare, [&](int replay) {
+        layer.check(stream);
+        const std::string differs = first_different_tensor(collect(), first);
+        MOK_CHECK_ARG(differs.empty(), "graph replay", "rank ", rank, " replay ", replay, ": ",
+                      differs, " differs from the eager run");
+      });
+    }
+    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+    per_rank[rank] = first;
+  });
+  BackwardOutputs all;  // global layout: tokens and experts in rank order
+  for (const BackwardOutputs& rank : per_rank) {
+    auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+    append(all.dx, rank.dx);
+    append(all.d_topk_w, rank.d_topk_w);
+    append(all.grad_gate, rank.grad_gate);
+    append(all.grad_up, rank.grad_up);
+    append(all.grad_down, rank.grad_down);
+    append(all.grad_shared_gate, rank.grad_shared_gate);
+    append(all.grad_shared_up, rank.grad_shared_up);
+    append(all.grad_shared_down, rank.grad_shared_down);
+  }
+  return all;
+}
+
+// Each output's error against the fp64 oracle: finite everywhere, within bf16 tolerance, and no
+// more than twice the CPU reference's (same rounding points, fp32 sums in another order).
+void expect_matches_reference(const Problem& problem, int ep, const BackwardOutputs& gpu,
+                              const BackwardRun& run) {
+  ProblemOutputs cpu = ProblemOutputs::poisoned(problem, ep);
+  const std::vector<reference::RankInputs> ranks = problem.all_rank_inputs(ep);
+  auto start = [&](std::vector<float>& grad) {
+    if (run.mode == GradMode::kAccumulate) grad.assign(grad.size(), run.main_grad_start);
+  };
+  for (auto* grad : {&cpu.grad_gate, &cpu.grad_up, &cpu.grad_down, &cpu.grad_shared_gate,
+                     &cpu.grad_shared_up, &cpu.grad_shared_down}) {
+    start(*grad);
+  }
+  reference::backward(problem.shape, ranks, cpu.rank_outputs(problem), run.mode);
+  std::vector<reference::OracleResult> oracle = reference::oracle(problem.shape, ranks, true);
+  auto joined = [&](auto member, double offset) {
+    std::vector<double> values;
+    for (const reference::OracleResult& rank : oracle) {
+      for (double value : rank.*member) values.push_back(value + offset);
+    }
+    return values;
+  };
+  const double offset = run.mode == GradMode::kAccumulate ? run.main_grad_start : 0.0;
+  auto check = [&](const char* name, const auto& gpu_values, const auto& cpu_values,
+                   const std::vector<double>& oracle_values) {
+    SCOPED_TRACE(name);
+    ASSERT_EQ(gpu_values.size(), oracle_values.size());
+    const ErrorStats gpu_error = compare(gpu_values, oracle_values);
+    const ErrorStats cpu_error = compare(cpu_values, oracle_values);
+    EXPECT_EQ(gpu_error.non_finite, 0) << "unwritten (NaN) elements";
+    EXPECT_TRUE(gpu_error.within(kBf16Tolerance)) << "GPU vs oracle: " << gpu_error.describe();
+    EXPECT_LE(gpu_error.relative_l2, 2.0 * cpu_error.relative_l2 + 1e-4)
+        << "GPU vs oracle: " << gpu_error.describe()
+        << "; CPU reference vs oracle: " << cpu_error.describe();
+  };
+  check("dx", gpu.dx, cpu.dx, joined(&reference::OracleResult::dx, 0.0));
+  check("d_topk_w", gpu.d_topk_w, cpu.d_topk_w, joined(&reference::OracleResult::d_topk_w, 0.0));
+  check("grad_gate", gpu.grad_gate, cpu.grad_gate,
+        joined(&reference::OracleResult::grad_gate, offset));
+  check("grad_up", gpu.grad_up, cpu.grad_up, joined(&reference::OracleResult::grad_up, offset));
+  check("grad_down", gpu.grad_down, cpu.grad_down,
+        joined(&reference::OracleResult::grad_down, offset));
+  if (problem.shape.has_shared()) {
+    check("grad_shared_gate", gpu.grad_shared_gate, cpu.grad_shared_gate,
+          joined(&reference::OracleResult::grad_shared_gate, offset));
+    check("grad_shared_up", gpu.grad_shared_up, cpu.grad_shared_up,
+          joined(&reference::OracleResult::grad_shared_up, offset));
+    check("grad_shared_down", gpu.grad_shared_down, cpu.grad_shared_down,
+          joined(&reference::OracleResult::grad_shared_down, offset));
+  }
+  // Unused slots get exactly 0.
+  for (size_t slot = 0; slot < gpu.d_topk_w.size(); ++slot) {
+    if (problem.topk_idx[slot] < 0) {
+      ASSERT_EQ(gpu.d_topk_w[slot], 0.0f) << "unused slot " << slot;
+    }
+  }
+}
+
+// ---- EP = 1 on one GPU ------------------------------------------------------------------------
+
+class LayerBackwardEp1 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LayerBackwardEp1, MatchesReferenceAndRepeatsBitwise) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  for (bool wider : {false, true}) {
+    SCOPED_TRACE(wider ? "H 512, I 192, I_s 64, top-6" : "H 256, I 128, top-4");
+    const Problem problem = layer_problem(GetParam(), 301, 41, wider);  // 301: odd
+    BackwardRun run;
+    run.repeats = 2;
+    expect_matches_reference(problem, 1, run_gpu_backward(problem, 1, run), run);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Routings, LayerBackwardEp1,
+    ::testing::Values(Case{"uniform", 0.2, true, true}, Case{"skewed:4", 0.0, false, true},
+                      Case{"single-expert", 0.0, true, false}, Case{"uniform", 0.0, false, false}),
+    [](const auto& info) { return case_name(info.param); });
+
+TEST(LayerBackwardEp1Shapes, OddShapesMatchReference) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  // (H, I, I_s, E, k): top-1, many experts with few rows, I and I_s not multiples of 128.
+  const std::vector<LayerShape> shapes = {{256, 136, 0, 8, 1}, {384, 72, 200, 64, 8},
+                                          {128, 256, 64, 4, 2}};
+  for (const LayerShape& shape : shapes) {
+    for (int64_t tokens : {int64_t{1}, int64_t{77}}) {
+      SCOPED_TRACE("H " + std::to_string(shape.hidden) + " I " + std::to_string(shape.intermediate) +
+                   " I_s " + std::to_string(shape.shared_intermediate) + " E " +
+                   std::to_string(shape.num_experts) + " k " + std::to_string(shape.top_k) +
+                   ", " + std::to_string(tokens) + " tokens");
+      const Problem problem = testing::make_problem({"uniform", 0.1, true, true}, tokens, 7, shape);
+      BackwardRun run;
+      expect_matches_reference(problem, 1, run_gpu_backward(problem, 1, run), run);
+    }
+  }
+}
+
+TEST(LayerBackwardEp1Settings, GemmAndCopySmCountsDoNotChangeABit) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 300, 21, true);
+  std::vector<BackwardRun> settings(3);
+  settings[1].layer.gemm.num_sms = 37;
+  settings[1].layer.copy = {5, comm::CopyMethod::kVector, 256};
+  settings[2].layer.gemm.num_sms = 8;
+  settings[2].layer.copy = {64, comm::CopyMethod::kVector, 512};
+  const BackwardOutputs expected = run_gpu_backward(problem, 1, settings[0]);
+  expect_matches_reference(problem, 1, expected, settings[0]);
+  for (size_t index = 1; index < settings.size(); ++index) {
+    const BackwardOutputs other = run_gpu_backward(problem, 1, settings[index]);
+    EXPECT_EQ(first_different_tensor(other, expected), "") << "setting " << index;
+    EXPECT_TRUE(same_bits(other.grad_shared_gate, expected.grad_shared_gate) &&
+                same_bits(other.grad_shared_down, expected.grad_shared_down))
+        << "setting " << index << ": shared expert gradients differ";
+  }
+}
+
+TEST(LayerBackwardEp1, AccumulatesIntoMainGrad) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const Problem problem = layer_problem({"uniform", 0.1, true, true}, 200, 23);
+  BackwardRun run;
+  run.mode = GradMode::kAccumulate;
+  run.main_grad_start = 0.25f;
+  run.repeats = 1;
+  expect_matches_reference(problem, 1, run_gpu_backward(problem, 1, run), run);
+}
+
+TEST(LayerBackwardEp1, GraphReplayEqualsEager) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 200, 12);
+  BackwardRun run;
+  run.use_graph = true;  // run_gpu_backward throws if a replay differs from the eager run
+  expect_matches_reference(problem, 1, run_gpu_backward(problem, 1, run), run);
+}
+
+TEST(LayerBackwardEp1, RejectsTooManyTokensNamingTheArgument) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  LayerBackward layer(local_communicators(1)[0], find_preset("tiny").shape, 64);
+  try {
+    layer.backward({}, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, {}, 65, nullptr);
+    FAIL() << "65 tokens accepted with tokens_max 64";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("num_tokens"), std::string::npos) << error.what();
+  }
+}
+
+// ---- EP = 2 -------------------------------------------------------------------------------------
+
+class LayerBackwardEp2 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LayerBackwardEp2, MatchesReferenceAndEp1Bitwise) {
+  MOK_REQUIRE_HOPPER_GPUS(2);
+  const Problem problem = layer_problem(GetParam(), 2 * 173, 5, true);
+  BackwardRun run;
+  run.repeats = 1;
+  const BackwardOutputs ep2 = run_gpu_backward(problem, 2, run);
+  expect_matches_reference(problem, 2, ep2, run);
+  const BackwardOutputs ep1 = run_gpu_backward(problem, 1, run);
+  EXPECT_EQ(first_different_tensor(ep1, ep2), "") << "EP=1 differs from EP=2";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Routings, LayerBackwardEp2,
+    ::testing::Values(Case{"uniform", 0.2, true, true}, Case{"skewed:4", 0.0, false, true},
+                      Case{"single-expert", 0.0, false, false}),
+    [](const auto& info) { return case_name(info.param); });
+
+}  // namespace
+}  // namespace mok::comm_test
