@@ -11,12 +11,21 @@ import math
 import torch
 
 
-def uniform(*shape, half_width=1.0):
-    """bf16 values uniform in [-half_width, half_width), on the GPU."""
-    values = torch.empty(*shape, device="cuda", dtype=torch.float32).uniform_(-half_width, half_width)
+def uniform(*shape, half_width=1.0, device="cuda", generator=None):
+    """bf16 values uniform in [-half_width, half_width) (drawn in fp32, rounded once), on
+    `device`; with `generator`, the same values on any device of the same kind."""
+    values = torch.empty(*shape, device=device, dtype=torch.float32)
+    values.uniform_(-half_width, half_width, generator=generator)
     return values.to(torch.bfloat16)
 
 
-def uniform_std(*shape, std):
+def uniform_std(*shape, std, device="cuda", generator=None):
     """bf16 values uniform with standard deviation `std` (half width std * sqrt(3))."""
-    return uniform(*shape, half_width=std * math.sqrt(3.0))
+    return uniform(*shape, half_width=std * math.sqrt(3.0), device=device, generator=generator)
+
+
+def seeded_generator(seed, device):
+    """A generator on `device` (a torch.device or its name) started at `seed`."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

@@ -1,284 +1,795 @@
-"""The torch-native MoE layer forward, baseline of bench_layer, measured in the same device run.
+"""The torch-native MoE layer, baseline of bench_layer: several variants a PyTorch user would write,
+each checked, then timed forward and as a training step, in the same device run as mok.
 
-  python3 torch_native.py measure --mok layer-mok.json --ep 1 --out torch-ep1.json
-  torchrun --nproc-per-node=2 torch_native.py measure --mok layer-mok.json --ep 2 --out torch-ep2.json
-  python3 torch_native.py combine --mok layer-mok.json --torch torch-ep1.json --torch torch-ep2.json \
-      --commit C --out layer-fwd.json --png layer-fwd.png
+  python3 torch_native.py measure --mok layer-mok.json --ep 1 --out layer-torch-ep1.json
+  torchrun --nproc-per-node=2 torch_native.py measure --mok layer-mok.json --ep 2 \\
+      --out layer-torch-ep2.json
+  python3 torch_native.py measure --preset qwen3-30b-a3b --tokens 16384 --out torch.json
+  python3 torch_native.py measure --hidden 2048 --intermediate 768 --experts 64 --top-k 6 \\
+      --shared-intermediate 1024 --tokens 4096 --out torch.json
+  python3 torch_native.py measure --device cpu --preset tiny --tokens 64 --iterations 2 \\
+      --warmup-ms 0 --out smoke.json                      (CPU smoke: checks, host-clock times)
+Then layer_results.py turns bench_layer's JSON and these into results (schema mok-bench/2).
 
-The layer, per rank, as a PyTorch user writes it without a fused kernel:
-  shared expert     x @ [W_sg; W_su]^T -> silu(g) * u -> @ W_sd^T   (fp32 result kept)
-  dispatch          sort the (token, slot) pairs by expert, all_to_all_single of the row counts
-                    (a host read of the splits), all_to_all_single of the rows and expert ids
-  experts           sort the received rows by local expert, torch._grouped_mm gate/up (one fused
-                    [E_l, 2I, H] weight), silu(g) * u in bf16, torch._grouped_mm down
-  combine           all_to_all_single back, y = shared + index_add of w * row in fp32, -> bf16
-The routing is the one bench_layer used (its --routing-dir files), so both move the same rows.
-Weights and x are random, drawn as bench_layer draws its own (data.py: uniform, with the same
-standard deviations), since under the power cap the clock depends on the bits multiplied. Median of the timed iterations (CUDA
-events) after --warmup-ms of warm-up (as bench_layer's), the maximum over ranks; the dense bf16
-GEMM rate (8192^3) is measured in the EP=1 process.
+Cases: with --mok, every case of bench_layer's JSON at this --ep that has a routing file (its
+--routing-dir), so that both move the same rows; without, one case of the --preset's shape, each
+of --hidden --intermediate --experts --top-k --shared-intermediate overriding it, on --tokens
+tokens per rank with uniform routing drawn here (distinct experts, softmax weights).
+
+The layer, per rank (E_l = E / ep local experts), as a PyTorch user writes it without a fused
+kernel:
+  shared expert     x @ [W_sg; W_su] -> silu(g) * u -> @ W_sd, kept in fp32
+  dispatch          the (token, slot) pairs sorted by expert (stable argsort); at EP > 1 the row
+                    counts to the host and all_to_all_single of the rows (autograd through a
+                    custom Function) and of the expert ids, then a stable sort by local expert
+  experts           torch._grouped_mm gate/up (one [E_l, 2I, H] weight), silu(g) * u in bf16,
+                    torch._grouped_mm down
+  combine           (variant) rows back to their tokens, y = shared + sum_j w[t, j] * row in
+                    fp32, rounded to bf16 once
+Variants (VARIANTS below):
+  index_add         the combine by y.index_add_(0, token, w * row) (fp32), the rows scattered
+                    back by `out[perm] = ...` at EP > 1; this script's layer until issue 20
+  batched_view      torchtitan's combine: the rows gathered back into slot order with one index
+                    (the inverse of the stable sort's permutation), viewed (T, k, H), times w in
+                    fp32, .sum(1); no host sync at EP 1 (group offsets by searchsorted)
+  batched_view_kn   batched_view with the weights stored [E, in, out] (K x N, "kn"): the
+                    grouped GEMMs read x @ W without a transposed view, and their weight
+                    gradients come out in that layout
+The weights of the other variants are stored [E, out, in] as mok's (K-contiguous) and read as
+W.transpose(-2, -1). Which layout and combine is fastest is measured, not assumed: the results
+carry every variant's time and the fastest is the baseline.
+
+Checks, before any variant is timed: its forward against an fp32 reference of the layer computed
+here on a sample of --check-tokens tokens (the same bf16 weights and x, products and sums in fp32),
+and its output and its training step's gradients (x, router weights, two experts' weights, the
+shared expert's) against the first variant's; errors as relative RMS (rms(a - b) / rms(b)) and
+max |a - b| / max |b|, within bf16 tolerance (TOLERANCE). mok's own output is checked against the
+same layer's CPU reference by its tests; this script cannot read mok's y (bench_layer draws the
+weights in another process), so it checks the variants against the definition instead. A variant
+that fails is reported and not timed; the exit status is then 1.
+
+Timing (median of --iterations CUDA-event-timed calls after --warmup-ms of warm-up, as
+bench_layer's; the maximum over ranks):
+  fwd               the forward without autograd (torch.no_grad), as bench_layer's forward
+  fwdbwd            one training step: grads set to None, the forward under autograd with
+                    x, the router weights and every expert weight (routed and shared) requiring
+                    grad, y.backward(dy)
+  bwd               fwdbwd - the forward under autograd (timed too, as fwd_train), which is never
+                    faster than without, so bwd is not overstated
+Peak memory: torch.cuda.max_memory_allocated over one call of each phase, reset before (weights,
+x, routing and, for fwdbwd, the weight gradients included). Clock and power: sampled during each
+timed loop (gpu_monitor.py). The dense bf16 GEMM rate (8192^3 torch.matmul) after the cases, with
+the same warm-up, in the EP 1 process. Data are drawn as bench_layer draws its own (data.py:
+uniform values of the same standard deviations), since under the power cap the clock depends on
+the bits multiplied; each expert's weights come from a generator seeded by its global id, so any
+rank can draw any expert's weights for the reference.
+
+On --device cpu (smoke runs and tests) the times are the host clock's, memory and clock are not
+measured, and where the installed torch has no CPU torch._grouped_mm the experts run as a loop of
+per-expert matmuls (grouped_mm below); on a GPU torch._grouped_mm always runs.
 """
 import argparse
 import datetime
 import json
 import math
 import os
+import sys
 
-from data import uniform, uniform_std  # bench/baselines/data.py: bench_layer's distributions
-from timing import median_ms  # bench/baselines/timing.py, beside this script
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data import seeded_generator, uniform, uniform_std  # bench/baselines/data.py
+from gpu_monitor import GpuMonitor  # bench/baselines/gpu_monitor.py
+from timing import median_ms  # bench/baselines/timing.py
+
+# DESIGN.md §5 and src/reference/shape.cpp.
+PRESETS = {
+    "tiny": {"hidden": 256, "intermediate": 128, "shared_intermediate": 128, "num_experts": 16,
+             "top_k": 4},
+    "deepseek-v3": {"hidden": 7168, "intermediate": 2048, "shared_intermediate": 2048,
+                    "num_experts": 256, "top_k": 8},
+    "qwen3-30b-a3b": {"hidden": 2048, "intermediate": 768, "shared_intermediate": 0,
+                      "num_experts": 128, "top_k": 8},
+    "qwen3-235b-a22b": {"hidden": 4096, "intermediate": 1536, "shared_intermediate": 0,
+                        "num_experts": 128, "top_k": 8},
+    "mixtral-8x7b": {"hidden": 4096, "intermediate": 14336, "shared_intermediate": 0,
+                     "num_experts": 8, "top_k": 2},
+}
+SHAPE_KEYS = ("hidden", "intermediate", "shared_intermediate", "num_experts", "top_k")
+
+# name -> (weight layout, combine); the first is the one the others are checked against.
+VARIANTS = {
+    "index_add": ("out_in", "index_add"),
+    "batched_view": ("out_in", "batched_view"),
+    "batched_view_kn": ("in_out", "batched_view"),
+}
+
+# bf16 tolerance: a bf16 pipeline rounds h, each expert row and y once each (relative 2^-9 at
+# most, ~2^-10.6 RMS): a few times that, as FlashAttention's rule asks, not a loose bound.
+TOLERANCE = {"rel_rms": 2.0 ** -6, "max_rel": 2.0 ** -5}
+
+# Seeds: expert e's weights from WEIGHT_SEED + 2e (gate/up) and + 2e + 1 (down).
+WEIGHT_SEED = 1_000_000
+SHARED_SEED = 999_000
+INPUT_SEED = 10  # + rank
+GRAD_SEED = 20  # + rank
+ROUTING_SEED = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+def draw_expert(shape, expert, device):
+    """Expert `expert`'s bf16 weights in [out, in] layout: gate/up (2I, H) and down (H, I), the
+    same on every rank (drawn from generators seeded by the expert's global id)."""
+    hidden, inter = shape["hidden"], shape["intermediate"]
+    gate_up = uniform_std(2 * inter, hidden, std=1.0 / math.sqrt(hidden), device=device,
+                          generator=seeded_generator(WEIGHT_SEED + 2 * expert, device))
+    down = uniform_std(hidden, inter, std=1.0 / math.sqrt(inter), device=device,
+                       generator=seeded_generator(WEIGHT_SEED + 2 * expert + 1, device))
+    return gate_up, down
+
+
+class ExpertWeights:
+    """One rank's bf16 weights: its E_l routed experts and the shared expert, in one layout.
+
+    Layout "out_in": gate_up (E_l, 2I, H), down (E_l, H, I), shared (2I_s, H) and (H, I_s), as
+    mok's; "in_out" ("kn"): each transposed and contiguous. The *_operand methods give the
+    (.., K, N) operand of x @ W in either layout."""
+
+    NAMES = ("gate_up", "down", "shared_gate_up", "shared_down")
+
+    def __init__(self, shape, first_expert, num_local, device):
+        hidden, inter, shared = shape["hidden"], shape["intermediate"], shape["shared_intermediate"]
+        self.layout = "out_in"
+        self.gate_up = torch.empty(num_local, 2 * inter, hidden, dtype=torch.bfloat16, device=device)
+        self.down = torch.empty(num_local, hidden, inter, dtype=torch.bfloat16, device=device)
+        for local in range(num_local):
+            self.gate_up[local], self.down[local] = draw_expert(shape, first_expert + local, device)
+        self.shared_gate_up = self.shared_down = None
+        if shared > 0:
+            self.shared_gate_up = uniform_std(2 * shared, hidden, std=1.0 / math.sqrt(hidden),
+                                              device=device,
+                                              generator=seeded_generator(SHARED_SEED, device))
+            self.shared_down = uniform_std(hidden, shared, std=1.0 / math.sqrt(shared),
+                                           device=device,
+                                           generator=seeded_generator(SHARED_SEED + 1, device))
+
+    def tensors(self):
+        return [t for t in (getattr(self, name) for name in self.NAMES) if t is not None]
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def set_requires_grad(self, flag):
+        for tensor in self.tensors():
+            tensor.grad = None
+            tensor.requires_grad_(flag)
+
+    def to_layout(self, layout):
+        """Stores every weight in `layout` ("out_in" or "in_out"), freeing the old copy."""
+        assert layout in ("out_in", "in_out"), f"layout: unknown '{layout}'"
+        if layout == self.layout:
+            return
+        for name in self.NAMES:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, None)  # the old copy goes as the new one comes
+                setattr(self, name, tensor.detach().transpose(-2, -1).contiguous())
+                del tensor
+        self.layout = layout
+
+    def operand(self, tensor):
+        """(.., K, N) view of a weight for x @ W."""
+        return tensor.transpose(-2, -1) if self.layout == "out_in" else tensor
+
+    def canonical(self, tensor):
+        """A weight-shaped tensor (a weight or its gradient) in [out, in] layout."""
+        return tensor if self.layout == "out_in" else tensor.transpose(-2, -1)
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with autograd: the gradient goes back by the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, receive_counts, send_counts):
+        ctx.counts = (receive_counts, send_counts)
+        received = rows.new_empty(sum(receive_counts), rows.shape[1])
+        dist.all_to_all_single(received, rows.contiguous(), receive_counts, send_counts)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        receive_counts, send_counts = ctx.counts
+        grad_rows = grad_received.new_empty(sum(send_counts), grad_received.shape[1])
+        dist.all_to_all_single(grad_rows, grad_received.contiguous(), send_counts, receive_counts)
+        return grad_rows, None, None
+
+
+_CPU_GROUPED_MM = None  # whether this torch has a CPU torch._grouped_mm (probed once)
+
+
+def cpu_has_grouped_mm():
+    global _CPU_GROUPED_MM
+    if _CPU_GROUPED_MM is None:
+        try:
+            rows = torch.ones(4, 8, dtype=torch.bfloat16, requires_grad=True)
+            weight = torch.ones(2, 8, 8, dtype=torch.bfloat16, requires_grad=True)
+            offs = torch.tensor([1, 4], dtype=torch.int32)
+            product = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
+            product.backward(torch.ones_like(product))
+            _CPU_GROUPED_MM = bool(torch.equal(weight.grad[0, 0], torch.full((8,), 1.0,
+                                                                            dtype=torch.bfloat16)))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _CPU_GROUPED_MM = False
+    return _CPU_GROUPED_MM
+
+
+def grouped_mm(rows, weight, offs, loop=False):
+    """rows (M, K), grouped by `offs` (int32 cumulative row ends, one per expert), times weight
+    (E, K, N): torch._grouped_mm; on the CPU, where it is missing or `loop` is asked for, a loop
+    of per-expert matmuls (same products, fp32 accumulation, bf16 result)."""
+    if rows.is_cuda or (not loop and cpu_has_grouped_mm()):
+        return torch._grouped_mm(rows, weight, offs=offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    pieces = [rows[start:end] @ weight[expert] for expert, (start, end) in enumerate(zip(starts, ends))]
+    return torch.cat(pieces) if pieces else rows.new_empty(0, weight.shape[-1])
+
+
+class TorchNativeLayer:
+    """The layer at one rank of `world`; see the module docstring."""
+
+    def __init__(self, shape, rank, world, device, full_topk, grouped_mm_loop=False):
+        self.shape, self.rank, self.world, self.device = shape, rank, world, device
+        self.local_experts = shape["num_experts"] // world
+        self.first_expert = rank * self.local_experts
+        self.full_topk = full_topk  # no unused (-1) slot: the EP 1 path needs no host sync
+        self.grouped_mm_loop = grouped_mm_loop
+        self.weights = ExpertWeights(shape, self.first_expert, self.local_experts, device)
+        self.expert_ends = torch.arange(1, self.local_experts + 1, device=device)
+        self.rank_ends = torch.arange(1, world + 1, device=device) * self.local_experts
+
+    def forward(self, x, topk_idx, topk_w, combine):
+        """y (T, H) bf16 of x (T, H) bf16, topk_idx (T, k) int32, topk_w (T, k) fp32."""
+        shared = self.shared_expert(x)
+        flat = topk_idx.reshape(-1).long()
+        key = torch.where(flat >= 0, flat, self.shape["num_experts"])  # unused slots sort last
+        order = torch.argsort(key, stable=True)
+        sorted_key = key[order]
+        if combine == "index_add":
+            return self.forward_index_add(x, topk_w, shared, order, sorted_key)
+        assert combine == "batched_view", f"combine: unknown '{combine}'"
+        return self.forward_batched_view(x, topk_idx, topk_w, shared, order, sorted_key)
+
+    def shared_expert(self, x):
+        inter = self.shape["shared_intermediate"]
+        if inter == 0:
+            return None
+        weights = self.weights
+        gate, up = (x @ weights.operand(weights.shared_gate_up)).split(inter, dim=-1)
+        return ((F.silu(gate) * up) @ weights.operand(weights.shared_down)).float()
+
+    def experts(self, rows, offs):
+        weights = self.weights
+        gate_up = grouped_mm(rows, weights.operand(weights.gate_up), offs, self.grouped_mm_loop)
+        gate, up = gate_up.split(self.shape["intermediate"], dim=-1)
+        return grouped_mm(F.silu(gate) * up, weights.operand(weights.down), offs,
+                          self.grouped_mm_loop)
+
+    def exchange_counts(self, send_counts):
+        """Host lists (send, receive) of rows per rank from this rank's device counts."""
+        if self.world == 1:
+            send_list = send_counts.tolist()
+            return send_list, send_list
+        receive_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(receive_counts, send_counts)
+        return send_counts.tolist(), receive_counts.tolist()
+
+    def exchange_ids(self, ids, send_list, receive_list):
+        if self.world == 1:
+            return ids
+        received = ids.new_empty(sum(receive_list))
+        dist.all_to_all_single(received, ids, receive_list, send_list)
+        return received
+
+    def forward_index_add(self, x, topk_w, shared, order, sorted_key):
+        top_k, local_experts = topk_w.shape[1], self.local_experts
+        send_counts = torch.bincount(sorted_key // local_experts, minlength=self.world + 1)[: self.world]
+        send_list, receive_list = self.exchange_counts(send_counts)
+        num_sent = sum(send_list)
+        pairs = order[:num_sent]
+        rows = x[pairs // top_k]
+        expert_ids = self.exchange_ids(sorted_key[:num_sent] % local_experts, send_list, receive_list)
+        if self.world > 1:
+            rows = AllToAll.apply(rows, receive_list, send_list)
+        perm = torch.argsort(expert_ids, stable=True)
+        offs = torch.cumsum(torch.bincount(expert_ids, minlength=local_experts), 0).to(torch.int32)
+        out_sorted = self.experts(rows[perm], offs)
+        out = torch.empty_like(out_sorted)
+        out[perm] = out_sorted
+        if self.world > 1:
+            out = AllToAll.apply(out, send_list, receive_list)
+        if shared is None:
+            shared = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
+        weights = topk_w.reshape(-1)[pairs]
+        return shared.index_add_(0, pairs // top_k, out.float() * weights[:, None]).to(torch.bfloat16)
+
+    def forward_batched_view(self, x, topk_idx, topk_w, shared, order, sorted_key):
+        num_tokens, top_k = topk_idx.shape
+        num_slots = num_tokens * top_k
+        if self.world == 1:
+            if self.full_topk:
+                num_sent = num_slots
+            else:  # unused slots sorted last: count the used ones (a host sync)
+                num_sent = int(torch.searchsorted(sorted_key, self.rank_ends)[0])
+            pairs = order[:num_sent]
+            offs = torch.searchsorted(sorted_key[:num_sent], self.expert_ends).to(torch.int32)
+            out = self.experts(x[pairs // top_k], offs)
+        else:
+            ends = torch.searchsorted(sorted_key, self.rank_ends)
+            send_counts = torch.diff(ends, prepend=ends.new_zeros(1))
+            send_list, receive_list = self.exchange_counts(send_counts)
+            num_sent = sum(send_list)
+            pairs = order[:num_sent]
+            rows = AllToAll.apply(x[pairs // top_k], receive_list, send_list)
+            expert_ids = self.exchange_ids(sorted_key[:num_sent] % self.local_experts, send_list,
+                                           receive_list)
+            perm = torch.argsort(expert_ids, stable=True)
+            offs = torch.searchsorted(expert_ids[perm], self.expert_ends).to(torch.int32)
+            out_sorted = self.experts(rows[perm], offs)
+            out = AllToAll.apply(out_sorted[inverse_permutation(perm)], send_list, receive_list)
+        if num_sent < num_slots:
+            out = torch.cat([out, out.new_zeros(num_slots - num_sent, out.shape[1])])
+            topk_w = torch.where(topk_idx >= 0, topk_w, torch.zeros_like(topk_w))
+        slots = out[inverse_permutation(order)].view(num_tokens, top_k, -1)
+        y = (slots.float() * topk_w.unsqueeze(-1)).sum(dim=1)
+        if shared is not None:
+            y = y + shared
+        return y.to(torch.bfloat16)
+
+    # -- the fp32 reference, for the checks
+
+    def expert_weights_fp32(self, expert):
+        """Expert `expert`'s ([2I, H], [H, I]) weights in fp32: this rank's, or drawn again."""
+        local = expert - self.first_expert
+        if 0 <= local < self.local_experts:
+            weights = self.weights
+            return (weights.canonical(weights.gate_up[local]).float(),
+                    weights.canonical(weights.down[local]).float())
+        gate_up, down = draw_expert(self.shape, expert, self.device)
+        return gate_up.float(), down.float()
+
+    @torch.no_grad()
+    def reference(self, x, topk_idx, topk_w):
+        """fp32 y (T, H) of the layer's definition (DESIGN.md §1) for a few tokens."""
+        inter, shared_inter = self.shape["intermediate"], self.shape["shared_intermediate"]
+        x = x.float()
+        y = torch.zeros_like(x)
+        weights = self.weights
+        if shared_inter > 0:
+            gate, up = (x @ weights.canonical(weights.shared_gate_up).float().t()).split(shared_inter, -1)
+            y += (F.silu(gate) * up) @ weights.canonical(weights.shared_down).float().t()
+        for expert in torch.unique(topk_idx[topk_idx >= 0]).tolist():
+            tokens, slots = (topk_idx == expert).nonzero(as_tuple=True)
+            gate_up, down = self.expert_weights_fp32(expert)
+            gate, up = (x[tokens] @ gate_up.t()).split(inter, -1)
+            out = (F.silu(gate) * up) @ down.t()
+            y.index_add_(0, tokens, out * topk_w[tokens, slots].float()[:, None])
+        return y
+
+
+def inverse_permutation(perm):
+    """inverse[perm[i]] = i, by one scatter."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+def errors(actual, expected):
+    """{"rel_rms", "max_rel"} of `actual` against `expected` (both made fp32)."""
+    actual, expected = actual.float(), expected.float()
+    difference = actual - expected
+    scale_rms = expected.pow(2).mean().sqrt().item()
+    scale_max = expected.abs().max().item()
+    return {"rel_rms": difference.pow(2).mean().sqrt().item() / scale_rms if scale_rms else 0.0,
+            "max_rel": difference.abs().max().item() / scale_max if scale_max else 0.0}
+
+
+def within_tolerance(error):
+    return all(error[key] <= limit for key, limit in TOLERANCE.items())
+
+
+def gradient_fingerprint(layer, x, topk_w):
+    """fp32 copies of the gradients a check compares: x's, the router weights', the first and
+    last local experts' and the shared expert's (every expert's would double the weights' memory
+    on the largest presets)."""
+    weights = layer.weights
+    fingerprint = {"x": x.grad.float(), "topk_w": topk_w.grad.float()}
+    for local in sorted({0, layer.local_experts - 1}):
+        expert = layer.first_expert + local
+        fingerprint[f"expert{expert}.gate_up"] = weights.canonical(weights.gate_up.grad[local]).float()
+        fingerprint[f"expert{expert}.down"] = weights.canonical(weights.down.grad[local]).float()
+    if weights.shared_gate_up is not None:
+        fingerprint["shared.gate_up"] = weights.canonical(weights.shared_gate_up.grad).float()
+        fingerprint["shared.down"] = weights.canonical(weights.shared_down.grad).float()
+    return fingerprint
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
 
 
 def load_routing(path, num_tokens, top_k):
-    import torch
-
+    """bench_layer's routing file: (T, k) int32 expert ids, then (T, k) fp32 weights."""
     count = num_tokens * top_k
-    data = open(path, "rb").read()
+    with open(path, "rb") as file:
+        data = file.read()
     assert len(data) == 8 * count, f"{path}: {len(data)} bytes, expected {8 * count}"
     idx = torch.frombuffer(bytearray(data[: 4 * count]), dtype=torch.int32).view(num_tokens, top_k)
     w = torch.frombuffer(bytearray(data[4 * count :]), dtype=torch.float32).view(num_tokens, top_k)
     return idx, w
 
 
-class NativeLayer:
-    def __init__(self, case, rank, world):
-        import torch
+def draw_routing(num_tokens, num_experts, top_k, seed=ROUTING_SEED):
+    """Uniform routing: k distinct experts per token, softmax weights (on the host)."""
+    generator = seeded_generator(seed, "cpu")
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    idx = scores.topk(top_k, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(num_tokens, top_k, generator=generator), dim=1)
+    return idx, w
 
-        self.rank, self.world = rank, world
-        self.hidden, self.inter = case["hidden"], case["intermediate"]
-        self.shared_inter, self.top_k = case["shared_intermediate"], case["top_k"]
-        self.num_experts = case["num_experts"]
-        self.local_experts = self.num_experts // world
-        hidden, inter, shared = self.hidden, self.inter, self.shared_inter
-        torch.manual_seed(1000 + rank)
-        bf16 = torch.bfloat16
 
-        def weight(*shape, fan_in):
-            return uniform_std(*shape, std=1.0 / math.sqrt(fan_in))
+def cases_to_measure(args):
+    """[(case, routing (idx, w) over all ranks' tokens)] for this run."""
+    if args.mok:
+        chosen = args.cases.split(",") if args.cases else None
+        cases = []
+        with open(args.mok) as file:
+            mok_cases = json.load(file)["cases"]
+        for case in mok_cases:
+            if case["ep"] != args.ep or not case.get("routing_file"):
+                continue
+            if chosen is not None and case["name"] not in chosen:
+                continue
+            routing = load_routing(case["routing_file"], case["tokens_per_rank"] * args.ep,
+                                   case["top_k"])
+            cases.append((case, routing))
+        return cases
+    shape = dict(PRESETS[args.preset])
+    for key, value in (("hidden", args.hidden), ("intermediate", args.intermediate),
+                       ("shared_intermediate", args.shared_intermediate),
+                       ("num_experts", args.experts), ("top_k", args.top_k)):
+        if value is not None:
+            shape[key] = value
+    check_shape(shape, args.ep)
+    custom = any(v is not None for v in (args.hidden, args.intermediate, args.shared_intermediate,
+                                         args.experts, args.top_k))
+    name = args.name or f"{args.preset if not custom else 'custom'}-ep{args.ep}"
+    case = {"name": name, "preset": args.preset if not custom else "custom", "ep": args.ep,
+            "tokens_per_rank": args.tokens, **shape}
+    return [(case, draw_routing(args.tokens * args.ep, shape["num_experts"], shape["top_k"]))]
 
-        self.w_gate_up = weight(self.local_experts, 2 * inter, hidden, fan_in=hidden)
-        self.w_down = weight(self.local_experts, hidden, inter, fan_in=inter)
-        if shared > 0:
-            self.w_shared_gate_up = weight(2 * shared, hidden, fan_in=hidden)
-            self.w_shared_down = weight(hidden, shared, fan_in=shared)
 
-    def forward(self, x, idx, w):
-        import torch
-        import torch.distributed as dist
-        import torch.nn.functional as F
+def check_shape(shape, ep):
+    """A clear error naming the argument for a shape this baseline cannot run."""
+    names = {"hidden": "--hidden", "intermediate": "--intermediate",
+             "shared_intermediate": "--shared-intermediate", "num_experts": "--experts",
+             "top_k": "--top-k"}
+    for key in ("hidden", "intermediate", "num_experts", "top_k"):
+        if shape[key] <= 0:
+            raise SystemExit(f"{names[key]}: must be positive, got {shape[key]}")
+    if shape["shared_intermediate"] < 0:
+        raise SystemExit(f"--shared-intermediate: must be >= 0, got {shape['shared_intermediate']}")
+    for key in ("hidden", "intermediate", "shared_intermediate"):
+        # torch._grouped_mm and the matmuls want 16-byte rows of bf16
+        if shape[key] % 8:
+            raise SystemExit(f"{names[key]}: must be a multiple of 8 (16-byte bf16 rows), got {shape[key]}")
+    if shape["top_k"] > shape["num_experts"]:
+        raise SystemExit(f"--top-k: k = {shape['top_k']} exceeds the {shape['num_experts']} experts")
+    if shape["num_experts"] % ep:
+        raise SystemExit(f"--ep: {shape['num_experts']} experts do not divide over {ep} ranks")
 
-        hidden, inter, top_k = self.hidden, self.inter, self.top_k
-        local_experts, world = self.local_experts, self.world
-        if self.shared_inter > 0:
-            gate_up = x @ self.w_shared_gate_up.t()
-            gate, up = gate_up.split(self.shared_inter, dim=1)
-            y = ((F.silu(gate) * up) @ self.w_shared_down.t()).float()
+
+class Run:
+    """What the ranks share: the device, the world, the monitor, the collectives' helpers."""
+
+    def __init__(self, args):
+        self.args = args
+        self.world = args.ep
+        self.on_gpu = args.device != "cpu"
+        self.rank = 0
+        if self.on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", torch.cuda.current_device())
         else:
-            y = torch.zeros(x.shape[0], hidden, device=x.device, dtype=torch.float32)
+            self.device = torch.device("cpu")
+        if self.world > 1:  # NCCL between GPUs; gloo between CPU processes (smoke runs)
+            if self.on_gpu:
+                dist.init_process_group("nccl", device_id=self.device)
+            else:
+                dist.init_process_group("gloo")
+            self.rank = dist.get_rank()
+            assert dist.get_world_size() == self.world, \
+                f"--ep {self.world}: started with {dist.get_world_size()} ranks"
+        self.monitor = GpuMonitor(self.device.index) if self.on_gpu else None
 
-        # Dispatch: (token, slot) pairs sorted by expert; unused (-1) slots sort last, unsent.
-        flat = idx.reshape(-1)
-        key = torch.where(flat >= 0, flat, self.num_experts)
-        order = torch.argsort(key, stable=True)
-        sorted_key = key[order]
-        send_counts = torch.bincount(sorted_key // local_experts, minlength=world + 1)[:world]
-        if world > 1:
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts)
-            send_list, recv_list = send_counts.tolist(), recv_counts.tolist()
-        else:
-            send_list = recv_list = send_counts.tolist()
-        num_sent = sum(send_list)
-        pairs = order[:num_sent]
-        x_send = x[pairs // top_k]
-        expert_send = sorted_key[:num_sent] % local_experts  # int64
-        if world > 1:
-            x_recv = x.new_empty(sum(recv_list), hidden)
-            dist.all_to_all_single(x_recv, x_send, recv_list, send_list)
-            expert_recv = expert_send.new_empty(sum(recv_list))
-            dist.all_to_all_single(expert_recv, expert_send, recv_list, send_list)
-        else:
-            x_recv, expert_recv = x_send, expert_send
+    def log(self, text):
+        if self.rank == 0:
+            print(text, flush=True)
 
-        # Experts: received rows grouped by local expert.
-        perm = torch.argsort(expert_recv, stable=True)
-        offs = torch.cumsum(torch.bincount(expert_recv, minlength=local_experts), 0).to(torch.int32)
-        rows = x_recv[perm]
-        gate_up = torch._grouped_mm(rows, self.w_gate_up.transpose(-2, -1), offs=offs)
-        gate, up = gate_up.split(inter, dim=1)
-        h = F.silu(gate) * up
-        out_sorted = torch._grouped_mm(h, self.w_down.transpose(-2, -1), offs=offs)
-        out = torch.empty_like(out_sorted)
-        out[perm] = out_sorted
+    def all_agree(self, flag):
+        """True where every rank's `flag` is."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor([1 if flag else 0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
 
-        # Combine: rows back to their tokens' owners, weighted sum in fp32.
-        if world > 1:
-            back = out.new_empty(num_sent, hidden)
-            dist.all_to_all_single(back, out, send_list, recv_list)
+    def max_over_ranks(self, value):
+        if self.world == 1 or value is None:
+            return value
+        tensor = torch.tensor([value], device=self.device, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
+
+    def mean_over_ranks(self, value):
+        """Mean over ranks; None where any rank has none."""
+        if self.world == 1:
+            return value
+        tensor = torch.tensor([math.nan if value is None else value], device=self.device,
+                              dtype=torch.float64)
+        dist.all_reduce(tensor)
+        mean = tensor.item() / self.world
+        return None if math.isnan(mean) else round(mean, 1)
+
+    def synchronize(self):
+        if self.on_gpu:
+            torch.cuda.synchronize()
+
+    def time(self, fn):
+        """(median ms, {"clock_mhz", "power_w"}) of fn, as module docstring says."""
+        decide = None
+        if self.world > 1:
+            def decide(more):  # the ranks' warm-up runs as many calls as rank 0's
+                flag = torch.tensor([1 if more else 0], device=self.device)
+                dist.broadcast(flag, 0)
+                return bool(flag.item())
+        ms = median_ms(fn, self.args.iterations, warmup_ms=self.args.warmup_ms,
+                       barrier=dist.barrier if self.world > 1 else None, decide=decide,
+                       monitor=self.monitor, device="cuda" if self.on_gpu else "cpu")
+        sample = self.monitor.window() if self.monitor else None
+        return self.max_over_ranks(ms), {
+            "clock_mhz": self.mean_over_ranks(sample and sample["clock_mhz"]),
+            "power_w": self.mean_over_ranks(sample and sample["power_w"]),
+        }
+
+    def peak_memory_gb(self, fn):
+        """Peak bytes allocated over one call of fn (resident tensors included), in GB; None on
+        the CPU."""
+        if not self.on_gpu:
+            fn()
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return round(self.max_over_ranks(torch.cuda.max_memory_allocated()) / 1e9, 3)
+
+    def free(self):
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+
+def measure_case(run, case, routing):
+    """Every variant of one case: checks, then fwd, fwd_train and fwdbwd; see the docstring."""
+    args, rank, world, device = run.args, run.rank, run.world, run.device
+    shape = {key: case[key] for key in SHAPE_KEYS}
+    tokens = case["tokens_per_rank"]
+    idx_all, w_all = routing
+    topk_idx = idx_all[rank * tokens : (rank + 1) * tokens].to(device)
+    topk_w = w_all[rank * tokens : (rank + 1) * tokens].to(device)
+    full_topk = bool((idx_all >= 0).all())  # a property of the router, known before any step
+    layer = TorchNativeLayer(shape, rank, world, device, full_topk, args.grouped_mm_loop)
+    x = uniform_std(tokens, shape["hidden"], std=1.0, device=device,
+                    generator=seeded_generator(INPUT_SEED + rank, device))
+    dy = uniform_std(tokens, shape["hidden"], std=1.0, device=device,
+                     generator=seeded_generator(GRAD_SEED + rank, device))
+    x_train = x.detach().clone().requires_grad_(True)
+    topk_w_train = topk_w.detach().clone().requires_grad_(True)
+    sample = torch.linspace(0, tokens - 1, min(args.check_tokens, tokens), device=device).long()
+    reference = layer.reference(x[sample], topk_idx[sample], topk_w[sample])
+    run.log(f"{case['name']}: {tokens} tokens/rank, EP {world}, weights "
+            f"{layer.weights.nbytes() / 1e9:.2f} GB/rank (the training step adds as much for "
+            f"their gradients)")
+
+    def zero_grad():
+        x_train.grad = topk_w_train.grad = None
+        for tensor in layer.weights.tensors():
+            tensor.grad = None
+
+    result = {"shape": shape, "ep": world, "tokens_per_rank": tokens,
+              "weight_bytes_per_rank": layer.weights.nbytes(), "variants": {}}
+    first_y = first_grads = None
+    for name in args.variants:
+        layout, combine = VARIANTS[name]
+        zero_grad()
+        layer.weights.set_requires_grad(False)
+        layer.weights.to_layout(layout)
+        run.free()
+
+        def forward():
+            with torch.no_grad():
+                return layer.forward(x, topk_idx, topk_w, combine)
+
+        def forward_train():
+            return layer.forward(x_train, topk_idx, topk_w_train, combine)
+
+        def training_step():
+            zero_grad()
+            layer.forward(x_train, topk_idx, topk_w_train, combine).backward(dy)
+
+        # Checks: the forward against the reference and the first variant, then the gradients.
+        y = forward()
+        check = {"fwd_vs_reference": errors(y[sample], reference)}
+        if first_y is None:
+            first_y = y
         else:
-            back = out
-        weights = w.reshape(-1)[pairs]
-        y.index_add_(0, pairs // top_k, back.float() * weights[:, None])
-        return y.to(torch.bfloat16)
+            check["fwd_vs_first"] = errors(y, first_y)
+        del y
+        layer.weights.set_requires_grad(True)
+        training_step()
+        grads = gradient_fingerprint(layer, x_train, topk_w_train)
+        zero_grad()
+        if first_grads is None:
+            first_grads = grads
+        else:
+            check["grads_vs_first"] = {key: errors(grads[key], first_grads[key]) for key in grads}
+        del grads
+        passed = within_tolerance(check["fwd_vs_reference"])
+        passed = passed and within_tolerance(check.get("fwd_vs_first", {"rel_rms": 0, "max_rel": 0}))
+        passed = passed and all(within_tolerance(e) for e in check.get("grads_vs_first", {}).values())
+        check["passed"] = run.all_agree(passed)
+        entry = {"layout": layout, "combine": combine, "check": check}
+        result["variants"][name] = entry
+        worst_grad = max((e["rel_rms"] for e in check.get("grads_vs_first", {}).values()), default=0.0)
+        run.log(f"  {name:16s} check {'passed' if check['passed'] else 'FAILED'}: fwd vs fp32 "
+                f"reference rel RMS {check['fwd_vs_reference']['rel_rms']:.2e}, max "
+                f"{check['fwd_vs_reference']['max_rel']:.2e}; grads vs {args.variants[0]} worst "
+                f"rel RMS {worst_grad:.2e}")
+        if not check["passed"]:
+            continue
+
+        run.free()
+        entry["peak_memory_gb"] = {"fwd": run.peak_memory_gb(forward)}
+        entry["peak_memory_gb"]["fwdbwd"] = run.peak_memory_gb(training_step)
+        zero_grad()
+        entry["fwd_ms"], fwd_sample = run.time(forward)
+        entry["fwd_train_ms"], _ = run.time(forward_train)
+        entry["fwdbwd_ms"], fwdbwd_sample = run.time(training_step)
+        zero_grad()
+        entry["bwd_ms"] = entry["fwdbwd_ms"] - entry["fwd_train_ms"]
+        entry["clock_mhz"] = {"fwd": fwd_sample["clock_mhz"], "fwdbwd": fwdbwd_sample["clock_mhz"]}
+        entry["power_w"] = {"fwd": fwd_sample["power_w"], "fwdbwd": fwdbwd_sample["power_w"]}
+        memory = entry["peak_memory_gb"]
+        run.log(f"  {name:16s} fwd {entry['fwd_ms']:8.3f} ms  fwd (autograd) "
+                f"{entry['fwd_train_ms']:8.3f}  fwd+bwd {entry['fwdbwd_ms']:8.3f}  bwd "
+                f"{entry['bwd_ms']:8.3f} ms/rank  peak {memory['fwd']} / {memory['fwdbwd']} GB  "
+                f"{fwdbwd_sample['clock_mhz']} MHz {fwdbwd_sample['power_w']} W")
+    layer.weights.set_requires_grad(False)
+    timed = {name: v for name, v in result["variants"].items() if "fwd_ms" in v}
+    result["fastest"] = {phase: min(timed, key=lambda n: timed[n][f"{phase}_ms"]) if timed else None
+                         for phase in ("fwd", "fwdbwd", "bwd")}
+    return result  # the caller frees this case's tensors (gone with this frame)
+
+
+def dense_gemm(run):
+    """The dense bf16 GEMM rate (8192^3 torch.matmul) after the same warm-up as the cases."""
+    size = 8192
+    a = uniform(size, size, device=run.device)  # [-1, 1), as bench_gemm's activations
+    b = uniform(size, size, device=run.device)
+    ms, sample = run.time(lambda: a @ b)
+    return {"tflops": round(2 * size**3 / ms / 1e9, 1), "ms": ms, **sample}
 
 
 def measure(args):
-    import torch
-    import torch.distributed as dist
-
-    world = args.ep
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-        rank = dist.get_rank()
-        assert dist.get_world_size() == world, f"expects {world} ranks, got {dist.get_world_size()}"
-    else:
-        rank = 0
-    mok = json.load(open(args.mok))
-
-    def rank0_decides(more):  # the ranks' warm-up runs as many forwards as rank 0's
-        flag = torch.tensor([1 if more else 0], device="cuda")
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
-
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
-    for case in mok["cases"]:
-        if case["ep"] != world or not case.get("routing_file"):
-            continue
-        tokens = case["tokens_per_rank"]
-        idx, w = load_routing(case["routing_file"], tokens * world, case["top_k"])
-        idx = idx[rank * tokens : (rank + 1) * tokens].cuda()
-        w = w[rank * tokens : (rank + 1) * tokens].cuda()
-        layer = NativeLayer(case, rank, world)
-        x = uniform_std(tokens, case["hidden"], std=1.0)
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        ms = median_ms(lambda: layer.forward(x, idx, w), args.iterations,
-                       barrier=dist.barrier if world > 1 else None,
-                       warmup_ms=args.warmup_ms, decide=rank0_decides if world > 1 else None)
-        peak_extra = torch.cuda.max_memory_allocated() - before
-        if world > 1:
-            figures = torch.tensor([ms, float(peak_extra)], device="cuda", dtype=torch.float64)
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-            ms, peak_extra = figures[0].item(), figures[1].item()
-        results["cases"][case["name"]] = {"baseline_ms": ms, "peak_extra_bytes": int(peak_extra)}
-        if rank == 0:
-            print(f"torch-native {case['name']:26s} {ms:8.3f} ms/rank  peak extra {peak_extra / 1e9:.2f} GB",
-                  flush=True)
-        del layer, x
-        torch.cuda.empty_cache()
-    if world == 1:
-        size = 8192
-        a = uniform(size, size)
-        b = uniform(size, size)
-        dense_ms = median_ms(lambda: a @ b, max(args.iterations, 20), warmup_ms=args.warmup_ms)
-        results["dense_gemm_tflops"] = 2 * size**3 / dense_ms / 1e9
-        print(f"dense bf16 GEMM 8192^3: {results['dense_gemm_tflops']:.1f} TFLOP/s", flush=True)
-    if rank == 0:
-        json.dump(results, open(args.out, "w"), indent=2)
-    if world > 1:
-        dist.destroy_process_group()
-
-
-def combine(args):
-    mok = json.load(open(args.mok))
-    torch_cases, dense, device = {}, None, "unknown"
-    for path in args.torch:
-        if not os.path.exists(path):
-            print(f"note: {path} missing (that baseline run failed); its cases have no baseline")
-            continue
-        data = json.load(open(path))
-        torch_cases.update(data["cases"])
-        dense = data.get("dense_gemm_tflops", dense)
-        device = data.get("device", device)
-    cases = []
-    for case in mok["cases"]:
-        baseline = torch_cases.get(case["name"], {})
-        baseline_ms = baseline.get("baseline_ms")
-        cases.append({
-            "name": f"{case['name']}-fwd",
-            "preset": case["preset"],
-            "ep": case["ep"],
-            "tokens_per_rank": case["tokens_per_rank"],
-            "precision": "bf16",
-            "phase": "fwd",
-            "routing": case["routing"],
-            "mok_ms": round(case["mok_ms"], 4),
-            "baseline": "torch-native",
-            "baseline_ms": round(baseline_ms, 4) if baseline_ms else None,
-            "speedup": round(baseline_ms / case["mok_ms"], 3) if baseline_ms else None,
-            "useful_tflops": case["useful_tflops"],
-            "baseline_tflops": round(case["flops_per_rank"] / (baseline_ms * 1e-3) * 1e-12, 2) if baseline_ms else None,
-            "gbps": None,
-            "dense_gemm_tflops": round(dense, 1) if dense else None,
-            "mok_variant": "unfused" if case.get("fused") is False else "fused",
-            "mok_buffer_bytes_per_rank": case["buffer_bytes_per_rank"],
-            "baseline_peak_extra_bytes": baseline.get("peak_extra_bytes"),
-        })
-    record = {
-        "schema": "mok-bench/1",
-        "commit": args.commit,
-        "device": device,
-        "date": mok.get("date") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "cases": cases,
+    run = Run(args)
+    results = {
+        "kind": "torch-native-layer",
+        "device": torch.cuda.get_device_name(run.device) if run.on_gpu else "cpu",
+        "torch": torch.__version__,
+        "ep": run.world,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "iterations": args.iterations,
+        "warmup_ms": args.warmup_ms,
+        "variants": {name: {"layout": VARIANTS[name][0], "combine": VARIANTS[name][1]}
+                     for name in args.variants},
+        "tolerance": TOLERANCE,
+        "monitor": run.monitor.source if run.monitor else None,
+        "monitor_note": run.monitor.note if run.monitor else "cpu run: clock and power not sampled",
+        "power_limit_w": run.monitor.power_limit_w if run.monitor else None,
+        "cases": {},
     }
-    json.dump(record, open(args.out, "w"), indent=2)
-    for case in cases:
-        print(f"{case['name']:30s} mok {case['mok_ms']:8.3f} ms ({case['useful_tflops']:6.1f} TFLOP/s)  "
-              f"torch-native {case['baseline_ms']} ms  speedup {case['speedup']}")
-    if args.png:
-        plot(record, args.png)
+    if not run.on_gpu:
+        results["grouped_mm"] = "torch._grouped_mm" if cpu_has_grouped_mm() and not args.grouped_mm_loop \
+            else "per-expert loop (no CPU torch._grouped_mm)"
+    failed = False
+    for case, routing in cases_to_measure(args):
+        try:
+            result = measure_case(run, case, routing)
+        except torch.cuda.OutOfMemoryError as error:  # report it; the next case may fit
+            run.log(f"{case['name']}: out of memory: {error}")
+            results["cases"][case["name"]] = {"error": f"out of memory: {error}"}
+            failed = True
+            run.free()
+            continue
+        results["cases"][case["name"]] = result
+        run.free()
+        failed = failed or any(not v["check"]["passed"] for v in result["variants"].values())
+    if run.world == 1 and run.on_gpu and not args.no_dense:
+        dense = dense_gemm(run)
+        results["dense_gemm_tflops"] = dense["tflops"]
+        results["dense_gemm"] = dense
+        run.log(f"dense bf16 GEMM 8192^3: {dense['tflops']:.1f} TFLOP/s "
+                f"({dense['clock_mhz']} MHz, {dense['power_w']} W)")
+    if run.rank == 0:
+        with open(args.out, "w") as file:
+            json.dump(results, file, indent=2)
+    if run.monitor:
+        run.monitor.close()
+    if run.world > 1:
+        dist.destroy_process_group()
+    return 1 if failed else 0
 
 
-def plot(record, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = record["cases"]
-    names = [c["name"].replace("-fwd", "") for c in cases]
-    positions = range(len(cases))
-    figure, axis = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 5))
-    mok = [c["useful_tflops"] for c in cases]
-    base = [c["baseline_tflops"] or 0.0 for c in cases]
-    variants = {c.get("mok_variant", "unfused") for c in cases}
-    label = "mok (fused kernel)" if variants == {"fused"} else "mok (unfused GPU layer)"
-    axis.bar([p - 0.2 for p in positions], mok, width=0.4, label=label)
-    axis.bar([p + 0.2 for p in positions], base, width=0.4, label="torch-native")
-    for p, c in zip(positions, cases):
-        if c["speedup"]:
-            axis.text(p - 0.2, c["useful_tflops"], f"{c['mok_ms']:.1f} ms\n{c['speedup']:.2f}x",
-                      ha="center", va="bottom", fontsize=8)
-    dense = cases[0]["dense_gemm_tflops"] if cases else None
-    if dense:
-        axis.axhline(dense, color="gray", linestyle="--", label=f"dense bf16 GEMM ({dense:.0f})")
-    axis.set_xticks(list(positions))
-    axis.set_xticklabels(names, rotation=20, ha="right", fontsize=9)
-    axis.set_ylabel("useful TFLOP/s per GPU (forward)")
-    axis.set_title(f"MoE layer forward, {record['device']}, {record['commit']}, {record['date'][:10]}")
-    axis.legend(loc="lower right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="check and time the variants (see above)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("--out", required=True, help="JSON of this run's figures")
+    m.add_argument("--mok", help="bench_layer's --out JSON: its cases at --ep with a routing file")
+    m.add_argument("--cases", help="with --mok: these case names only (comma-separated)")
+    m.add_argument("--ep", type=int, default=1, help="ranks (torchrun's --nproc-per-node)")
+    m.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS),
+                   help="without --mok: the shape (default deepseek-v3)")
+    m.add_argument("--hidden", type=int, help="H, overrides the preset's")
+    m.add_argument("--intermediate", type=int, help="I, overrides the preset's")
+    m.add_argument("--shared-intermediate", type=int, help="I_s (0: no shared expert)")
+    m.add_argument("--experts", type=int, help="E, overrides the preset's")
+    m.add_argument("--top-k", type=int, help="k, overrides the preset's")
+    m.add_argument("--tokens", type=int, default=8192, help="without --mok: tokens per rank")
+    m.add_argument("--name", help="without --mok: the case's name (default PRESET-epN)")
+    m.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, the first is the others' check (default {','.join(VARIANTS)})")
+    m.add_argument("--iterations", type=int, default=20, help="timed calls per phase (default 20)")
+    m.add_argument("--warmup-ms", type=float, default=500,
+                   help="untimed calls for this long before each phase, as bench_layer (default 500)")
+    m.add_argument("--check-tokens", type=int, default=32,
+                   help="tokens of the fp32 reference check (default 32)")
+    m.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    m.add_argument("--grouped-mm-loop", action="store_true",
+                   help="on the CPU: per-expert matmuls even where torch._grouped_mm runs")
+    m.add_argument("--no-dense", action="store_true", help="skip the dense GEMM rate")
+    args = parser.parse_args(argv)
+    args.variants = args.variants.split(",")
+    for name in args.variants:
+        if name not in VARIANTS:
+            parser.error(f"--variants: no variant '{name}' (known: {', '.join(VARIANTS)})")
+    for flag, value, least in (("--tokens", args.tokens, 1), ("--iterations", args.iterations, 1),
+                               ("--ep", args.ep, 1), ("--check-tokens", args.check_tokens, 1)):
+        if value < least:
+            parser.error(f"{flag}: must be >= {least}, got {value}")
+    return args
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("measure")
-    m.add_argument("--mok", required=True)
-    m.add_argument("--ep", type=int, required=True)
-    m.add_argument("--out", required=True)
-    m.add_argument("--iterations", type=int, default=20)
-    m.add_argument("--warmup-ms", type=float, default=500,
-                   help="untimed forwards for this long first, as bench_layer (default 500)")
-    c = sub.add_parser("combine")
-    c.add_argument("--mok", required=True)
-    c.add_argument("--torch", action="append", default=[])
-    c.add_argument("--commit", default="unknown")
-    c.add_argument("--out", required=True)
-    c.add_argument("--png")
-    args = parser.parse_args()
-    measure(args) if args.command == "measure" else combine(args)
+    sys.exit(measure(parse_args()))
 
 
 if __name__ == "__main__":
