@@ -1,38 +1,26 @@
-"""Bar chart of a gemm results JSON (schema mok-bench/1): mok vs torch TFLOP/s per case, with the
-dense-GEMM rate of the same run as a line.
+"""The grouped GEMM benchmark's chart from its results JSON (torch_grouped_mm.py combine's, schema
+mok-bench/1): per preset, ms and the fraction of the dense GEMM rate of the same run, mok beside
+torch._grouped_mm, each GEMM on each of mok's engines. The chart is bench/report.py's; this is
+the GEMM device part's way to draw it from one file.
 
-  python3 bench/plot_gemm.py bench/results/gemm-DATE.json bench/results/gemm-DATE.png
+  python3 bench/plot_gemm.py bench/results/gemm.json bench/results/gemm.png
 """
+import argparse
 import json
-import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import report  # bench/report.py, beside this script
 
 
-def main(results_path, image_path):
-    data = json.load(open(results_path))
-    cases = data["cases"]
-    names = [c["name"].replace("gemm-", "") for c in cases]
-    mok = [c["useful_tflops"] for c in cases]
-    torch_rate = [c.get("baseline_tflops") or 0.0 for c in cases]
-    positions = range(len(cases))
-    figure, axis = plt.subplots(figsize=(max(8, 0.75 * len(cases)), 5))
-    axis.bar([p - 0.2 for p in positions], mok, width=0.4, label="mok")
-    axis.bar([p + 0.2 for p in positions], torch_rate, width=0.4, label="torch._grouped_mm")
-    dense = cases[0]["dense_gemm_tflops"] if cases else None
-    if dense:
-        axis.axhline(dense, color="gray", linestyle="--", label=f"dense 8192³ ({dense:.0f})")
-    axis.set_xticks(list(positions))
-    axis.set_xticklabels(names, rotation=60, ha="right", fontsize=8)
-    axis.set_ylabel("useful TFLOP/s (bf16)")
-    axis.set_title(f"grouped expert GEMMs, EP2 rank, {data['device']}, {data['commit']}")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(image_path, dpi=120)
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", help="the gemm results JSON")
+    parser.add_argument("image", help="the PNG to write")
+    args = parser.parse_args()
+    with open(args.results) as file:
+        record = json.load(file)
+    report.chart("gemm", record, args.image)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main()

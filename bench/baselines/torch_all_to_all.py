@@ -1,13 +1,14 @@
 """Baseline for bench_comm: torch.distributed.all_to_all_single (NCCL) moving the same bytes.
 
   torchrun --nproc-per-node=2 torch_all_to_all.py measure --splits splits.json --out torch.json
-  python3 torch_all_to_all.py report --mok comm-a.json [comm-b.json ...] --torch torch.json --json out.json --png out.png
+  python3 torch_all_to_all.py report --mok comm-a.json [comm-b.json ...] --torch torch.json --json comm.json --png comm.png
 
 `measure` reads the rows each rank sends to each peer (written by bench_comm --splits) and times
 all_to_all_single for the dispatch direction (rank s sends rows_sent[s][d] rows to d) and the
 combine direction (the transpose), each the median of the timed iterations, the maximum over
 ranks. GB/s counts the rows that cross NVLink into the slower rank, as bench_comm does.
-`report` fills the baseline fields of bench_comm's mok-bench/1 JSON and draws GB/s against SMs.
+`report` fills the baseline fields of bench_comm's mok-bench/1 JSON and draws GB/s against SMs
+(bench/report.py's chart).
 """
 import argparse
 import json
@@ -83,34 +84,14 @@ def report(args):
         case["baseline"] = label
         case["baseline_ms"] = round(baseline["ms"], 4)
         case["speedup"] = round(baseline["ms"] / case["mok_ms"], 3)
+    bench["benchmark"] = "comm"
     with open(args.json, "w") as handle:
         json.dump(bench, handle, indent=2)
+    if args.png:  # the chart bench/report.py draws for this benchmark
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import report
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for axis, phase in zip(axes, ("dispatch", "combine")):
-        methods = sorted({c["method"] for c in bench["cases"]})
-        for method, style in zip(methods, ("o-", "s-", "^-", "d-", "v-")):
-            cases = sorted((c for c in bench["cases"] if c["phase"] == phase and c["method"] == method),
-                           key=lambda c: c["num_sms"])
-            if cases:
-                axis.plot([c["num_sms"] for c in cases], [c["gbps"] for c in cases], style,
-                          label=f"mok {method}")
-        axis.axhline(torch_results[phase]["gbps"], color="gray", linestyle="--",
-                     label="torch all_to_all_single (all SMs it wants)")
-        axis.axhline(300, color="red", linestyle=":", label="target 300 GB/s")
-        axis.set_title(f"{phase} ({'pull' if phase == 'dispatch' else 'push'}), both directions at once")
-        axis.set_xlabel("SMs moving rows")
-        axis.grid(alpha=0.3)
-    axes[0].set_ylabel("GB/s per direction (NVLink payload)")
-    axes[0].legend(fontsize=8)
-    figure.suptitle(f"deepseek-v3 shape, EP 2, 8192 tokens/rank, bf16 - {bench['device']}, "
-                    f"commit {bench['commit'][:10]}")
-    figure.tight_layout()
-    figure.savefig(args.png, dpi=120)
+        report.chart("comm", bench, args.png)
 
 
 def main():
@@ -125,7 +106,7 @@ def main():
     rep.add_argument("--mok", required=True, nargs="+")
     rep.add_argument("--torch", required=True)
     rep.add_argument("--json", required=True)
-    rep.add_argument("--png", required=True)
+    rep.add_argument("--png", help="the chart (bench/report.py's, GB/s against SMs)")
     args = parser.parse_args()
     measure(args) if args.command == "measure" else report(args)
 

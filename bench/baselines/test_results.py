@@ -1,0 +1,139 @@
+"""Tests of the results path on small made-up fixtures (no GPU, no torch): layer_results.py's
+mok-bench/2 record and bench/report.py's choice of the latest results, its Markdown table and
+its README replacement. The fixtures' figures are test data, not measurements.
+
+  python3 -m pytest -q bench/baselines/test_results.py
+"""
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import layer_results  # noqa: E402
+import report  # noqa: E402  (bench/report.py)
+
+SHAPE = {"hidden": 256, "intermediate": 128, "shared_intermediate": 128, "num_experts": 16,
+         "top_k": 4}
+
+
+def mok_fixture():
+    forward_only = {"name": "tiny-ep1", "preset": "tiny", "ep": 1, "tokens_per_rank": 1000,
+                    "routing": "uniform", "mok_ms": 2.0, "buffer_bytes_per_rank": 1_000_000,
+                    "fused": True, **SHAPE}
+    with_backward = dict(forward_only, name="tiny-ep2", ep=2, fwdbwd_ms=5.0, backward_ms=3.0,
+                         backward_buffer_bytes_per_rank=500_000)
+    return {"date": "2026-12-01T10:00:00Z", "cases": [forward_only, with_backward]}
+
+
+def torch_fixture(ep, name):
+    def variant(fwd, fwd_train, fwdbwd):
+        return {"layout": "out_in", "combine": "batched_view", "check": {"passed": True},
+                "fwd_ms": fwd, "fwd_train_ms": fwd_train, "fwdbwd_ms": fwdbwd,
+                "bwd_ms": fwdbwd - fwd_train, "peak_memory_gb": {"fwd": 1.5, "fwdbwd": 3.0},
+                "clock_mhz": {"fwd": 1400.0, "fwdbwd": 1350.0}, "power_w": {"fwd": 690.0, "fwdbwd": 699.0}}
+
+    failed = {"layout": "in_out", "combine": "batched_view", "check": {"passed": False}}
+    data = {"device": "NVIDIA H200", "torch": "2.11", "ep": ep, "power_limit_w": 700.0,
+            "cases": {name: {"variants": {"index_add": variant(6.0, 6.5, 16.5),
+                                          "batched_view": variant(4.0, 4.2, 12.2),
+                                          "batched_view_kn": failed}}}}
+    if ep == 1:
+        data["dense_gemm_tflops"] = 600.0
+        data["dense_gemm"] = {"tflops": 600.0, "ms": 1.83, "clock_mhz": 1500.0, "power_w": 700.0}
+    return data
+
+
+@pytest.fixture
+def layer_record(tmp_path):
+    paths = []
+    for ep, name in ((1, "tiny-ep1"), (2, "tiny-ep2")):
+        path = tmp_path / f"layer-torch-ep{ep}.json"
+        path.write_text(json.dumps(torch_fixture(ep, name)))
+        paths.append(str(path))
+    torch_cases, info = layer_results.load_torch(paths + [str(tmp_path / "missing.json")])
+    return layer_results.combine(mok_fixture(), torch_cases, info, "abc123")
+
+
+def test_layer_record_phases_and_figures(layer_record):
+    record = layer_record
+    assert record["schema"] == "mok-bench/2" and record["benchmark"] == "layer"
+    assert record["dense_gemm_tflops"] == 600.0 and record["date"] == "2026-12-01T10:00:00Z"
+    phases = [(e["name"], e["phase"]) for e in record["cases"]]
+    # tiny-ep1 has no mok backward: fwd only; its baseline training step goes apart.
+    assert phases == [("tiny-ep1", "fwd"), ("tiny-ep2", "fwd"), ("tiny-ep2", "fwdbwd"),
+                      ("tiny-ep2", "bwd")]
+    assert [(e["name"], e["phase"]) for e in record["baseline_without_mok"]] == [
+        ("tiny-ep1", "fwdbwd"), ("tiny-ep1", "bwd")]
+    fwd = record["cases"][0]
+    assert fwd["baseline"] == "batched_view" and fwd["baseline_ms"] == 4.0
+    assert fwd["baseline_variants"] == {"index_add": 6.0, "batched_view": 4.0}  # failed: untimed
+    assert fwd["speedup"] == 2.0
+    flops = 6 * 1000 * 256 * (4 * 128 + 128)
+    assert fwd["useful_tflops"] == round(flops / 2e-3 / 1e12, 2)
+    assert fwd["fraction_of_dense"] == round(flops / 2e-3 / 1e12 / 600.0, 4)
+    assert fwd["clock_mhz"] == 1400.0 and fwd["power_w"] == 690.0
+    weights = 2 * (16 * 3 * 128 * 256 + 3 * 256 * 128)
+    assert fwd["peak_memory_gb"] == {"mok": round((1_000_000 + weights) / 1e9, 3), "baseline": 1.5}
+    fwdbwd, bwd = record["cases"][2], record["cases"][3]
+    assert fwdbwd["useful_tflops"] == round(3 * flops / 5e-3 / 1e12, 2)
+    assert bwd["useful_tflops"] == round(2 * flops / 3e-3 / 1e12, 2)
+    assert bwd["baseline_ms"] == 8.0 and bwd["baseline"] == "batched_view"
+    ep2_weights = 2 * (8 * 3 * 128 * 256 + 3 * 256 * 128)
+    assert fwdbwd["peak_memory_gb"]["mok"] == round((1_500_000 + ep2_weights) / 1e9, 3)
+    assert fwdbwd["clock_mhz"] == 1350.0 and "backward_buffer_bytes_per_rank" in fwdbwd["memory_note"]
+    assert record["baseline_checks"]["tiny-ep1"]["batched_view_kn"] == {"passed": False}
+
+
+def test_report_picks_the_latest_and_writes_the_table(tmp_path, layer_record):
+    older = dict(layer_record, date="2026-11-01T00:00:00Z", commit="old")
+    (tmp_path / "layer-fwd-h200x2-0123456789ab.json").write_text(json.dumps(older))
+    (tmp_path / "layer.json").write_text(json.dumps(layer_record))
+    (tmp_path / "layer-mok.json").write_text(json.dumps({"date": "2027-01-01", "cases": []}))
+    latest = report.latest_results(str(tmp_path), {"layer"})
+    assert list(latest) == ["layer"] and latest["layer"][1]["commit"] == "abc123"
+    text = report.report_text(latest, {}, str(tmp_path))
+    assert "700 W power cap" in text
+    assert "commit abc123" in text and "NVIDIA H200" in text and "2026-12-01" in text
+    lines = [line for line in text.splitlines() if line.startswith("| tiny")]
+    assert lines[0] == ("| tiny-ep1 | fwd | 2.00 ms | 0.49 TFLOP/s | 4.00 ms (torch-native batched_view) "
+                        "| 2.00× | 0.00 |")
+    assert [line.split(" | ")[1] for line in lines] == ["fwd", "fwd", "fwdbwd", "bwd"]
+
+
+def test_report_readme_markers(tmp_path, layer_record):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "layer.json").write_text(json.dumps(layer_record))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# mok\n\n{report.BEGIN_MARKER}\nold table\n{report.END_MARKER}\n\nafter\n")
+    assert report.main(["--results-dir", str(results), "--no-png", "--no-table",
+                        "--readme", str(readme)]) == 0
+    content = readme.read_text()
+    assert "old table" not in content and "| tiny-ep2 | bwd |" in content
+    assert content.startswith("# mok\n\n" + report.BEGIN_MARKER) and content.endswith(
+        report.END_MARKER + "\n\nafter\n")
+    assert "`results/layer.json`" in content
+    unmarked = tmp_path / "OTHER.md"
+    unmarked.write_text("no markers\n")
+    assert report.main(["--results-dir", str(results), "--no-png", "--no-table",
+                        "--readme", str(unmarked)]) == 0
+    assert unmarked.read_text() == "no markers\n"
+
+
+def test_report_chart(tmp_path, layer_record):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "layer.json").write_text(json.dumps(layer_record))
+    assert report.main(["--results-dir", str(tmp_path), "--no-table"]) == 0
+    assert (tmp_path / "layer.png").stat().st_size > 10_000
+
+
+def test_kind_of_old_names():
+    assert report.kind_of("x/layer-fwd-h200x2-8aa8ed148919.json", {}) == "layer"
+    assert report.kind_of("x/gemm-h200-8aa8ed148919.json", {}) == "gemm"
+    assert report.kind_of("x/comm-h200x2.json", {}) == "comm"
+    assert report.kind_of("x/gemm-2026-11-29.json", {}) == "gemm"
+    assert report.kind_of("x/anything.json", {"benchmark": "layer"}) == "layer"
