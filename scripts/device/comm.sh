@@ -5,8 +5,9 @@
 #
 #   scripts/device/comm.sh [BIN_DIR]     BIN_DIR holds mok_gpu_tests and bench_comm (built with
 #                                        the same NCCL major version); default build-comm-bin
-# Writes under $OUT (or ./comm-out): comm.log, bench-*.json, splits.json, torch.json,
-# comm-h200x2.json, comm-h200x2.png.
+# Writes under $OUT (or ./comm-out), under stable names (the commit is inside the JSON): comm.json
+# (mok-bench/1), comm.png, comm.log, and bench_comm's and torch's own figures comm-mok-vector.json,
+# comm-mok-bulk.json, comm-splits.json, comm-torch.json.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BIN=${1:-build-comm-bin}
@@ -48,14 +49,14 @@ if [ "${MOK_PART_TESTS:-1}" = 1 ]; then  # device-check runs every GPU test itse
 fi
 # One process per copy method: a fault in one must not lose the others' numbers.
 run bench-vector 120 "$BIN/bench_comm" --methods vector:1024,vector:512 \
-  --sms 4,8,12,16,20,24,28,32,132 --out "$OUT/bench-vector.json" --splits "$OUT/splits.json"
-run bench-bulk 120 "$BIN/bench_comm" --methods bulk --out "$OUT/bench-bulk.json"
+  --sms 4,8,12,16,20,24,28,32,132 --out "$OUT/comm-mok-vector.json" --splits "$OUT/comm-splits.json"
+run bench-bulk 120 "$BIN/bench_comm" --methods bulk --out "$OUT/comm-mok-bulk.json"
 run torch-baseline 120 torchrun --nproc-per-node=2 bench/baselines/torch_all_to_all.py measure \
-  --splits "$OUT/splits.json" --out "$OUT/torch.json"
-mok_jsons=$(ls "$OUT"/bench-*.json 2>/dev/null)
-if [ -n "$mok_jsons" ] && [ -f "$OUT/torch.json" ]; then
+  --splits "$OUT/comm-splits.json" --out "$OUT/comm-torch.json"
+mok_jsons=$(ls "$OUT"/comm-mok-*.json 2>/dev/null)
+if [ -n "$mok_jsons" ] && [ -f "$OUT/comm-torch.json" ]; then
   run report 60 python3 bench/baselines/torch_all_to_all.py report --mok $mok_jsons \
-    --torch "$OUT/torch.json" --json "$OUT/comm-h200x2.json" --png "$OUT/comm-h200x2.png"
+    --torch "$OUT/comm-torch.json" --json "$OUT/comm.json" --png "$OUT/comm.png"
 fi
 echo "== comm.sh: $([ $status -eq 0 ] && echo all passed || echo FAILURES above)" | tee -a "$LOG"
 exit $status

@@ -6,7 +6,10 @@
 # power and TFLOP per joule at the power cap of deepseek-v3 gate/up beside torch (gemm-power.json),
 # a SASS check and Nsight Compute profiles of deepseek-v3's gate/up and qwen3-235b's plain and
 # SwiGLU-fused gate/up GEMMs on each engine of $MOK_GEMM_NCU_ENGINES (default: cooperative
-# pingpong), on GPU 0. Results and logs go to the results folder.
+# pingpong), on GPU 0. Results and logs go to the results folder, under stable names (the
+# commit is inside each JSON): gemm.json (mok-bench/1), gemm.png, gemm.log, gemm-torch.json,
+# gemm-tests.txt, gemm-swiglu-cost.json, gemm-swiglu-cost-block64.json, gemm-power.json,
+# gemm-ncu.txt.
 #
 #   OUT=/tmp/out scripts/device/gemm.sh [BIN_DIR]
 # BIN_DIR holds mok_gpu_tests (or a GEMM-only mok_gemm_tests) and bench_gemm, e.g. built here with
@@ -22,7 +25,7 @@ export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 OUT=${MOK_RESULTS_DIR:-${OUT:?set OUT to the results folder}}
 BIN=${1:-${MOK_BUILD_DIR:-build-gemm-bin}}
 mkdir -p "$OUT"
-LOG="$OUT/gemm-log.txt"
+LOG="$OUT/gemm.log"
 : > "$LOG"
 say() { echo "== $*" | tee -a "$LOG"; }
 
@@ -61,7 +64,7 @@ timeout 120 "$BIN/bench_gemm" --out /tmp/gemm-mok-1.json --iterations 20 2>&1 | 
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv 2>&1 | tee -a "$LOG"
 
 say "baseline (torch) and results"
-RESULTS="$OUT/gemm-results.json"
+RESULTS="$OUT/gemm.json"
 timeout 240 python3 bench/baselines/torch_grouped_mm.py measure --mok /tmp/gemm-mok-1.json \
   --torch "$OUT/gemm-torch.json" --passes 2 2>&1 | tee -a "$LOG"
 say "benchmark (mok), second pass"

@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # Layer part of the device check: the GPU layer forward (LayerForward, fused kernel by default) —
-# its GPU tests, `mok run --backend cuda` at EP 2 with --check, bench_layer for the fused kernel
-# (schedule in the kernel, and after the schedule's own kernels), the unfused composition, a sweep
-# of communication CTAs and minibatch sizes, ring rounds, and the torch-native layer
-# (bench/baselines/torch_native.py, EP1 in one process, EP2 under torchrun), all in the same run.
-# Results: layer-fwd-<commit>.json (mok-bench/1, the fused defaults against torch),
-# layer-fwd-<commit>.png, layer-mok-*.json, layer-sweep.json, layer-ring.json, logs.
+# its GPU tests, `mok run --backend cuda` with --check, bench_layer for the fused kernel (schedule
+# in the kernel, and after the schedule's own kernels), the unfused composition, a sweep of
+# communication CTAs and minibatch sizes, ring rounds — and the torch-native baseline
+# (bench/baselines/torch_native.py: every variant checked, then timed forward and as a training
+# step, with the dense GEMM rate, at EP 1 in one process and at EP 2 under torchrun), all in the
+# same run. The EP 2 steps run only where there are 2 or more GPUs.
+# Results (stable names; the commit is inside each JSON):
+#   layer.json, layer.png      mok-bench/2: mok beside the fastest torch-native variant, per case
+#                              and phase (bench/baselines/layer_results.py, bench/report.py)
+#   layer-mok.json, layer-mok-separate-schedule.json, layer-mok-unfused.json, layer-sweep.json,
+#   layer-ring.json            bench_layer's own JSONs
+#   layer-torch-ep1.json, layer-torch-ep2.json   torch_native.py's figures (every variant)
+#   mok-run-cuda-tiny-ep2.json, mok-run-cuda-qwen3-30b-ep2.json, layer.log
 #
 #   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
 # BIN_DIR holds mok, mok_gpu_tests and bench_layer (default $MOK_BUILD_DIR, set by
@@ -19,7 +26,7 @@ OUT=${MOK_RESULTS_DIR:-${OUT:?set OUT to the results folder}}
 BIN=${1:-${MOK_BUILD_DIR:?pass the build folder}}
 COMMIT=${MOK_COMMIT:-$(cat "$BIN/COMMIT" 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
-LOG="$OUT/layer-log.txt"
+LOG="$OUT/layer.log"
 : > "$LOG"
 say() { echo "== $*" | tee -a "$LOG"; }
 status=0
@@ -33,17 +40,22 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, logs it, remembers a failure
 }
 
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 if [ "${MOK_PART_TESTS:-1}" = 1 ]; then
   step "GPU tests (layer forward, fused and unfused)" 240 "$BIN/mok_gpu_tests" \
     --gtest_filter='*LayerForward*:*Fused*'
 fi
 
-step "mok run --backend cuda, tiny, EP 2, --check" 120 \
-  "$BIN/mok" run --backend cuda --ep 2 --tokens 1000 --routing skewed:1.2 --json "$OUT/mok-run-cuda-tiny-ep2.json"
-step "mok run --backend cuda, qwen3-30b-a3b, EP 2, 4096 tokens/rank, --check" 240 \
-  "$BIN/mok" run --backend cuda --preset qwen3-30b-a3b --ep 2 --tokens 4096 \
-  --json "$OUT/mok-run-cuda-qwen3-30b-ep2.json"
+if ((gpus >= 2)); then
+  step "mok run --backend cuda, tiny, EP 2, --check" 120 \
+    "$BIN/mok" run --backend cuda --ep 2 --tokens 1000 --routing skewed:1.2 --json "$OUT/mok-run-cuda-tiny-ep2.json"
+  step "mok run --backend cuda, qwen3-30b-a3b, EP 2, 4096 tokens/rank, --check" 240 \
+    "$BIN/mok" run --backend cuda --preset qwen3-30b-a3b --ep 2 --tokens 4096 \
+    --json "$OUT/mok-run-cuda-qwen3-30b-ep2.json"
+else
+  say "mok run --backend cuda at EP 2: skipped ($gpus GPU)"
+fi
 
 routing_dir=$(mktemp -d)
 cases=${MOK_LAYER_CASES:+--cases $MOK_LAYER_CASES}
@@ -53,18 +65,34 @@ step "bench_layer (mok, fused after the schedule kernels)" 200 "$BIN/bench_layer
   --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" $cases
 step "bench_layer (mok, unfused)" 200 "$BIN/bench_layer" --iters 20 --fused 0 \
   --out "$OUT/layer-mok-unfused.json" $cases
-step "bench_layer sweep (communication CTAs x minibatch rows)" 240 "$BIN/bench_layer" --iters 10 \
-  --cases ${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2} --comm-ctas 0,8,16,24 \
-  --minibatch-rows 2048,4096,8192 --out "$OUT/layer-sweep.json"
-step "bench_layer ring rounds (ring rows; 0 = one round)" 180 "$BIN/bench_layer" --iters 10 \
-  --cases deepseek-v3-ep2,qwen3-30b-a3b-ep2 --ring-rows 32768,8192 --out "$OUT/layer-ring.json"
-step "torch-native, EP 1" 200 python3 bench/baselines/torch_native.py measure \
-  --mok "$OUT/layer-mok.json" --ep 1 --out "$OUT/layer-torch-ep1.json"
-step "torch-native, EP 2 (torchrun)" 240 torchrun --standalone --nproc-per-node=2 \
-  bench/baselines/torch_native.py measure --mok "$OUT/layer-mok.json" --ep 2 \
-  --out "$OUT/layer-torch-ep2.json"
-step "results" 60 python3 bench/baselines/torch_native.py combine --mok "$OUT/layer-mok.json" \
-  --torch "$OUT/layer-torch-ep1.json" --torch "$OUT/layer-torch-ep2.json" --commit "$COMMIT" \
-  --out "$OUT/layer-fwd-$COMMIT.json" --png "$OUT/layer-fwd-$COMMIT.png"
+if ((gpus >= 2)); then
+  # Forward parameters: the sweeps time the forward alone (--backward 0) to keep the check short.
+  step "bench_layer sweep (communication CTAs x minibatch rows)" 240 "$BIN/bench_layer" --iters 10 \
+    --backward 0 --cases ${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2} --comm-ctas 0,8,16,24 \
+    --minibatch-rows 2048,4096,8192 --out "$OUT/layer-sweep.json"
+  step "bench_layer ring rounds (ring rows; 0 = one round)" 180 "$BIN/bench_layer" --iters 10 \
+    --backward 0 --cases deepseek-v3-ep2,qwen3-30b-a3b-ep2 --ring-rows 32768,8192 \
+    --out "$OUT/layer-ring.json"
+else
+  say "bench_layer sweep and ring rounds (EP 2 cases): skipped ($gpus GPU)"
+fi
+# The torch-native baseline on bench_layer's routing: every variant checked, then fwd, the
+# forward under autograd and the training step timed (20 iterations after 500 ms of warm-up
+# each), peak memory, clock and power; the dense GEMM rate in the EP 1 process.
+step "torch-native, EP 1 (variants, forward and training step, dense GEMM)" 300 \
+  python3 bench/baselines/torch_native.py measure --mok "$OUT/layer-mok.json" --ep 1 \
+  --out "$OUT/layer-torch-ep1.json"
+torch_results=(--torch "$OUT/layer-torch-ep1.json")
+if ((gpus >= 2)); then
+  step "torch-native, EP 2 (torchrun)" 300 torchrun --standalone --nproc-per-node=2 \
+    bench/baselines/torch_native.py measure --mok "$OUT/layer-mok.json" --ep 2 \
+    --out "$OUT/layer-torch-ep2.json"
+  torch_results+=(--torch "$OUT/layer-torch-ep2.json")
+else
+  say "torch-native at EP 2: skipped ($gpus GPU)"
+fi
+step "results (mok-bench/2)" 60 python3 bench/baselines/layer_results.py --mok "$OUT/layer-mok.json" \
+  "${torch_results[@]}" --commit "$COMMIT" --out "$OUT/layer.json"
+step "chart and table" 60 python3 bench/report.py --results-dir "$OUT" --kinds layer
 rm -rf "$routing_dir"
 exit $status

@@ -11,7 +11,10 @@
 #   scripts/device/python.sh            THERE: installs (linking the prebuilt folder when it exists,
 #                                       so only src/torch/*.cpp compile there; else the whole core
 #                                       is compiled: about 30 s on 32 cores), runs everything, logs
-#                                       to $MOK_RESULTS_DIR (default /tmp).
+#                                       to $MOK_RESULTS_DIR (default /tmp): python-pip-install.log,
+#                                       python-pytest-cpu.log, python-pytest-cuda.log,
+#                                       python-example-cuda.log (EP 1, then EP 2), and
+#                                       python-example-cpu.log where there is no GPU.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 prebuilt=${MOK_TORCH_PREBUILT_DIR:-$root/build-torch-prebuilt}
@@ -41,40 +44,40 @@ if [[ -f $prebuilt/libmok_torch_bridge.a ]]; then
 fi
 start=$SECONDS
 python3 -m pip install --no-build-isolation --no-deps --no-index --target "$target" "${define[@]}" "$root" \
-  >"$results/pip-install.log" 2>&1 || { tail -n 60 "$results/pip-install.log"; exit 1; }
+  >"$results/python-pip-install.log" 2>&1 || { tail -n 60 "$results/python-pip-install.log"; exit 1; }
 echo "pip install: ok in $((SECONDS - start)) s ($(ls "$target"/mok/_mok_torch*.so)${define:+, prebuilt core})"
 cd "$root"
 export PYTHONPATH="$target" PYTHONUNBUFFERED=1
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 # The CPU suite and the 2-GPU suite at once (the CPU one uses one GPU for one test only).
-timeout 170 python3 -m pytest -q python/tests/test_torch_cpu.py >"$results/pytest-cpu.log" 2>&1 &
+timeout 170 python3 -m pytest -q python/tests/test_torch_cpu.py >"$results/python-pytest-cpu.log" 2>&1 &
 cpu_suite=$!
 cuda_status=0
 if ((gpus >= 2)); then
   timeout 170 torchrun --nproc-per-node=2 -m pytest -q -p no:cacheprovider python/tests/test_torch_cuda.py \
-    >"$results/pytest-cuda.log" 2>&1 || cuda_status=$?
+    >"$results/python-pytest-cuda.log" 2>&1 || cuda_status=$?
 else
-  python3 -m pytest -q python/tests/test_torch_cuda.py >"$results/pytest-cuda.log" 2>&1 || cuda_status=$?
+  python3 -m pytest -q python/tests/test_torch_cuda.py >"$results/python-pytest-cuda.log" 2>&1 || cuda_status=$?
 fi
 cpu_status=0
 wait $cpu_suite || cpu_status=$?
-echo "== pytest CPU suite (exit $cpu_status)"; tail -n 25 "$results/pytest-cpu.log"
-echo "== pytest CUDA suite, torchrun 2 ranks (exit $cuda_status)"; tail -n 40 "$results/pytest-cuda.log"
+echo "== pytest CPU suite (exit $cpu_status)"; tail -n 25 "$results/python-pytest-cpu.log"
+echo "== pytest CUDA suite, torchrun 2 ranks (exit $cuda_status)"; tail -n 40 "$results/python-pytest-cuda.log"
 
 steps=${MOK_EXAMPLE_STEPS:-300}
 example_status=0
 if ((gpus >= 1)); then
   echo "== example, cuda, EP 1"
   timeout 70 python3 examples/train_moe_block.py --device cuda --steps "$steps" 2>&1 \
-    | tee "$results/example-cuda-ep1.log" || example_status=1
+    | tee "$results/python-example-cuda.log" || example_status=1
 fi
 if ((gpus >= 2)); then
   echo "== example, cuda, EP 2 (torchrun)"
   timeout 80 torchrun --nproc-per-node=2 examples/train_moe_block.py --device cuda --steps "$steps" 2>&1 \
-    | tee "$results/example-cuda-ep2.log" || example_status=1
+    | tee -a "$results/python-example-cuda.log" || example_status=1
 fi
 if ((gpus == 0)); then
-  python3 examples/train_moe_block.py --steps 200 2>&1 | tee "$results/example-cpu.log" || example_status=1
+  python3 examples/train_moe_block.py --steps 200 2>&1 | tee "$results/python-example-cpu.log" || example_status=1
 fi
 exit $((cpu_status || cuda_status || example_status))
