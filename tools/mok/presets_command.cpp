@@ -7,13 +7,13 @@
 namespace mok::cli {
 
 int presets_command(const std::vector<std::string>& words) {
-  const Args args(words, {}, {"help"});
-  if (args.has("help")) {
+  if (Args::wants_help(words)) {
     std::puts("usage: mok presets\n\nLists each preset: hidden size H, expert intermediate size I, "
               "shared-expert size I_s,\nexperts E, top-k, useful forward GFLOP per token "
               "(6·H·(k·I + I_s)) and default tokens per rank.");
     return 0;
   }
+  const Args args(words, {}, {});  // takes no options: anything else is an error
   std::printf("%-16s %6s %6s %6s %5s %4s %12s %10s  %s\n", "preset", "H", "I", "I_s", "E", "k",
               "GFLOP/token", "tokens", "model");
   for (const Preset& preset : presets()) {
