@@ -1,6 +1,16 @@
-# Sourced by the command-line tests: expect() and its counts.
+# Sourced by the command-line tests: expect(), expect_error(), pass()/fail() and their counts.
 failures=0
 passes=0
+
+pass() {
+  echo "ok:   $*"
+  passes=$((passes + 1))
+}
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
 
 # expect CODE PATTERN -- COMMAND...: runs COMMAND, checks its exit code and that its output
 # (stdout and stderr together) matches PATTERN.
@@ -11,11 +21,29 @@ expect() {
   output=$("$@" 2>&1)
   status=$?
   if [[ $status -ne $code ]] || ! grep -qE -- "$pattern" <<<"$output"; then
-    echo "FAIL: $* -> exit $status (want $code), output lacks /$pattern/ or differs:"
+    fail "$* -> exit $status (want $code), output lacks /$pattern/ or differs:"
     sed 's/^/    /' <<<"$output" | tail -n 15
-    failures=$((failures + 1))
   else
-    echo "ok:   $*"
-    passes=$((passes + 1))
+    pass "$*"
+  fi
+}
+
+# expect_error PATTERN -- COMMAND...: a refused command line: exit status 2, nothing on stdout, and
+# exactly one line on stderr, which matches PATTERN (anchor it to check the whole line).
+expect_error() {
+  local pattern="$1"
+  shift 2
+  local stdout stderr status err_file
+  err_file=$(mktemp)
+  stdout=$("$@" 2>"$err_file")
+  status=$?
+  stderr=$(<"$err_file")
+  rm -f "$err_file"
+  if [[ $status -ne 2 || -n "$stdout" ]] || [[ $(wc -l <<<"$stderr") -ne 1 ]] ||
+     ! grep -qE -- "$pattern" <<<"$stderr"; then
+    fail "$* -> exit $status (want 2), stdout '${stdout:0:80}', stderr (want one line /$pattern/):"
+    sed 's/^/    /' <<<"$stderr" | tail -n 15
+  else
+    pass "$*"
   fi
 }

@@ -2,9 +2,7 @@
 
 #include <cstdio>
 #include <ctime>
-#include <fstream>
-
-#include "mok/compare.hpp"
+#include <utility>
 
 #ifndef MOK_GIT_COMMIT
 #define MOK_GIT_COMMIT "unknown"
@@ -36,12 +34,6 @@ double per_rank(const RunConfig& config, const RunResult& result, double ms) {
   return result.times_per_rank ? ms : ms / static_cast<double>(config.ep);
 }
 
-bool report_line(const char* name, const ErrorStats& stats) {
-  const bool passed = stats.within(kBf16Tolerance);
-  std::printf("  %-18s %s  %s\n", name, stats.describe().c_str(), passed ? "ok" : "FAIL");
-  return passed;
-}
-
 // The shared expert's gradient summed over ranks (each rank holds its own tokens' share).
 std::vector<float> sum_over_ranks(const std::vector<float>& per_rank, int64_t ep) {
   const size_t size = per_rank.size() / static_cast<size_t>(ep);
@@ -65,52 +57,70 @@ void print_timings(const RunConfig& config, const RunResult& result) {
   std::printf("checksum %016llx\n", static_cast<unsigned long long>(checksum(result.outputs)));
 }
 
-bool check_against_oracle(const RunConfig& config, const Problem& problem, const RunResult& result,
-                          const reference::Options& options) {
+OracleCheck check_against_oracle(const RunConfig& config, const Problem& problem,
+                                 const RunResult& result, const reference::Options& ep1_options,
+                                 const reference::Options& oracle_options) {
   const std::vector<reference::RankInputs> whole = problem.all_rank_inputs(1);
-  const reference::OracleResult oracle = reference::oracle(problem.shape, whole, true, options)[0];
+  OracleCheck check;
+  if (config.ep > 1) {
+    ProblemOutputs single = ProblemOutputs::poisoned(problem, 1);
+    const std::vector<reference::RankOutputs> views = single.rank_outputs(problem);
+    reference::forward(problem.shape, whole, views, ep1_options);
+    reference::backward(problem.shape, whole, views, GradMode::kOverwrite, ep1_options);
+    check.ep_compared = true;
+    check.ep1_checksum = checksum(single);
+    check.ep_equal = check.ep1_checksum == checksum(result.outputs) &&
+                     single.y.size() == result.outputs.y.size();
+  }
+
+  const reference::OracleResult oracle =
+      std::move(reference::oracle(problem.shape, whole, true, oracle_options)[0]);
   const ProblemOutputs& out = result.outputs;
-  std::printf("check against the fp64 oracle (pass: rel-L2 <= %.0e, every element written):\n",
-              kBf16Tolerance);
-  bool passed = true;
-  passed &= report_line("y", compare(std::span<const bf16>(out.y), oracle.y));
-  passed &= report_line("dx", compare(std::span<const bf16>(out.dx), oracle.dx));
-  passed &= report_line("d_topk_w", compare(std::span<const float>(out.d_topk_w), oracle.d_topk_w));
-  passed &= report_line("grad_gate", compare(std::span<const float>(out.grad_gate), oracle.grad_gate));
-  passed &= report_line("grad_up", compare(std::span<const float>(out.grad_up), oracle.grad_up));
-  passed &= report_line("grad_down", compare(std::span<const float>(out.grad_down), oracle.grad_down));
+  auto add = [&check](const char* name, ErrorStats stats) { check.lines.push_back({name, stats}); };
+  add("y", compare(std::span<const bf16>(out.y), oracle.y));
+  add("dx", compare(std::span<const bf16>(out.dx), oracle.dx));
+  add("d_topk_w", compare(std::span<const float>(out.d_topk_w), oracle.d_topk_w));
+  add("grad_gate", compare(std::span<const float>(out.grad_gate), oracle.grad_gate));
+  add("grad_up", compare(std::span<const float>(out.grad_up), oracle.grad_up));
+  add("grad_down", compare(std::span<const float>(out.grad_down), oracle.grad_down));
   if (problem.shape.has_shared()) {
     const std::vector<float> gate = sum_over_ranks(out.grad_shared_gate, config.ep);
     const std::vector<float> up = sum_over_ranks(out.grad_shared_up, config.ep);
     const std::vector<float> down = sum_over_ranks(out.grad_shared_down, config.ep);
-    passed &= report_line("grad_shared_gate", compare(std::span<const float>(gate), oracle.grad_shared_gate));
-    passed &= report_line("grad_shared_up", compare(std::span<const float>(up), oracle.grad_shared_up));
-    passed &= report_line("grad_shared_down", compare(std::span<const float>(down), oracle.grad_shared_down));
+    add("grad_shared_gate", compare(std::span<const float>(gate), oracle.grad_shared_gate));
+    add("grad_shared_up", compare(std::span<const float>(up), oracle.grad_shared_up));
+    add("grad_shared_down", compare(std::span<const float>(down), oracle.grad_shared_down));
   }
+  return check;
+}
 
-  if (config.ep > 1) {
-    ProblemOutputs single = ProblemOutputs::poisoned(problem, 1);
-    const std::vector<reference::RankOutputs> views = single.rank_outputs(problem);
-    reference::forward(problem.shape, whole, views, options);
-    reference::backward(problem.shape, whole, views, GradMode::kOverwrite, options);
-    const bool equal = checksum(single) == checksum(out) && single.y.size() == out.y.size();
+bool print_check(const RunConfig& config, const OracleCheck& check) {
+  std::printf("check against the fp64 oracle (pass: rel-L2 <= %.0e, every element written):\n",
+              kBf16Tolerance);
+  bool passed = true;
+  for (const OracleCheck::Line& line : check.lines) {
+    const bool line_passed = line.stats.within(kBf16Tolerance);
+    std::printf("  %-18s %s  %s\n", line.name, line.stats.describe().c_str(),
+                line_passed ? "ok" : "FAIL");
+    passed &= line_passed;
+  }
+  if (check.ep_compared) {
     std::printf("  EP %lld vs EP 1: y, dx, d_topk_w, routed grads bitwise %s (checksum %016llx)\n",
-                static_cast<long long>(config.ep), equal ? "equal" : "DIFFERENT",
-                static_cast<unsigned long long>(checksum(single)));
-    passed &= equal;
+                static_cast<long long>(config.ep), check.ep_equal ? "equal" : "DIFFERENT",
+                static_cast<unsigned long long>(check.ep1_checksum));
+    passed &= check.ep_equal;
   }
   return passed;
 }
 
-void write_json(const std::string& path, const RunConfig& config, const RunResult& result) {
-  std::ofstream file(path);
-  MOK_CHECK_ARG(file.good(), "--json", "cannot write '", path, "'");
+std::string json_record(const RunConfig& config, const RunResult& result) {
   char date[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  file << "{\n  \"schema\": \"mok-bench/1\",\n  \"commit\": \"" << MOK_GIT_COMMIT
-       << "\",\n  \"device\": \"" << result.device << "\",\n  \"date\": \"" << date
-       << "\",\n  \"cases\": [\n";
+  const std::string preset = config.shape_flags.empty() ? config.preset : "custom";
+  std::string text = "{\n  \"schema\": \"mok-bench/1\",\n  \"commit\": \"" MOK_GIT_COMMIT
+                     "\",\n  \"device\": \"" + result.device + "\",\n  \"date\": \"" + date +
+                     "\",\n  \"cases\": [\n";
   const std::vector<Phase> all = phases(config, result);
   for (size_t index = 0; index < all.size(); ++index) {
     const Phase& phase = all[index];
@@ -122,16 +132,16 @@ void write_json(const std::string& path, const RunConfig& config, const RunResul
                   "\"backend\": \"%s\", \"routing\": \"%s\", \"mok_ms\": %.4f, \"baseline\": null, "
                   "\"baseline_ms\": null, \"speedup\": null, \"useful_tflops\": %.6f, "
                   "\"gbps\": null, \"dense_gemm_tflops\": null, \"checksum\": \"%016llx\"}%s\n",
-                  config.preset.c_str(), static_cast<long long>(config.ep), phase.name,
-                  config.preset.c_str(), static_cast<long long>(config.ep),
+                  preset.c_str(), static_cast<long long>(config.ep), phase.name, preset.c_str(),
+                  static_cast<long long>(config.ep),
                   static_cast<long long>(config.tokens_per_rank), phase.name,
                   config.backend.c_str(), config.routing.name().c_str(), per_rank_ms,
                   useful_tflops(phase.flops, per_rank_ms),
                   static_cast<unsigned long long>(checksum(result.outputs)),
                   index + 1 < all.size() ? "," : "");
-    file << line;
+    text += line;
   }
-  file << "  ]\n}\n";
+  return text + "  ]\n}\n";
 }
 
 }  // namespace mok::cli

@@ -1,14 +1,18 @@
 // What `mok run` prints and writes: timings, the accuracy check, the JSON record.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
+#include "mok/compare.hpp"
 #include "mok/synthetic.hpp"
 
 namespace mok::cli {
 
 struct RunConfig {
-  std::string preset;
+  std::string preset;       // the preset that gave the shape's defaults
+  std::string shape_flags;  // the shape flags that overrode them ("--hidden 512 --top-k 2"), or ""
   LayerShape shape;
   int64_t tokens_per_rank = 0;
   int64_t ep = 1;
@@ -31,11 +35,29 @@ struct RunResult {
 
 void print_timings(const RunConfig& config, const RunResult& result);
 
-// Compares every output with the fp64 oracle and, when EP > 1, bitwise with an EP=1 run.
-// Prints one line per tensor; returns whether all passed.
-bool check_against_oracle(const RunConfig& config, const Problem& problem, const RunResult& result,
-                          const reference::Options& options);
+// The CPU run's check: every output against the fp64 oracle and, when EP > 1, bitwise against an
+// EP=1 run. Computed first, printed after, so that nothing is printed while a progress line shows.
+struct OracleCheck {
+  struct Line {
+    const char* name;
+    ErrorStats stats;
+  };
+  std::vector<Line> lines;
+  bool ep_compared = false;  // EP > 1: the EP=1 run was made
+  bool ep_equal = false;
+  uint64_t ep1_checksum = 0;
+};
 
-void write_json(const std::string& path, const RunConfig& config, const RunResult& result);
+// The EP=1 run (its outputs freed once fingerprinted) comes before the oracle, so that the two
+// never take memory at once; each reports progress through its own options.
+OracleCheck check_against_oracle(const RunConfig& config, const Problem& problem,
+                                 const RunResult& result, const reference::Options& ep1_options,
+                                 const reference::Options& oracle_options);
+// One line per tensor; returns whether all passed.
+bool print_check(const RunConfig& config, const OracleCheck& check);
+
+// The run's figures as a JSON record (schema mok-bench/1). A shape changed by flags is named
+// "custom".
+std::string json_record(const RunConfig& config, const RunResult& result);
 
 }  // namespace mok::cli

@@ -1,16 +1,19 @@
 // mok run: one layer forward + backward on synthetic data, timed, fingerprinted and checked.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
+#include <memory>
 #include <string>
 #include <thread>
-
-#include <unistd.h>
+#include <utility>
 
 #include "args.hpp"
 #include "commands.hpp"
+#include "cpu_memory.hpp"
+#include "json_output.hpp"
 #include "mok/compare.hpp"
 #include "mok/synthetic.hpp"
+#include "progress.hpp"
 #include "report.hpp"
 #include "run_cuda.hpp"
 
@@ -32,8 +35,16 @@ backends:
          whole y bitwise with an EP=1 GPU run
 
 options:
-  --preset NAME        layer shape (default tiny; 'mok presets' lists them)
-  --tokens T           tokens per rank (default: the preset's)
+  --preset NAME        layer shape (default tiny; 'mok presets' lists them); the flags below
+                       override its fields:
+  --hidden H           hidden size (a multiple of 8)
+  --intermediate I     routed experts' intermediate size (a multiple of 8)
+  --shared-intermediate I_S
+                       shared expert's intermediate size (a multiple of 8; 0: none)
+  --experts E          routed experts (a multiple of --ep)
+  --top-k K            experts per token (1 to E)
+  --tokens T           tokens per rank (default: the preset's; the CPU backend refuses a run that
+                       would not fit in memory and says how many fit)
   --ep R               expert-parallel ranks (default 1; must divide the number of experts)
   --backend B          auto | cpu | cuda (default auto: cuda when EP Hopper GPUs are present and
                        the layer fits them, else cpu)
@@ -44,72 +55,152 @@ options:
   --check              compare with the fp64 oracle (cpu) or the CPU reference on a token sample
                        (cuda) and, when R > 1, with an EP=1 run (default)
   --no-check           skip the comparison
-  --json FILE          also write the figures as JSON (schema mok-bench/1)
+  --json FILE          also write the figures as JSON (schema mok-bench/1); FILE is checked before
+                       the run. '--json -' writes the JSON to standard output and everything else
+                       to standard error
 
-exit code: 0 done (and PASS), 1 check FAILED, 2 bad arguments or input.
+Numbers are plain decimal digits; an option may be given once. --help (or -h) prints this.
+A CPU run longer than 2 s shows its progress on standard error (MOK_PROGRESS=always: from the
+start, every update; =never: not at all).
+exit code: 0 done (and PASS), 1 check FAILED, 2 bad arguments or input (one line on standard
+error, starting with the option at fault) or a JSON record that could not be written.
 )";
+
+// Shape flags: each overrides one field of the preset's shape.
+struct ShapeFlag {
+  const char* name;
+  int64_t LayerShape::*field;
+  int64_t min;
+};
+constexpr ShapeFlag kShapeFlags[] = {
+    {"hidden", &LayerShape::hidden, 1},
+    {"intermediate", &LayerShape::intermediate, 1},
+    {"shared-intermediate", &LayerShape::shared_intermediate, 0},
+    {"experts", &LayerShape::num_experts, 1},
+    {"top-k", &LayerShape::top_k, 1},
+};
+// Far beyond any model's layer; keeps every product of sizes well inside 64 bits.
+constexpr int64_t kMaxDimension = int64_t{1} << 20;
+constexpr int64_t kMaxTokensPerRank = int64_t{1} << 24;
+// Of the memory the system has available, what a CPU run may plan to take.
+constexpr double kUsableMemoryFraction = 0.9;
+
+// The library's checks name fields ("top_k: ..."); on the command line the same check names the
+// flag ("--top-k: ..."). Runs `step` and renames what it throws.
+template <class Step>
+void naming_flags(Step&& step) {
+  static constexpr std::pair<const char*, const char*> kFlagOfField[] = {
+      {"hidden", "--hidden"},       {"intermediate", "--intermediate"},
+      {"shared_intermediate", "--shared-intermediate"},
+      {"num_experts", "--experts"}, {"top_k", "--top-k"},
+      {"ep", "--ep"},               {"tokens", "--tokens"},
+      {"preset", "--preset"},       {"routing", "--routing"},
+  };
+  try {
+    step();
+  } catch (const Error& error) {
+    for (const auto& [field, flag] : kFlagOfField) {
+      if (error.argument() != field) continue;
+      const std::string message = error.what();
+      throw Error(flag, message.substr(std::min(message.size(), error.argument().size() + 2)));
+    }
+    throw;
+  }
+}
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Once a run has taken 2 s, reports "  forward: routed experts  1234/5678 (21%)" on stderr:
-// one line redrawn in place on a terminal, a line every 10 s elsewhere (logs).
-class ProgressLine {
- public:
-  void operator()(std::string_view phase, int64_t done, int64_t total) {
-    const double elapsed = seconds_since(start_);
-    if (elapsed < 2.0 || (!terminal_ && elapsed < last_line_ + 10.0)) return;
-    last_line_ = elapsed;
-    std::fprintf(stderr, "%s  %-28.*s %9lld/%-9lld (%3d%%)%s", terminal_ ? "\r" : "",
-                 static_cast<int>(phase.size()), phase.data(), static_cast<long long>(done),
-                 static_cast<long long>(total),
-                 static_cast<int>(100 * done / std::max<int64_t>(total, 1)), terminal_ ? "" : "\n");
-    shown_ = terminal_;
+// Every option but --backend, --precision and --json into a run configuration, checked.
+RunConfig read_config(const Args& args) {
+  RunConfig config;
+  naming_flags([&] {
+    const Preset& preset = find_preset(args.text("preset", "tiny"));
+    config.preset = std::string(preset.name);
+    config.shape = preset.shape;
+    config.tokens_per_rank = preset.default_tokens_per_rank;
+  });
+  for (const ShapeFlag& flag : kShapeFlags) {
+    if (!args.has(flag.name)) continue;
+    config.shape.*flag.field = args.integer(flag.name, 0, flag.min, kMaxDimension);
+    config.shape_flags += detail::concat(config.shape_flags.empty() ? "" : " ", "--", flag.name,
+                                         " ", config.shape.*flag.field);
   }
-  void finish() {
-    if (shown_) std::fprintf(stderr, "\r%72s\r", "");
-    shown_ = false;
-  }
-
- private:
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  bool terminal_ = isatty(fileno(stderr)) != 0;
-  double last_line_ = 0;
-  bool shown_ = false;
-};
-
-// Bytes the CPU backend holds: all weights (bf16), fp32 gradients, per-row intermediates, and
-// with --check the fp64 oracle's copies.
-double cpu_bytes_needed(const LayerShape& shape, int64_t num_tokens, bool check) {
-  const double routed = static_cast<double>(shape.num_experts) * shape.intermediate * shape.hidden * 3;
-  const double shared = static_cast<double>(shape.shared_intermediate) * shape.hidden * 3;
-  const double rows = static_cast<double>(num_tokens) * shape.top_k;
-  const double activations = rows * (shape.hidden * 8.0 + shape.intermediate * 12.0);
-  return (routed + shared) * (2 + 4 + (check ? 8 : 0)) + activations * (check ? 3 : 1);
+  config.tokens_per_rank = args.integer("tokens", config.tokens_per_rank, 1, kMaxTokensPerRank);
+  config.ep = args.integer("ep", 1, 1, 1024);
+  naming_flags([&] {
+    config.shape.validate(config.ep);
+    config.routing = Routing::parse(args.text("routing", "uniform"));
+  });
+  config.seed = static_cast<uint64_t>(args.integer("seed", 0, 0, INT64_MAX));
+  config.num_threads = static_cast<int>(args.integer("threads", 0, 0, 1024));
+  config.check = !args.has("no-check");
+  return config;
 }
 
-double available_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  double kilobytes = 0;
-  while (meminfo >> key >> kilobytes) {
-    if (key == "MemAvailable:") return kilobytes * 1024.0;
-    meminfo.ignore(256, '\n');
+// What a CPU run will take; refuses one that would not fit in memory, naming what to change: the
+// tokens when fewer fit (and how many), else the shape.
+CpuMemory check_cpu_memory(const RunConfig& config, int threads, const Args& args) {
+  auto need = [&](int64_t tokens_per_rank, bool check) {
+    return cpu_memory(config.shape, tokens_per_rank, config.ep, check, threads);
+  };
+  const CpuMemory needed = need(config.tokens_per_rank, config.check);
+  const double available = available_memory_bytes();
+  const double usable = kUsableMemoryFraction * available;
+  if (available <= 0 || needed.peak() <= usable) return needed;  // unknown: let it try
+  const std::string needs = detail::concat(
+      "the CPU backend needs about ", format_bytes(needed.peak()), " (", needed.describe(), ") at ",
+      config.tokens_per_rank, " tokens/rank", args.has("tokens") ? "" : " (the preset's default)",
+      ", more than the ", format_bytes(usable), " usable (90 % of the ", format_bytes(available),
+      " available)");
+  const char* unchecked =
+      config.check && need(config.tokens_per_rank, false).peak() <= usable
+          ? ", or --no-check (the fp64 oracle needs most of it)"
+          : "";
+  // The most tokens per rank that fit; the need grows with the tokens.
+  int64_t fit = 0;
+  for (int64_t low = 1, high = config.tokens_per_rank - 1; low <= high;) {
+    const int64_t middle = low + (high - low) / 2;
+    if (need(middle, config.check).peak() <= usable) {
+      fit = middle;
+      low = middle + 1;
+    } else {
+      high = middle - 1;
+    }
   }
-  return 0;
+  MOK_CHECK_ARG(fit == 0, "--tokens", needs, "; --tokens ", fit, " fits", unchecked);
+  // Even one token is too many: the weights are. Name the flag that sized them, if one did.
+  std::string flag = "--preset";
+  for (const ShapeFlag& shape_flag : kShapeFlags) {
+    if (args.has(shape_flag.name) && shape_flag.field != &LayerShape::top_k) {
+      flag = std::string("--") + shape_flag.name;
+      break;
+    }
+  }
+  const bool fits_unchecked = config.check && need(1, false).peak() <= usable;
+  throw Error(flag, detail::concat(needs, "; even 1 token/rank does not fit; ",
+                                   fits_unchecked ? "it does with --no-check (the fp64 oracle needs "
+                                                    "most of it), or with a smaller shape"
+                                                  : "a smaller shape does",
+                                   " (--preset tiny)"));
 }
-
 
 void print_header(const RunConfig& config, const std::string& precision) {
-  std::printf("mok run: preset %s (%s), %lld tokens/rank, EP %lld, %s, routing %s, seed %llu\n",
-              config.preset.c_str(), config.shape.describe().c_str(),
+  std::printf("mok run: preset %s%s%s (%s), %lld tokens/rank, EP %lld, %s, routing %s, seed %llu\n",
+              config.preset.c_str(), config.shape_flags.empty() ? "" : " with ",
+              config.shape_flags.c_str(), config.shape.describe().c_str(),
               static_cast<long long>(config.tokens_per_rank), static_cast<long long>(config.ep),
               precision.c_str(), config.routing.name().c_str(),
               static_cast<unsigned long long>(config.seed));
 }
 
-int run_gpu(const RunConfig& config, const std::string& precision, const Args& args) {
+void finish(const RunConfig& config, const RunResult& result, bool passed, JsonOutput* json) {
+  if (json != nullptr) json->write(json_record(config, result));
+  std::puts(!config.check ? "done (not checked)" : passed ? "PASS" : "FAIL");
+}
+
+int run_gpu(const RunConfig& config, const std::string& precision, JsonOutput* json) {
   print_header(config, precision);
   std::printf("backend: cuda (fused GPU layer forward, one GPU per rank); GPU: %s\n",
               cuda_device_description().c_str());
@@ -118,71 +209,30 @@ int run_gpu(const RunConfig& config, const std::string& precision, const Args& a
       {config.shape, config.tokens_per_rank * config.ep, config.routing, config.seed});
   RunResult result;
   const bool passed = run_cuda(config, problem, result);
-  if (args.has("json")) write_json(args.text("json", ""), config, result);
-  std::puts(!config.check ? "done (not checked)" : passed ? "PASS" : "FAIL");
+  finish(config, result, passed, json);
   return passed ? 0 : 1;
 }
 
-}  // namespace
-
-int run_command(const std::vector<std::string>& words) {
-  const Args args(words, {"preset", "tokens", "ep", "backend", "precision", "routing", "seed", "threads", "json"},
-                  {"check", "no-check", "help"});
-  if (args.has("help")) {
-    std::fputs(kRunHelp, stdout);
-    return 0;
-  }
-  const Preset& preset = find_preset(args.text("preset", "tiny"));
-  RunConfig config;
-  config.preset = std::string(preset.name);
-  config.shape = preset.shape;
-  config.tokens_per_rank = args.integer("tokens", preset.default_tokens_per_rank, 1, int64_t{1} << 24);
-  config.ep = args.integer("ep", 1, 1, 1024);
-  config.shape.validate(config.ep);
-  config.routing = Routing::parse(args.text("routing", "uniform"));
-  config.seed = static_cast<uint64_t>(args.integer("seed", 0, 0, INT64_MAX));
-  config.num_threads = static_cast<int>(args.integer("threads", 0, 0, 1024));
-  config.check = !args.has("no-check");
-
-  const std::string precision = args.text("precision", "bf16");
-  MOK_CHECK_ARG(precision == "bf16" || precision == "fp8" || precision == "mxfp8", "--precision",
-                "unknown precision '", precision, "' (bf16, fp8, mxfp8)");
-  MOK_CHECK_ARG(precision == "bf16", "--precision",
-                precision, " is not implemented in this version; use bf16");
-  const std::string backend = args.text("backend", "auto");
-  MOK_CHECK_ARG(backend == "auto" || backend == "cpu" || backend == "cuda", "--backend",
-                "unknown backend '", backend, "' (auto, cpu, cuda)");
-  const std::string cuda_unfit = backend == "cpu" ? "not asked for" : cuda_backend_unfit_reason(config);
-  MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend", "cuda cannot run here: ",
-                cuda_unfit);
-  config.backend = cuda_unfit.empty() ? "cuda" : "cpu";
-  if (config.backend == "cuda") return run_gpu(config, precision, args);
-
-  const int64_t num_tokens = config.tokens_per_rank * config.ep;
-  const double needed = cpu_bytes_needed(config.shape, num_tokens, config.check);
-  const double available = available_memory_bytes();
-  MOK_CHECK_ARG(available == 0 || needed < 0.8 * available, "--preset",
-                "the CPU backend needs about ", static_cast<int64_t>(needed / (1 << 30)),
-                " GiB for ", preset.name, " (weights and gradients of all experts), more than the ",
-                static_cast<int64_t>(available / (1 << 30)), " GiB available; use --preset tiny");
-
-  const int threads = config.num_threads > 0 ? config.num_threads
-                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+int run_cpu(const RunConfig& config, int threads, const CpuMemory& memory,
+            ProgressLine::Mode progress_mode, const std::string& precision,
+            const std::string& cuda_unfit, bool say_why, JsonOutput* json) {
   print_header(config, precision);
   const std::string gpus = cuda_device_description();
   // Why cuda was not picked, unless the GPU line already says it.
-  const bool say_why = backend == "auto" && cuda_unfit.find(gpus) == std::string::npos;
-  std::printf("backend: cpu (reference, %d threads); GPU: %s%s%s\n", threads, gpus.c_str(),
-              say_why ? "; cuda not used: " : "", say_why ? cuda_unfit.c_str() : "");
+  say_why = say_why && cuda_unfit.find(gpus) == std::string::npos;
+  std::printf("backend: cpu (reference, %d thread%s); GPU: %s%s%s\n", threads,
+              threads == 1 ? "" : "s", gpus.c_str(), say_why ? "; cuda not used: " : "",
+              say_why ? cuda_unfit.c_str() : "");
+  std::printf("memory: at most about %s (%s)\n", format_bytes(memory.peak()).c_str(),
+              memory.describe().c_str());
   std::fflush(stdout);
 
+  const int64_t num_tokens = config.tokens_per_rank * config.ep;
   const Problem problem = Problem::generate({config.shape, num_tokens, config.routing, config.seed});
-  ProgressLine progress_line;
+  ProgressLine progress_line(progress_mode);
   reference::Options options;
   options.num_threads = config.num_threads;
-  options.progress = [&](std::string_view phase, int64_t done, int64_t total) {
-    progress_line(phase, done, total);
-  };
+  options.progress = progress_line.labelled("");
 
   RunResult result;
   result.outputs = ProblemOutputs::poisoned(problem, config.ep);
@@ -194,17 +244,66 @@ int run_command(const std::vector<std::string>& words) {
   start = std::chrono::steady_clock::now();
   reference::backward(config.shape, ranks, outputs, GradMode::kOverwrite, options);
   result.backward_ms = seconds_since(start) * 1e3;
-  progress_line.finish();
-
+  progress_line.clear();
   print_timings(config, result);
+  std::fflush(stdout);
+
   bool passed = true;
   if (config.check) {
-    passed = check_against_oracle(config, problem, result, options);
-    progress_line.finish();
+    reference::Options ep1_options = options, oracle_options = options;
+    ep1_options.progress = progress_line.labelled("check (EP 1 run)");
+    oracle_options.progress = progress_line.labelled("check (fp64 oracle)");
+    const OracleCheck check = check_against_oracle(config, problem, result, ep1_options, oracle_options);
+    progress_line.clear();
+    passed = print_check(config, check);
   }
-  if (args.has("json")) write_json(args.text("json", ""), config, result);
-  std::puts(!config.check ? "done (not checked)" : passed ? "PASS" : "FAIL");
+  if (const double peak = peak_resident_bytes(); peak > 0) {
+    std::printf("memory: peak %s (planned at most %s)\n", format_bytes(peak).c_str(),
+                format_bytes(memory.peak()).c_str());
+  }
+  finish(config, result, passed, json);
   return passed ? 0 : 1;
+}
+
+}  // namespace
+
+int run_command(const std::vector<std::string>& words) {
+  if (Args::wants_help(words)) {
+    std::fputs(kRunHelp, stdout);
+    return 0;
+  }
+  const Args args(words,
+                  {"preset", "hidden", "intermediate", "shared-intermediate", "experts", "top-k",
+                   "tokens", "ep", "backend", "precision", "routing", "seed", "threads", "json"},
+                  {"check", "no-check"});
+  args.forbid_together("check", "no-check");
+  RunConfig config = read_config(args);
+
+  const std::string precision = args.text("precision", "bf16");
+  MOK_CHECK_ARG(precision == "bf16" || precision == "fp8" || precision == "mxfp8", "--precision",
+                "unknown precision '", precision, "' (bf16, fp8, mxfp8)");
+  MOK_CHECK_ARG(precision == "bf16", "--precision",
+                precision, " is not implemented in this version; use bf16");
+  const std::string backend = args.text("backend", "auto");
+  MOK_CHECK_ARG(backend == "auto" || backend == "cpu" || backend == "cuda", "--backend",
+                "unknown backend '", backend, "' (auto, cpu, cuda)");
+  const ProgressLine::Mode progress_mode = ProgressLine::mode_from_environment();
+  // Checked (and, for "-", standard output set aside) before any work.
+  std::unique_ptr<JsonOutput> json;
+  if (args.has("json")) json = std::make_unique<JsonOutput>(args.text("json", ""));
+
+  const std::string cuda_unfit = backend == "cpu" ? "not asked for" : cuda_backend_unfit_reason(config);
+  MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend", "cuda cannot run here: ",
+                cuda_unfit);
+  config.backend = cuda_unfit.empty() ? "cuda" : "cpu";
+  if (config.backend == "cuda") return run_gpu(config, precision, json.get());
+
+  const int threads = config.num_threads > 0
+                          ? config.num_threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const CpuMemory memory = check_cpu_memory(config, threads, args);
+  return run_cpu(config, threads, memory, progress_mode, precision, cuda_unfit, backend == "auto",
+                 json.get());
 }
 
 }  // namespace mok::cli
