@@ -547,10 +547,6 @@ class Run:
         mean = tensor.item() / self.world
         return None if math.isnan(mean) else round(mean, 1)
 
-    def synchronize(self):
-        if self.on_gpu:
-            torch.cuda.synchronize()
-
     def time(self, fn):
         """(median ms, {"clock_mhz", "power_w"}) of fn, as module docstring says."""
         decide = None
