@@ -52,9 +52,11 @@ void validate_tokens(const LayerShape& shape, const TokenBatch& tokens) {
       MOK_CHECK_ARG(expert >= -1 && expert < shape.num_experts, "topk_idx", "expert id ", expert,
                     " out of range [0, ", shape.num_experts, ") at token ", token, ", slot ", slot,
                     " (-1 marks an unused slot)");
+      // The ids of a row are distinct (each expert adds a token's row once); -1 may repeat.
       for (int64_t earlier = 0; expert >= 0 && earlier < slot; ++earlier) {
         MOK_CHECK_ARG(row[earlier] != expert, "topk_idx", "expert id ", expert,
-                      " repeated at token ", token, " (slots ", earlier, " and ", slot, ")");
+                      " repeated at token ", token, ", slot ", slot, " (also at slot ", earlier,
+                      "; the ids of a row must be distinct, only -1 may repeat)");
       }
       const float weight = tokens.topk_w.data[token * shape.top_k + slot];
       MOK_CHECK_ARG(std::isfinite(weight), "topk_w", "non-finite router weight ", weight,

@@ -52,8 +52,34 @@ TEST_F(BadInput, ExpertIdOutOfRange) {
 
 TEST_F(BadInput, RepeatedExpertInARow) {
   problem_.topk_idx[5] = problem_.topk_idx[4];
-  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx", "repeated at token 1 (slots 0 and 1)");
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
+               detail::concat("expert id ", problem_.topk_idx[4], " repeated at token 1, slot 1 (also at slot 0; "
+                              "the ids of a row must be distinct, only -1 may repeat)"));
   expect_untouched();
+}
+
+// A repeat is found anywhere in a row and on any rank, named by its later slot (the token index is
+// the rank's own, as for an id out of range); unused slots (-1) may repeat.
+TEST_F(BadInput, RepeatedExpertAnywhereInARowButUnusedSlotsMayRepeat) {
+  const int64_t top_k = problem_.shape.top_k;
+  int32_t* row = problem_.topk_idx.data() + (16 + 3) * top_k;  // rank 1's token 3 of 16
+  const int32_t first = row[0], last = row[3];
+  row[3] = first;
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
+               detail::concat("expert id ", first, " repeated at token 3, slot 3 (also at slot 0;"));
+  row[3] = last;
+  row[1] = row[2] = -1;
+  row[2] = first;  // [e, -1, e, e']: the repeat skips the -1 between
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
+               detail::concat("expert id ", first, " repeated at token 3, slot 2 (also at slot 0;"));
+  expect_untouched();
+
+  row[2] = -1;  // [e, -1, -1, e']: accepted, and the token's y is written
+  ProblemOutputs outputs;
+  ASSERT_NO_THROW(outputs = testing::run_layer(problem_, 2));
+  for (int64_t n = 0; n < problem_.shape.hidden; ++n) {
+    ASSERT_TRUE(std::isfinite(outputs.y[(16 + 3) * problem_.shape.hidden + n].to_float())) << n;
+  }
 }
 
 TEST_F(BadInput, NonFiniteRouterWeights) {
