@@ -19,6 +19,7 @@
 
 #include "bench_options.hpp"
 #include "mok/error.hpp"
+#include "mok/gemm.hpp"
 #include "mok/shape.hpp"
 #include "mok/synthetic.hpp"
 #include "runtime/layer_runner.hpp"
@@ -51,6 +52,7 @@ struct Args {
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
   bool backward = true;
+  mok::gemm::GemmEngine backward_engine = mok::gemm::GemmEngine::kAuto;
   // A case of any shape (--hidden and the rest): the preset's values where a flag is not given.
   bool custom = false;
   BenchCase custom_case{"custom", "deepseek-v3", "uniform", 1, 8192};
@@ -67,6 +69,8 @@ usage: bench_layer [options]
                             qwen3-235b-a22b-ep2, deepseek-v3-ep2-skewed (default all)
   --backward 0|1            1: also the GPU backward, timed alone and as forward + backward
                             pairs (default 1)
+  --backward-engine E       the backward's GEMM engine: auto, cooperative or pingpong (same
+                            bits; default auto)
   --preset NAME, --hidden H, --intermediate I, --shared-intermediate I_S, --experts E,
   --top-k K, --tokens T, --ep R, --routing uniform|skewed:ALPHA|single-expert
                             one case of any shape instead (named "custom"): the preset's values
@@ -112,6 +116,12 @@ bool parse(int argc, char** argv, Args& args) {
       }
     } else if (key == "--iters") args.iters = integer(key, value);
     else if (key == "--backward") args.backward = integer(key, value) != 0;
+    else if (key == "--backward-engine") {
+      if (value == "auto") args.backward_engine = mok::gemm::GemmEngine::kAuto;
+      else if (value == "cooperative") args.backward_engine = mok::gemm::GemmEngine::kCooperative;
+      else if (value == "pingpong") args.backward_engine = mok::gemm::GemmEngine::kPingpong;
+      else throw mok::bench::UsageError(key, "expected auto, cooperative or pingpong, got '" + value + "'");
+    }
     else if (key == "--preset") {
       args.custom = true;
       args.custom_case.preset = value;
@@ -202,6 +212,9 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.trace = args.trace;
   spec.keep_y = false;
   spec.backward = args.backward;
+  // bf16 weight gradients, as autograd gives the baseline's bf16 parameters.
+  spec.bf16_gradients = true;
+  spec.backward_engine = static_cast<int>(args.backward_engine);
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
@@ -246,7 +259,13 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     out << ", \"backward_ms\": " << result.backward_ms
         << ", \"fwdbwd_ms\": " << result.forward_backward_ms
         << ", \"backward_buffer_bytes_per_rank\": " << result.backward_buffer_bytes_per_rank
-        << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank;
+        << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank
+        << ", \"weight_gradients\": \"bf16\", \"backward_phases_ms\": {";
+    for (size_t phase = 0; phase < result.backward_phase_ms.size(); ++phase) {
+      out << (phase == 0 ? "" : ", ") << "\"" << result.backward_phase_names[phase]
+          << "\": " << result.backward_phase_ms[phase];
+    }
+    out << "}";
   }
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
@@ -256,6 +275,11 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
         << "\": " << result.phase_ms[phase];
   }
   std::printf("\n");
+  for (size_t phase = 0; phase < result.backward_phase_ms.size(); ++phase) {
+    std::printf("%s%s %.3f", phase == 0 ? "    backward phases (ms, slowest rank): " : ", ",
+                result.backward_phase_names[phase].c_str(), result.backward_phase_ms[phase]);
+  }
+  if (!result.backward_phase_ms.empty()) std::printf("\n");
   for (const std::string& line : result.trace_summary) std::printf("    trace %s\n", line.c_str());
   std::fflush(stdout);
   out << "}}";

@@ -6,10 +6,8 @@ a plain-PyTorch MoE, on synthetic data (a fixed random teacher), and prints loss
 
 What runs where:
   --device cpu   mok.nn.MoE forward and backward: mok's CPU backend.
-  --device cuda  mok.nn.MoE forward: mok's GPU layer (expert-parallel over the torchrun group when
-                 there is one); backward: the plain-PyTorch REFERENCE (mok._reference), since
-                 mok's GPU backward is not built yet. Training tokens/s therefore measure mok's
-                 forward plus a reference backward; the MoE forward alone is timed separately.
+  --device cuda  mok.nn.MoE forward and backward: mok's GPU layer (expert-parallel over the
+                 torchrun group when there is one); the MoE forward alone is also timed.
 Under torchrun the torch-native block is data-parallel with every expert on each rank (the same
 global model); mok's block holds E/R experts per rank. Replicated weights average their gradients.
 """
@@ -191,7 +189,7 @@ def main():
     log(f"training a transformer block (H {hidden}, {args.experts} experts, top-{args.top_k}, shared expert) "
         f"for {args.steps} steps, {args.batch}x{seq} tokens per step and rank on {device.type}, EP {ranks}")
     backend = "CPU backend: forward and backward" if not on_gpu else \
-        "GPU forward; backward: plain-PyTorch reference"
+        "GPU forward and backward"
     mok_loss, mok_rate = train(mok_block, data, target, args.steps, f"mok.nn.MoE ({backend})", group, ranks,
                                True, log)
     torch_loss, torch_rate = train(torch_block, data, target, args.steps, "torch-native MoE", group, ranks,

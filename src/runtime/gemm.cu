@@ -47,10 +47,15 @@ int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilog
   // and qwen3-235b down (K = 1536) in the runs of a0aa876 and 7574ade; at K = 2048 the two trade
   // places between runs (perf-notes/gemm.md v12).
   constexpr int kPingpongMaxK = 1536;
-  return kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 &&
-                 reduction_length <= kPingpongMaxK
-             ? 128
-             : 0;
+  if (kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 &&
+      reduction_length <= kPingpongMaxK) {
+    return 128;
+  }
+  // fp32 row outputs (the backward's recomputed gate/up and down dgrad) leave by synchronous
+  // register stores that stall a cooperative tile's MMAs; the ping-pong tiles overlap them
+  // (docs/perf-notes/backward.md v1).
+  if (kind != GemmKind::kWgrad && epilogue == EpilogueKind::kStoreFp32) return 128;
+  return 0;
 }
 
 // Persistent grid: one CTA per SM, fewer when the tile count is known to be smaller (wgrad).

@@ -163,9 +163,10 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
                       grads.shared_gate_up, grads.output, stream, gemm_options);
 }
 
+template <class Mark>
 void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
-                                       const DeviceLayerGradients& grads,
-                                       cudaStream_t stream) {
+                                       const DeviceLayerGradients& grads, cudaStream_t stream,
+                                       const Mark& mark) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   const int experts = static_cast<int>(layout.experts_per_rank());
   const int rows = static_cast<int>(layout.rows_capacity());
@@ -178,9 +179,11 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   gemm::grouped_forward({experts, rows, 2 * inter, hidden, counts}, workspace_.expert_x(),
                         weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kFp32, stream,
                         gemm_options);
+  mark();
   // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
+  mark();
   const gemm::SwiGluBackwardRows swiglu_rows{gate_up_, grad_hidden_,
                                              reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
                                              reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
@@ -188,22 +191,28 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   swiglu_backward_routed_kernel<<<num_sms_ * 4, gemm::kSwiGluBackwardThreads, 0, stream>>>(
       workspace_.view(), swiglu_rows);
   MOK_CUDA_CHECK_LAUNCH();
+  mark();
   // dx rows = d_gate_up · W_gate_up: (rows, 2I) -> (rows, H) bf16, into expert_y for the push.
   gemm::grouped_dgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_, weights.gate_up,
                       offsets, workspace_.expert_y(), gemm::DgradOutput::kBf16, stream,
                       gemm_options);
+  mark();
   combine_push(workspace_, options_.copy, stream);
+  mark();
   // While the peers' dx rows arrive: dW_down = dyᵀ · (w·h), dW_gate_up = d_gate_upᵀ · x.
   gemm::grouped_wgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(),
                       weighted_hidden_, offsets, grads.down, grads.output, stream, gemm_options);
+  mark();
   gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_,
                       workspace_.expert_x(), offsets, grads.gate_up, grads.output, stream, gemm_options);
+  mark();
 }
 
 void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
                              const int32_t* topk_idx, const float* topk_w, const bf16* dy,
                              bf16* dx, float* d_topk_w, const DeviceLayerGradients& grads,
-                             int64_t num_tokens, cudaStream_t stream) {
+                             int64_t num_tokens, cudaStream_t stream,
+                             const cudaEvent_t* phase_events) {
   MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
                 " out of range [0, ", tokens_max_, "]");
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
@@ -221,6 +230,12 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   }
   const int tokens = static_cast<int>(num_tokens);
   const int64_t num_slots = num_tokens * shape_.top_k;
+  int phase = 0;
+  auto mark = [&] {
+    if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[phase], stream));
+    ++phase;
+  };
+  mark();
   // This rank's x, dy and router weights into its window, for the expert ranks.
   stage_tokens(workspace_, x, num_tokens, stream);
   MOK_CUDA_CHECK(cudaMemcpyAsync(workspace_.dy(), dy,
@@ -229,11 +244,14 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   MOK_CUDA_CHECK(cudaMemcpyAsync(workspace_.topk_w(), topk_w, static_cast<size_t>(num_slots * 4),
                                  cudaMemcpyDeviceToDevice, stream));
   schedule(workspace_, topk_idx, num_tokens, stream);
+  mark();
   const bool shared = shape_.has_shared() && tokens > 0;
   if (shared) run_shared_expert(weights, x, dy, grads, tokens, stream);
+  mark();
   dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kX);
   dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kDy);
-  run_routed_experts(weights, grads, stream);
+  mark();
+  run_routed_experts(weights, grads, stream, mark);
   if (shape_.has_shared() && tokens == 0 && grads.output != gemm::WgradOutput::kAccumulateFp32) {
     // No token: the shared expert's gradients are zero.
     const size_t element_bytes = grads.output == gemm::WgradOutput::kBf16 ? 2 : 4;
@@ -248,6 +266,24 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     collect_d_topk_w_kernel<<<ctas, 256, 0, stream>>>(workspace_.view(), d_topk_w, tokens);
     MOK_CUDA_CHECK_LAUNCH();
   }
+  mark();
+}
+
+const char* phase_name(BackwardPhase phase) {
+  switch (phase) {
+    case BackwardPhase::kSchedule: return "schedule";
+    case BackwardPhase::kSharedExpert: return "shared-expert";
+    case BackwardPhase::kDispatch: return "dispatch";
+    case BackwardPhase::kGateUp: return "gate-up";
+    case BackwardPhase::kDownDgrad: return "down-dgrad";
+    case BackwardPhase::kSwiGluBackward: return "swiglu-backward";
+    case BackwardPhase::kGateUpDgrad: return "gate-up-dgrad";
+    case BackwardPhase::kCombinePush: return "combine-push";
+    case BackwardPhase::kWgradDown: return "wgrad-down";
+    case BackwardPhase::kWgradGateUp: return "wgrad-gate-up";
+    case BackwardPhase::kCombineReduce: return "combine-reduce";
+  }
+  return "?";
 }
 
 }  // namespace mok

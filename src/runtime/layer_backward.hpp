@@ -56,6 +56,23 @@ struct DeviceLayerGradients {
   gemm::WgradOutput output = gemm::WgradOutput::kFp32;
 };
 
+// The steps of one backward, for a per-phase timing breakdown.
+enum class BackwardPhase : int {
+  kSchedule = 0,     // x, dy, topk_w into the window; the schedule
+  kSharedExpert,     // the shared expert's recompute, dgrads, SwiGLU backward and wgrads
+  kDispatch,         // x and dy rows to the experts
+  kGateUp,           // routed gate/up recomputed (fp32)
+  kDownDgrad,        // g = W_downᵀ dy (fp32)
+  kSwiGluBackward,   // d_topk_w, d_gate_up, w·h
+  kGateUpDgrad,      // dx rows
+  kCombinePush,
+  kWgradDown,
+  kWgradGateUp,
+  kCombineReduce,    // dx, d_topk_w
+};
+inline constexpr int kNumBackwardPhases = 11;
+const char* phase_name(BackwardPhase phase);
+
 class LayerBackward {
  public:
   // tokens_max: the most tokens any call passes on any rank (the same on every rank).
@@ -67,10 +84,12 @@ class LayerBackward {
 
   // x, dy, dx (T, H) bf16; topk_idx (T, k) int32; topk_w, d_topk_w (T, k) fp32: device pointers
   // on this rank's GPU, T <= tokens_max, the same routing as the forward. Every rank calls it
-  // with the same options.
+  // with the same options. phase_events, when given: kNumBackwardPhases + 1 events, recorded on
+  // the stream before the first phase and after each one.
   void backward(const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
                 const float* topk_w, const bf16* dy, bf16* dx, float* d_topk_w,
-                const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream);
+                const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream,
+                const cudaEvent_t* phase_events = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
@@ -83,8 +102,10 @@ class LayerBackward {
  private:
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const DeviceLayerGradients& grads, int tokens, cudaStream_t stream);
+  // mark(): the end of a phase (an event when the caller asked for them).
+  template <class Mark>
   void run_routed_experts(const DeviceLayerWeights& weights, const DeviceLayerGradients& grads,
-                          cudaStream_t stream);
+                          cudaStream_t stream, const Mark& mark);
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;

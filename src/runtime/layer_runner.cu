@@ -176,10 +176,12 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
                   const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
                   const float* topk_w, cudaStream_t stream, const Forward& forward,
                   WarmUp& warm_up, LayerRunResult& result, double& backward_ms, double& pair_ms,
-                  int64_t& buffer_bytes) {
+                  std::vector<double>& phase_ms, int64_t& buffer_bytes) {
   const LayerShape& shape = spec.shape;
   const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
-  LayerBackward layer(comm, shape, tokens);
+  LayerBackwardOptions options;
+  options.gemm.engine = static_cast<gemm::GemmEngine>(spec.backward_engine);
+  LayerBackward layer(comm, shape, tokens, options);
   buffer_bytes = layer.buffer_bytes();
   DeviceArray<bf16> dy(tokens * hidden), dx(tokens * hidden);
   DeviceArray<float> d_topk_w(tokens * top_k);
@@ -193,41 +195,47 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
   }
   const bool shared = shape.has_shared();
-  const DeviceLayerGradients grads{grad_gate_up.get(), grad_down.get(),
-                                   shared ? grad_shared_gate_up.get() : nullptr,
-                                   shared ? grad_shared_down.get() : nullptr,
-                                   gemm::WgradOutput::kFp32};
-  auto backward = [&] {
+  const DeviceLayerGradients grads{
+      grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
+      shared ? grad_shared_down.get() : nullptr,
+      spec.bf16_gradients ? gemm::WgradOutput::kBf16 : gemm::WgradOutput::kFp32};
+  auto backward = [&](const cudaEvent_t* events) {
     layer.backward(weights, x, topk_idx, topk_w, dy.get(), dx.get(), d_topk_w.get(), grads, tokens,
-                   stream);
+                   stream, events);
   };
   auto pair = [&] {
     forward();
-    backward();
+    backward(nullptr);
   };
   warm_up.run(spec, rank, stream, pair);
   layer.check(stream);
-  // (iterations, 3) events: before the forward, between, after the backward.
-  std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * 3);
+  // (iterations, marks) events: before the forward, then the backward's phase marks.
+  constexpr int kMarks = kNumBackwardPhases + 2;
+  std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
   for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
   for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-    cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * 3];
+    cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
     MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
     forward();
-    MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
-    backward();
-    MOK_CUDA_CHECK(cudaEventRecord(marks[2], stream));
+    backward(marks + 1);
   }
   layer.check(stream);
   std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
+  std::vector<std::vector<float>> phase_times(kNumBackwardPhases, backward_times);
   for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-    const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * 3];
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[2]));
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[2]));
+    const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
+    for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+      MOK_CUDA_CHECK(cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase],
+                                          marks[2 + phase]));
+    }
   }
   for (cudaEvent_t event : events) cudaEventDestroy(event);
   backward_ms = median(backward_times);
   pair_ms = median(pair_times);
+  phase_ms.resize(kNumBackwardPhases);
+  for (int phase = 0; phase < kNumBackwardPhases; ++phase) phase_ms[phase] = median(phase_times[phase]);
   if (!spec.keep_y) return;
   const int64_t experts_local = shape.num_experts / spec.ep;
   dx.download(result.dx.data() + rank * tokens * hidden);
@@ -266,6 +274,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   std::vector<std::vector<double>> rank_phase_ms(spec.ep, std::vector<double>(kNumForwardPhases));
   std::vector<std::string> trace_lines(spec.ep);
   std::vector<double> rank_backward_ms(spec.ep), rank_pair_ms(spec.ep);
+  std::vector<std::vector<double>> rank_backward_phase_ms(spec.ep);
   std::vector<int64_t> backward_bytes(spec.ep);
   if (spec.backward && spec.keep_y) {
     const int64_t experts = shape.num_experts, inter = shape.intermediate;
@@ -377,8 +386,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     }
     if (spec.backward) {
       run_backward(spec, rank, comms[rank], weights, x.get(), topk_idx.get(), topk_w.get(), stream,
-                   forward, warm_up_pairs, result, rank_backward_ms[rank],
-                   rank_pair_ms[rank], backward_bytes[rank]);
+                   forward, warm_up_pairs, result, rank_backward_ms[rank], rank_pair_ms[rank],
+                   rank_backward_phase_ms[rank], backward_bytes[rank]);
     }
   });
   if (spec.backward) {
@@ -386,6 +395,14 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     result.forward_backward_ms = *std::max_element(rank_pair_ms.begin(), rank_pair_ms.end());
     result.backward_buffer_bytes_per_rank =
         *std::max_element(backward_bytes.begin(), backward_bytes.end());
+    for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+      result.backward_phase_names.push_back(phase_name(static_cast<BackwardPhase>(phase)));
+      double slowest = 0;
+      for (int rank = 0; rank < spec.ep; ++rank) {
+        slowest = std::max(slowest, rank_backward_phase_ms[rank][phase]);
+      }
+      result.backward_phase_ms.push_back(slowest);
+    }
   }
   result.forward_ms = *std::max_element(result.rank_ms.begin(), result.rank_ms.end());
   for (int phase = 0; phase < kNumForwardPhases; ++phase) {

@@ -54,6 +54,10 @@ struct LayerRunSpec {
   // (the problem's, or seeded random values): timed alone and as forward + backward pairs, after
   // the same warm-up (of pairs). Its outputs are kept with y (keep_y).
   bool backward = false;
+  // The backward's weight gradients in bf16 (what autograd gives bf16 parameters), else fp32.
+  bool bf16_gradients = false;
+  // The backward's GEMM engine, as gemm::GemmEngine's value (0 = kAuto; same bits whichever).
+  int backward_engine = 0;
   int warmup = 3;  // untimed forwards first: at least this many, and
   // more until this many milliseconds have passed (every rank runs as many as rank 0): under the
   // power cap the clock follows the power of the last fraction of a second, so a few forwards of
@@ -78,6 +82,8 @@ struct LayerRunResult {
   double backward_ms = 0;
   double forward_backward_ms = 0;
   int64_t backward_buffer_bytes_per_rank = 0;
+  std::vector<std::string> backward_phase_names;  // LayerBackward's phases, in order
+  std::vector<double> backward_phase_ms;          // median over the timed pairs, slowest rank
   std::vector<bf16> dx;                     // (T_global, H)
   std::vector<float> d_topk_w;              // (T_global, k)
   std::vector<float> grad_gate_up;          // (E, 2I, H)
