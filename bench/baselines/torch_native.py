@@ -32,6 +32,8 @@ Variants (VARIANTS below):
   batched_view      torchtitan's combine: the rows gathered back into slot order with one index
                     (the inverse of the stable sort's permutation), viewed (T, k, H), times w in
                     fp32, .sum(1); no host sync at EP 1 (group offsets by searchsorted)
+  batched_bmm       batched_view's gather, the weighted sum over k as one fp32 batched matmul,
+                    (T, 1, k) @ (T, k, H), instead of a product then .sum(1)
   batched_view_kn   batched_view with the weights stored [E, in, out] (K x N, "kn"): the
                     grouped GEMMs read x @ W without a transposed view, and their weight
                     gradients come out in that layout
@@ -102,6 +104,7 @@ SHAPE_KEYS = ("hidden", "intermediate", "shared_intermediate", "num_experts", "t
 VARIANTS = {
     "index_add": ("out_in", "index_add"),
     "batched_view": ("out_in", "batched_view"),
+    "batched_bmm": ("out_in", "batched_bmm"),
     "batched_view_kn": ("in_out", "batched_view"),
 }
 
@@ -261,8 +264,9 @@ class TorchNativeLayer:
         sorted_key = key[order]
         if combine == "index_add":
             return self.forward_index_add(x, topk_w, shared, order, sorted_key)
-        assert combine == "batched_view", f"combine: unknown '{combine}'"
-        return self.forward_batched_view(x, topk_idx, topk_w, shared, order, sorted_key)
+        assert combine in ("batched_view", "batched_bmm"), f"combine: unknown '{combine}'"
+        return self.forward_batched_view(x, topk_idx, topk_w, shared, order, sorted_key,
+                                         bmm=combine == "batched_bmm")
 
     def shared_expert(self, x):
         inter = self.shape["shared_intermediate"]
@@ -317,7 +321,7 @@ class TorchNativeLayer:
         weights = topk_w.reshape(-1)[pairs]
         return shared.index_add_(0, pairs // top_k, out.float() * weights[:, None]).to(torch.bfloat16)
 
-    def forward_batched_view(self, x, topk_idx, topk_w, shared, order, sorted_key):
+    def forward_batched_view(self, x, topk_idx, topk_w, shared, order, sorted_key, bmm):
         num_tokens, top_k = topk_idx.shape
         num_slots = num_tokens * top_k
         if self.world == 1:
@@ -345,7 +349,10 @@ class TorchNativeLayer:
             out = torch.cat([out, out.new_zeros(num_slots - num_sent, out.shape[1])])
             topk_w = torch.where(topk_idx >= 0, topk_w, torch.zeros_like(topk_w))
         slots = out[inverse_permutation(order)].view(num_tokens, top_k, -1)
-        y = (slots.float() * topk_w.unsqueeze(-1)).sum(dim=1)
+        if bmm:  # fp32 (torch's default matmul precision: no TF32)
+            y = torch.bmm(topk_w.unsqueeze(1), slots.float()).squeeze(1)
+        else:
+            y = (slots.float() * topk_w.unsqueeze(-1)).sum(dim=1)
         if shared is not None:
             y = y + shared
         return y.to(torch.bfloat16)
