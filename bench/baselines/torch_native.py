@@ -27,8 +27,8 @@ kernel:
   combine           (variant) rows back to their tokens, y = shared + sum_j w[t, j] * row in
                     fp32, rounded to bf16 once
 Variants (VARIANTS below):
-  index_add         the combine by y.index_add_(0, token, w * row) (fp32), the rows scattered
-                    back by `out[perm] = ...` at EP > 1; this script's layer until issue 20
+  index_add         the combine by y.index_add_(0, token, w * row) (fp32), after the rows are
+                    put back in received order by `out[perm] = ...`; this baseline's first form
   batched_view      torchtitan's combine: the rows gathered back into slot order with one index
                     (the inverse of the stable sort's permutation), viewed (T, k, H), times w in
                     fp32, .sum(1); no host sync at EP 1 (group offsets by searchsorted)
