@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Layer part of the device check: the GPU layer forward (LayerForward, fused kernel by default) —
-# its GPU tests, `mok run --backend cuda` with --check, bench_layer for the fused kernel (schedule
+# Layer part of the device check: the GPU layer forward (LayerForward, fused kernel by default) and
+# backward (LayerBackward) — their GPU tests, `mok run --backend cuda` with --check (forward and
+# backward), bench_layer for the fused kernel and the backward (schedule
 # in the kernel, and after the schedule's own kernels), the unfused composition, a sweep of
 # communication CTAs and minibatch sizes, ring rounds — and the torch-native baseline
 # (bench/baselines/torch_native.py: every variant checked, then timed forward and as a training
@@ -12,7 +13,7 @@
 #   layer-mok.json, layer-mok-separate-schedule.json, layer-mok-unfused.json, layer-sweep.json,
 #   layer-ring.json            bench_layer's own JSONs
 #   layer-torch-ep1.json, layer-torch-ep2.json   torch_native.py's figures (every variant)
-#   mok-run-cuda-tiny-ep2.json, mok-run-cuda-qwen3-30b-ep2.json, layer.log
+#   mok-run-cuda-{tiny,qwen3-30b}-ep{1,2}.json, layer.log
 #
 #   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
 # BIN_DIR holds mok, mok_gpu_tests and bench_layer (default $MOK_BUILD_DIR, set by
@@ -43,10 +44,15 @@ nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 if [ "${MOK_PART_TESTS:-1}" = 1 ]; then
-  step "GPU tests (layer forward, fused and unfused)" 240 "$BIN/mok_gpu_tests" \
-    --gtest_filter='*LayerForward*:*Fused*'
+  step "GPU tests (layer forward, fused and unfused; layer backward)" 240 "$BIN/mok_gpu_tests" \
+    --gtest_filter='*LayerForward*:*Fused*:*LayerBackward*'
 fi
 
+step "mok run --backend cuda, tiny, EP 1, --check (forward and backward)" 120 \
+  "$BIN/mok" run --backend cuda --tokens 1000 --routing skewed:1.2 --json "$OUT/mok-run-cuda-tiny-ep1.json"
+step "mok run --backend cuda, qwen3-30b-a3b, EP 1, 4096 tokens, --check" 240 \
+  "$BIN/mok" run --backend cuda --preset qwen3-30b-a3b --tokens 4096 \
+  --json "$OUT/mok-run-cuda-qwen3-30b-ep1.json"
 if ((gpus >= 2)); then
   step "mok run --backend cuda, tiny, EP 2, --check" 120 \
     "$BIN/mok" run --backend cuda --ep 2 --tokens 1000 --routing skewed:1.2 --json "$OUT/mok-run-cuda-tiny-ep2.json"
@@ -61,9 +67,9 @@ routing_dir=$(mktemp -d)
 cases=${MOK_LAYER_CASES:+--cases $MOK_LAYER_CASES}
 step "bench_layer (mok, fused)" 200 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
   --routing-dir "$routing_dir" $cases
-step "bench_layer (mok, fused after the schedule kernels)" 200 "$BIN/bench_layer" --iters 20 \
-  --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" $cases
-step "bench_layer (mok, unfused)" 200 "$BIN/bench_layer" --iters 20 --fused 0 \
+step "bench_layer (mok, fused after the schedule kernels; forward)" 200 "$BIN/bench_layer" \
+  --iters 20 --backward 0 --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" $cases
+step "bench_layer (mok, unfused; forward)" 200 "$BIN/bench_layer" --iters 20 --backward 0 --fused 0 \
   --out "$OUT/layer-mok-unfused.json" $cases
 if ((gpus >= 2)); then
   # Forward parameters: the sweeps time the forward alone (--backward 0) to keep the check short.

@@ -13,6 +13,7 @@
 #                                       is compiled: about 30 s on 32 cores), runs everything, logs
 #                                       to $MOK_RESULTS_DIR (default /tmp): python-pip-install.log,
 #                                       python-pytest-cpu.log, python-pytest-cuda.log,
+#                                       python-pytest-cuda-backward.log,
 #                                       python-example-cuda.log (EP 1, then EP 2), and
 #                                       python-example-cpu.log where there is no GPU.
 set -euo pipefail
@@ -62,7 +63,14 @@ else
 fi
 cpu_status=0
 wait $cpu_suite || cpu_status=$?
+# The GPU backward through torch on one GPU (EP = 1): gradients against an fp64 oracle next to
+# bf16 autograd's, bitwise repeats, a graph of a training step, no host sync.
+backward_status=0
+timeout 170 python3 -m pytest -q python/tests/test_torch_cuda_backward.py \
+  >"$results/python-pytest-cuda-backward.log" 2>&1 || backward_status=$?
 echo "== pytest CPU suite (exit $cpu_status)"; tail -n 25 "$results/python-pytest-cpu.log"
+echo "== pytest GPU backward suite, one GPU (exit $backward_status)"
+tail -n 25 "$results/python-pytest-cuda-backward.log"
 echo "== pytest CUDA suite, torchrun 2 ranks (exit $cuda_status)"; tail -n 40 "$results/python-pytest-cuda.log"
 
 steps=${MOK_EXAMPLE_STEPS:-300}
@@ -80,4 +88,4 @@ fi
 if ((gpus == 0)); then
   python3 examples/train_moe_block.py --steps 200 2>&1 | tee "$results/python-example-cpu.log" || example_status=1
 fi
-exit $((cpu_status || cuda_status || example_status))
+exit $((cpu_status || cuda_status || backward_status || example_status))
