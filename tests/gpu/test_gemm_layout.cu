@@ -3,6 +3,8 @@
 // rows), and the launchers' refusal of outputs they cannot write.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "mok/error.hpp"
@@ -36,6 +38,21 @@ TEST(GateUpLayout, InterleavesBlocksOfEightRowsPerExpert) {
   }
 }
 
+// Runs `call` and checks it throws the mok::Error of the output check: about `argument`, with
+// `fragment` in the message. Any other error (without a GPU, the first CUDA call's "cuda" one)
+// fails, so the test cannot pass by accident once the check is gone.
+template <class Call>
+void expect_output_refused(Call call, const std::string& argument, const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << argument << ": no error; expected one with '" << fragment << "'";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.argument(), argument) << error.what();
+    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
+        << "message '" << error.what() << "' lacks '" << fragment << "'";
+  }
+}
+
 // The launchers refuse an output they cannot store to 16 bytes at a time, before they touch the GPU
 // (so this runs without one; the other pointers are never read).
 TEST(GemmArguments, RefuseANullOrMisalignedOutput) {
@@ -43,13 +60,21 @@ TEST(GemmArguments, RefuseANullOrMisalignedOutput) {
   const auto* data = reinterpret_cast<const bf16*>(buffer);
   const int offsets[2] = {0, 1};
   const GroupedShape shape{1, 8, 16, 16};
-  for (char* output : {static_cast<char*>(nullptr), buffer + 8}) {
-    EXPECT_THROW(grouped_forward(shape, data, data, offsets, output, ForwardOutput::kBf16, nullptr),
-                 Error);
-    EXPECT_THROW(grouped_dgrad(shape, data, data, offsets, reinterpret_cast<bf16*>(output), nullptr),
-                 Error);
-    EXPECT_THROW(grouped_wgrad(shape, data, data, offsets, output, WgradOutput::kFp32, nullptr),
-                 Error);
+  const std::pair<char*, std::string> cases[] = {{nullptr, "is null"},
+                                                 {buffer + 8, "must be 16-byte aligned"}};
+  for (const auto& [output, fragment] : cases) {
+    SCOPED_TRACE(fragment);
+    expect_output_refused(
+        [&] { grouped_forward(shape, data, data, offsets, output, ForwardOutput::kBf16, nullptr); },
+        "y", fragment);
+    expect_output_refused(
+        [&] {
+          grouped_dgrad(shape, data, data, offsets, reinterpret_cast<bf16*>(output), nullptr);
+        },
+        "dx", fragment);
+    expect_output_refused(
+        [&] { grouped_wgrad(shape, data, data, offsets, output, WgradOutput::kFp32, nullptr); },
+        "dw", fragment);
   }
 }
 
