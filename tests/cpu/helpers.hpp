@@ -54,6 +54,24 @@ template <class T>
   return ::testing::AssertionSuccess();
 }
 
+// Every output of `outputs` still holds the poison ProblemOutputs::poisoned wrote: a refused call
+// (bad input) must leave all of them as they were, not only y.
+inline void expect_untouched(const Problem& problem, const ProblemOutputs& outputs) {
+  const ProblemOutputs poison = ProblemOutputs::poisoned(problem, outputs.ep);
+  EXPECT_TRUE(bitwise_equal(outputs.y, poison.y)) << "y was written";
+  EXPECT_TRUE(bitwise_equal(outputs.dx, poison.dx)) << "dx was written";
+  EXPECT_TRUE(bitwise_equal(outputs.d_topk_w, poison.d_topk_w)) << "d_topk_w was written";
+  EXPECT_TRUE(bitwise_equal(outputs.grad_gate, poison.grad_gate)) << "grad_gate was written";
+  EXPECT_TRUE(bitwise_equal(outputs.grad_up, poison.grad_up)) << "grad_up was written";
+  EXPECT_TRUE(bitwise_equal(outputs.grad_down, poison.grad_down)) << "grad_down was written";
+  EXPECT_TRUE(bitwise_equal(outputs.grad_shared_gate, poison.grad_shared_gate))
+      << "grad_shared_gate was written";
+  EXPECT_TRUE(bitwise_equal(outputs.grad_shared_up, poison.grad_shared_up))
+      << "grad_shared_up was written";
+  EXPECT_TRUE(bitwise_equal(outputs.grad_shared_down, poison.grad_shared_down))
+      << "grad_shared_down was written";
+}
+
 // Every output that the EP contract covers: y, dx, d_topk_w, routed-expert weight gradients.
 inline void expect_ep_invariant_outputs_equal(const ProblemOutputs& a, const ProblemOutputs& b) {
   EXPECT_TRUE(bitwise_equal(a.y, b.y)) << "y";

@@ -1,5 +1,5 @@
 // Every bad input gives a mok::Error that names the argument and the offending value, before any
-// output is touched.
+// output is touched: each test ends with expect_untouched, which checks every output.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -27,16 +27,20 @@ class BadInput : public ::testing::Test {
   BadInput() : problem_(Problem::generate({testing::tiny_shape(), 32, Routing::parse("uniform"), 1})),
                outputs_(ProblemOutputs::poisoned(problem_, 2)) {}
 
-  // Forward and backward over two ranks with the (possibly broken) inputs; y must stay untouched.
-  void run(std::vector<reference::RankInputs> ranks, LayerShape shape) {
-    std::vector<reference::RankOutputs> views = outputs_.rank_outputs(problem_);
+  // Forward and backward over two ranks with the (possibly broken) inputs.
+  void run(const std::vector<reference::RankInputs>& ranks, const LayerShape& shape) {
+    const std::vector<reference::RankOutputs> views = outputs_.rank_outputs(problem_);
     reference::forward(shape, ranks, views);
     reference::backward(shape, ranks, views, GradMode::kOverwrite);
   }
-  void run(std::vector<reference::RankInputs> ranks) { run(std::move(ranks), problem_.shape); }
-  void expect_untouched() {
-    for (bf16 value : outputs_.y) ASSERT_TRUE(std::isnan(value.to_float()));
+  void run(const std::vector<reference::RankInputs>& ranks) { run(ranks, problem_.shape); }
+  // Backward alone: what forward does not read (dy) must be refused before any gradient is written.
+  void run_backward(const std::vector<reference::RankInputs>& ranks) {
+    const std::vector<reference::RankOutputs> views = outputs_.rank_outputs(problem_);
+    reference::backward(problem_.shape, ranks, views, GradMode::kOverwrite);
   }
+  // Every output (y, dx, d_topk_w, every weight gradient) still holds its poison.
+  void expect_untouched() { testing::expect_untouched(problem_, outputs_); }
 
   Problem problem_;
   ProblemOutputs outputs_;
@@ -94,6 +98,7 @@ TEST_F(BadInput, ZeroTokens) {
   std::vector<reference::RankInputs> ranks = problem_.all_rank_inputs(2);
   ranks[1].tokens.x.shape[0] = 0;
   expect_error([&] { run(ranks); }, "x", "T = 0 tokens");
+  expect_untouched();
 }
 
 TEST_F(BadInput, ShapeMismatches) {
@@ -109,10 +114,10 @@ TEST_F(BadInput, ShapeMismatches) {
   ranks = problem_.all_rank_inputs(2);
   ranks[0].weights.shared_gate = {};
   expect_error([&] { run(ranks); }, "w_shared_gate", "expected [48, 64]");
-  expect_untouched();
   ranks = problem_.all_rank_inputs(2);
   ranks[0].dy.shape = {15, 64};  // forward does not read dy: backward reports it
-  expect_error([&] { run(ranks); }, "dy", "shape [15, 64], expected [16, 64]");
+  expect_error([&] { run_backward(ranks); }, "dy", "shape [15, 64], expected [16, 64]");
+  expect_untouched();
 }
 
 TEST_F(BadInput, OutputShapeMismatch) {
@@ -123,12 +128,15 @@ TEST_F(BadInput, OutputShapeMismatch) {
                "grad_up", "shape [8, 32, 63], expected [8, 32, 64]");
   views.pop_back();
   expect_error([&] { reference::forward(problem_.shape, ranks, views); }, "outputs", "1 output sets for 2 ranks");
+  expect_untouched();
 }
 
 TEST_F(BadInput, TopKAboveExpertCount) {
   LayerShape shape = problem_.shape;
   shape.top_k = 17;
   expect_error([&] { shape.validate(); }, "top_k", "k = 17 exceeds the number of experts E = 16");
+  expect_error([&] { run(problem_.all_rank_inputs(2), shape); }, "top_k", "k = 17 exceeds");
+  expect_untouched();
 }
 
 TEST_F(BadInput, ExpertsNotDivisibleByRanks) {
@@ -136,6 +144,7 @@ TEST_F(BadInput, ExpertsNotDivisibleByRanks) {
   std::vector<reference::RankInputs> three = {problem_.rank_inputs(0, 2), problem_.rank_inputs(1, 2),
                                               problem_.rank_inputs(1, 2)};
   expect_error([&] { run(three); }, "ep", "do not divide over 3 ranks");
+  expect_untouched();
 }
 
 TEST_F(BadInput, BadShapeFields) {
@@ -143,12 +152,16 @@ TEST_F(BadInput, BadShapeFields) {
   expect_error([] { LayerShape{60, 32, 0, 16, 4}.validate(); }, "hidden", "multiple of 8 (16-byte rows), got 60");
   expect_error([] { LayerShape{64, 32, -8, 16, 4}.validate(); }, "shared_intermediate", ">= 0, got -8");
   expect_error([] { LayerShape{64, 32, 0, 16, 0}.validate(); }, "top_k", "must be positive, got 0");
+  expect_error([&] { run(problem_.all_rank_inputs(2), LayerShape{60, 32, 48, 16, 4}); }, "hidden",
+               "multiple of 8 (16-byte rows), got 60");
+  expect_untouched();
 }
 
 TEST_F(BadInput, UnknownPresetAndRouting) {
   expect_error([] { find_preset("gpt-5"); }, "preset", "unknown preset 'gpt-5' (known: tiny,");
   expect_error([] { Routing::parse("zipf"); }, "routing", "unknown routing 'zipf'");
   expect_error([] { Routing::parse("skewed:abc"); }, "routing", "skewed:ALPHA needs ALPHA");
+  expect_untouched();  // nothing ran; kept so that every bad-input test ends with the check
 }
 
 }  // namespace
