@@ -1,21 +1,159 @@
 #!/usr/bin/env bash
 # Builds everything and runs every test: the C++ suites, the command line, the GPU suites (which
-# skip, each with its reason, without a GPU) and, where python3 imports torch, the PyTorch front
-# end's pytest suite.
+# skip, each with its reason, without a GPU) and the PyTorch front end's pytest suites (the CUDA
+# ones skip without GPUs). Ends with ctest's and pytest's summaries, every skipped test with its
+# reason, and the totals over both alone on the last line: "N passed, N failed, N skipped".
+#
+# Python: a python3 (or $MOK_PYTHON) that imports torch and pytest is used as it is; otherwise
+# torch (the PyPI wheel, which runs on the CPU) and pytest are installed from PyPI into a virtual
+# environment, $MOK_PYTHON_ENV (default: python-env in the build folder; about 4 GB, under two
+# minutes where PyPI is fast). If that install fails, the command fails; where there is no network,
+# MOK_SKIP_PYTHON=1 leaves the Python tests out, and the summary says so.
 set -euo pipefail
+start_seconds=$SECONDS
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${MOK_BUILD_DIR:-$root/build}
-have_torch=0
-python3 -c "import torch, pytest" 2>/dev/null && have_torch=1
-if ((have_torch)); then
-  export MOK_CMAKE_ARGS="${MOK_CMAKE_ARGS:-} -DMOK_BUILD_TORCH=ON"
+mkdir -p "$build_dir"
+build_dir=$(cd "$build_dir" && pwd)
+export MOK_BUILD_DIR=$build_dir
+"$root/scripts/bootstrap.sh"
+
+# ---- a python that imports torch and pytest -----------------------------------------------------
+python=""
+python_skip_reason=""
+if [[ ${MOK_SKIP_PYTHON:-0} == 1 ]]; then
+  python_skip_reason="MOK_SKIP_PYTHON=1"
+  echo "python tests: left out ($python_skip_reason)"
+else
+  base_python=${MOK_PYTHON:-python3}
+  python_env=${MOK_PYTHON_ENV:-$build_dir/python-env}
+  if "$base_python" -c "import torch, pytest" 2>/dev/null; then
+    python=$("$base_python" -c "import sys; print(sys.executable)")
+  elif [[ -x $python_env/bin/python ]] && "$python_env/bin/python" -c "import torch, pytest" 2>/dev/null; then
+    python=$python_env/bin/python
+  else
+    echo "python tests: $base_python does not import torch and pytest; installing them from PyPI into $python_env"
+    install_start=$SECONDS
+    if "$base_python" -m venv "$python_env" &&
+      "$python_env/bin/python" -m pip install --quiet --progress-bar off torch pytest numpy &&
+      "$python_env/bin/python" -c "import torch, pytest"; then
+      python=$python_env/bin/python
+      echo "python tests: installed torch $("$python" -c "import torch; print(torch.__version__)") in $((SECONDS - install_start)) s"
+    else
+      {
+        echo "=================================================================================="
+        echo "FAILED: torch and pytest could not be installed from PyPI into $python_env"
+        echo "(network?). The Python tests cannot run, so the test command fails."
+        echo "Without network, set MOK_SKIP_PYTHON=1 to leave them out."
+        echo "=================================================================================="
+      } >&2
+      exit 1
+    fi
+  fi
+fi
+
+if [[ -n $python ]]; then
+  export MOK_CMAKE_ARGS="${MOK_CMAKE_ARGS:-} -DMOK_BUILD_TORCH=ON -DPython3_EXECUTABLE=$python"
 else
   export MOK_CMAKE_ARGS="${MOK_CMAKE_ARGS:-} -DMOK_BUILD_TORCH=OFF"
 fi
 "$root/scripts/build.sh"
-(cd "$build_dir" && ctest --output-on-failure -j "$(nproc)")
-if ((have_torch)); then
-  MOK_TORCH_LIBRARY="$build_dir/_mok_torch.so" PYTHONPATH="$root/python" python3 -m pytest -q "$root/python/tests"
-else
-  echo "python tests: skipped (python3 here does not import torch and pytest)"
+
+# ---- ctest --------------------------------------------------------------------------------------
+ctest_log=$build_dir/ctest.log
+ctest_xml=$build_dir/ctest-junit.xml
+rm -f "$ctest_xml"
+ctest_status=0
+(cd "$build_dir" && ctest --output-on-failure -j "$(nproc)" --output-junit "$ctest_xml") 2>&1 |
+  tee "$ctest_log" || ctest_status=$?
+
+# ---- pytest -------------------------------------------------------------------------------------
+pytest_log=$build_dir/pytest.log
+pytest_xml=$build_dir/pytest-junit.xml
+rm -f "$pytest_xml"
+pytest_status=0
+if [[ -n $python ]]; then
+  (cd "$root" && MOK_TORCH_LIBRARY="$build_dir/_mok_torch.so" PYTHONPATH="$root/python" \
+    timeout "${MOK_PYTEST_TIMEOUT:-900}" "$python" -m pytest -q -rs -p no:cacheprovider \
+    --junitxml="$pytest_xml" python/tests) 2>&1 |
+    tee "$pytest_log" || pytest_status=$?
 fi
+
+# ---- summary ------------------------------------------------------------------------------------
+echo
+echo "==================================== summary ===================================="
+echo "== ctest"
+sed -n '/tests passed, .* tests failed out of/,$p' "$ctest_log"
+echo "== pytest"
+if [[ -n $python ]]; then
+  if grep -q "short test summary info" "$pytest_log"; then
+    sed -n '/short test summary info/,$p' "$pytest_log"
+  else
+    tail -n 1 "$pytest_log"
+  fi
+  ((pytest_status == 5)) && echo "pytest collected no test (exit 5): counted as a failure"
+else
+  echo "python tests: skipped ($python_skip_reason)"
+fi
+echo "== test command: $((SECONDS - start_seconds)) s"
+# Counts from the JUnit files of both runners; a GoogleTest skip's reason is the text between its
+# "Skipped" line and its "[  SKIPPED ]" line.
+python3 - "$ctest_xml" "$ctest_status" "$pytest_xml" "$pytest_status" "${python:+ran}" <<'PYTHON'
+import collections
+import re
+import sys
+import textwrap
+import xml.etree.ElementTree as ElementTree
+
+ctest_xml, ctest_status, pytest_xml, pytest_status, pytest_ran = sys.argv[1:6]
+counts = collections.Counter()
+skip_reasons = collections.defaultdict(list)  # reason -> test names
+
+
+def gtest_skip_reason(output):
+    match = re.search(r": Skipped\n(.*?)\n?\[  SKIPPED \]", output or "", re.S)
+    return match.group(1).strip() if match and match.group(1).strip() else "(no reason given)"
+
+
+def test_name(case, runner):
+    if runner == "pytest":  # module::test[parameters]
+        return case.get("classname", "").rsplit(".", 1)[-1] + "::" + case.get("name")
+    return case.get("name").split("  # GetParam()")[0]  # Suite.Test or Instance/Suite.Test/parameters
+
+
+def read(path, runner, status):
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+        root = None
+    failed_before = counts["failed"]
+    for case in root.iter("testcase") if root is not None else ():
+        if case.find("failure") is not None or case.find("error") is not None:
+            counts["failed"] += 1
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+            skipped = case.find("skipped")
+            reason = skipped.get("message", "")
+            if runner == "ctest" or not reason:
+                reason = gtest_skip_reason(case.findtext("system-out"))
+            skip_reasons[f"{runner}: {reason}"].append(test_name(case, runner))
+        else:
+            counts["passed"] += 1
+    if status != "0" and counts["failed"] == failed_before:
+        print(f"{runner} exited {status} with no failed test in {path}: counted as one failure")
+        counts["failed"] += 1
+
+
+read(ctest_xml, "ctest", ctest_status)
+if pytest_ran:
+    read(pytest_xml, "pytest", pytest_status)
+if skip_reasons:
+    print("== skipped, and why")
+    for reason, names in sorted(skip_reasons.items(), key=lambda item: -len(item[1])):
+        print(f"{len(names)} x {reason}")
+        print(textwrap.fill(", ".join(names), width=100, initial_indent="    ",
+                            subsequent_indent="    ", break_long_words=False,
+                            break_on_hyphens=False))
+print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+sys.exit(1 if counts["failed"] else 0)
+PYTHON
