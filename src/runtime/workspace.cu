@@ -161,6 +161,12 @@ void CommWorkspace::check(cudaStream_t stream) const {
                                              record.expected, ") at rank ", record.peer, " token ",
                                              record.token, " slot ", record.slot, " (found on the "
                                              "device by ", where, ")"));
+    case comm::ErrorCode::kExpertRepeated:
+      throw Error("topk_idx", detail::concat("expert id ", record.value, " repeated at rank ",
+                                             record.peer, " token ", record.token, " slot ",
+                                             record.slot, " (also at slot ", record.expected,
+                                             "; the ids of a row must be distinct, only -1 may "
+                                             "repeat; found on the device by ", where, ")"));
     case comm::ErrorCode::kTokenCountOutOfRange:
       throw Error("num_tokens", detail::concat("rank ", record.peer, " sent ", record.value,
                                                " tokens, outside [0, ", record.expected,

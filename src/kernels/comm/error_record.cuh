@@ -1,7 +1,7 @@
 // The device error word of the communication kernels. A device-side fault (an expert id out of
-// range, a peer that never arrives) is recorded here and ends the kernel instead of hanging or
-// writing out of bounds; the host reads the record after the stream and turns it into a
-// mok::Error that names the rank, the phase and what was waited for.
+// range or repeated in a row, a peer that never arrives) is recorded here and ends the kernel
+// instead of hanging or writing out of bounds; the host reads the record after the stream and
+// turns it into a mok::Error that names the rank, the phase and what was waited for.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +21,7 @@ enum class ErrorCode : uint32_t {
   kExpertOutOfRange = 3,   // topk_idx holds an id outside [-1, E)
   kTokenCountOutOfRange = 4,
   kTaskTimeout = 5,        // a fused-forward task waited too long for a row block's counter
+  kExpertRepeated = 6,     // a row of topk_idx holds an expert id twice (-1 may repeat)
 };
 
 enum class Phase : uint32_t {
@@ -51,11 +52,12 @@ struct ErrorRecord {
   uint32_t code;      // ErrorCode; kNone while healthy
   uint32_t rank;      // the rank that saw the fault
   uint32_t phase;     // Phase
-  uint32_t peer;      // kTimeout: the rank waited for; kExpertOutOfRange: the token's rank
-  int32_t token;      // kExpertOutOfRange: token index on `peer`
-  int32_t slot;       // kExpertOutOfRange: top-k slot
+  uint32_t peer;      // kTimeout: the rank waited for; kExpert*: the token's rank
+  int32_t token;      // kExpert*: token index on `peer`
+  int32_t slot;       // kExpert*: top-k slot (kExpertRepeated: the later of the two)
   int32_t value;      // the bad id / token count, or the flag value seen at the timeout
-  uint32_t expected;  // kTimeout: the epoch waited for; kExpertOutOfRange: E
+  uint32_t expected;  // kTimeout: the epoch waited for; kExpertOutOfRange: E;
+                      // kExpertRepeated: the earlier slot holding the same id
   uint32_t flag_kind; // kTimeout: which FlagKind
 };
 

@@ -2,8 +2,8 @@
 //   1. begin_call      bump the call's epoch, zero the counters (one CTA), the fused forward's too
 //   2. gather_push     push this rank's topk_idx (T, k) and T into every rank's window, then
 //                      signal the gather flag (its x is in the window too: pulls may start)
-//   3. count_rows      wait for every rank's gather flag, validate every id, count the rows of
-//                      each local expert
+//   3. count_rows      wait for every rank's gather flag, validate every id (in range, distinct
+//                      within its row), count the rows of each local expert
 //   4. order_rows      one CTA per local expert: offsets (each expert starts at a multiple of
 //                      block_m) and the expert's rows in global token order (rank * T_max + t,
 //                      then slot j), padding marked -1; for this rank's own tokens, the row of
@@ -103,15 +103,27 @@ __device__ inline void count_rows(const WorkspaceView& view, int cta, int num_ct
     for (int64_t index = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x;
          index < num_tokens * layout.top_k; index += stride) {
       const int32_t expert = ids[index];
-      if (expert < -1 || expert >= layout.num_experts) {
+      const int64_t slot = index % layout.top_k;
+      auto report = [&](ErrorCode code, uint32_t expected) {
         ErrorDetail detail{Phase::kSchedule};
         detail.peer = static_cast<uint32_t>(source);
         detail.token = static_cast<int32_t>(index / layout.top_k);
-        detail.slot = static_cast<int32_t>(index % layout.top_k);
+        detail.slot = static_cast<int32_t>(slot);
         detail.value = expert;
-        detail.expected = static_cast<uint32_t>(layout.num_experts);
-        raise_error(&state->error, ErrorCode::kExpertOutOfRange, view.rank, detail);
+        detail.expected = expected;
+        raise_error(&state->error, code, view.rank, detail);
+      };
+      if (expert < -1 || expert >= layout.num_experts) {
+        report(ErrorCode::kExpertOutOfRange, static_cast<uint32_t>(layout.num_experts));
         return;
+      }
+      // The ids of a row are distinct (-1 may repeat): the later slot of a repeat reports it.
+      // The row's earlier ids sit beside this one, read by the neighbouring threads too.
+      for (int64_t earlier = 0; expert >= 0 && earlier < slot; ++earlier) {
+        if (ids[index - slot + earlier] == expert) {
+          report(ErrorCode::kExpertRepeated, static_cast<uint32_t>(earlier));
+          return;
+        }
       }
       const int64_t local_expert = expert - first_expert;
       if (expert >= 0 && local_expert >= 0 && local_expert < experts_per_rank) {
