@@ -20,7 +20,8 @@ constexpr double kSlackBytes = 64.0 * 1024 * 1024;
 // `tokens / ranks` tokens each; the larger of the two passes, which do not overlap.
 double engine_bytes(const LayerShape& shape, double tokens, double ranks, double real_bytes,
                     double threads) {
-  const double hidden = static_cast<double>(shape.hidden), inter = static_cast<double>(shape.intermediate);
+  const double hidden = static_cast<double>(shape.hidden);
+  const double inter = static_cast<double>(shape.intermediate);
   const double shared = static_cast<double>(shape.shared_intermediate);
   const double top_k = static_cast<double>(shape.top_k), rows = tokens * top_k;
   const double schedule = rows * 16;  // RowRef and the expert of each row

@@ -33,7 +33,8 @@ void ProgressLine::show(std::string_view phase, int64_t done, int64_t total) {
   if (mode_ == Mode::kNever) return;
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  const bool due = elapsed >= kFirstLineAfterS && (terminal_ || elapsed >= last_line_s_ + kLogLineEveryS);
+  const bool due = elapsed >= kFirstLineAfterS &&
+                   (terminal_ || elapsed >= last_line_s_ + kLogLineEveryS);
   if (mode_ == Mode::kAuto && !due) return;
   last_line_s_ = elapsed;
   char line[256];
@@ -46,9 +47,9 @@ void ProgressLine::show(std::string_view phase, int64_t done, int64_t total) {
     std::fprintf(stderr, "%s\n", line);
     return;
   }
-  // Spaces over what a longer earlier line left, then back to the start of the line.
-  std::fprintf(stderr, "\r%s%*s", line, static_cast<int>(shown_width_ > width ? shown_width_ - width : 0),
-               "");
+  // Over the start of the line, with spaces over what a longer earlier line left.
+  const int pad = static_cast<int>(shown_width_ > width ? shown_width_ - width : 0);
+  std::fprintf(stderr, "\r%s%*s", line, pad, "");
   shown_width_ = std::max(shown_width_, width);
 }
 

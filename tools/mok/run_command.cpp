@@ -253,7 +253,8 @@ int run_cpu(const RunConfig& config, int threads, const CpuMemory& memory,
     reference::Options ep1_options = options, oracle_options = options;
     ep1_options.progress = progress_line.labelled("check (EP 1 run)");
     oracle_options.progress = progress_line.labelled("check (fp64 oracle)");
-    const OracleCheck check = check_against_oracle(config, problem, result, ep1_options, oracle_options);
+    const OracleCheck check =
+        check_against_oracle(config, problem, result, ep1_options, oracle_options);
     progress_line.clear();
     passed = print_check(config, check);
   }
