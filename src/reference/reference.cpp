@@ -53,12 +53,16 @@ void backward(const LayerShape& shape, std::span<const RankInputs> ranks,
   validate_inputs(shape, ranks, /*needs_dy=*/true);
   check_output_count(ranks, outputs);
   const int64_t ep = static_cast<int64_t>(ranks.size());
-  std::vector<GradTargets<float>> targets;
+  // Every rank's outputs are checked before any is written: a bad argument leaves them all as
+  // they were.
   for (size_t rank = 0; rank < ranks.size(); ++rank) {
     const int64_t num_tokens = ranks[rank].tokens.x.shape[0];
     check_shape(outputs[rank].dx, "dx", {num_tokens, shape.hidden});
     check_shape(outputs[rank].d_topk_w, "d_topk_w", {num_tokens, shape.top_k});
     validate_grads(shape, ep, outputs[rank].grads);
+  }
+  std::vector<GradTargets<float>> targets;
+  for (size_t rank = 0; rank < ranks.size(); ++rank) {
     const WeightGrads& grads = outputs[rank].grads;
     if (mode == GradMode::kOverwrite) {
       for (const View<float>* grad : {&grads.gate, &grads.up, &grads.down, &grads.shared_gate,
