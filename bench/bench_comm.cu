@@ -26,8 +26,8 @@
 #include "mok/shape.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
-#include "runtime/cuda_check.hpp"
-#include "runtime/device.hpp"
+#include "mok/cuda_check.hpp"
+#include "mok/gpu.hpp"
 #include "runtime/workspace.hpp"
 
 namespace {
@@ -183,7 +183,7 @@ int run(int argc, char** argv) {
   if (!parse(argc, argv, args)) return 0;
   if (args.iters < 1) throw mok::bench::UsageError("--iters", "must be >= 1");
   if (args.tokens < 1) throw mok::bench::UsageError("--tokens", "must be >= 1");
-  const mok::runtime::GpuSummary gpus = mok::runtime::query_gpus();
+  const mok::GpuSummary gpus = mok::query_gpus();
   if (gpus.num_hopper_gpus < 2) {
     throw mok::Error("", "needs 2 Hopper GPUs; found " + gpus.description);
   }

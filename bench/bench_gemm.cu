@@ -22,8 +22,8 @@
 #include "bench_options.hpp"
 #include "mok/gemm.hpp"
 #include "mok/shape.hpp"
-#include "runtime/cuda_check.hpp"
-#include "runtime/device.hpp"
+#include "mok/cuda_check.hpp"
+#include "mok/gpu.hpp"
 
 namespace {
 
@@ -204,7 +204,7 @@ int run(int argc, char** argv) {
     }
     if (!known) throw mok::bench::UsageError("--only", "no case is called '" + only + "'");
   }
-  const mok::runtime::GpuSummary gpus = mok::runtime::query_gpus();
+  const mok::GpuSummary gpus = mok::query_gpus();
   if (gpus.num_hopper_gpus < 1) throw mok::Error("", "needs a Hopper GPU; found " + gpus.description);
   constexpr int kEp = 2, kTokensPerRank = 8192;
   std::vector<CaseResult> results;

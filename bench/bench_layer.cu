@@ -22,7 +22,7 @@
 #include "mok/gemm.hpp"
 #include "mok/shape.hpp"
 #include "mok/synthetic.hpp"
-#include "runtime/layer_runner.hpp"
+#include "mok/layer_runner.hpp"
 
 namespace {
 

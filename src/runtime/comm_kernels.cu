@@ -7,7 +7,7 @@
 #include "kernels/schedule/token_schedule.cuh"
 #include "mok/error.hpp"
 #include "runtime/comm_ops.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 
 namespace mok {
 

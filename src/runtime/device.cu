@@ -1,10 +1,10 @@
-#include "runtime/device.hpp"
+#include "mok/gpu.hpp"
 
 #include <cuda_runtime.h>
 
 #include "mok/error.hpp"
 
-namespace mok::runtime {
+namespace mok {
 
 GpuSummary query_gpus() {
   GpuSummary summary;
@@ -33,4 +33,4 @@ GpuSummary query_gpus() {
   return summary;
 }
 
-}  // namespace mok::runtime
+}  // namespace mok

@@ -5,7 +5,7 @@
 
 #include "kernels/megakernel/forward_kernel.cuh"
 #include "mok/error.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 #include "runtime/l2_partitions.hpp"
 

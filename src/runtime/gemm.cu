@@ -9,7 +9,7 @@
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "kernels/gemm/pingpong_gemm_kernel.cuh"
 #include "mok/error.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
 namespace mok::gemm {
@@ -53,7 +53,7 @@ int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilog
   }
   // fp32 row outputs (the backward's recomputed gate/up and down dgrad) leave by synchronous
   // register stores that stall a cooperative tile's MMAs; the ping-pong tiles overlap them
-  // (docs/perf-notes/backward.md v1).
+  // (docs/perf-notes/backward.md).
   if (kind != GemmKind::kWgrad && epilogue == EpilogueKind::kStoreFp32) return 128;
   return 0;
 }

@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "mok/error.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 
 namespace mok::gemm {
 namespace {

@@ -10,7 +10,9 @@
 
 #include "kernels/comm/flags.cuh"
 #include "kernels/megakernel/tickets.cuh"
-#include "runtime/cuda_check.hpp"
+#include "kernels/ptx/memory.cuh"
+#include "kernels/ptx/special_registers.cuh"
+#include "mok/cuda_check.hpp"
 
 namespace mok::runtime {
 namespace {
@@ -21,17 +23,11 @@ constexpr int kLineStride = 37;  // lines between two probed ones, to spread the
 constexpr int kMinGapCycles = 30;
 constexpr uint64_t kTimeoutNs = 200'000'000;  // a CTA that never gets its turn: give up
 
-__device__ __forceinline__ uint64_t load_l2(const uint64_t* address) {
-  uint64_t value;
-  asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
-  return value;
-}
-
 // Waits until *flag >= target; false after kTimeoutNs.
 __device__ bool wait_at_least(const int* flag, int target) {
-  const uint64_t start = comm::global_timer_ns();
+  const uint64_t start = ptx::global_timer_ns();
   while (*reinterpret_cast<const volatile int*>(flag) < target) {
-    if (comm::global_timer_ns() - start > kTimeoutNs) return false;
+    if (ptx::global_timer_ns() - start > kTimeoutNs) return false;
     __nanosleep(256);
   }
   return true;
@@ -46,7 +42,7 @@ __global__ void l2_probe_kernel(const uint64_t* lines, uint32_t* mean_cycles, in
   extern __shared__ uint8_t unused[];
   if (threadIdx.x != 0) return;
   const int cta = static_cast<int>(blockIdx.x), ctas = static_cast<int>(gridDim.x);
-  sm_ids[cta] = static_cast<int>(megakernel::sm_id());
+  sm_ids[cta] = static_cast<int>(ptx::sm_id());
   unused[0] = 0;
   const auto set_of = [&](int k) {
     return lines + static_cast<size_t>(k) * kProbeLines * kLineStride * kLineWords;
@@ -56,7 +52,7 @@ __global__ void l2_probe_kernel(const uint64_t* lines, uint32_t* mean_cycles, in
     for (int k = 1; k < ctas; ++k) {
       const uint64_t* set = set_of(k);
       for (int line = 0; line < kProbeLines; ++line)
-        sum += load_l2(set + line * kLineStride * kLineWords);
+        sum += ptx::load_l2_only(set + line * kLineStride * kLineWords);
       __threadfence();
       atomicExch(turn, k + static_cast<int>(sum));  // sum is 0: the loads completed first
       if (!wait_at_least(done, k)) {
@@ -73,7 +69,7 @@ __global__ void l2_probe_kernel(const uint64_t* lines, uint32_t* mean_cycles, in
     uint64_t chase = 0;
     const long long start = clock64();
     for (int line = 0; line < kProbeLines; ++line)
-      chase += load_l2(set + line * kLineStride * kLineWords + chase);
+      chase += ptx::load_l2_only(set + line * kLineStride * kLineWords + chase);
     const long long stop = clock64();
     mean_cycles[cta] =
         static_cast<uint32_t>((stop - start) / kProbeLines) + static_cast<uint32_t>(chase);

@@ -9,9 +9,9 @@
 #include <cuda_runtime.h>
 
 #include "kernels/comm/flags.cuh"
-#include "kernels/gemm/swiglu_backward.cuh"
+#include "kernels/megakernel/swiglu_backward.cuh"
 #include "mok/error.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 
 namespace mok {
 namespace {

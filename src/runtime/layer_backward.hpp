@@ -1,7 +1,7 @@
 // The GPU backward of one MoE layer on one expert-parallel rank, composed from the tested engines
 // (the communication steps of comm_ops.hpp, the grouped GEMMs of mok/gemm.hpp) and one SwiGLU
-// backward kernel (kernels/gemm/swiglu_backward.cuh). Recompute mode: the context is the forward's
-// inputs (x, topk_idx, topk_w) alone, and the routed and shared gate/up activations are computed
+// backward kernel (kernels/megakernel/swiglu_backward.cuh). Recompute mode: the context is the
+// forward's inputs (x, topk_idx, topk_w) alone, and the routed and shared gate/up activations are computed
 // again here.
 //
 //   stage x, dy, topk_w   into the window, for the expert ranks to pull and read

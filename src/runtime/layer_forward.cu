@@ -10,7 +10,7 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/megakernel/trace.cuh"
 #include "mok/error.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 #include "runtime/l2_partitions.hpp"
 
 namespace mok {

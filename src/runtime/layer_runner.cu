@@ -1,6 +1,6 @@
 // The GPU layer forward for every rank of this process: inputs onto each GPU, warm-up, timed
 // forwards, y back (see layer_runner.hpp).
-#include "runtime/layer_runner.hpp"
+#include "mok/layer_runner.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -18,8 +18,9 @@
 #include "kernels/megakernel/trace.cuh"
 #include "mok/error.hpp"
 #include "runtime/comm.hpp"
-#include "runtime/cuda_check.hpp"
-#include "runtime/device.hpp"
+#include "mok/cuda_check.hpp"
+#include "mok/gpu.hpp"
+#include "runtime/l2_partitions.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
 
@@ -415,13 +416,21 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     result.trace_summary.push_back(detail::concat("rank ", rank, ": ", trace_lines[rank]));
   }
   result.buffer_bytes_per_rank = *std::max_element(buffer_bytes.begin(), buffer_bytes.end());
+  // The layers probed the map when they were built (kept for the process, so this reads it).
+  MOK_CUDA_CHECK(cudaSetDevice(comms[0].device()));
+  const runtime::L2PartitionMap& map = runtime::l2_partition_map();
+  result.l2_partitions =
+      map.num_partitions == 2
+          ? detail::concat("GPU 0 L2 partitions (probed): ", map.sms_per_partition[0], " + ",
+                           map.sms_per_partition[1], " SMs; fused tasks go out per partition")
+          : std::string("GPU 0 L2 partitions (probed): one found; fused tasks go out from one pool");
   result.weight_bytes_per_rank = *std::max_element(weight_bytes.begin(), weight_bytes.end());
   return result;
 }
 
 std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank,
                                    bool backward) {
-  const runtime::GpuSummary gpus = runtime::query_gpus();
+  const GpuSummary gpus = query_gpus();
   if (gpus.num_hopper_gpus < ep) {
     return detail::concat("EP ", ep, " needs ", ep, " Hopper GPU(s); found ", gpus.description);
   }

@@ -4,7 +4,7 @@
 
 #include "mok/error.hpp"
 #include "runtime/comm_nccl_check.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 
 #if defined(MOK_WITH_NCCL)
 #include <nccl_device.h>

@@ -8,7 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "core_bridge.hpp"
+#include "mok/torch_bridge.hpp"
 #include "torch_args.hpp"
 
 namespace mok::torch_ops {

@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core_bridge.hpp"
+#include "mok/torch_bridge.hpp"
 #include "torch_args.hpp"
 
 namespace mok::torch_ops {

@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "core_bridge.hpp"
+#include "mok/torch_bridge.hpp"
 
 namespace mok::torch_ops {
 

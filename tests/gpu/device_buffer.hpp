@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 
 namespace mok::testing {
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "mok/bf16.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 #include "device_buffer.hpp"
 
 namespace mok::gemm_test {

@@ -12,7 +12,7 @@
 
 #include "mok/compare.hpp"
 #include "mok/gemm.hpp"
-#include "runtime/device.hpp"
+#include "mok/gpu.hpp"
 #include "kernels/megakernel/trace.cuh"
 #include "runtime/layer_forward.hpp"
 #include "routing_cases.hpp"
@@ -22,7 +22,7 @@ namespace mok::comm_test {
 
 #define MOK_REQUIRE_HOPPER_GPUS(count)                                                          \
   do {                                                                                          \
-    const runtime::GpuSummary gpus_ = runtime::query_gpus();                                    \
+    const GpuSummary gpus_ = query_gpus();                                    \
     if (gpus_.num_hopper_gpus < (count)) {                                                      \
       GTEST_SKIP() << "needs " << (count) << " Hopper GPU(s) for the layer forward; found: "     \
                    << gpus_.description;                                                        \

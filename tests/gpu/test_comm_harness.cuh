@@ -16,7 +16,7 @@
 #include "mok/synthetic.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 #include "device_buffer.hpp"
 #include "runtime/workspace.hpp"
 

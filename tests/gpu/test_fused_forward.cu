@@ -243,7 +243,7 @@ TEST(FusedForwardTails, CarriedTailsEqualUnfusedBitwise) {
   expect_matches_reference(problem, 1, ep1);
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 1, GpuRun{}), ep1), -1)
       << "fused differs from unfused";
-  if (runtime::query_gpus().num_hopper_gpus >= 2) {
+  if (query_gpus().num_hopper_gpus >= 2) {
     EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, fused_run(2, 256)), ep1), -1)
         << "EP=2 differs from EP=1";
   }

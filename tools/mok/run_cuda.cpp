@@ -13,9 +13,8 @@
 #if defined(MOK_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "runtime/device.hpp"
-#include "runtime/l2_partitions.hpp"
-#include "runtime/layer_runner.hpp"
+#include "mok/gpu.hpp"
+#include "mok/layer_runner.hpp"
 #endif
 
 namespace mok::cli {
@@ -226,7 +225,7 @@ std::string cuda_backend_unfit_reason(const RunConfig& config) {
 }
 
 std::string cuda_device_description() {
-  const runtime::GpuSummary gpus = runtime::query_gpus();
+  const GpuSummary gpus = query_gpus();
   return gpus.description;
 }
 
@@ -286,17 +285,7 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
               run.backward_buffer_bytes_per_rank / 1e9);
   print_timings(config, result);
   std::printf("fwd+bwd as timed pairs: %.3f ms/rank\n", run.forward_backward_ms);
-  // The fused kernel hands its tasks out per L2 partition; the layer probed the map when it was
-  // built (kept for the process, so this reads it).
-  if (cudaSetDevice(0) == cudaSuccess) {
-    const runtime::L2PartitionMap& map = runtime::l2_partition_map();
-    if (map.num_partitions == 2) {
-      std::printf("GPU 0 L2 partitions (probed): %d + %d SMs; fused tasks go out per partition\n",
-                  map.sms_per_partition[0], map.sms_per_partition[1]);
-    } else {
-      std::puts("GPU 0 L2 partitions (probed): one found; fused tasks go out from one pool");
-    }
-  }
+  std::printf("%s\n", run.l2_partitions.c_str());
   return config.check ? check_gpu_result(config, problem, run, outputs) : true;
 }
 

@@ -12,30 +12,10 @@
 
 #include "kernels/comm/error_record.cuh"
 #include "kernels/comm/workspace_layout.cuh"
+#include "kernels/ptx/memory.cuh"
+#include "kernels/ptx/special_registers.cuh"
 
 namespace mok::comm {
-
-__device__ __forceinline__ void store_release_system(uint32_t* flag, uint32_t value) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ uint32_t load_acquire_system(const uint32_t* flag) {
-  uint32_t value;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t nanoseconds;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(nanoseconds));
-  return nanoseconds;
-}
-
-// NOTE: bulk (TMA) copies write through the async proxy; a generic-proxy release that must cover
-// them needs this fence after their completion.
-__device__ __forceinline__ void fence_async_proxy_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
 
 __device__ __forceinline__ bool epoch_reached(uint32_t seen, uint32_t target) {
   return static_cast<int32_t>(seen - target) >= 0;
@@ -58,13 +38,13 @@ __device__ inline bool wait_flag(const WorkspaceView& view, FlagKind kind, int s
                                  uint32_t target, Phase phase) {
   const uint32_t* flag = view.flag(view.rank, kind, source);
   ErrorRecord* error = &view.state()->error;
-  const uint64_t start_ns = global_timer_ns();
+  const uint64_t start_ns = ptx::global_timer_ns();
   for (uint32_t spin = 0;; ++spin) {
-    const uint32_t seen = load_acquire_system(flag);
+    const uint32_t seen = ptx::load_acquire_system(flag);
     if (epoch_reached(seen, target)) return true;
     if ((spin & 63u) == 63u) {
       if (has_error(error)) return false;
-      if (global_timer_ns() - start_ns > view.timeout_ns) {
+      if (ptx::global_timer_ns() - start_ns > view.timeout_ns) {
         ErrorDetail detail{phase};
         detail.peer = static_cast<uint32_t>(source);
         detail.value = static_cast<int32_t>(seen);
@@ -98,7 +78,7 @@ __device__ inline bool wait_flags_all_ranks(const WorkspaceView& view, FlagKind 
 __device__ inline void signal_all_ranks(const WorkspaceView& view, FlagKind kind, uint32_t value) {
   __threadfence_system();
   for (int owner = 0; owner < view.layout.num_ranks; ++owner) {
-    store_release_system(view.flag(owner, kind, view.rank), value);
+    ptx::store_release_system(view.flag(owner, kind, view.rank), value);
   }
 }
 

@@ -17,7 +17,9 @@
 
 #include "kernels/comm/flags.cuh"
 #if defined(__CUDACC__)
-#include "kernels/ptx/tma.cuh"  // the bulk async-group waits of the bulk path
+#include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/memory.cuh"
+#include "kernels/ptx/tma.cuh"  // the bulk copies and async-group waits of the bulk path
 #endif
 
 namespace mok::comm {
@@ -100,35 +102,16 @@ __device__ inline void copy_rows_vector(int64_t num_rows, int64_t row_bytes, con
   }
 }
 
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
 __device__ __forceinline__ void bulk_load_row(void* stage, const void* source, uint32_t bytes,
                                               uint64_t* barrier) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                   shared_address(barrier)), "r"(bytes) : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(shared_address(stage)), "l"(source), "r"(bytes), "r"(shared_address(barrier))
-      : "memory");
+  ptx::mbarrier_arrive_expect_tx(barrier, bytes);
+  ptx::bulk_load(stage, source, bytes, barrier);
 }
 
 __device__ __forceinline__ void bulk_store_row(void* destination, const void* stage,
                                                uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(destination),
-               "r"(shared_address(stage)), "r"(bytes) : "memory");
+  ptx::bulk_store(destination, stage, bytes);
   ptx::bulk_commit_group();
-}
-
-__device__ __forceinline__ void wait_mbarrier(uint64_t* barrier, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(shared_address(barrier)), "r"(parity) : "memory");
 }
 
 // Thread 0 of the CTA copies its rows; the others only pass through. On return from thread 0,
@@ -140,15 +123,12 @@ __device__ inline void copy_rows_bulk(int64_t num_rows, int64_t row_bytes, char*
   const int num_stages = bulk_stage_count(row_bytes);
   uint64_t* barriers = reinterpret_cast<uint64_t*>(shared_stages + num_stages * row_bytes);
   char* destinations[kBulkMaxStages];  // where the row in each stage goes
-  for (int stage = 0; stage < num_stages; ++stage) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&barriers[stage]))
-                 : "memory");
-  }
+  for (int stage = 0; stage < num_stages; ++stage) ptx::mbarrier_init(&barriers[stage], 1);
   // NOTE: the copy engine (async proxy) must see the initialised barriers and the data the
   // previous kernels wrote through the generic proxy.
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  fence_async_proxy_global();
+  ptx::fence_barrier_init();
+  ptx::fence_proxy_async_shared();
+  ptx::fence_proxy_async_global();
 
   const uint32_t bytes = static_cast<uint32_t>(row_bytes);
   int64_t cursor = blockIdx.x;
@@ -168,7 +148,7 @@ __device__ inline void copy_rows_bulk(int64_t num_rows, int64_t row_bytes, char*
   for (int stage = 0; stage + 1 < num_stages; ++stage) issue_next();
   while (drained < issued) {
     const int stage = static_cast<int>(drained % num_stages);
-    wait_mbarrier(&barriers[stage], (drained / num_stages) & 1u);
+    ptx::mbarrier_wait(&barriers[stage], (drained / num_stages) & 1u);
     bulk_store_row(destinations[stage], shared_stages + stage * row_bytes, bytes);
     // The store of the previous row has left its stage: that stage takes the next load.
     ptx::bulk_wait_group_read<1>();
@@ -176,7 +156,7 @@ __device__ inline void copy_rows_bulk(int64_t num_rows, int64_t row_bytes, char*
     issue_next();
   }
   ptx::bulk_wait_group<0>();
-  fence_async_proxy_global();
+  ptx::fence_proxy_async_global();
 }
 
 #endif  // __CUDACC__

@@ -33,7 +33,7 @@
 #include "kernels/gemm/swiglu.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/wgmma.cuh"
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "mok/detail/numerics.hpp"
 
 namespace mok::gemm {

@@ -10,7 +10,7 @@
 #include "kernels/gemm/swiglu.cuh"
 #include "kernels/gemm/warp_boxes.cuh"
 #include "kernels/gemm/warp_rows.cuh"
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 

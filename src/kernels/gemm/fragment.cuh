@@ -5,7 +5,7 @@
 // so every access is a pair of adjacent columns.
 #pragma once
 
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 

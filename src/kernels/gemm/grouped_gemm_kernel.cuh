@@ -7,18 +7,20 @@
 
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
-
-enum class WarpgroupRole { kProducer, kConsumer };
 
 // Register split: the producer needs few, the consumers hold (64, 256) fp32 accumulators each.
 constexpr uint32_t kProducerRegisters = 40;
 constexpr uint32_t kConsumerRegisters = 232;
+static_assert(register_split_fits(kProducerRegisters, kConsumerRegisters,
+                                  TileConfig::kNumConsumerWarpgroups),
+              "the cooperative kernel's register split exceeds the SM's register file");
 
 // map_c: wgrad's bf16 output as a tensor map for the epilogue's tile stores (Epilogue::store);
 // unused by the other kinds.
@@ -41,8 +43,8 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
                       Layout::kAlignment);
   const typename Loop::Storage smem = Loop::Storage::carve(aligned_base);
 
-  const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
-  const WarpgroupRole role = warpgroup_idx == 0 ? WarpgroupRole::kProducer : WarpgroupRole::kConsumer;
+  const int warpgroup_idx = warpgroup_index();
+  const WarpgroupRole role = warpgroup_role();
 
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&map_a);

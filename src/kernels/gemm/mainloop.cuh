@@ -11,7 +11,7 @@
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 

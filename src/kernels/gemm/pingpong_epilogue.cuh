@@ -14,7 +14,7 @@
 #include "kernels/gemm/pingpong_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
 #include "kernels/gemm/warp_rows.cuh"
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 

@@ -21,7 +21,7 @@
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/named_barrier.cuh"
 #include "kernels/ptx/tma.cuh"
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -44,9 +44,8 @@ __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
                       Layout::kAlignment);
   const typename Loop::Storage smem = Loop::Storage::carve(aligned_base);
 
-  const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
-  const WarpgroupRole role =
-      warpgroup_idx == 0 ? WarpgroupRole::kProducer : WarpgroupRole::kConsumer;
+  const int warpgroup_idx = warpgroup_index();
+  const WarpgroupRole role = warpgroup_role();
 
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&map_a);
@@ -75,9 +74,9 @@ __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
     ptx::setmaxnreg_increase<kConsumerRegisters>();
     const int consumer_idx = warpgroup_idx - 1;
     const uint32_t my_turn =
-        static_cast<uint32_t>(PingpongBarrier::kMainloopTurn) + consumer_idx;
+        static_cast<uint32_t>(NamedBarrier::kMainloopTurn0) + consumer_idx;
     const uint32_t other_turn =
-        static_cast<uint32_t>(PingpongBarrier::kMainloopTurn) + (1 - consumer_idx);
+        static_cast<uint32_t>(NamedBarrier::kMainloopTurn0) + (1 - consumer_idx);
     constexpr uint32_t kTurnThreads = 2 * 128;  // the waiting consumer and the one handing over
     uint8_t* staging = smem.consumer_staging(consumer_idx);
     typename Store::Accumulators accum;  // (BLOCK_M, BLOCK_N) tile of this warpgroup

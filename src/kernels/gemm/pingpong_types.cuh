@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
 
 namespace mok::gemm {
 
@@ -26,11 +27,11 @@ struct PingpongConfig : TileShape<kBlockM, 128 * 128 / kBlockM> {
   static_assert(kRowBlockBytes == Shape::kChunkBytes, "an MN-major A chunk is one wgmma row block");
 };
 
-// Named barriers of the ping-pong kernel: kMainloopTurn + c is "consumer c may start its
-// mainloop", arrived at by the other consumer when its own mainloop is done.
-enum class PingpongBarrier : uint32_t {
-  kMainloopTurn = 1,  // 1, 2: one per consumer warpgroup (0 is __syncthreads')
-};
+// Named barriers of the ping-pong kernel (kernel_roles.cuh): NamedBarrier::kMainloopTurn0 + c is
+// "consumer c may start its mainloop", arrived at by the other consumer when its mainloop is done.
+static_assert(static_cast<uint32_t>(NamedBarrier::kMainloopTurn1) ==
+                  static_cast<uint32_t>(NamedBarrier::kMainloopTurn0) + 1,
+              "one mainloop-turn barrier per consumer, consecutive");
 
 // Dynamic shared memory: the stage ring, one bf16 staging tile per consumer, the barriers. The
 // same struct sizes the launch on the host and finds the buffers on the device.

@@ -11,6 +11,7 @@
 // holding any gate with |g| >= 87 (or NaN) takes the generic path.
 #pragma once
 
+#include "kernels/ptx/math.cuh"
 #include "mok/detail/numerics.hpp"
 
 namespace mok::gemm {
@@ -47,8 +48,7 @@ __device__ __forceinline__ float one_plus_exp_fast(float t) {
 // tests/gpu/test_gemm_swiglu.cu (one step found no mismatch on H200 where two had been used
 // before: two fmas fewer per SwiGLU output, docs/perf-notes/gemm.md v17).
 __device__ __forceinline__ float reciprocal_rn(float d) {
-  float approximate;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(approximate) : "f"(d));
+  const float approximate = ptx::reciprocal_approximate(d);
   const float error = __fmaf_rn(-d, approximate, 1.0f);
   return __fmaf_rn(error, approximate, approximate);
 }

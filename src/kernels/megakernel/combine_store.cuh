@@ -8,7 +8,7 @@
 
 #include "kernels/comm/workspace_layout.cuh"
 #include "kernels/gemm/gemm_types.cuh"
-#include "kernels/schedule/tile_scheduler.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::megakernel {
 

@@ -70,7 +70,7 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   ok = ok && ctas_barrier(view, num_ctas);
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.
-  if (cta == 0 && threadIdx.x == 0) store_release_gpu(&view.state()->schedule_epoch, epoch);
+  if (cta == 0 && threadIdx.x == 0) ptx::store_release_gpu(&view.state()->schedule_epoch, epoch);
 }
 
 // One thread: waits until this call's schedule is made (make_schedule publishes schedule_epoch;
@@ -83,7 +83,7 @@ __device__ inline bool wait_for_schedule(const FusedForwardParams& params) {
   const bool scheduled = spin_until(
       view,
       [&] {
-        return !params.schedule_in_kernel || load_acquire_gpu(&state->schedule_epoch) == epoch;
+        return !params.schedule_in_kernel || ptx::load_acquire_gpu(&state->schedule_epoch) == epoch;
       },
       [&] {
         comm::ErrorDetail detail{comm::Phase::kSchedule};

@@ -18,7 +18,9 @@
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/tickets.cuh"
 #include "kernels/megakernel/trace.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/memory.cuh"
 #include "kernels/ptx/tma.cuh"
 
 namespace mok::megakernel {
@@ -92,7 +94,7 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
     }
   }
   // The TMA loads that follow (async proxy) read what the acquire made visible.
-  comm::fence_async_proxy_global();
+  ptx::fence_proxy_async_global();
 }
 
 // row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners;
@@ -133,7 +135,7 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
 __device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskCounter kind,
                                     int mblock, int tail_mblock = -1) {
   consumer_barrier();
-  if (threadIdx.x == 128) {
+  if (gemm::is_consumer_leader()) {
     raise_counter(view, kind, mblock);
     if (tail_mblock >= 0) raise_counter(view, kind, tail_mblock);
   }
@@ -143,7 +145,7 @@ __device__ inline void publish_tile(const comm::WorkspaceView& view, comm::TaskC
 // completes the rank's count raises the combine flag on every rank.
 __device__ inline void finish_down_tiles(const FusedForwardParams& params, uint32_t down_tiles) {
   consumer_barrier();
-  if (threadIdx.x != 128) return;
+  if (!gemm::is_consumer_leader()) return;
   const comm::WorkspaceView& view = params.view;
   comm::DeviceState* state = view.state();
   // The schedule is known here: this CTA ran down tiles, handed over after the producer's acquire.
@@ -204,8 +206,8 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     }
   };
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int warpgroup_idx = static_cast<int>(threadIdx.x / 128);
-  if (warpgroup_idx == 0) {
+  const int warpgroup_idx = gemm::warpgroup_index();
+  if (gemm::warpgroup_role() == gemm::WarpgroupRole::kProducer) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
       const TaskShape shape = task_shape(params);
@@ -287,7 +289,7 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
     const uint8_t* tail_smem = tail_stages(aligned_smem);
     float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
     uint32_t down_tiles = 0;  // stored by this CTA
-    const bool tracing = params.trace != nullptr && threadIdx.x == 128;
+    const bool tracing = params.trace != nullptr && gemm::is_consumer_leader();
     uint32_t publish_ns = 0;
     for (;;) {
       ptx::mbarrier_wait(&handoff.full[slot], slot_phase);

@@ -9,6 +9,7 @@
 
 #include "kernels/comm/workspace_layout.cuh"
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/megakernel/task_list.cuh"
 
@@ -60,8 +61,11 @@ inline constexpr uint32_t kTailStashBytes =
 inline constexpr uint32_t kSharedBytes =
     kTailStashOffset + kTailStashBytes + RingLayout::kAlignment;
 static_assert(kSharedBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
-// Register split (128 * producer + 256 * consumer <= 64 K): the producer warp also decodes tasks.
+// Register split: the producer warp also decodes tasks (and three of its warps dispatch).
 inline constexpr uint32_t kProducerRegisters = 72;
 inline constexpr uint32_t kConsumerRegisters = 216;
+static_assert(gemm::register_split_fits(kProducerRegisters, kConsumerRegisters,
+                                        gemm::TileConfig::kNumConsumerWarpgroups),
+              "the fused kernel's register split exceeds the SM's register file");
 
 }  // namespace mok::megakernel

@@ -12,14 +12,13 @@
 
 #include "kernels/comm/flags.cuh"
 #include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
+#include "kernels/ptx/memory.cuh"
+#include "kernels/ptx/named_barrier.cuh"
+#include "kernels/ptx/special_registers.cuh"
 
 namespace mok::megakernel {
-
-__device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* counter) {
-  uint32_t value;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
-  return value;
-}
 
 // One thread: everything this thread (and, through an earlier barrier, its CTA) wrote is visible
 // before the counter moves.
@@ -36,11 +35,11 @@ template <class Ready, class RecordTimeout>
 __device__ inline bool spin_until(const comm::WorkspaceView& view, const Ready& ready,
                                   const RecordTimeout& record_timeout) {
   const comm::ErrorRecord* error = &view.state()->error;
-  const uint64_t start_ns = comm::global_timer_ns();
+  const uint64_t start_ns = ptx::global_timer_ns();
   for (uint32_t spin = 0; !ready(); ++spin) {
     if ((spin & 63u) == 63u) {
       if (comm::has_error(error)) return false;
-      if (comm::global_timer_ns() - start_ns > view.timeout_ns) {
+      if (ptx::global_timer_ns() - start_ns > view.timeout_ns) {
         record_timeout();
         return false;
       }
@@ -56,7 +55,7 @@ __device__ inline bool wait_counter(const comm::WorkspaceView& view, comm::TaskC
   const uint32_t* counter = view.task_counters(kind) + mblock;
   uint32_t seen = 0;
   return spin_until(
-      view, [&] { return (seen = load_acquire_gpu(counter)) >= target; },
+      view, [&] { return (seen = ptx::load_acquire_gpu(counter)) >= target; },
       [&] {
         comm::ErrorDetail detail{phase};
         detail.token = mblock;
@@ -68,10 +67,6 @@ __device__ inline bool wait_counter(const comm::WorkspaceView& view, comm::TaskC
       });
 }
 
-__device__ __forceinline__ void store_release_gpu(uint32_t* flag, uint32_t value) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
-}
-
 // The whole CTA: a barrier across the first `num_ctas` CTAs of the grid (all resident). The last
 // to arrive resets the count and bumps the generation the others wait on. False, for every thread,
 // when an error was recorded or the wait timed out (recorded as a task timeout of row block -1).
@@ -80,7 +75,7 @@ __device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_cta
   __shared__ int passed;
   __syncthreads();
   if (threadIdx.x == 0) {
-    const uint32_t generation = load_acquire_gpu(&state->barrier_generation);
+    const uint32_t generation = ptx::load_acquire_gpu(&state->barrier_generation);
     __threadfence();
     bool ok = true;
     if (atomicAdd(&state->barrier_count, 1u) == static_cast<uint32_t>(num_ctas) - 1) {
@@ -89,7 +84,7 @@ __device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_cta
       atomicAdd(&state->barrier_generation, 1u);
     } else {
       ok = spin_until(
-          view, [&] { return load_acquire_gpu(&state->barrier_generation) != generation; },
+          view, [&] { return ptx::load_acquire_gpu(&state->barrier_generation) != generation; },
           [&] {
             // A CTA of the grid never arrived (not resident: other kernels hold SMs?).
             comm::ErrorDetail detail{comm::Phase::kSchedule};
@@ -108,9 +103,10 @@ __device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_cta
   return result;
 }
 
-// The 256 threads of the two consumer warpgroups (named barrier 1; 0 is __syncthreads).
+// The 256 threads of the two consumer warpgroups.
 __device__ __forceinline__ void consumer_barrier() {
-  asm volatile("bar.sync 1, 256;" ::: "memory");
+  ptx::named_barrier_sync(static_cast<uint32_t>(gemm::NamedBarrier::kConsumers),
+                          gemm::TileConfig::kNumConsumerWarpgroups * gemm::kWarpgroupThreads);
 }
 
 }  // namespace mok::megakernel

@@ -17,15 +17,9 @@
 #include <cstdint>
 
 #include "kernels/comm/workspace_layout.cuh"
+#include "kernels/ptx/special_registers.cuh"
 
 namespace mok::megakernel {
-
-// The SM this thread runs on (also what the probe of runtime/l2_partitions.cu records).
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -33,7 +27,7 @@ __device__ __forceinline__ uint32_t sm_id() {
 // entries) from the probe of runtime/l2_partitions.hpp, or 0 without one.
 __device__ inline int cta_l2_partition(const uint8_t* sm_partition, int max_sm_ids) {
   if (sm_partition == nullptr) return 0;
-  const uint32_t id = sm_id();
+  const uint32_t id = ptx::sm_id();
   const int partition = id < static_cast<uint32_t>(max_sm_ids) ? sm_partition[id] : 0;
   return partition < comm::kMaxL2Partitions ? partition : 0;
 }

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kernels/ptx/special_registers.cuh"
+
 namespace mok::megakernel {
 
 enum TraceField : int {
@@ -26,11 +28,7 @@ enum TraceField : int {
 };
 
 #if defined(__CUDA_ARCH__)
-__device__ __forceinline__ uint64_t trace_clock() {
-  uint64_t nanoseconds;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(nanoseconds));
-  return nanoseconds;
-}
+__device__ __forceinline__ uint64_t trace_clock() { return ptx::global_timer_ns(); }
 
 __device__ __forceinline__ void trace_set(uint64_t* trace, TraceField field, uint64_t value) {
   if (trace != nullptr) trace[blockIdx.x * kTraceFields + field] = value;

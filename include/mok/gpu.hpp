@@ -1,9 +1,10 @@
-// Which GPUs this process can use, for choosing a backend and for the reason a GPU test skips.
+// Which GPUs this process can use: for choosing a backend, sizing runs, and the reason a GPU test
+// skips.
 #pragma once
 
 #include <string>
 
-namespace mok::runtime {
+namespace mok {
 
 struct GpuSummary {
   int num_gpus = 0;          // visible CUDA devices
@@ -13,4 +14,4 @@ struct GpuSummary {
 
 GpuSummary query_gpus();
 
-}  // namespace mok::runtime
+}  // namespace mok

@@ -1,7 +1,7 @@
 // The CPU half of the bridge: the CPU backend (mok::reference) for one rank.
 #include <utility>
 
-#include "core_bridge.hpp"
+#include "mok/torch_bridge.hpp"
 #include "mok/error.hpp"
 #include "mok/reference.hpp"
 

@@ -15,11 +15,11 @@
 #include <tuple>
 #include <utility>
 
-#include "core_bridge.hpp"
+#include "mok/torch_bridge.hpp"
 #include "mok/error.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_nccl_check.hpp"
-#include "runtime/cuda_check.hpp"
+#include "mok/cuda_check.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
 
