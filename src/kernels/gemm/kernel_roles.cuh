@@ -15,10 +15,11 @@ enum class WarpgroupRole { kProducer, kConsumer };
 
 #if defined(__CUDACC__)
 __device__ __forceinline__ int warpgroup_index() {
-  return static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+  return static_cast<int>(threadIdx.x / static_cast<uint32_t>(kWarpgroupThreads));
 }
 __device__ __forceinline__ WarpgroupRole warpgroup_role() {
-  return warpgroup_index() == 0 ? WarpgroupRole::kProducer : WarpgroupRole::kConsumer;
+  return threadIdx.x < static_cast<uint32_t>(kWarpgroupThreads) ? WarpgroupRole::kProducer
+                                                                : WarpgroupRole::kConsumer;
 }
 // The first thread of the first consumer warpgroup: the one that publishes for the consumers.
 __device__ __forceinline__ bool is_consumer_leader() {

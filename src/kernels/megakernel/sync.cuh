@@ -105,8 +105,8 @@ __device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_cta
 
 // The 256 threads of the two consumer warpgroups.
 __device__ __forceinline__ void consumer_barrier() {
-  ptx::named_barrier_sync(static_cast<uint32_t>(gemm::NamedBarrier::kConsumers),
-                          gemm::TileConfig::kNumConsumerWarpgroups * gemm::kWarpgroupThreads);
+  ptx::named_barrier_sync<static_cast<uint32_t>(gemm::NamedBarrier::kConsumers),
+                          gemm::TileConfig::kNumConsumerWarpgroups * gemm::kWarpgroupThreads>();
 }
 
 }  // namespace mok::megakernel
