@@ -165,6 +165,12 @@ __device__ inline void finish_down_tiles(const FusedForwardParams& params, uint3
 // The tasks the producer took, decoded, handed to the consumers in order: kTaskSlots slots, each
 // with a full barrier (the producer wrote it) and an empty one (every consumer warp has read it).
 // A slot whose task.mblock is kNoTask tells the consumers to stop.
+// NOTE: racecheck reports the slot's write against the consumers' reads of it, though both ways
+// are ordered: the write precedes the producer's arrive (release) on `full`, which every reader
+// waits on (acquire); a warp's reads precede its __syncwarp, then its lane 0 arrives on `empty`,
+// which the producer waits on before the next write. The tool apparently does not carry lanes
+// 1-31's reads across the warp barrier; scripts/device/sanitize.sh counts that report apart, by
+// the two lines' text, and shows which hazards it is (docs/perf-notes/reliability.md).
 inline constexpr int kTaskSlots = 4;
 inline constexpr int kNoTask = -1;
 
