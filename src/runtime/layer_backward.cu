@@ -104,6 +104,9 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
+  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
 }
 
 LayerBackward::~LayerBackward() {
@@ -116,6 +119,16 @@ LayerBackward::~LayerBackward() {
         static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
+  if (join_ != nullptr) cudaEventDestroy(join_);
+  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
+}
+
+int LayerBackward::shared_gemm_sms_beside_copy() const {
+  const int copy_ctas = options_.copy.num_ctas;
+  if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
+  const int free_sms = num_sms_ - copy_ctas;
+  return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
 }
 
 int64_t LayerBackward::buffer_bytes() const {
@@ -133,10 +146,10 @@ int64_t LayerBackward::buffer_bytes() const {
 
 void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
                                       const bf16* dy, const DeviceLayerGradients& grads,
-                                      int tokens, cudaStream_t stream) {
+                                      int tokens, cudaStream_t stream,
+                                      const gemm::LaunchOptions& gemm_options) {
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.shared_intermediate);
-  const gemm::LaunchOptions& gemm_options = options_.gemm;
   write_offsets_kernel<<<1, 1, 0, stream>>>(shared_offsets_, tokens);
   MOK_CUDA_CHECK_LAUNCH();
   // (T, H) -> (T, 2I_s) fp32: the gate/up pre-activations again.
@@ -149,8 +162,9 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
                                       reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
                                       reinterpret_cast<__nv_bfloat16*>(shared_hidden_), inter};
   const int warps_per_cta = gemm::kSwiGluBackwardThreads / 32;
-  const int ctas = static_cast<int>(std::clamp<int64_t>((tokens + warps_per_cta - 1) / warps_per_cta,
-                                                        1, int64_t{num_sms_} * 8));
+  const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
+  const int ctas = static_cast<int>(
+      std::clamp<int64_t>((tokens + warps_per_cta - 1) / warps_per_cta, 1, int64_t{sms} * 8));
   swiglu_backward_shared_kernel<<<ctas, gemm::kSwiGluBackwardThreads, 0, stream>>>(rows, tokens);
   MOK_CUDA_CHECK_LAUNCH();
   // dx_shared = d_gate_up · W_sgu: (T, 2I_s) -> (T, H) fp32, added by the combine's reduce.
@@ -246,11 +260,28 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   schedule(workspace_, topk_idx, num_tokens, stream);
   mark();
   const bool shared = shape_.has_shared() && tokens > 0;
-  if (shared) run_shared_expert(weights, x, dy, grads, tokens, stream);
-  mark();
-  dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kX);
-  dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kDy);
-  mark();
+  const int shared_sms = shared ? shared_gemm_sms_beside_copy() : 0;
+  if (shared_sms > 0) {
+    // NOTE: the copy CTAs and the shared GEMMs' CTAs fill disjoint SMs, so the two run at once;
+    // fork and join through events keep it one stream to the caller (and to a graph capture).
+    MOK_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    MOK_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
+    dispatch(workspace_, options_.copy, side_stream_, comm::DispatchTensor::kX);
+    dispatch(workspace_, options_.copy, side_stream_, comm::DispatchTensor::kDy);
+    MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+    gemm::LaunchOptions beside_copy = options_.gemm;
+    beside_copy.num_sms = shared_sms;
+    run_shared_expert(weights, x, dy, grads, tokens, stream, beside_copy);
+    mark();
+    MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+    mark();
+  } else {
+    if (shared) run_shared_expert(weights, x, dy, grads, tokens, stream, options_.gemm);
+    mark();
+    dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kX);
+    dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kDy);
+    mark();
+  }
   run_routed_experts(weights, grads, stream, mark);
   if (shape_.has_shared() && tokens == 0 && grads.output != gemm::WgradOutput::kAccumulateFp32) {
     // No token: the shared expert's gradients are zero.

@@ -43,6 +43,9 @@ struct LayerBackwardOptions {
   CopyConfig copy{32};      // dispatch and combine CTAs (as the unfused forward's)
   gemm::LaunchOptions gemm;  // expert GEMM grid; 0 SMs = every SM
   WorkspaceOptions workspace;
+  // Dispatch x and dy beside the shared expert's GEMMs (the copy CTAs on a side stream, the GEMMs
+  // on the other SMs) instead of after them. Same bits either way; needs copy.num_ctas > 0.
+  bool overlap_shared_with_dispatch = true;
 };
 
 // Weight gradients in the layouts of DeviceLayerWeights (gate/up interleaved in blocks of 8
@@ -60,7 +63,9 @@ struct DeviceLayerGradients {
 enum class BackwardPhase : int {
   kSchedule = 0,     // x, dy, topk_w into the window; the schedule
   kSharedExpert,     // the shared expert's recompute, dgrads, SwiGLU backward and wgrads
-  kDispatch,         // x and dy rows to the experts
+                     // (with the overlap: beside the dispatch)
+  kDispatch,         // x and dy rows to the experts (with the overlap: what it takes beyond
+                     // the shared expert)
   kGateUp,           // routed gate/up recomputed (fp32)
   kDownDgrad,        // g = W_downᵀ dy (fp32)
   kSwiGluBackward,   // d_topk_w, d_gate_up, w·h
@@ -101,7 +106,10 @@ class LayerBackward {
 
  private:
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
-                         const DeviceLayerGradients& grads, int tokens, cudaStream_t stream);
+                         const DeviceLayerGradients& grads, int tokens, cudaStream_t stream,
+                         const gemm::LaunchOptions& gemm_options);
+  // The shared GEMMs' grid beside the copy CTAs; 0 = no overlap.
+  int shared_gemm_sms_beside_copy() const;
   // mark(): the end of a phase (an event when the caller asked for them).
   template <class Mark>
   void run_routed_experts(const DeviceLayerWeights& weights, const DeviceLayerGradients& grads,
@@ -112,6 +120,8 @@ class LayerBackward {
   LayerBackwardOptions options_;
   CommWorkspace workspace_;
   int num_sms_ = 0;
+  cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // Routed rows (rows_capacity of the workspace):
   float* gate_up_ = nullptr;            // (rows, 2I) fp32, recomputed, interleaved
   float* grad_hidden_ = nullptr;        // (rows, I) fp32, g = W_downᵀ dy

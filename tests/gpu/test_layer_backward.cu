@@ -1,5 +1,6 @@
 // The GPU layer backward (LayerBackward) against the CPU reference and the fp64 oracle, and its
-// determinism contracts bitwise: repeats, GEMM and copy SM counts, a replayed CUDA graph, and
+// determinism contracts bitwise: repeats, GEMM and copy SM counts, the dispatch beside the shared
+// expert or after it, a replayed CUDA graph, and
 // EP = 1 against EP = 2 (where two GPUs are present). Every output is NaN-poisoned before each run.
 // Routings: uniform with unused slots and signed weights, skewed (most experts empty), all tokens
 // to one expert; token counts 1, odd, and not multiples of 128; top-k 1 to 6.
@@ -285,11 +286,12 @@ TEST(LayerBackwardEp1Shapes, OddShapesMatchReference) {
 TEST(LayerBackwardEp1Settings, GemmAndCopySmCountsDoNotChangeABit) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 300, 21, true);
-  std::vector<BackwardRun> settings(3);
+  std::vector<BackwardRun> settings(4);
   settings[1].layer.gemm.num_sms = 37;
   settings[1].layer.copy = {5, comm::CopyMethod::kVector, 256};
   settings[2].layer.gemm.num_sms = 8;
   settings[2].layer.copy = {64, comm::CopyMethod::kVector, 512};
+  settings[3].layer.overlap_shared_with_dispatch = false;  // shared expert, then dispatch
   const BackwardOutputs expected = run_gpu_backward(problem, 1, settings[0]);
   expect_matches_reference(problem, 1, expected, settings[0]);
   for (size_t index = 1; index < settings.size(); ++index) {
