@@ -29,10 +29,11 @@ output, and checks the result.
 
 backends:
   cpu    the reference: forward and backward, EP virtual ranks one after another
-  cuda   the fused GPU layer forward, one GPU per rank (EP GPUs in this process); forward
-         only (backward runs on the CPU backend). --check compares y on a sample of tokens
-         covering every expert that received tokens with the CPU reference, and for EP > 1 the
-         whole y bitwise with an EP=1 GPU run
+  cuda   the GPU layer, one GPU per rank (EP GPUs in this process): the fused forward and the
+         GPU backward. --check compares y, dx and d_topk_w on a sample of tokens covering every
+         expert that received tokens with the CPU reference (the weight gradients too where the
+         whole CPU backward is quick), and for EP > 1 every EP-invariant output bitwise with an
+         EP=1 GPU run
 
 options:
   --preset NAME        layer shape (default tiny; 'mok presets' lists them); the flags below
@@ -202,7 +203,7 @@ void finish(const RunConfig& config, const RunResult& result, bool passed, JsonO
 
 int run_gpu(const RunConfig& config, const std::string& precision, JsonOutput* json) {
   print_header(config, precision);
-  std::printf("backend: cuda (fused GPU layer forward, one GPU per rank); GPU: %s\n",
+  std::printf("backend: cuda (GPU layer forward and backward, one GPU per rank); GPU: %s\n",
               cuda_device_description().c_str());
   std::fflush(stdout);
   const Problem problem = Problem::generate(
