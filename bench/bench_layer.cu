@@ -89,7 +89,7 @@ usage: bench_layer [options]
   --minibatch-rows N,...    minibatch rows to sweep (0 = default)
   --ring-rows N,...         ring rows to sweep (0 = a ring for every row, one round)
   --schedule-ctas N         CTAs that make the schedule in the kernel (0 = every CTA)
-  --l2-tickets 0|1          0: the fused kernel's tasks from one pool, not a chunk per L2
+  --l2-tickets 0|1          0: the fused kernel's tasks from one pool, not a grant per L2
                             partition of the GPU (default 1)
   --stale-rows 0|1          1: before the warm-up, one forward with another routing, so that
                             the padding rows the MMAs multiply hold rows, as in training;

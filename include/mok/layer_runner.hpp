@@ -92,7 +92,7 @@ struct LayerRunResult {
   std::vector<float> grad_shared_down;      // (ep, H, I_s)
   int64_t weight_bytes_per_rank = 0;
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
-  // How the fused kernel hands out its tasks on GPU 0: one pool, or a chunk per L2 partition of
+  // How the fused kernel hands out its tasks on GPU 0: one pool, or a grant per L2 partition of
   // the SMs the probe found ("GPU 0 L2 partitions (probed): 66 + 66 SMs; ...").
   std::string l2_partitions;
 };

@@ -15,17 +15,17 @@ int fused_forward_shared_bytes() {
   return static_cast<int>(megakernel::kSharedBytes);
 }
 
-RingBlocks ring_config(const comm::WorkspaceLayout& layout, int chunk_mblocks) {
+RingBlocks ring_config(const comm::WorkspaceLayout& layout, int minibatch_mblocks) {
   constexpr int64_t kRows = gemm::TileConfig::BLOCK_M;
-  MOK_CHECK_ARG(chunk_mblocks >= 1, "chunk_mblocks", "must be >= 1, got ", chunk_mblocks);
+  MOK_CHECK_ARG(minibatch_mblocks >= 1, "minibatch_mblocks", "must be >= 1, got ", minibatch_mblocks);
   if (layout.expert_rows >= layout.rows_capacity()) {
-    return {chunk_mblocks, static_cast<int>(gemm::ceil_div(layout.rows_capacity(), kRows))};
+    return {minibatch_mblocks, static_cast<int>(gemm::ceil_div(layout.rows_capacity(), kRows))};
   }
   const int64_t ring = layout.expert_rows / kRows;
   MOK_CHECK_ARG(ring >= 2, "ring_rows", "the ring needs at least 2 row blocks (", 2 * kRows,
                 " rows), got ", layout.expert_rows, " rows");
-  const int chunk = static_cast<int>(std::min<int64_t>(chunk_mblocks, ring / 2));
-  return {chunk, static_cast<int>(ring / chunk * chunk)};
+  const int minibatch = static_cast<int>(std::min<int64_t>(minibatch_mblocks, ring / 2));
+  return {minibatch, static_cast<int>(ring / minibatch * minibatch)};
 }
 
 void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,
@@ -39,12 +39,12 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                 layout.block_m);
   MOK_CHECK_ARG(config.comm_ctas >= 0 && config.comm_ctas < config.num_ctas, "comm_ctas",
                 "must be in [0, ", config.num_ctas, "), got ", config.comm_ctas);
-  const RingBlocks ring = ring_config(layout, config.chunk_mblocks);
-  MOK_CHECK_ARG(ring.chunk_mblocks == config.chunk_mblocks &&
+  const RingBlocks ring = ring_config(layout, config.minibatch_mblocks);
+  MOK_CHECK_ARG(ring.minibatch_mblocks == config.minibatch_mblocks &&
                     ring.ring_mblocks == config.ring_mblocks,
-                "ring_mblocks", "minibatch ", config.chunk_mblocks, " and ring ",
+                "ring_mblocks", "minibatch ", config.minibatch_mblocks, " and ring ",
                 config.ring_mblocks, " row blocks do not fit this workspace (ring_config gives ",
-                ring.chunk_mblocks, " and ", ring.ring_mblocks, ")");
+                ring.minibatch_mblocks, " and ", ring.ring_mblocks, ")");
   MOK_CHECK_ARG(config.schedule_ctas >= std::max(config.comm_ctas, 1) &&
                     config.schedule_ctas <= config.num_ctas,
                 "schedule_ctas", "must be in [max(comm_ctas, 1) = ", std::max(config.comm_ctas, 1), ", ",
@@ -110,7 +110,7 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.topk_idx = topk_idx;
   params.num_tokens = static_cast<int>(num_tokens);
   params.num_comm_ctas = config.comm_ctas;
-  params.chunk_mblocks = config.chunk_mblocks;
+  params.minibatch_mblocks = config.minibatch_mblocks;
   params.ring_mblocks = config.ring_mblocks;
   params.has_shared = has_shared ? 1 : 0;
   params.schedule_in_kernel = config.schedule_in_kernel ? 1 : 0;

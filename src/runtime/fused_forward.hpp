@@ -30,9 +30,9 @@ struct FusedForwardConfig {
   // Of which dispatch first, then compute (< num_ctas); 0: none, three warps of every CTA's
   // producer warpgroup dispatch beside its tiles instead.
   int comm_ctas = 0;
-  int chunk_mblocks = 0;  // minibatch, in row blocks of 128 (>= 1)
+  int minibatch_mblocks = 0;  // minibatch, in row blocks of 128 (>= 1)
   // Row blocks of the ring (expert_x and routed_hidden): >= ceil(rows_capacity / 128) for one
-  // round, else a multiple of chunk_mblocks >= 2 chunk_mblocks within expert_rows (ring_config()).
+  // round, else a multiple of minibatch_mblocks >= 2 minibatch_mblocks within expert_rows (ring_config()).
   int ring_mblocks = 0;
   // The kernel makes the schedule itself (after begin_call), else stage_tokens and schedule ran
   // before it.
@@ -41,7 +41,7 @@ struct FusedForwardConfig {
   // expert's gate/up tiles meanwhile.
   int schedule_ctas = 0;
   // L2 partition of each %smid (runtime/l2_partitions.hpp, kMaxSmIds entries), or null: task
-  // tickets go out in chunks per partition (kernels/megakernel/tickets.cuh).
+  // tickets go out in minibatches per partition (kernels/megakernel/tickets.cuh).
   const uint8_t* sm_partition = nullptr;
   uint64_t* trace = nullptr;  // (num_ctas, kTraceFields) timeline, or null
 };
@@ -53,10 +53,10 @@ int fused_forward_shared_bytes();
 // expert_x and a wanted minibatch: one round when expert_x holds every row, else the minibatch
 // shrinks to at most half the ring and the ring to a multiple of it. Needs expert_rows >= 256.
 struct RingBlocks {
-  int chunk_mblocks;
+  int minibatch_mblocks;
   int ring_mblocks;
 };
-RingBlocks ring_config(const comm::WorkspaceLayout& layout, int chunk_mblocks);
+RingBlocks ring_config(const comm::WorkspaceLayout& layout, int minibatch_mblocks);
 
 // x (T, H) bf16 and topk_idx (T, k) int32: the caller's, on this device; T = num_tokens.
 void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,

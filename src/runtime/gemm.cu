@@ -174,7 +174,7 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
   // C[rows, k] = dY[rows, n] · W[n, k]: the reduction runs over n, W is read n-rows by k-columns.
   // Every engine reads W in (64, 64) boxes and dY in (BLOCK_M, 64) boxes.
   static_assert(PingpongConfig<128>::BLOCK_K == TileConfig::BLOCK_K &&
-                    PingpongConfig<128>::kChunk == TileConfig::kChunk,
+                    PingpongConfig<128>::kPanel == TileConfig::kPanel,
                 "one weight map for every engine");
   const EpilogueKind epilogue =
       output == DgradOutput::kFp32 ? EpilogueKind::kStoreFp32 : EpilogueKind::kStoreBf16;
@@ -183,7 +183,7 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
   const CUtensorMap map_a = make_tensor_map_2d(dy, shape.capacity_rows, shape.n,
                                                config.block_m(), "dy");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
-                                               TileConfig::BLOCK_K, TileConfig::kChunk, "w");
+                                               TileConfig::BLOCK_K, TileConfig::kPanel, "w");
   const GroupedGemmParams params{expert_offsets, shape.num_experts, 0,      shape.k,
                                  shape.n,        dx,                 shape.expert_counts};
   if (output == DgradOutput::kFp32) {

@@ -302,7 +302,7 @@ FusedForwardConfig LayerForward::fused_config() const {
   const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 8192;
   const RingBlocks ring =
       ring_config(workspace_.layout(), gemm::ceil_div(rows, gemm::TileConfig::BLOCK_M));
-  config.chunk_mblocks = ring.chunk_mblocks;
+  config.minibatch_mblocks = ring.minibatch_mblocks;
   config.ring_mblocks = ring.ring_mblocks;
   config.schedule_in_kernel = fused.schedule_in_kernel;
   MOK_CHECK_ARG(fused.schedule_ctas >= 0, "fused.schedule_ctas", "must be >= 0, got ",

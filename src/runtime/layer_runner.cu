@@ -132,7 +132,7 @@ std::string summarize_trace(const std::vector<uint64_t>& trace, int fields) {
 }
 
 
-// The ranks' warm-up beyond spec.warmup forwards: chunks of 4 forwards on every rank until rank 0
+// The ranks' warm-up beyond spec.warmup forwards: rounds of 4 forwards on every rank until rank 0
 // has spent spec.warmup_ms warming up. The ranks must run the same number (a forward at EP > 1
 // waits for its peers'), so rank 0 decides and the others follow through a host barrier.
 class WarmUp {
@@ -153,13 +153,13 @@ class WarmUp {
               std::chrono::steady_clock::now() - start;
           more_.store(spent.count() < spec.warmup_ms);
         }
-        barrier_.arrive_and_wait();  // every rank's chunk done, rank 0's decision made
+        barrier_.arrive_and_wait();  // every rank's round done, rank 0's decision made
         const bool more = more_.load();
         barrier_.arrive_and_wait();  // read by every rank before rank 0 decides again
         if (!more) return;
       }
     } catch (...) {
-      more_.store(false);  // the others stop after their chunk
+      more_.store(false);  // the others stop after their round
       barrier_.arrive_and_drop();
       throw;
     }

@@ -103,7 +103,7 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
     EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, partial_schedule), expected), -1)
         << "the schedule on " << schedule_ctas << " CTAs differs from the unfused forward";
   }
-  // Tickets from one pool for every CTA instead of a chunk per L2 partition.
+  // Tickets from one pool for every CTA instead of a grant per L2 partition.
   GpuRun one_pool = fused_run(3, 256);
   one_pool.layer.fused.l2_partition_tickets = false;
   EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, one_pool), expected), -1)
@@ -174,10 +174,10 @@ TEST(FusedForwardEp1Rings, RingBoundsTheBuffers) {
   EXPECT_THROW(LayerForward(comm, shape, tokens, too_small), Error);
 }
 
-// The fused schedule (chunk counts, their scan, placement: token_schedule.cuh) gives the rows of
+// The fused schedule (slice counts, their scan, placement: token_schedule.cuh) gives the rows of
 // the standalone schedule's order_rows bitwise: the same offsets, counts, rows in global token
 // order within each expert, and padding. Over several routings, token counts that are not
-// multiples of the chunk, and chunk boundaries inside a token's slots (T k = 300 * 6).
+// multiples of the slice, and slice boundaries inside a token's slots (T k = 300 * 6).
 TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
   MOK_REQUIRE_HOPPER_GPUS(2);
   for (const Case& routing : {Case{"skewed:1.2", 0.1, true, true}, Case{"uniform", 0.0, false, true},

@@ -25,7 +25,7 @@ struct ListCase {
   const char* name;
   std::vector<int32_t> counts;  // rows of each local expert
   int shared_mblocks;
-  int chunk_mblocks;
+  int minibatch_mblocks;
   int n_blocks[kNumTaskKinds];
   int ring_mblocks;  // 0: one round (a ring as large as every row block)
 };
@@ -52,7 +52,7 @@ TaskShape shape_of(const ListCase& which, int routed_mblocks) {
   shape.num_experts = static_cast<int>(which.counts.size());
   shape.shared_mblocks = which.shared_mblocks;
   shape.routed_mblocks = routed_mblocks;
-  shape.chunk_mblocks = which.chunk_mblocks;
+  shape.minibatch_mblocks = which.minibatch_mblocks;
   shape.ring_mblocks = which.ring_mblocks > 0 ? which.ring_mblocks : 1 << 20;
   for (int kind = 0; kind < kNumTaskKinds; ++kind) shape.n_blocks[kind] = which.n_blocks[kind];
   return shape;
@@ -104,18 +104,18 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
     ASSERT_EQ(ticket_of.count(key), 0u) << "tile decoded twice, ticket " << ticket;
     ticket_of[key] = ticket;
     if (is_shared(task.kind)) {
-      EXPECT_EQ(task.tile.m_block, task.mblock);
+      EXPECT_EQ(task.tile.mblock, task.mblock);
       EXPECT_LT(task.mblock, which.shared_mblocks);
     } else {
       const int expert = task.tile.group;
       ASSERT_GE(expert, 0);
       ASSERT_LT(expert, static_cast<int>(which.counts.size()));
       EXPECT_EQ(task.tile.row_count, which.counts[expert]);
-      EXPECT_EQ(task.mblock, routed.offsets[expert] / kRows + task.tile.m_block);
-      EXPECT_LT(task.tile.m_block * kRows, which.counts[expert]) << "a block without rows";
+      EXPECT_EQ(task.mblock, routed.offsets[expert] / kRows + task.tile.mblock);
+      EXPECT_LT(task.tile.mblock * kRows, which.counts[expert]) << "a block without rows";
       // The tile's rows in the ring: block mblock sits at ring block mblock mod ring_mblocks.
       const int ring = shape_of(which, routed.mblocks).ring_mblocks;
-      EXPECT_EQ(task.tile.row_begin + task.tile.m_block * kRows, task.mblock % ring * kRows)
+      EXPECT_EQ(task.tile.row_begin + task.tile.mblock * kRows, task.mblock % ring * kRows)
           << "ticket " << ticket;
       EXPECT_EQ(task.frees_ring_block,
                 task.kind == TaskKind::kDown && task.mblock + ring < routed.mblocks)
@@ -179,7 +179,7 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
     const int last = routed.offsets[task.tile.group] / kRows + blocks - 1;
     const bool carries_ok = blocks >= 2 && carriers <= blocks - 1 &&
                             carriers <= (one_round ? kMaxTailCarriers : 1) &&
-                            last / which.chunk_mblocks == (last - carriers) / which.chunk_mblocks;
+                            last / which.minibatch_mblocks == (last - carriers) / which.minibatch_mblocks;
     const int j = last - 1 - task.mblock;
     const bool carrier = carries_ok && j >= 0 && j < carriers;
     EXPECT_EQ(task.carried, carries_ok && task.mblock == last) << "ticket " << ticket;

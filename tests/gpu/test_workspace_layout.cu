@@ -56,8 +56,8 @@ TEST_P(Layout, RegionsAreDisjointAlignedAndLargeEnough) {
   expect_disjoint_and_aligned(
       {{"state", layout.state_offset, static_cast<int64_t>(sizeof(DeviceState))},
        {"counts", layout.counts_offset, local_experts * 4},
-       {"chunk_rows", layout.chunk_rows_offset,
-        ranks * ((tokens * top_k + kScheduleChunk - 1) / kScheduleChunk) * local_experts * 4},
+       {"slice_rows", layout.slice_rows_offset,
+        ranks * ((tokens * top_k + kScheduleSlice - 1) / kScheduleSlice) * local_experts * 4},
        {"offsets", layout.offsets_offset, (local_experts + 1) * 4},
        {"row_source", layout.row_source_offset, layout.rows_capacity() * 4},
        {"local_row", layout.local_row_offset, tokens * top_k * 4},

@@ -18,10 +18,10 @@
 //   counts        (E_l) int32                         rows of each local expert
 //   offsets       (E_l + 1) int32                     first row of each local expert, tile padded
 //   row_source    (rows_capacity) int32               (src_rank * T_max + t) * k + j, -1 = padding
-//   chunk_rows    (R, chunks, E_l) int32              the fused schedule's rows of each local
-//                                                     expert per chunk of kScheduleChunk ids of a
+//   slice_rows    (R, slices, E_l) int32              the fused schedule's rows of each local
+//                                                     expert per slice of kScheduleSlice ids of a
 //                                                     source rank, then (scanned) the rows before
-//                                                     the chunk (token_schedule.cuh)
+//                                                     the slice (token_schedule.cuh)
 //   local_row     (T_max, k) int32                    for this rank's own (t, j) served by a local
 //                                                     expert: its row in expert_y (the combine
 //                                                     reads it there instead of copying it)
@@ -45,8 +45,8 @@ namespace mok::comm {
 
 inline constexpr int kMaxRanks = 8;           // one NVLink (LSA) domain
 inline constexpr int64_t kRegionAlignment = 4096;
-// Ids per chunk of the fused forward's schedule: one warp's share, 32 ids a step.
-inline constexpr int64_t kScheduleChunk = 1024;
+// Ids per slice of the fused forward's schedule: one warp's share, 32 ids a step.
+inline constexpr int64_t kScheduleSlice = 1024;
 // The fused forward's readiness counters, one per block of block_m rows (kernels/megakernel).
 enum class TaskCounter : int {
   kRowsArrived = 0,        // expert rows the dispatch has copied into the block
@@ -64,9 +64,9 @@ enum class FlagKind : int {
 };
 inline constexpr int kNumFlagKinds = 3;
 
-// The fused forward hands out its task tickets in chunks of this many consecutive ones, one chunk
+// The fused forward hands out its task tickets in grants of this many consecutive ones, one grant
 // at a time to each L2 partition's CTAs (kernels/megakernel/tickets.cuh).
-inline constexpr uint32_t kTaskChunk = 32;
+inline constexpr uint32_t kTicketGrant = 32;
 inline constexpr int kMaxL2Partitions = 2;
 
 // Per-GPU state in the local buffer. `epoch` numbers the calls: flags are compared against it and
@@ -81,7 +81,7 @@ struct DeviceState {
   uint32_t schedule_epoch;    // the fused forward's schedule is complete for this epoch
   uint32_t barrier_count;     // the fused forward's communication CTAs in the current barrier
   uint32_t barrier_generation;  // barriers passed (never reset)
-  // The fused forward's ticket chunk of each L2 partition: (first ticket + 1) << 32 | tickets
+  // The fused forward's ticket grant of each L2 partition: (first ticket + 1) << 32 | tickets
   // taken from it (kernels/megakernel/tickets.cuh).
   alignas(8) unsigned long long task_pool[kMaxL2Partitions];
   ErrorRecord error;
@@ -106,13 +106,13 @@ struct WorkspaceLayout {
   int64_t slots_offset = 0, dy_offset = 0, topk_w_offset = 0, d_topk_w_offset = 0;
   int64_t window_bytes = 0;
   int64_t state_offset = 0, counts_offset = 0, offsets_offset = 0, row_source_offset = 0;
-  int64_t local_row_offset = 0, task_counters_offset = 0, chunk_rows_offset = 0;
+  int64_t local_row_offset = 0, task_counters_offset = 0, slice_rows_offset = 0;
   int64_t expert_x_offset = 0, expert_y_offset = 0, expert_dy_offset = 0, local_bytes = 0;
 
   MOK_COMM_HOST_DEVICE int64_t experts_per_rank() const { return num_experts / num_ranks; }
-  // Chunks of kScheduleChunk ids that a source rank's (T, k) ids are cut into, at most.
-  MOK_COMM_HOST_DEVICE int64_t chunks_per_source() const {
-    return (tokens_max * top_k + kScheduleChunk - 1) / kScheduleChunk;
+  // Slices of kScheduleSlice ids that a source rank's (T, k) ids are cut into, at most.
+  MOK_COMM_HOST_DEVICE int64_t slices_per_source() const {
+    return (tokens_max * top_k + kScheduleSlice - 1) / kScheduleSlice;
   }
   MOK_COMM_HOST_DEVICE int64_t row_bytes() const { return hidden * 2; }
   // Every token sends at most k rows to a rank; each expert wastes at most block_m - 1 rows.
@@ -173,8 +173,8 @@ struct WorkspaceLayout {
     layout.counts_offset = take(layout.experts_per_rank() * 4);
     layout.offsets_offset = take((layout.experts_per_rank() + 1) * 4);
     layout.row_source_offset = take(layout.rows_capacity() * 4);
-    layout.chunk_rows_offset =
-        take(int64_t{num_ranks} * layout.chunks_per_source() * layout.experts_per_rank() * 4);
+    layout.slice_rows_offset =
+        take(int64_t{num_ranks} * layout.slices_per_source() * layout.experts_per_rank() * 4);
     layout.local_row_offset = take(tokens_max * top_k * 4);
     layout.task_counters_offset = take(kNumTaskCounters * layout.mblocks_capacity() * 4);
     layout.expert_x_offset = take(layout.expert_rows * layout.row_bytes());
@@ -231,9 +231,9 @@ struct WorkspaceView {
   MOK_COMM_HOST_DEVICE int32_t* counts() const {
     return reinterpret_cast<int32_t*>(local + layout.counts_offset);
   }
-  // (R, chunks_per_source, E_l): see the layout above.
-  MOK_COMM_HOST_DEVICE int32_t* chunk_rows() const {
-    return reinterpret_cast<int32_t*>(local + layout.chunk_rows_offset);
+  // (R, slices_per_source, E_l): see the layout above.
+  MOK_COMM_HOST_DEVICE int32_t* slice_rows() const {
+    return reinterpret_cast<int32_t*>(local + layout.slice_rows_offset);
   }
   MOK_COMM_HOST_DEVICE int32_t* offsets() const {
     return reinterpret_cast<int32_t*>(local + layout.offsets_offset);

@@ -116,7 +116,7 @@ struct Epilogue {
         if (map_c != nullptr) {
           WarpBoxes<kColumns>::write(staging + f.staging_row * kStagingRowBytes, packed, map_c,
                                      tile.n_block * Config::BLOCK_N,
-                                     tile.m_block * Config::BLOCK_M + warp_first_row, tile.group);
+                                     tile.mblock * Config::BLOCK_M + warp_first_row, tile.group);
           return;
         }
       }

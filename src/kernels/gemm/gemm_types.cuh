@@ -39,8 +39,8 @@ struct TileShape {
   static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of bf16
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
-  static constexpr int kChunk = 64;    // MN-major tiles are loaded as 64-wide chunks
-  static constexpr uint32_t kChunkBytes = kChunk * BLOCK_K * 2;  // (BLOCK_K, 64) bf16
+  static constexpr int kPanel = 64;    // MN-major tiles are loaded as 64-wide panels
+  static constexpr uint32_t kPanelBytes = kPanel * BLOCK_K * 2;  // (BLOCK_K, 64) bf16
   static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;     // (BLOCK_M, BLOCK_K) bf16
   static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;     // (BLOCK_N, BLOCK_K) bf16
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;

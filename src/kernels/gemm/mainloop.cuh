@@ -59,9 +59,9 @@ struct Mainloop {
   static constexpr bool kBMajorMN = kKind != GemmKind::kForward;
   using Mma = ptx::Wgmma64x256<kAMajorMN ? 1 : 0, kBMajorMN ? 1 : 0>;
   static_assert(Mma::kN == Config::BLOCK_N, "one wgmma spans the whole N tile");
-  // MN-major: the distance between 64-wide chunks; K-major swizzled operands do not use it.
-  static constexpr uint32_t kALeadingBytes = kAMajorMN ? Config::kChunkBytes : 0;
-  static constexpr uint32_t kBLeadingBytes = kBMajorMN ? Config::kChunkBytes : 0;
+  // MN-major: the distance between 64-wide panels; K-major swizzled operands do not use it.
+  static constexpr uint32_t kALeadingBytes = kAMajorMN ? Config::kPanelBytes : 0;
+  static constexpr uint32_t kBLeadingBytes = kBMajorMN ? Config::kPanelBytes : 0;
 
   using Loader = TileLoader<kKind, Config>;
 
@@ -126,8 +126,8 @@ struct Mainloop {
   using HalfMma = ptx::Wgmma64x128<kAMajorMN ? 1 : 0, kBMajorMN ? 1 : 0>;
   static_assert(2 * HalfMma::kN == Config::BLOCK_N, "a half tile's consumers split N in two");
   // Column half c of a stage's B tile starts kBBytes / 2 in: 128 K-major rows, or two 64-wide
-  // MN-major chunks.
-  static_assert(Config::kBBytes / 2 == 2 * Config::kChunkBytes, "B halves are whole chunks");
+  // MN-major panels.
+  static_assert(Config::kBBytes / 2 == 2 * Config::kPanelBytes, "B halves are whole panels");
 
   // The k-loop of one tile with wgmma shape Shape, A and B read from the given byte offsets
   // into each stage.

@@ -3,7 +3,7 @@
 // (BLOCK_M, BLOCK_N) block with BLOCK_M / 64 wgmma m64nBLOCK_Nk16 per k16 step, sharing B.
 //
 // Stage s holds A (BLOCK_M, BLOCK_K) and B (BLOCK_N, BLOCK_K) as TMA writes them with the
-// 128-byte swizzle: K-major as (rows, 64 k), MN-major as 64-wide chunks of (64 k, 64 mn).
+// 128-byte swizzle: K-major as (rows, 64 k), MN-major as 64-wide panels of (64 k, 64 mn).
 // The ring is consumed in tile order: a consumer skips the k-blocks of the other's tiles, and
 // starts its mainloop only after the other has waited on every stage of its own (PingpongBarrier),
 // so no consumer ever waits on a stage more than one lap ahead (at most two stages of the other
@@ -49,9 +49,9 @@ struct PingpongMainloop {
   static_assert(Mma::kN == Config::BLOCK_N, "one wgmma spans the whole N tile");
   static constexpr int kNumRowBlocks = Config::BLOCK_M / 64;  // wgmma row blocks per tile
   static constexpr int kNumAccumulators = kNumRowBlocks * Mma::kNumAccumulators;
-  // MN-major: the distance between 64-wide chunks; K-major swizzled operands do not use it.
-  static constexpr uint32_t kALeadingBytes = kAMajorMN ? Config::kChunkBytes : 0;
-  static constexpr uint32_t kBLeadingBytes = kBMajorMN ? Config::kChunkBytes : 0;
+  // MN-major: the distance between 64-wide panels; K-major swizzled operands do not use it.
+  static constexpr uint32_t kALeadingBytes = kAMajorMN ? Config::kPanelBytes : 0;
+  static constexpr uint32_t kBLeadingBytes = kBMajorMN ? Config::kPanelBytes : 0;
 
   using Loader = TileLoader<kKind, Config>;
 

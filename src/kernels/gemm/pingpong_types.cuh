@@ -23,8 +23,8 @@ template <int kBlockM>
 struct PingpongConfig : TileShape<kBlockM, 128 * 128 / kBlockM> {
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two wgmma row blocks of 64");
   using Shape = TileShape<kBlockM, 128 * 128 / kBlockM>;
-  static constexpr uint32_t kRowBlockBytes = 64 * Shape::BLOCK_K * 2;  // 64 rows of A (one chunk)
-  static_assert(kRowBlockBytes == Shape::kChunkBytes, "an MN-major A chunk is one wgmma row block");
+  static constexpr uint32_t kRowBlockBytes = 64 * Shape::BLOCK_K * 2;  // 64 rows of A (one panel)
+  static_assert(kRowBlockBytes == Shape::kPanelBytes, "an MN-major A panel is one wgmma row block");
 };
 
 // Named barriers of the ping-pong kernel (kernel_roles.cuh): NamedBarrier::kMainloopTurn0 + c is

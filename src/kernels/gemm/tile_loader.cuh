@@ -3,7 +3,7 @@
 // stage ring with TMA, for a tile of Config's size.
 //
 // Stage s holds A (BLOCK_M, BLOCK_K) and B (BLOCK_N, BLOCK_K) in the layout TMA writes with the
-// 128-byte swizzle: K-major as (rows, 64 k), MN-major as 64-wide chunks of (64 k, 64 mn).
+// 128-byte swizzle: K-major as (rows, 64 k), MN-major as 64-wide panels of (64 k, 64 mn).
 // full[s] completes when the stage's bytes have landed. K-blocks run in natural order.
 #pragma once
 
@@ -41,24 +41,24 @@ struct TileLoader {
     if constexpr (kKind == GemmKind::kWgrad) {
       const int row = tile.row_begin + k;
 #pragma unroll
-      for (int chunk = 0; chunk < Config::BLOCK_M / Config::kChunk; ++chunk) {
-        ptx::tma_load_2d(a + chunk * Config::kChunkBytes, map_a, barrier,
-                         tile.m_block * Config::BLOCK_M + chunk * Config::kChunk, row);
+      for (int panel = 0; panel < Config::BLOCK_M / Config::kPanel; ++panel) {
+        ptx::tma_load_2d(a + panel * Config::kPanelBytes, map_a, barrier,
+                         tile.mblock * Config::BLOCK_M + panel * Config::kPanel, row);
       }
 #pragma unroll
-      for (int chunk = 0; chunk < Config::BLOCK_N / Config::kChunk; ++chunk) {
-        ptx::tma_load_2d(b + chunk * Config::kChunkBytes, map_b, barrier,
-                         tile.n_block * Config::BLOCK_N + chunk * Config::kChunk, row);
+      for (int panel = 0; panel < Config::BLOCK_N / Config::kPanel; ++panel) {
+        ptx::tma_load_2d(b + panel * Config::kPanelBytes, map_b, barrier,
+                         tile.n_block * Config::BLOCK_N + panel * Config::kPanel, row);
       }
     } else {
-      ptx::tma_load_2d(a, map_a, barrier, k, tile.row_begin + tile.m_block * Config::BLOCK_M);
+      ptx::tma_load_2d(a, map_a, barrier, k, tile.row_begin + tile.mblock * Config::BLOCK_M);
       if constexpr (kKind == GemmKind::kForward) {
         ptx::tma_load_3d(b, map_b, barrier, k, tile.n_block * Config::BLOCK_N, tile.group);
       } else {
 #pragma unroll
-        for (int chunk = 0; chunk < Config::BLOCK_N / Config::kChunk; ++chunk) {
-          ptx::tma_load_3d(b + chunk * Config::kChunkBytes, map_b, barrier,
-                           tile.n_block * Config::BLOCK_N + chunk * Config::kChunk, k, tile.group);
+        for (int panel = 0; panel < Config::BLOCK_N / Config::kPanel; ++panel) {
+          ptx::tma_load_3d(b + panel * Config::kPanelBytes, map_b, barrier,
+                           tile.n_block * Config::BLOCK_N + panel * Config::kPanel, k, tile.group);
         }
       }
     }
@@ -102,20 +102,20 @@ struct TileLoader {
     }
   }
 
-  // Rows [valid_rows, BLOCK_K) of every (64 k, 64 mn) chunk of the stage. A swizzled row is one
+  // Rows [valid_rows, BLOCK_K) of every (64 k, 64 mn) panel of the stage. A swizzled row is one
   // whole 128-byte line, so zeroing lines needs no knowledge of the swizzle.
   template <class Storage>
   __device__ static void zero_tail_rows(const Storage& smem, int stage, int valid_rows,
                                         int lane_idx) {
     constexpr int kLineVectors = 128 / 16;
-    constexpr int kNumAChunks = Config::BLOCK_M / Config::kChunk;
-    constexpr int kNumChunks = kNumAChunks + Config::BLOCK_N / Config::kChunk;
+    constexpr int kNumAPanels = Config::BLOCK_M / Config::kPanel;
+    constexpr int kNumPanels = kNumAPanels + Config::BLOCK_N / Config::kPanel;
     const int first_vector = valid_rows * kLineVectors;
 #pragma unroll
-    for (int chunk = 0; chunk < kNumChunks; ++chunk) {
-      uint8_t* base = chunk < kNumAChunks
-                          ? smem.a_stage(stage) + chunk * Config::kChunkBytes
-                          : smem.b_stage(stage) + (chunk - kNumAChunks) * Config::kChunkBytes;
+    for (int panel = 0; panel < kNumPanels; ++panel) {
+      uint8_t* base = panel < kNumAPanels
+                          ? smem.a_stage(stage) + panel * Config::kPanelBytes
+                          : smem.b_stage(stage) + (panel - kNumAPanels) * Config::kPanelBytes;
       // (BLOCK_K rows, 8 vectors of 16 B): row = vector / 8 is one swizzled 128-byte line.
       for (int vector_idx = first_vector + lane_idx; vector_idx < Config::BLOCK_K * kLineVectors;
            vector_idx += 32) {

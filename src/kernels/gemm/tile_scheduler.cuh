@@ -14,7 +14,7 @@ namespace mok::gemm {
 
 struct GroupedTile {
   int group;
-  int m_block;
+  int mblock;
   int n_block;
   int row_begin;  // first row of the group in the row-indexed tensors
   int row_count;  // rows of the group
@@ -39,7 +39,7 @@ __host__ __device__ inline bool is_half_tile(const GroupedTile& tile) {
   if constexpr (kKind == GemmKind::kWgrad) {
     return false;  // M is a weight dimension: no group tails
   } else {
-    return tile.row_count - tile.m_block * TileConfig::BLOCK_M <= TileConfig::BLOCK_M / 2;
+    return tile.row_count - tile.mblock * TileConfig::BLOCK_M <= TileConfig::BLOCK_M / 2;
   }
 }
 
@@ -54,11 +54,11 @@ __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
   place.row_stride = static_cast<int64_t>(output_columns) * kElementBytes;
   int64_t first_row;
   if constexpr (kKind == GemmKind::kWgrad) {
-    place.rows_valid = params.m - tile.m_block * Config::BLOCK_M;
-    first_row = static_cast<int64_t>(tile.group) * params.m + tile.m_block * Config::BLOCK_M;
+    place.rows_valid = params.m - tile.mblock * Config::BLOCK_M;
+    first_row = static_cast<int64_t>(tile.group) * params.m + tile.mblock * Config::BLOCK_M;
   } else {
-    place.rows_valid = tile.row_count - tile.m_block * Config::BLOCK_M;
-    first_row = tile.row_begin + static_cast<int64_t>(tile.m_block) * Config::BLOCK_M;
+    place.rows_valid = tile.row_count - tile.mblock * Config::BLOCK_M;
+    first_row = tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M;
   }
   place.column_bytes = static_cast<int64_t>(column_begin) * kElementBytes;
   place.tile_base =

@@ -3,8 +3,8 @@
 // TMA unit copies the rows out.
 //
 // A warp's 16 staging rows (kWarpStagingBytes) hold two boxes of 16 rows x 64 bf16 columns
-// (128-byte lines), in the layout a 128-byte-swizzled tensor map expects: 16-byte chunk c of line r
-// at chunk c ^ (r % 8). That is also what keeps a fragment store (8 rows, one chunk each)
+// (128-byte lines), in the layout a 128-byte-swizzled tensor map expects: 16-byte vector c of line r
+// at vector c ^ (r % 8). That is also what keeps a fragment store (8 rows, one vector each)
 // conflict-free. The boxes alternate: before a box is refilled, the store that read it two boxes
 // ago must have read it (bulk_wait_group_read<1>). Weight gradients have no group tails (M and N
 // are weight dimensions), and the tensor map clips the columns and rows past N and M, so every
@@ -28,7 +28,7 @@ template <int kColumns>
 struct WarpBoxes {
   using Rows = WarpRows<kColumns, /*kSwiGlu=*/false>;
   static constexpr int kBoxColumns = 64;
-  static constexpr int kBoxChunks = kBoxColumns / 8;  // 16-byte chunks per line
+  static constexpr int kBoxVectors = kBoxColumns / 8;  // 16-byte vectors per line
   static constexpr uint32_t kLineBytes = kBoxColumns * 2;
   static constexpr uint32_t kBoxBytes = 16 * kLineBytes;
   static constexpr int kBoxes = kColumns / kBoxColumns;
@@ -47,13 +47,13 @@ struct WarpBoxes {
       if (lane_idx == 0) ptx::bulk_wait_group_read<1>();  // the store of box - 2 has read it
       __syncwarp();
 #pragma unroll
-      for (int chunk = 0; chunk < kBoxChunks; ++chunk) {
-        const int out_chunk = box * kBoxChunks + chunk;
+      for (int vector = 0; vector < kBoxVectors; ++vector) {
+        const int out_vector = box * kBoxVectors + vector;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int line = lane_idx / 4 + 8 * half;
-          *reinterpret_cast<uint32_t*>(staging + line * kLineBytes + ((chunk ^ (line % 8)) * 16) +
-                                       quad_byte) = packed[2 * out_chunk + half];
+          *reinterpret_cast<uint32_t*>(staging + line * kLineBytes + ((vector ^ (line % 8)) * 16) +
+                                       quad_byte) = packed[2 * out_vector + half];
         }
       }
       ptx::fence_proxy_async_shared();  // the stores above, before the TMA unit reads them

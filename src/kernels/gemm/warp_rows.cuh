@@ -22,14 +22,14 @@ namespace mok::gemm {
 // outputs are swiglu_in_place's h, one per gate/up pair, so kColumns / 2 bf16 columns.
 template <int kColumns, bool kSwiGlu>
 struct WarpRows {
-  static constexpr int kOutChunks = (kSwiGlu ? kColumns / 2 : kColumns) / 8;  // bf16 x 8 each
-  static constexpr int kPacked = 2 * kOutChunks;  // bf16 pairs per thread
-  static constexpr int kPassChunks = kStagingRowBytes / 16;
-  static constexpr int kPasses = (kOutChunks + kPassChunks - 1) / kPassChunks;
-  static_assert(kOutChunks < kPassChunks || kOutChunks % kPassChunks == 0, "whole passes");
-  static constexpr int kChunks = kOutChunks < kPassChunks ? kOutChunks : kPassChunks;  // a pass's
-  static_assert(32 % kChunks == 0, "a warp copies whole rows at a time");
-  static constexpr int kRowsAtOnce = 32 / kChunks;
+  static constexpr int kOutVectors = (kSwiGlu ? kColumns / 2 : kColumns) / 8;  // bf16 x 8 each
+  static constexpr int kPacked = 2 * kOutVectors;  // bf16 pairs per thread
+  static constexpr int kPassVectors = kStagingRowBytes / 16;
+  static constexpr int kPasses = (kOutVectors + kPassVectors - 1) / kPassVectors;
+  static_assert(kOutVectors < kPassVectors || kOutVectors % kPassVectors == 0, "whole passes");
+  static constexpr int kVectors = kOutVectors < kPassVectors ? kOutVectors : kPassVectors;  // a pass's
+  static_assert(32 % kVectors == 0, "a warp copies whole rows at a time");
+  static constexpr int kRowsAtOnce = 32 / kVectors;
   // The copy loop of plain outputs is unrolled, so that a lane's staged loads are in flight
   // together (the fused forward −0.5 to −1 % at deepseek-v3, perf-notes/layer.md v37); for SwiGLU
   // outputs the same unroll made the SwiGLU GEMM slower (its cost over the plain one up by 0.6–1.2
@@ -37,19 +37,19 @@ struct WarpRows {
   static constexpr int kCopyUnroll = kSwiGlu ? 1 : 16 / kRowsAtOnce;
 
   // The bf16 output pairs of accum[0, kColumns / 2) in fragment order: packed[2 o + half] is
-  // output chunk o (8 columns) of fragment row lane / 4 + 8 half. Plain outputs: pair
+  // output vector o (8 columns) of fragment row lane / 4 + 8 half. Plain outputs: pair
   // (4 j + 2 half, + 1) of fragment block j; SwiGLU: the h of gate block 2 o.
   template <int kSize>
   __device__ static void pack(const float (&accum)[kSize], uint32_t (&packed)[kPacked]) {
     static_assert(kColumns / 2 <= kSize, "the accumulators hold the columns");
 #pragma unroll
     for (int j = 0; j < kColumns / 8; j += kSwiGlu ? 2 : 1) {
-      const int out_chunk = kSwiGlu ? j / 2 : j;
+      const int out_vector = kSwiGlu ? j / 2 : j;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int index = 4 * j + 2 * half;
         const __nv_bfloat162 pair = __floats2bfloat162_rn(accum[index], accum[index + 1]);
-        packed[2 * out_chunk + half] = *reinterpret_cast<const uint32_t*>(&pair);
+        packed[2 * out_vector + half] = *reinterpret_cast<const uint32_t*>(&pair);
       }
     }
   }
@@ -69,13 +69,13 @@ struct WarpRows {
       stage_pass(warp_staging, pass, lane_idx, packed);
       if (pass == 0 && lane_idx < 16) row_start = destination(lane_idx);
       __syncwarp();
-      const int chunk = lane_idx % kChunks;
-      const int column = 8 * (pass * kPassChunks + chunk);
+      const int vector = lane_idx % kVectors;
+      const int column = 8 * (pass * kPassVectors + vector);
 #pragma unroll kCopyUnroll
       for (int first = 0; first < 16; first += kRowsAtOnce) {
-        const int row = first + lane_idx / kChunks;
+        const int row = first + lane_idx / kVectors;
         const uint4 value = *reinterpret_cast<const uint4*>(
-            warp_staging + row * kStagingRowBytes + staged_chunk_offset(row, chunk));
+            warp_staging + row * kStagingRowBytes + staged_vector_offset(row, vector));
         char* row_destination = reinterpret_cast<char*>(
             __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(row_start), row));
         if (row_destination != nullptr && column < columns_valid) {
@@ -86,26 +86,26 @@ struct WarpRows {
   }
 
  private:
-  // Where 16-byte chunk `chunk` of staged row `row` lies in the row: the chunks of the warp's 8
-  // fragment rows are XOR-swizzled, so that a fragment store (8 rows, one chunk each) hits every
+  // Where 16-byte vector `vector` of staged row `row` lies in the row: the vectors of the warp's 8
+  // fragment rows are XOR-swizzled, so that a fragment store (8 rows, one vector each) hits every
   // bank once.
-  __device__ static uint32_t staged_chunk_offset(int row, int chunk) {
-    return static_cast<uint32_t>((chunk ^ (row % 8)) * 16);
+  __device__ static uint32_t staged_vector_offset(int row, int vector) {
+    return static_cast<uint32_t>((vector ^ (row % 8)) * 16);
   }
 
-  // Stages the pairs of pass `pass` (output chunks [pass, pass + 1) * kPassChunks).
+  // Stages the pairs of pass `pass` (output vectors [pass, pass + 1) * kPassVectors).
   __device__ static void stage_pass(uint8_t* warp_staging, int pass, int lane_idx,
                                     const uint32_t (&packed)[kPacked]) {
     const int quad_byte = 4 * (lane_idx % 4);
 #pragma unroll
-    for (int out_chunk = 0; out_chunk < kOutChunks; ++out_chunk) {
-      if (out_chunk / kPassChunks != pass) continue;
+    for (int out_vector = 0; out_vector < kOutVectors; ++out_vector) {
+      if (out_vector / kPassVectors != pass) continue;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = lane_idx / 4 + 8 * half;
         *reinterpret_cast<uint32_t*>(warp_staging + row * kStagingRowBytes +
-                                     staged_chunk_offset(row, out_chunk % kPassChunks) +
-                                     quad_byte) = packed[2 * out_chunk + half];
+                                     staged_vector_offset(row, out_vector % kPassVectors) +
+                                     quad_byte) = packed[2 * out_vector + half];
       }
     }
   }

@@ -35,7 +35,7 @@ struct TailLoads {
       : map_tail(map),
         tail_smem(smem),
         tail_row(task.tile.row_begin +
-                 (task.tile.m_block + task.tail_offset()) * gemm::TileConfig::BLOCK_M +
+                 (task.tile.mblock + task.tail_offset()) * gemm::TileConfig::BLOCK_M +
                  task.tail_carrier * kCarriedTailRows) {}
 
   __device__ void issue(int stage, uint64_t* full, int k_block) const {
@@ -65,7 +65,7 @@ __device__ __noinline__ void store_tail(const gemm::GroupedGemmParams& gemm_para
 #pragma unroll
   for (int i = 0; i < Tail::kAccumulators; ++i) tail[i] = stash[i * kConsumerThreads];
   gemm::GroupedTile tile = task.tile;  // the tail block's
-  tile.m_block += task.tail_offset();
+  tile.mblock += task.tail_offset();
   Tail::store<kEpilogue>(gemm_params, tile, task.tail_carrier * kCarriedTailRows, consumer_idx,
                          tail, row_destination.block(task.tail_offset()));
 }

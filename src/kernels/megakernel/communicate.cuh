@@ -25,8 +25,8 @@ inline constexpr int kProducerDispatchUnroll = 4;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (its chunked
-// passes count_chunks, scan_chunks, place_rows for the rows' order, the same as order_rows'), with
+// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (its sliced
+// passes count_slices, scan_slices, place_rows for the rows' order, the same as order_rows'), with
 // barriers across those CTAs in place of kernel boundaries, while the other CTAs run shared gate/up
 // tiles. Ends by publishing
 // schedule_epoch, which the compute producers also wait for before their first routed task (a
@@ -61,10 +61,10 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   int32_t* counters = scratch + layout.experts_per_rank() + 1;
   if (ok) {
     comm::count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
-    comm::count_chunks(view, cta, num_ctas, counters);
+    comm::count_slices(view, cta, num_ctas, counters);
   }
   ok = ok && ctas_barrier(view, num_ctas);
-  if (ok) comm::scan_chunks(view, cta, num_ctas);
+  if (ok) comm::scan_slices(view, cta, num_ctas);
   ok = ok && ctas_barrier(view, num_ctas);
   if (ok) comm::place_rows(view, cta, num_ctas, offsets, counters);
   ok = ok && ctas_barrier(view, num_ctas);

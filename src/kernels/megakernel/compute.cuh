@@ -33,7 +33,7 @@ __device__ inline TaskShape task_shape(const FusedForwardParams& params) {
       params.has_shared ? gemm::ceil_div(params.num_tokens, gemm::TileConfig::BLOCK_M) : 0;
   shape.routed_mblocks = 0;  // known once the schedule is (routed_mblocks())
   shape.num_experts = static_cast<int>(params.view.layout.experts_per_rank());
-  shape.chunk_mblocks = params.chunk_mblocks;
+  shape.minibatch_mblocks = params.minibatch_mblocks;
   shape.ring_mblocks = params.ring_mblocks;
   for (int kind = 0; kind < kNumTaskKinds; ++kind) {
     shape.n_blocks[kind] = gemm::ceil_div(params.gemm[kind].n, gemm::TileConfig::BLOCK_N);
@@ -64,7 +64,7 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
       const auto wait_block = [&](int offset) {
         const int mblock = task.mblock + offset;
         const int rows = min(gemm::TileConfig::BLOCK_M,
-                             task.tile.row_count - (task.tile.m_block + offset) *
+                             task.tile.row_count - (task.tile.mblock + offset) *
                                                        gemm::TileConfig::BLOCK_M);
         wait_counter(view, comm::TaskCounter::kRowsArrived, mblock, rows, comm::Phase::kDispatch);
         if (mblock >= shape.ring_mblocks) {
@@ -180,9 +180,168 @@ struct TaskRing {
   uint64_t empty[kTaskSlots];
 };
 
+// Where a role is in the task ring: slot and the phase parity of its barriers.
+struct TaskRingCursor {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == kTaskSlots) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// The producer warp: takes tickets, decodes them, hands each task to the consumers through the
+// ring, waits for its inputs and issues its loads; a kNoTask slot when none is left.
+__device__ __forceinline__ void produce_tasks(const FusedForwardMaps& maps,
+                                              const FusedForwardParams& params,
+                                              const Loop::Storage& smem, TaskRing& handoff,
+                                              uint8_t* aligned_smem, Loop::State& state) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const TaskShape shape = task_shape(params);
+  TaskScheduler scheduler(shape, params.view.offsets(), params.view.counts(), params.num_tokens);
+  TaskRingCursor cursor;
+  Task task;
+  uint32_t tail_phase = 0;
+  bool routed_known = false;
+  const TraceSpans spans{params.trace != nullptr};
+  uint32_t input_wait_ns = 0, slot_wait_ns = 0, tasks = 0;  // 32 bits: 4 s is plenty
+  for (;;) {
+    int ticket = 0;
+    if (lane == 0) {
+      // (the partition is looked up per ticket: kept in a register, the producer spilled)
+      ticket = take_ticket(params.view.state(),
+                           cta_l2_partition(params.sm_partition, params.max_sm_ids));
+    }
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
+      int mblocks = 0;
+      const uint64_t wait_start = spans.begin();
+      if (lane == 0) mblocks = routed_mblocks(params);
+      const uint32_t waited = spans.since(wait_start);
+      input_wait_ns += waited;
+      if (lane == 0) trace_set(params.trace, kTraceWaitScheduleNs, waited);
+      scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
+      routed_known = true;
+    }
+    const bool has_task = scheduler.decode(ticket, task);
+    if (!has_task) task.mblock = kNoTask;
+    if (has_task && task.carried) continue;  // the tile of the block before computes it
+    if (lane == 0) {
+      const uint64_t wait_start = spans.begin();
+      ptx::mbarrier_wait(&handoff.empty[cursor.slot], cursor.phase ^ 1u);
+      slot_wait_ns += spans.since(wait_start);
+      handoff.task[cursor.slot] = task;
+      ptx::mbarrier_arrive(&handoff.full[cursor.slot]);
+    }
+    __syncwarp();
+    cursor.advance();
+    if (!has_task) {
+      if (lane == 0) {
+        trace_set(params.trace, kTraceTasksEnd, spans.begin());
+        trace_set(params.trace, kTraceTasks, tasks);
+        trace_set(params.trace, kTraceInputWaitNs, input_wait_ns);
+        trace_set(params.trace, kTraceSlotWaitNs, slot_wait_ns);
+      }
+      return;
+    }
+    ++tasks;
+    if (lane == 0) {
+      const uint64_t wait_start = spans.begin();
+      wait_for_inputs(params, shape, task);
+      if (spans.on) {
+        const uint32_t waited = spans.since(wait_start);
+        input_wait_ns += waited;
+        // per kind, accumulated in the trace record itself (no producer registers)
+        const int field = kTraceWaitKindNs + static_cast<int>(task.kind);
+        params.trace[blockIdx.x * kTraceFields + field] += waited;
+      }
+    }
+    __syncwarp();
+    const int kind = static_cast<int>(task.kind);
+    if (task.tail_rows > 0) {
+      Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                 tail_phase, TailLoads(&maps.a_tail[kind], tail_stages(aligned_smem), task));
+    } else {
+      Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
+                 tail_phase);
+    }
+  }
+}
+
+// A consumer warpgroup: runs the tasks the producer hands over until the kNoTask slot; publishes
+// gate/up tiles to their row blocks' counters and counts this CTA's down tiles.
+__device__ __forceinline__ void consume_tasks(const FusedForwardParams& params,
+                                              const Loop::Storage& smem, TaskRing& handoff,
+                                              uint8_t* aligned_smem, Loop::State& state,
+                                              int consumer_idx) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const uint8_t* tail_smem = tail_stages(aligned_smem);
+  float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
+  TaskRingCursor cursor;
+  Task task;
+  uint32_t down_tiles = 0;  // stored by this CTA
+  const TraceSpans spans{params.trace != nullptr && gemm::is_consumer_leader()};
+  uint32_t publish_ns = 0;
+  for (;;) {
+    ptx::mbarrier_wait(&handoff.full[cursor.slot], cursor.phase);
+    task = handoff.task[cursor.slot];
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&handoff.empty[cursor.slot]);
+    cursor.advance();
+    if (task.mblock == kNoTask) break;
+    const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
+    // A tile that carries rows of a tail stands for (part of) the tail's tile too.
+    const int tail_mblock = task.tail_rows > 0 ? task.mblock + task.tail_offset() : -1;
+    switch (task.kind) {
+      case TaskKind::kSharedGateUp:
+      case TaskKind::kGateUp: {
+        run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
+                                                  tail_smem, state, accum);
+        const uint64_t publish_start = spans.begin();
+        publish_tile(params.view,
+                     task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
+                                                    : comm::TaskCounter::kSharedHiddenReady,
+                     task.mblock, tail_mblock);
+        publish_ns += spans.since(publish_start);
+        break;
+      }
+      case TaskKind::kSharedDown:
+        // fp32 from registers; read only by the reduce, after this kernel
+        run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem, tail_smem,
+                                                 state, accum);
+        break;
+      case TaskKind::kDown: {
+        // The combine push: each row into its owner's slot (combine_store.cuh).
+        const int first_row = task.mblock * gemm::TileConfig::BLOCK_M;
+        run_tile<gemm::EpilogueKind::kStoreBf16>(gemm_params, task, consumer_idx, smem, tail_smem,
+                                                 state, accum,
+                                                 RowsToOwners{&params.view, first_row});
+        // (the tail's tile counts once, with its first carrier)
+        down_tiles += task.tail_rows > 0 && task.tail_carrier == 0 ? 2 : 1;
+        if (task.frees_ring_block) {
+          // Every k-block of the tile has landed (both consumers waited for them): its hidden
+          // rows (and a carried tail's, in the same round: one carrier with ring rounds) may
+          // be overwritten by the next round.
+          publish_tile(params.view, comm::TaskCounter::kDownDone, task.mblock, tail_mblock);
+        }
+        break;
+      }
+    }
+  }
+  if (down_tiles > 0) finish_down_tiles(params, down_tiles);
+  if (spans.on) {
+    trace_set(params.trace, kTraceEnd, spans.begin());
+    trace_set(params.trace, kTracePublishNs, publish_ns);
+  }
+}
+
 // The whole CTA: runs tasks until none is left. The producer warp takes each ticket from the
 // rank's counter as soon as the previous task's loads are issued, so a CTA that joins late (a
-// communication CTA done with the dispatch) or runs slow tiles simply takes fewer tasks.
+// communication CTA done with the dispatch) or runs slow tiles simply takes fewer tasks. Warps
+// 1-3 of the producer warpgroup dispatch rows beside the tiles (communicate.cuh) unless
+// communication CTAs do.
 __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardParams& params,
                                uint8_t* aligned_smem) {
   const Loop::Storage smem = Loop::Storage::carve(aligned_smem);
@@ -201,153 +360,17 @@ __device__ inline void compute(const FusedForwardMaps& maps, const FusedForwardP
   }
   __syncthreads();
 
-  Task task;
   Loop::State state;
-  int slot = 0;
-  uint32_t slot_phase = 0;
-  auto advance_slot = [&] {
-    if (++slot == kTaskSlots) {
-      slot = 0;
-      slot_phase ^= 1u;
-    }
-  };
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int warpgroup_idx = gemm::warpgroup_index();
   if (gemm::warpgroup_role() == gemm::WarpgroupRole::kProducer) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
-      const TaskShape shape = task_shape(params);
-      TaskScheduler scheduler(shape, params.view.offsets(), params.view.counts(),
-                              params.num_tokens);
-      uint32_t tail_phase = 0;
-      bool routed_known = false;
-      const bool tracing = params.trace != nullptr;
-      uint32_t input_wait_ns = 0, slot_wait_ns = 0, tasks = 0;  // 32 bits: 4 s is plenty
-      for (;;) {
-        int ticket = 0;
-        if (lane == 0) {
-          // (the partition is looked up per ticket: kept in a register, the producer spilled)
-          ticket = take_ticket(params.view.state(),
-                               cta_l2_partition(params.sm_partition, params.max_sm_ids));
-        }
-        ticket = __shfl_sync(0xffffffffu, ticket, 0);
-        if (!routed_known && ticket >= scheduler.shared_gate_up_tasks()) {
-          int mblocks = 0;
-          const uint64_t wait_start = tracing ? trace_clock() : 0;
-          if (lane == 0) mblocks = routed_mblocks(params);
-          if (tracing) {
-            const uint32_t waited = static_cast<uint32_t>(trace_clock() - wait_start);
-            input_wait_ns += waited;
-            if (lane == 0) trace_set(params.trace, kTraceWaitScheduleNs, waited);
-          }
-          scheduler.set_routed_mblocks(__shfl_sync(0xffffffffu, mblocks, 0));
-          routed_known = true;
-        }
-        const bool has_task = scheduler.decode(ticket, task);
-        if (!has_task) task.mblock = kNoTask;
-        if (has_task && task.carried) continue;  // the tile of the block before computes it
-        if (lane == 0) {
-          const uint64_t wait_start = tracing ? trace_clock() : 0;
-          ptx::mbarrier_wait(&handoff.empty[slot], slot_phase ^ 1u);
-          if (tracing) slot_wait_ns += static_cast<uint32_t>(trace_clock() - wait_start);
-          handoff.task[slot] = task;
-          ptx::mbarrier_arrive(&handoff.full[slot]);
-        }
-        __syncwarp();
-        advance_slot();
-        if (!has_task) {
-          if (tracing && lane == 0) {
-            trace_set(params.trace, kTraceTasksEnd, trace_clock());
-            trace_set(params.trace, kTraceTasks, tasks);
-            trace_set(params.trace, kTraceInputWaitNs, input_wait_ns);
-            trace_set(params.trace, kTraceSlotWaitNs, slot_wait_ns);
-          }
-          break;
-        }
-        ++tasks;
-        if (lane == 0) {
-          const uint64_t wait_start = tracing ? trace_clock() : 0;
-          wait_for_inputs(params, shape, task);
-          if (tracing) {
-            const uint32_t waited = static_cast<uint32_t>(trace_clock() - wait_start);
-            input_wait_ns += waited;
-            // per kind, accumulated in the trace record itself (no producer registers)
-            const int field = kTraceWaitKindNs + static_cast<int>(task.kind);
-            params.trace[blockIdx.x * kTraceFields + field] += waited;
-          }
-        }
-        __syncwarp();
-        const int kind = static_cast<int>(task.kind);
-        if (task.tail_rows > 0) {
-          Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
-                     tail_phase, TailLoads(&maps.a_tail[kind], tail_stages(aligned_smem), task));
-        } else {
-          Loop::load(&maps.a[kind], &maps.b[kind], smem, params.gemm[kind], task.tile, state,
-                     tail_phase);
-        }
-      }
+      produce_tasks(maps, params, smem, handoff, aligned_smem, state);
     } else if (params.num_comm_ctas == 0) {
       dispatch_beside_tiles(params);
     }
   } else {
     ptx::setmaxnreg_increase<kConsumerRegisters>();
-    const int consumer_idx = warpgroup_idx - 1;
-    const uint8_t* tail_smem = tail_stages(aligned_smem);
-    float accum[gemm::TileConfig::BLOCK_N / 2];  // (64, BLOCK_N) fragment of this warpgroup
-    uint32_t down_tiles = 0;  // stored by this CTA
-    const bool tracing = params.trace != nullptr && gemm::is_consumer_leader();
-    uint32_t publish_ns = 0;
-    for (;;) {
-      ptx::mbarrier_wait(&handoff.full[slot], slot_phase);
-      task = handoff.task[slot];
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&handoff.empty[slot]);
-      advance_slot();
-      if (task.mblock == kNoTask) break;
-      const gemm::GroupedGemmParams& gemm_params = params.gemm[static_cast<int>(task.kind)];
-      // A tile that carries rows of a tail stands for (part of) the tail's tile too.
-      const int tail_mblock = task.tail_rows > 0 ? task.mblock + task.tail_offset() : -1;
-      switch (task.kind) {
-        case TaskKind::kSharedGateUp:
-        case TaskKind::kGateUp: {
-          run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
-                                                    tail_smem, state, accum);
-          const uint64_t publish_start = tracing ? trace_clock() : 0;
-          publish_tile(params.view,
-                       task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady
-                                                      : comm::TaskCounter::kSharedHiddenReady,
-                       task.mblock, tail_mblock);
-          if (tracing) publish_ns += static_cast<uint32_t>(trace_clock() - publish_start);
-          break;
-        }
-        case TaskKind::kSharedDown:
-          // fp32 from registers; read only by the reduce, after this kernel
-          run_tile<gemm::EpilogueKind::kStoreFp32>(gemm_params, task, consumer_idx, smem,
-                                                   tail_smem, state, accum);
-          break;
-        case TaskKind::kDown: {
-          // The combine push: each row into its owner's slot (combine_store.cuh).
-          const int first_row = task.mblock * gemm::TileConfig::BLOCK_M;
-          run_tile<gemm::EpilogueKind::kStoreBf16>(
-              gemm_params, task, consumer_idx, smem, tail_smem, state, accum,
-              RowsToOwners{&params.view, first_row});
-          // (the tail's tile counts once, with its first carrier)
-          down_tiles += task.tail_rows > 0 && task.tail_carrier == 0 ? 2 : 1;
-          if (task.frees_ring_block) {
-            // Every k-block of the tile has landed (both consumers waited for them): its hidden
-            // rows (and a carried tail's, in the same round: one carrier with ring rounds) may
-            // be overwritten by the next round.
-            publish_tile(params.view, comm::TaskCounter::kDownDone, task.mblock, tail_mblock);
-          }
-          break;
-        }
-      }
-    }
-    if (down_tiles > 0) finish_down_tiles(params, down_tiles);
-    if (tracing) {
-      trace_set(params.trace, kTraceEnd, trace_clock());
-      trace_set(params.trace, kTracePublishNs, publish_ns);
-    }
+    consume_tasks(params, smem, handoff, aligned_smem, state, gemm::warpgroup_index() - 1);
   }
 }
 

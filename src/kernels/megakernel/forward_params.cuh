@@ -31,7 +31,7 @@ struct FusedForwardParams {
   int num_tokens;     // this rank's tokens this call
   int num_comm_ctas;  // blockIdx.x below this dispatches first, then computes like the rest;
                       // 0: warps 1-3 of every CTA dispatch beside its tiles
-  int chunk_mblocks;  // row blocks per minibatch
+  int minibatch_mblocks;  // row blocks per minibatch
   int ring_mblocks;   // row blocks of expert_x and the routed hidden rows (task_list.cuh)
   int has_shared;
   int schedule_in_kernel;  // 0: the schedule kernels (comm_ops.hpp) ran before the launch

@@ -8,7 +8,7 @@
 //
 // Rows come in blocks of 128 (BLOCK_M): each local expert's rows start at a block boundary, so
 // block g covers rows [128 g, 128 g + 128) of the call's expert rows and belongs to one expert.
-// The routed blocks are cut into minibatches of `chunk_mblocks` blocks (minibatch k is blocks
+// The routed blocks are cut into minibatches of `minibatch_mblocks` blocks (minibatch k is blocks
 // [k B, (k + 1) B); an expert may span two); the list of segments is
 //   SG | SD | R0 | R1 D0 | R2 D1 | ... | R(n-1) D(n-2) | D(n-1)
 // (S = shared, R = routed gate/up, D = routed down of one minibatch): the shared expert's tiles
@@ -55,13 +55,13 @@ struct TaskShape {
   int num_experts;     // local experts
   int shared_mblocks;  // ceil(T / 128) with a shared expert, else 0
   int routed_mblocks;  // rows of the local experts (tile padded) / 128
-  int chunk_mblocks;   // row blocks per minibatch, >= 1
-  int ring_mblocks;    // row blocks of the ring (expert_x, hidden): a multiple of chunk_mblocks
-                       // >= 2 chunk_mblocks, or at least routed_mblocks (one round)
+  int minibatch_mblocks;   // row blocks per minibatch, >= 1
+  int ring_mblocks;    // row blocks of the ring (expert_x, hidden): a multiple of minibatch_mblocks
+                       // >= 2 minibatch_mblocks, or at least routed_mblocks (one round)
   int n_blocks[kNumTaskKinds];  // 256-column blocks of each GEMM's output (before SwiGLU halving)
 
-  __host__ __device__ int num_chunks() const {
-    return (routed_mblocks + chunk_mblocks - 1) / chunk_mblocks;
+  __host__ __device__ int num_minibatches() const {
+    return (routed_mblocks + minibatch_mblocks - 1) / minibatch_mblocks;
   }
 };
 
@@ -121,8 +121,8 @@ class TaskScheduler {
   // The routed row blocks of the call, from the schedule: every segment is known from here on.
   __host__ __device__ void set_routed_mblocks(int routed_mblocks) {
     shape_.routed_mblocks = routed_mblocks;
-    const int chunks = shape_.num_chunks();
-    num_segments_ = chunks == 0 ? 3 : 2 * chunks + 2;
+    const int minibatches = shape_.num_minibatches();
+    num_segments_ = minibatches == 0 ? 3 : 2 * minibatches + 2;
   }
 
   // Fills `task` for `ticket`; false when the ticket is past the last task.
@@ -164,18 +164,18 @@ class TaskScheduler {
       }
       const int local = task_ - expert_first_task_;
       const int row_begin = offsets_[expert_];
-      const int m_block = expert_skip_mblocks_ + local % expert_mblocks_;
-      task.mblock = row_begin / gemm::TileConfig::BLOCK_M + m_block;
+      const int mblock = expert_skip_mblocks_ + local % expert_mblocks_;
+      task.mblock = row_begin / gemm::TileConfig::BLOCK_M + mblock;
       task.frees_ring_block = kind_ == TaskKind::kDown &&
                               task.mblock + shape_.ring_mblocks < shape_.routed_mblocks;
-      task.tile = {expert_, m_block, local / expert_mblocks_,
+      task.tile = {expert_, mblock, local / expert_mblocks_,
                    row_begin - ring_round_base(task.mblock, shape_.ring_mblocks),
                    counts_[expert_]};
       const int carriers = tail_carriers(row_begin, counts_[expert_]);
       if (carriers > 0) {
         const int last = (counts_[expert_] - 1) / gemm::TileConfig::BLOCK_M;
-        const int carrier = last - 1 - m_block;  // j: the block j + 1 before the tail
-        task.carried = m_block == last;
+        const int carrier = last - 1 - mblock;  // j: the block j + 1 before the tail
+        task.carried = mblock == last;
         if (carrier >= 0 && carrier < carriers) {
           const int tail = counts_[expert_] - last * gemm::TileConfig::BLOCK_M;
           const int rows = tail - carrier * kCarriedTailRows;
@@ -203,7 +203,7 @@ class TaskScheduler {
     }
     const int tail_block = row_begin / kRows + blocks - 1;
     const bool one_minibatch =
-        tail_block / shape_.chunk_mblocks == (tail_block - carriers) / shape_.chunk_mblocks;
+        tail_block / shape_.minibatch_mblocks == (tail_block - carriers) / shape_.minibatch_mblocks;
     return one_minibatch ? carriers : 0;
   }
 
@@ -212,7 +212,7 @@ class TaskScheduler {
   __host__ __device__ void load_segment(int index) {
     segment_ = index;
     if (index >= num_segments_) return;
-    int chunk = 0;
+    int minibatch = 0;
     if (index == 0) {
       kind_ = TaskKind::kSharedGateUp;
     } else if (index == 1) {
@@ -221,16 +221,16 @@ class TaskScheduler {
       kind_ = TaskKind::kGateUp;
     } else {
       const int j = index - 3;
-      const int chunks = shape_.num_chunks();
+      const int minibatches = shape_.num_minibatches();
       if (j % 2 == 1) {
         kind_ = TaskKind::kDown;
-        chunk = j / 2;
-      } else if (j / 2 + 1 < chunks) {
+        minibatch = j / 2;
+      } else if (j / 2 + 1 < minibatches) {
         kind_ = TaskKind::kGateUp;
-        chunk = j / 2 + 1;
+        minibatch = j / 2 + 1;
       } else {
         kind_ = TaskKind::kDown;
-        chunk = chunks - 1;
+        minibatch = minibatches - 1;
       }
     }
     const int n_blocks = shape_.n_blocks[static_cast<int>(kind_)];
@@ -238,8 +238,8 @@ class TaskScheduler {
       segment_size_ = shape_.shared_mblocks * n_blocks;
       return;
     }
-    block_begin_ = chunk * shape_.chunk_mblocks;
-    block_end_ = block_begin_ + shape_.chunk_mblocks;
+    block_begin_ = minibatch * shape_.minibatch_mblocks;
+    block_end_ = block_begin_ + shape_.minibatch_mblocks;
     if (block_end_ > shape_.routed_mblocks) block_end_ = shape_.routed_mblocks;
     segment_size_ = (block_end_ - block_begin_) * n_blocks;
     expert_first_task_ = segment_first_;

@@ -7,11 +7,11 @@
 // them sit on one side, the tile crosses at most once instead of once per side. (ncu at deepseek-v3
 // EP1: the fabric was 94 % busy, the most loaded unit of L2; docs/perf-notes/layer.md.)
 //
-// Each partition draws chunks of kTaskChunk consecutive tickets from the call's counter
-// (next_task) and its CTAs take the chunk's tickets in order. Every CTA's tickets still increase,
-// and a partition claims a new chunk only once its current one is handed out, so the argument of
+// Each partition draws grants of kTicketGrant consecutive tickets from the call's counter
+// (next_task) and its CTAs take the grant's tickets in order. Every CTA's tickets still increase,
+// and a partition claims a new grant only once its current one is handed out, so the argument of
 // task_list.cuh holds: the earliest unfinished task has been taken, or is the next of its
-// partition's chunk, whose CTAs all hold earlier (runnable) tasks.
+// partition's grant, whose CTAs all hold earlier (runnable) tasks.
 #pragma once
 
 #include <cstdint>
@@ -37,18 +37,18 @@ __device__ inline int take_ticket(comm::DeviceState* state, int partition) {
   unsigned long long* pool = &state->task_pool[partition];
   for (;;) {
     const unsigned long long seen = atomicAdd(pool, 1ull);
-    const uint32_t chunk = static_cast<uint32_t>(seen >> 32);  // first ticket + 1, 0 for none
+    const uint32_t grant = static_cast<uint32_t>(seen >> 32);  // first ticket + 1, 0 for none
     const uint32_t taken = static_cast<uint32_t>(seen);
-    if (taken < comm::kTaskChunk) return static_cast<int>(chunk - 1 + taken);
-    if (taken == comm::kTaskChunk) {
-      // This thread emptied the chunk: it claims the next one and takes its first ticket.
-      const uint32_t first = atomicAdd(&state->next_task, comm::kTaskChunk);
+    if (taken < comm::kTicketGrant) return static_cast<int>(grant - 1 + taken);
+    if (taken == comm::kTicketGrant) {
+      // This thread emptied the grant: it claims the next one and takes its first ticket.
+      const uint32_t first = atomicAdd(&state->next_task, comm::kTicketGrant);
       atomicExch(pool, (static_cast<unsigned long long>(first + 1) << 32) | 1ull);
       return static_cast<int>(first);
     }
-    // Another thread is claiming the next chunk: wait for it, then take again.
+    // Another thread is claiming the next grant: wait for it, then take again.
     while (static_cast<uint32_t>(*reinterpret_cast<volatile unsigned long long*>(pool) >> 32) ==
-           chunk) {
+           grant) {
       __nanosleep(32);
     }
   }

@@ -33,6 +33,16 @@ __device__ __forceinline__ uint64_t trace_clock() { return ptx::global_timer_ns(
 __device__ __forceinline__ void trace_set(uint64_t* trace, TraceField field, uint64_t value) {
   if (trace != nullptr) trace[blockIdx.x * kTraceFields + field] = value;
 }
+
+// The hook the task loops time their waits with: a span's start is 0 and its length 0 when the
+// trace is off (one uniform branch each), so the loops read the same either way.
+struct TraceSpans {
+  bool on;
+  __device__ __forceinline__ uint64_t begin() const { return on ? trace_clock() : 0; }
+  __device__ __forceinline__ uint32_t since(uint64_t start) const {
+    return on ? static_cast<uint32_t>(trace_clock() - start) : 0u;
+  }
+};
 #endif
 
 }  // namespace mok::megakernel

@@ -6,7 +6,7 @@
 //   K-major  (rows of 64 K elements = 128 B): 8-row core groups 1024 B apart (SBO); stepping K
 //            by 16 inside the swizzle atom adds 32 B to the start address.
 //   MN-major (rows of 64 M/N elements = 128 B, one row per k): 8-k groups 1024 B apart (SBO),
-//            64-element M/N chunks `chunk_bytes` apart (LBO); stepping K by 16 adds 2048 B.
+//            64-element M/N panels `kPanelBytes` apart (LBO); stepping K by 16 adds 2048 B.
 #pragma once
 
 #include <cstdint>

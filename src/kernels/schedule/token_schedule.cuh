@@ -8,13 +8,13 @@
 //                      block_m) and the expert's rows in global token order (rank * T_max + t,
 //                      then slot j), padding marked -1; for this rank's own tokens, the row of
 //                      each (t, j) (local_row), so the combine can read it in place
-//      count_chunks, scan_chunks, place_rows
+//      count_slices, scan_slices, place_rows
 //                      (the fused forward's instead) the same offsets, rows and padding as
 //                      order_rows in three passes over the ids, however many experts (order_rows
 //                      scans every id once per expert): each warp counts the rows of every local
-//                      expert in its chunks of kScheduleChunk ids, one warp per expert turns the
-//                      counts into the rows before each chunk (in global order), and each warp
-//                      places its chunks' rows from there, in order.
+//                      expert in its slices of kScheduleSlice ids, one warp per expert turns the
+//                      counts into the rows before each slice (in global order), and each warp
+//                      places its slices' rows from there, in order.
 // Kernel boundaries separate the steps; within a step nothing depends on timing.
 #pragma once
 
@@ -44,9 +44,9 @@ __device__ inline void begin_call(const WorkspaceView& view) {
     state->combine_arrivals = 0;
     state->down_tiles_done = 0;
     state->next_task = 0;
-    // No chunk yet, and every ticket of it taken: the first producer to ask installs one.
+    // No slice yet, and every ticket of it taken: the first producer to ask installs one.
     for (int partition = 0; partition < kMaxL2Partitions; ++partition) {
-      state->task_pool[partition] = kTaskChunk;
+      state->task_pool[partition] = kTicketGrant;
     }
     state->barrier_count = 0;
   }
@@ -236,8 +236,8 @@ __device__ inline void order_rows(const WorkspaceView& view, int64_t local_exper
   }
 }
 
-// The chunks of the schedule: chunk c of source rank r covers ids [c, c + 1) * kScheduleChunk of
-// that rank's (T_r, k) ids; each warp of the grid takes chunks (r, c) in turn.
+// The slices of the schedule: slice c of source rank r covers ids [c, c + 1) * kScheduleSlice of
+// that rank's (T_r, k) ids; each warp of the grid takes slices (r, c) in turn.
 struct ScheduleWarp {
   int64_t first_warp, num_warps;
   int lane;
@@ -250,8 +250,8 @@ __device__ inline ScheduleWarp schedule_warp(int cta, int num_ctas) {
 }
 
 // Pass 1, every warp, after count_rows validated the ids (and a barrier): the rows of each local
-// expert in each of its chunks, into chunk_rows. `counters`: E_l ints of shared memory per warp.
-__device__ inline void count_chunks(const WorkspaceView& view, int cta, int num_ctas,
+// expert in each of its slices, into slice_rows. `counters`: E_l ints of shared memory per warp.
+__device__ inline void count_slices(const WorkspaceView& view, int cta, int num_ctas,
                                     int32_t* counters) {
   if (cta_sees_error(view)) return;
   const WorkspaceLayout& layout = view.layout;
@@ -259,12 +259,12 @@ __device__ inline void count_chunks(const WorkspaceView& view, int cta, int num_
   const int64_t first_expert = view.rank * experts;
   const ScheduleWarp me = schedule_warp(cta, num_ctas);
   int32_t* mine = counters + (threadIdx.x / 32) * experts;
-  const int64_t chunks = layout.chunks_per_source();
-  for (int64_t chunk = me.first_warp; chunk < layout.num_ranks * chunks; chunk += me.num_warps) {
-    const int source = static_cast<int>(chunk / chunks);
+  const int64_t slices = layout.slices_per_source();
+  for (int64_t slice = me.first_warp; slice < layout.num_ranks * slices; slice += me.num_warps) {
+    const int source = static_cast<int>(slice / slices);
     const int64_t num_ids = static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
-    const int64_t first_id = (chunk % chunks) * kScheduleChunk;
-    int32_t* out = view.chunk_rows() + chunk * experts;
+    const int64_t first_id = (slice % slices) * kScheduleSlice;
+    int32_t* out = view.slice_rows() + slice * experts;
     if (first_id >= num_ids) {
       for (int64_t expert = me.lane; expert < experts; expert += 32) out[expert] = 0;
       continue;
@@ -272,7 +272,7 @@ __device__ inline void count_chunks(const WorkspaceView& view, int cta, int num_
     for (int64_t expert = me.lane; expert < experts; expert += 32) mine[expert] = 0;
     __syncwarp();
     const int32_t* ids = view.topk(view.rank, source);
-    const int64_t end = min(first_id + kScheduleChunk, num_ids);
+    const int64_t end = min(first_id + kScheduleSlice, num_ids);
     for (int64_t index = first_id + me.lane; index < end; index += 32) {
       const int64_t local_expert = ids[index] - first_expert;  // -1 slots fall outside
       if (ids[index] >= 0 && local_expert >= 0 && local_expert < experts) {
@@ -285,27 +285,27 @@ __device__ inline void count_chunks(const WorkspaceView& view, int cta, int num_
   }
 }
 
-// Pass 2, after a barrier: for each local expert (one warp each), the rows it has in the chunks
-// before each chunk (an exclusive scan over the chunks in global order), in place.
-__device__ inline void scan_chunks(const WorkspaceView& view, int cta, int num_ctas) {
+// Pass 2, after a barrier: for each local expert (one warp each), the rows it has in the slices
+// before each slice (an exclusive scan over the slices in global order), in place.
+__device__ inline void scan_slices(const WorkspaceView& view, int cta, int num_ctas) {
   if (cta_sees_error(view)) return;
   const WorkspaceLayout& layout = view.layout;
   const int64_t experts = layout.experts_per_rank();
-  const int64_t num_chunks = layout.num_ranks * layout.chunks_per_source();
+  const int64_t num_slices = layout.num_ranks * layout.slices_per_source();
   const ScheduleWarp me = schedule_warp(cta, num_ctas);
   for (int64_t expert = me.first_warp; expert < experts; expert += me.num_warps) {
     int32_t carried = 0;
-    for (int64_t first = 0; first < num_chunks; first += 32) {
-      const int64_t chunk = first + me.lane;
-      int32_t* cell = view.chunk_rows() + chunk * experts + expert;
-      const int32_t rows = chunk < num_chunks ? *cell : 0;
+    for (int64_t first = 0; first < num_slices; first += 32) {
+      const int64_t slice = first + me.lane;
+      int32_t* cell = view.slice_rows() + slice * experts + expert;
+      const int32_t rows = slice < num_slices ? *cell : 0;
       int32_t inclusive = rows;
 #pragma unroll
       for (int delta = 1; delta < 32; delta *= 2) {
         const int32_t other = __shfl_up_sync(0xffffffffu, inclusive, delta);
         if (me.lane >= delta) inclusive += other;
       }
-      if (chunk < num_chunks) *cell = carried + inclusive - rows;
+      if (slice < num_slices) *cell = carried + inclusive - rows;
       carried += __shfl_sync(0xffffffffu, inclusive, 31);
     }
   }
@@ -336,9 +336,9 @@ __device__ inline void expert_offsets(const WorkspaceView& view, int32_t* offset
 }
 
 // Pass 3, after a barrier, the whole CTA: the offsets (written by CTA 0), padding rows marked -1,
-// and every row of a local expert at its place in global order: its chunk's rows before it
-// (pass 2), then, within the chunk, 32 ids at a time in order. `offsets`: E_l + 1 ints of shared
-// memory; `counters`: E_l per warp, as for count_chunks.
+// and every row of a local expert at its place in global order: its slice's rows before it
+// (pass 2), then, within the slice, 32 ids at a time in order. `offsets`: E_l + 1 ints of shared
+// memory; `counters`: E_l per warp, as for count_slices.
 __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ctas,
                                   int32_t* offsets, int32_t* counters) {
   if (cta_sees_error(view)) return;
@@ -361,19 +361,19 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
   }
   const ScheduleWarp me = schedule_warp(cta, num_ctas);
   int32_t* placed = counters + (threadIdx.x / 32) * experts;  // rows placed so far, per expert
-  const int64_t chunks = layout.chunks_per_source();
-  for (int64_t chunk = me.first_warp; chunk < layout.num_ranks * chunks; chunk += me.num_warps) {
-    const int source = static_cast<int>(chunk / chunks);
+  const int64_t slices = layout.slices_per_source();
+  for (int64_t slice = me.first_warp; slice < layout.num_ranks * slices; slice += me.num_warps) {
+    const int source = static_cast<int>(slice / slices);
     const int64_t num_ids = static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
-    const int64_t first_id = (chunk % chunks) * kScheduleChunk;
+    const int64_t first_id = (slice % slices) * kScheduleSlice;
     if (first_id >= num_ids) continue;
-    const int32_t* before = view.chunk_rows() + chunk * experts;
+    const int32_t* before = view.slice_rows() + slice * experts;
     for (int64_t expert = me.lane; expert < experts; expert += 32) {
       placed[expert] = offsets[expert] + before[expert];
     }
     __syncwarp();
     const int32_t* ids = view.topk(view.rank, source);
-    const int64_t end = min(first_id + kScheduleChunk, num_ids);
+    const int64_t end = min(first_id + kScheduleSlice, num_ids);
     for (int64_t step = first_id; step < end; step += 32) {  // whole warps: the shuffles below
       const int64_t index = step + me.lane;
       const int32_t expert = index < end ? ids[index] : -1;
