@@ -47,7 +47,7 @@ if [[ "${MOK_PREBUILT:-0}" == 1 ]]; then
   echo "== using the binaries in $MOK_BUILD_DIR as they are"
 else
   cmake -S "$root" -B "$MOK_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_COMPILER=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) \
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" \
     ${nccl_root:+-DMOK_NCCL_ROOT=$nccl_root} >"$results/cmake.log" 2>&1 || { cat "$results/cmake.log"; exit 1; }
   if ! cmake --build "$MOK_BUILD_DIR" -j "$(nproc)" >"$results/build.log" 2>&1; then
     tail -n 60 "$results/build.log"

@@ -53,9 +53,12 @@ run bench-vector 120 "$BIN/bench_comm" --methods vector:1024,vector:512 \
 run bench-bulk 120 "$BIN/bench_comm" --methods bulk --out "$OUT/comm-mok-bulk.json"
 run torch-baseline 120 torchrun --nproc-per-node=2 bench/baselines/torch_all_to_all.py measure \
   --splits "$OUT/comm-splits.json" --out "$OUT/comm-torch.json"
-mok_jsons=$(ls "$OUT"/comm-mok-*.json 2>/dev/null)
-if [ -n "$mok_jsons" ] && [ -f "$OUT/comm-torch.json" ]; then
-  run report 60 python3 bench/baselines/torch_all_to_all.py report --mok $mok_jsons \
+mok_jsons=()
+for json in "$OUT"/comm-mok-*.json; do
+  if [ -f "$json" ]; then mok_jsons+=("$json"); fi
+done
+if [ ${#mok_jsons[@]} -gt 0 ] && [ -f "$OUT/comm-torch.json" ]; then
+  run report 60 python3 bench/baselines/torch_all_to_all.py report --mok "${mok_jsons[@]}" \
     --torch "$OUT/comm-torch.json" --json "$OUT/comm.json" --png "$OUT/comm.png"
 fi
 echo "== comm.sh: $([ $status -eq 0 ] && echo all passed || echo FAILURES above)" | tee -a "$LOG"

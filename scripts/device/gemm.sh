@@ -19,7 +19,7 @@
 # there, the script builds them into build-gemm-device first. Results go to $MOK_RESULTS_DIR when
 # device-check sets it, else to $OUT.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 OUT=${MOK_RESULTS_DIR:-${OUT:?set OUT to the results folder}}
@@ -34,8 +34,11 @@ TESTS="$BIN/mok_gemm_tests"
 if ! "$TESTS" --gtest_list_tests > /dev/null 2>&1; then
   say "carried binaries missing or not runnable here: building"
   BIN=build-gemm-device
-  cmake -S . -B "$BIN" -G Ninja -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc >> "$LOG" 2>&1 &&
-    ninja -C "$BIN" -j16 mok_gpu_tests bench_gemm >> "$LOG" 2>&1 || { say "build failed"; exit 1; }
+  if ! { cmake -S . -B "$BIN" -G Ninja -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc >> "$LOG" 2>&1 &&
+    ninja -C "$BIN" -j16 mok_gpu_tests bench_gemm >> "$LOG" 2>&1; }; then
+    say "build failed"
+    exit 1
+  fi
   TESTS="$BIN/mok_gpu_tests"
 fi
 
@@ -87,12 +90,13 @@ timeout 150 python3 bench/baselines/gemm_power.py --bench "$BIN/bench_gemm" --ou
 if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   : > "$OUT/gemm-ncu.txt"
   NCU_SECTIONS=${MOK_GEMM_NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats WarpStateStats SchedulerStats}
+  NCU_SECTION_ARGS=()  # one --section per word
+  for NCU_SECTION in $NCU_SECTIONS; do NCU_SECTION_ARGS+=(--section "$NCU_SECTION"); done
   for NCU_CASE in ${MOK_GEMM_NCU_CASES:-deepseek-v3/gemm-gateup qwen3-235b-a22b/gemm-gateup qwen3-235b-a22b/gemm-gateup-swiglu}; do
     for NCU_ENGINE in ${MOK_GEMM_NCU_ENGINES:-cooperative pingpong}; do
       say "Nsight Compute: $NCU_CASE ($NCU_ENGINE)"
       echo "==== $NCU_CASE ($NCU_ENGINE)" >> "$OUT/gemm-ncu.txt"
-      # shellcheck disable=SC2046  # one --section per word
-      timeout 120 ncu --clock-control none $(printf -- '--section %s ' $NCU_SECTIONS) \
+      timeout 120 ncu --clock-control none "${NCU_SECTION_ARGS[@]}" \
         -k regex:'grouped_gemm|pingpong_gemm' --launch-skip 2 --launch-count 1 \
         "$BIN/bench_gemm" --only "$NCU_CASE" --engine "$NCU_ENGINE" --iterations 1 \
         --out /tmp/ncu.json >> "$OUT/gemm-ncu.txt" 2>&1
@@ -101,4 +105,4 @@ if [ "${MOK_GEMM_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   grep -E "^====|Duration|SM Frequency|Elapsed Cycles|Compute \(SM\)|L2 Cache Throughput|DRAM Throughput|Issued Warp" \
     "$OUT/gemm-ncu.txt" | tee -a "$LOG"
 fi
-exit $test_status
+exit "$test_status"

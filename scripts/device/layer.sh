@@ -21,7 +21,7 @@
 # MOK_PART_TESTS=0 skips the GPU tests (device-check has run them). MOK_LAYER_CASES picks
 # bench_layer cases (comma-separated names; default all).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${MOK_RESULTS_DIR:-${OUT:?set OUT to the results folder}}
 BIN=${1:-${MOK_BUILD_DIR:?pass the build folder}}
@@ -64,17 +64,19 @@ else
 fi
 
 routing_dir=$(mktemp -d)
-cases=${MOK_LAYER_CASES:+--cases $MOK_LAYER_CASES}
+cases=()
+if [ -n "${MOK_LAYER_CASES:-}" ]; then cases=(--cases "$MOK_LAYER_CASES"); fi
 step "bench_layer (mok, fused)" 200 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
-  --routing-dir "$routing_dir" $cases
+  --routing-dir "$routing_dir" "${cases[@]}"
 step "bench_layer (mok, fused after the schedule kernels; forward)" 200 "$BIN/bench_layer" \
-  --iters 20 --backward 0 --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" $cases
+  --iters 20 --backward 0 --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" \
+  "${cases[@]}"
 step "bench_layer (mok, unfused; forward)" 200 "$BIN/bench_layer" --iters 20 --backward 0 --fused 0 \
-  --out "$OUT/layer-mok-unfused.json" $cases
+  --out "$OUT/layer-mok-unfused.json" "${cases[@]}"
 if ((gpus >= 2)); then
   # Forward parameters: the sweeps time the forward alone (--backward 0) to keep the check short.
   step "bench_layer sweep (communication CTAs x minibatch rows)" 240 "$BIN/bench_layer" --iters 10 \
-    --backward 0 --cases ${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2} --comm-ctas 0,8,16,24 \
+    --backward 0 --cases "${MOK_SWEEP_CASES:-deepseek-v3-ep2,qwen3-30b-a3b-ep2}" --comm-ctas 0,8,16,24 \
     --minibatch-rows 2048,4096,8192 --out "$OUT/layer-sweep.json"
   step "bench_layer ring rounds (ring rows; 0 = one round)" 180 "$BIN/bench_layer" --iters 10 \
     --backward 0 --cases deepseek-v3-ep2,qwen3-30b-a3b-ep2 --ring-rows 32768,8192 \

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the command-line tests: expect(), expect_error(), pass()/fail() and their counts.
 failures=0
 passes=0
@@ -12,6 +13,9 @@ fail() {
   failures=$((failures + 1))
 }
 
+# indent: standard input, each line indented, under a FAIL line.
+indent() { sed 's/^/    /'; }
+
 # expect CODE PATTERN -- COMMAND...: runs COMMAND, checks its exit code and that its output
 # (stdout and stderr together) matches PATTERN.
 expect() {
@@ -22,7 +26,7 @@ expect() {
   status=$?
   if [[ $status -ne $code ]] || ! grep -qE -- "$pattern" <<<"$output"; then
     fail "$* -> exit $status (want $code), output lacks /$pattern/ or differs:"
-    sed 's/^/    /' <<<"$output" | tail -n 15
+    indent <<<"$output" | tail -n 15
   else
     pass "$*"
   fi
@@ -42,7 +46,7 @@ expect_error() {
   if [[ $status -ne 2 || -n "$stdout" ]] || [[ $(wc -l <<<"$stderr") -ne 1 ]] ||
      ! grep -qE -- "$pattern" <<<"$stderr"; then
     fail "$* -> exit $status (want 2), stdout '${stdout:0:80}', stderr (want one line /$pattern/):"
-    sed 's/^/    /' <<<"$stderr" | tail -n 15
+    indent <<<"$stderr" | tail -n 15
   else
     pass "$*"
   fi

@@ -4,6 +4,7 @@
 # usage: test_bench_cli.sh BUILD_DIR
 set -u
 bin=$(cd "$1" && pwd) || exit 1
+# shellcheck source-path=SCRIPTDIR source=expect.sh
 source "$(dirname "${BASH_SOURCE[0]}")/expect.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

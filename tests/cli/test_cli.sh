@@ -8,6 +8,7 @@ shopt -s extglob
 mok="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# shellcheck source-path=SCRIPTDIR source=expect.sh
 source "$(dirname "${BASH_SOURCE[0]}")/expect.sh"
 
 # A literal text as an extended regular expression.
@@ -106,7 +107,7 @@ if [[ $output =~ memory:\ peak\ ([0-9.]+)\ (MiB|GiB)\ \(planned\ at\ most\ ([0-9
     fail "peak memory $peak MiB above the planned $planned MiB"
   fi
 else
-  fail "no 'memory: peak ... (planned at most ...)' line:"; sed 's/^/    /' <<<"$output" | tail -n 5
+  fail "no 'memory: peak ... (planned at most ...)' line:"; indent <<<"$output" | tail -n 5
 fi
 
 # --- the CUDA backend runs where Hopper GPUs are, and says why not elsewhere ------------------
@@ -170,8 +171,8 @@ if ((status == 0)) && [[ ! -e "$work/-" && ${json:0:1} == "{" && ${json: -1} == 
    { ! command -v jq >/dev/null || jq -e '.cases | length == 3' <<<"$json" >/dev/null; }; then
   pass "--json - writes the JSON alone to standard output, the report to standard error"
 else
-  fail "--json - (exit $status): standard output:"; sed 's/^/    /' <<<"$json" | head -n 5
-  echo "    standard error:"; sed 's/^/    /' "$work/report.txt" | tail -n 5
+  fail "--json - (exit $status): standard output:"; indent <<<"$json" | head -n 5
+  echo "    standard error:"; indent <"$work/report.txt" | tail -n 5
 fi
 
 # --- progress: labelled, and on a terminal cleared before the next line ------------------------
