@@ -1,7 +1,8 @@
 """Baseline for bench_comm: torch.distributed.all_to_all_single (NCCL) moving the same bytes.
 
   torchrun --nproc-per-node=2 torch_all_to_all.py measure --splits splits.json --out torch.json
-  python3 torch_all_to_all.py report --mok comm-a.json [comm-b.json ...] --torch torch.json --json comm.json --png comm.png
+  python3 torch_all_to_all.py report --mok comm-a.json [comm-b.json ...] --torch torch.json \
+      --json comm.json --png comm.png
 
 `measure` reads the rows each rank sends to each peer (written by bench_comm --splits) and times
 all_to_all_single for the dispatch direction (rank s sends rows_sent[s][d] rows to d) and the

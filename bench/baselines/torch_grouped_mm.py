@@ -44,15 +44,21 @@ def torch_case(case, iterations):
     w = uniform(experts, n, k, half_width=0.05)
     if phase.startswith("gemm-dgrad"):
         dy = uniform(total, n)
-        fn = lambda: torch._grouped_mm(dy, w, offs=offs)
+
+        def fn():
+            return torch._grouped_mm(dy, w, offs=offs)
     elif phase.startswith("gemm-wgrad"):
         del w
         dy = uniform(total, n)
         x = uniform(total, k)
-        fn = lambda: torch._grouped_mm(dy.t(), x, offs=offs)
+
+        def fn():
+            return torch._grouped_mm(dy.t(), x, offs=offs)
     else:
         x = uniform(total, k)
-        fn = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+        def fn():
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     ms = median_ms(fn, iterations, warmup_ms=WARMUP_MS)
     torch.cuda.empty_cache()
     return ms
@@ -141,11 +147,14 @@ def combine(args):
     # Side by side: ping-pong against cooperative, per case.
     by_key = {(c["preset"], c["phase"], c["engine"]): c for c in cases}
     print(f"{'case':40s} {'coop TF':>8s} {'pp TF':>7s} {'pp/coop':>8s} {'coop/torch':>10s} {'pp/torch':>9s}")
+
+    def vs_torch(x):
+        return f"{x['speedup']:.3f}" if x["speedup"] else "n/a"
+
     for (preset, phase, engine), c in by_key.items():
         if engine != "pingpong" or (preset, phase, "cooperative") not in by_key:
             continue
         coop = by_key[(preset, phase, "cooperative")]
-        vs_torch = lambda x: f"{x['speedup']:.3f}" if x["speedup"] else "n/a"
         print(f"{preset + '/' + phase:40s} {coop['useful_tflops']:8.0f} {c['useful_tflops']:7.0f} "
               f"{coop['mok_ms'] / c['mok_ms']:8.3f} {vs_torch(coop):>10s} {vs_torch(c):>9s}")
 

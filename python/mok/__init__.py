@@ -6,8 +6,11 @@ and backward. CUDA tensors (Hopper) run mok's GPU layer forward and backward, ex
 a torch.distributed group.
 """
 
-from . import _ops  # noqa: F401  (loads the ops before anything uses them)
-from . import functional, nn
+from . import (
+    _ops,  # noqa: F401  (loads the ops before anything uses them)
+    functional,
+    nn,
+)
 from .functional import ExpertWeights, FusedExpertWeights, MoKConfig
 
 __all__ = ["functional", "nn", "ExpertWeights", "FusedExpertWeights", "MoKConfig"]

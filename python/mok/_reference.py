@@ -16,8 +16,6 @@ them like any data-parallel weight).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 GATE_UP_BLOCK = 8  # rows per gate (or up) block of the interleaved gate/up layout

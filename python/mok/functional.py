@@ -92,7 +92,8 @@ def _fused(weights: AnyExpertWeights) -> FusedExpertWeights:
         return weights
     if isinstance(weights, ExpertWeights):
         return weights.fused()
-    raise TypeError(f"weights: expected mok.functional.FusedExpertWeights or ExpertWeights, got {type(weights).__name__}")
+    raise TypeError("weights: expected mok.functional.FusedExpertWeights or ExpertWeights, "
+                    f"got {type(weights).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,8 @@ class MoKConfig:
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"MoKConfig.{name}: must be a positive int or None, got {value!r}")
         if self.ring_rows is not None and self.ring_rows < 256:
-            raise ValueError(f"MoKConfig.ring_rows: the ring needs at least 256 rows (two row blocks), got {self.ring_rows}")
+            raise ValueError("MoKConfig.ring_rows: the ring needs at least 256 rows (two row blocks), "
+                             f"got {self.ring_rows}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
         if self.precision not in SUPPORTED_PRECISIONS:

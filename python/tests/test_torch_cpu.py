@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import mok
 from mok import functional as mf
 
-H, I, I_S, E, K, T = 64, 32, 48, 8, 2, 40
+H, I, I_S, E, K, T = 64, 32, 48, 8, 2, 40  # noqa: E741  (I: the intermediate size, as in the shapes)
 
 
 def make_inputs(seed=0, shared=True, requires_grad=False):

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import mok
 from mok import functional as mf
 
-H, I, I_S, E, K, T = 256, 128, 128, 8, 2, 200  # T tokens per rank (not a multiple of the tile)
+# T tokens per rank (not a multiple of the tile); I the intermediate size, as in the shapes.
+H, I, I_S, E, K, T = 256, 128, 128, 8, 2, 200  # noqa: E741
 RANKS = 2
 
 

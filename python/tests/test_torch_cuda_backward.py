@@ -64,7 +64,8 @@ def plain_layer(x, topk_idx, topk_w, weights, dtype):
     y = torch.zeros_like(xs)
     if weights.w_shared_gate_up is not None:
         shared_gate, shared_up = mf.split_gate_up(weights.w_shared_gate_up)
-        y = y + (F.silu(xs @ shared_gate.to(dtype).t()) * (xs @ shared_up.to(dtype).t())) @ weights.w_shared_down.to(dtype).t()
+        shared_hidden = F.silu(xs @ shared_gate.to(dtype).t()) * (xs @ shared_up.to(dtype).t())
+        y = y + shared_hidden @ weights.w_shared_down.to(dtype).t()
     for j in range(topk_idx.shape[1]):
         for expert in range(gate.shape[0]):
             rows = (topk_idx[:, j] == expert).nonzero().flatten()
