@@ -28,10 +28,10 @@ LAYERS = [
     ("src/runtime", 5), ("src/bridge", 5),
     ("src/kernels/megakernel", 4),
     ("src/kernels/gemm", 3),
-    ("src/kernels/schedule", 3),
     ("src/kernels/comm", 2),
     ("src/kernels/ptx", 1),
     ("src/reference", 1),
+    ("src/core", 0),
     ("include/mok", 0), ("include/mok/detail", 0),
 ]
 CLIENTS = {"tools", "bench", "src/torch"}

@@ -1,10 +1,10 @@
 // Entry points and launchers of the standalone communication kernels; the device code lives in
-// src/kernels/comm and src/kernels/schedule (the megakernel reuses it).
+// src/kernels/comm (the megakernel reuses it).
 #include <algorithm>
 
 #include "kernels/comm/combine.cuh"
 #include "kernels/comm/dispatch.cuh"
-#include "kernels/schedule/token_schedule.cuh"
+#include "kernels/comm/token_schedule.cuh"
 #include "mok/error.hpp"
 #include "runtime/comm_ops.hpp"
 #include "mok/cuda_check.hpp"

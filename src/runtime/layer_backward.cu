@@ -21,21 +21,21 @@ __global__ void write_offsets_kernel(int32_t* offsets, int32_t num_tokens) {
   offsets[1] = num_tokens;
 }
 
-__global__ void __launch_bounds__(gemm::kSwiGluBackwardThreads)
-    swiglu_backward_routed_kernel(comm::WorkspaceView view, gemm::SwiGluBackwardRows rows) {
+__global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
+    swiglu_backward_routed_kernel(comm::WorkspaceView view, megakernel::SwiGluBackwardRows rows) {
   if (comm::cta_sees_error(view)) return;
-  gemm::swiglu_backward_routed(view, rows);
+  megakernel::swiglu_backward_routed(view, rows);
 }
 
-__global__ void __launch_bounds__(gemm::kSwiGluBackwardThreads)
-    swiglu_backward_shared_kernel(gemm::SwiGluBackwardRows rows, int32_t num_rows) {
-  gemm::swiglu_backward_shared(rows, num_rows);
+__global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
+    swiglu_backward_shared_kernel(megakernel::SwiGluBackwardRows rows, int32_t num_rows) {
+  megakernel::swiglu_backward_shared(rows, num_rows);
 }
 
 __global__ void collect_d_topk_w_kernel(comm::WorkspaceView view, float* d_topk_w,
                                         int32_t num_tokens) {
   if (comm::cta_sees_error(view)) return;
-  gemm::collect_d_topk_w(view, d_topk_w, num_tokens);
+  megakernel::collect_d_topk_w(view, d_topk_w, num_tokens);
 }
 
 __global__ void fill_kernel(float* values, int64_t count, float value) {
@@ -158,14 +158,14 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
   // g = dy · W_sd: (T, H) -> (T, I_s) fp32.
   gemm::grouped_dgrad({1, tokens, hidden, inter}, dy, weights.shared_down, shared_offsets_,
                       shared_grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
-  const gemm::SwiGluBackwardRows rows{shared_gate_up_, shared_grad_hidden_,
+  const megakernel::SwiGluBackwardRows rows{shared_gate_up_, shared_grad_hidden_,
                                       reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
                                       reinterpret_cast<__nv_bfloat16*>(shared_hidden_), inter};
-  const int warps_per_cta = gemm::kSwiGluBackwardThreads / 32;
+  const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
   const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
   const int ctas = static_cast<int>(
       std::clamp<int64_t>((tokens + warps_per_cta - 1) / warps_per_cta, 1, int64_t{sms} * 8));
-  swiglu_backward_shared_kernel<<<ctas, gemm::kSwiGluBackwardThreads, 0, stream>>>(rows, tokens);
+  swiglu_backward_shared_kernel<<<ctas, megakernel::kSwiGluBackwardThreads, 0, stream>>>(rows, tokens);
   MOK_CUDA_CHECK_LAUNCH();
   // dx_shared = d_gate_up · W_sgu: (T, 2I_s) -> (T, H) fp32, added by the combine's reduce.
   gemm::grouped_dgrad({1, tokens, 2 * inter, hidden}, shared_d_gate_up_, weights.shared_gate_up,
@@ -198,11 +198,11 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
   mark();
-  const gemm::SwiGluBackwardRows swiglu_rows{gate_up_, grad_hidden_,
+  const megakernel::SwiGluBackwardRows swiglu_rows{gate_up_, grad_hidden_,
                                              reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
                                              reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
                                              inter};
-  swiglu_backward_routed_kernel<<<num_sms_ * 4, gemm::kSwiGluBackwardThreads, 0, stream>>>(
+  swiglu_backward_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
       workspace_.view(), swiglu_rows);
   MOK_CUDA_CHECK_LAUNCH();
   mark();

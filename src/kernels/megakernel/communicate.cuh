@@ -11,7 +11,7 @@
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/trace.cuh"
-#include "kernels/schedule/token_schedule.cuh"
+#include "kernels/comm/token_schedule.cuh"
 
 namespace mok::megakernel {
 

@@ -20,7 +20,7 @@
 #include "kernels/comm/workspace_layout.cuh"
 #include "mok/detail/numerics.hpp"
 
-namespace mok::gemm {
+namespace mok::megakernel {
 
 inline constexpr int kSwiGluBackwardThreads = 256;
 inline constexpr int kSwiGluBlock = 8;  // the gate/up interleave: 8 gate columns, then 8 up
@@ -120,4 +120,4 @@ __device__ inline void collect_d_topk_w(const comm::WorkspaceView& view, float* 
   }
 }
 
-}  // namespace mok::gemm
+}  // namespace mok::megakernel
