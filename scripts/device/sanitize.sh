@@ -21,10 +21,11 @@
 #
 # The one known finding (counted apart, not failed): racecheck reports the fused forward's task
 # hand-off in kernels/megakernel/compute.cuh — the producer's write of the task into its ring
-# slot (`handoff.task[slot] = task;`) against the consumers' read of it
-# (`task = handoff.task[slot];`), one report per 4-byte word of the 44-byte Task. The hand-off is
-# ordered: the write happens before the producer's mbarrier.arrive (release, CTA scope) on the
-# slot's full barrier, which every consumer thread waits on (try_wait, acquire) before reading;
+# slot (`handoff.task[cursor.slot] = task;`) against the consumers' read of it
+# (`task = handoff.task[cursor.slot];`), one report per 4-byte word of the 44-byte Task. The
+# hand-off is ordered: the write happens before the producer's mbarrier.arrive (release, CTA
+# scope) on the slot's full barrier, which every consumer thread waits on (try_wait, acquire)
+# before reading;
 # every consumer warp's 32 reads happen before its __syncwarp, after which its lane 0 arrives
 # (release) on the slot's empty barrier, which the producer waits on (acquire) before it writes
 # the slot again. racecheck does not follow the second chain — reads by lanes 1-31 reach the
@@ -82,8 +83,8 @@ say "== sanitize: $("$sanitizer" --version 2>&1 | grep -m1 -i version), $BIN/mok
 
 # The known finding's two lines, found by their text.
 compute=src/kernels/megakernel/compute.cuh
-write_line=$(grep -n 'handoff\.task\[slot\] = task;' "$compute" | cut -d: -f1)
-read_line=$(grep -n 'task = handoff\.task\[slot\];' "$compute" | cut -d: -f1)
+write_line=$(grep -n 'handoff\.task\[cursor\.slot\] = task;' "$compute" | cut -d: -f1)
+read_line=$(grep -n 'task = handoff\.task\[cursor\.slot\];' "$compute" | cut -d: -f1)
 if [[ $(wc -w <<< "$write_line") != 1 || $(wc -w <<< "$read_line") != 1 ]]; then
   say "sanitize: the task hand-off's lines are not (once each) in $compute: no report is known"
   write_line=none read_line=none
