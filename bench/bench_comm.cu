@@ -22,12 +22,12 @@
 #include <vector>
 
 #include "bench_options.hpp"
+#include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "mok/gpu.hpp"
 #include "mok/shape.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
-#include "mok/cuda_check.hpp"
-#include "mok/gpu.hpp"
 #include "runtime/workspace.hpp"
 
 namespace {
@@ -41,7 +41,8 @@ struct Args {
   std::string out = "comm.json", splits;
 };
 
-constexpr char kUsage[] = R"(bench_comm: expert-parallel dispatch and combine on two Hopper GPUs at a preset's shape, GB/s of
+constexpr char kUsage[] =
+    R"(bench_comm: expert-parallel dispatch and combine on two Hopper GPUs at a preset's shape, GB/s of
 NVLink payload per direction against the SMs that move rows, for each copy method.
 
 usage: bench_comm [options]
@@ -57,37 +58,44 @@ usage: bench_comm [options]
 
 // Returns false when --help was asked for.
 bool parse(int argc, char** argv, Args& args) {
-  return mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& key,
-                                                           const std::string& value) {
-    if (key == "--preset") args.preset = value;
-    else if (key == "--tokens") args.tokens = mok::bench::integer_option(key, value);
-    else if (key == "--iters") args.iters = static_cast<int>(mok::bench::integer_option(key, value));
-    else if (key == "--out") args.out = value;
-    else if (key == "--splits") args.splits = value;
-    else if (key == "--methods") {
-      args.methods = mok::bench::list_option(key, value);
-      for (const std::string& method : args.methods) {
-        if (method == "bulk") continue;
-        if (method.rfind("vector:", 0) != 0) {
-          throw mok::bench::UsageError(key, "unknown method '" + method +
-                                                "' (vector:THREADS or bulk)");
-        }
-        const long long threads = mok::bench::integer_option(key, method.substr(7));
-        if (threads < 32 || threads > mok::comm::kVectorMaxThreads || threads % 32 != 0) {
-          throw mok::bench::UsageError(key, "vector:THREADS needs a multiple of 32 in [32, " +
-                                                std::to_string(mok::comm::kVectorMaxThreads) +
-                                                "], got " + method.substr(7));
-        }
-      }
-    }
-    else if (key == "--sms") args.sms = mok::bench::integer_list_option(key, value);
-    else return false;
-    return true;
-  });
+  return mok::bench::parse_options(
+      argc, argv, kUsage, [&](const std::string& key, const std::string& value) {
+        if (key == "--preset")
+          args.preset = value;
+        else if (key == "--tokens")
+          args.tokens = mok::bench::integer_option(key, value);
+        else if (key == "--iters")
+          args.iters = static_cast<int>(mok::bench::integer_option(key, value));
+        else if (key == "--out")
+          args.out = value;
+        else if (key == "--splits")
+          args.splits = value;
+        else if (key == "--methods") {
+          args.methods = mok::bench::list_option(key, value);
+          for (const std::string& method : args.methods) {
+            if (method == "bulk") continue;
+            if (method.rfind("vector:", 0) != 0) {
+              throw mok::bench::UsageError(
+                  key, "unknown method '" + method + "' (vector:THREADS or bulk)");
+            }
+            const long long threads = mok::bench::integer_option(key, method.substr(7));
+            if (threads < 32 || threads > mok::comm::kVectorMaxThreads || threads % 32 != 0) {
+              throw mok::bench::UsageError(key, "vector:THREADS needs a multiple of 32 in [32, " +
+                                                    std::to_string(mok::comm::kVectorMaxThreads) +
+                                                    "], got " + method.substr(7));
+            }
+          }
+        } else if (key == "--sms")
+          args.sms = mok::bench::integer_list_option(key, value);
+        else
+          return false;
+        return true;
+      });
 }
 
 // Uniform routing: k distinct experts per token.
-std::vector<int32_t> uniform_routing(int64_t tokens, int64_t experts, int64_t top_k, uint64_t seed) {
+std::vector<int32_t> uniform_routing(int64_t tokens, int64_t experts, int64_t top_k,
+                                     uint64_t seed) {
   std::mt19937_64 generator(seed);
   std::vector<int32_t> ids(static_cast<size_t>(tokens * top_k));
   for (int64_t token = 0; token < tokens; ++token) {
@@ -96,7 +104,8 @@ std::vector<int32_t> uniform_routing(int64_t tokens, int64_t experts, int64_t to
       bool fresh;
       do {
         expert = static_cast<int32_t>(generator() % static_cast<uint64_t>(experts));
-        fresh = std::find(&ids[token * top_k], &ids[token * top_k + slot], expert) == &ids[token * top_k + slot];
+        fresh = std::find(&ids[token * top_k], &ids[token * top_k + slot], expert) ==
+                &ids[token * top_k + slot];
       } while (!fresh);
       ids[token * top_k + slot] = expert;
     }
@@ -125,19 +134,21 @@ struct Config {
   std::string method;  // "vector-1024", "bulk"
   mok::CopyConfig copy;
   int num_sms;
-  std::vector<float> dispatch_ms[2], combine_ms[2], reduce_ms[2], schedule_ms[2];  // [rank][iteration]
+  std::vector<float> dispatch_ms[2], combine_ms[2], reduce_ms[2],
+      schedule_ms[2];  // [rank][iteration]
 };
 
 void write_json(const Args& args, const mok::LayerShape& shape, const std::string& device,
-                const std::vector<Config>& configs, const std::vector<std::vector<int64_t>>& rows_sent,
-                int64_t row_bytes) {
+                const std::vector<Config>& configs,
+                const std::vector<std::vector<int64_t>>& rows_sent, int64_t row_bytes) {
   std::FILE* file = std::fopen(args.out.c_str(), "w");
   MOK_CHECK_ARG(file != nullptr, "--out", "cannot write ", args.out);
   char date[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   const char* commit = std::getenv("MOK_COMMIT");
-  std::fprintf(file, "{\n  \"schema\": \"mok-bench/1\",\n  \"commit\": \"%s\",\n  \"device\": \"%s\",\n",
+  std::fprintf(file,
+               "{\n  \"schema\": \"mok-bench/1\",\n  \"commit\": \"%s\",\n  \"device\": \"%s\",\n",
                commit ? commit : "unknown", device.c_str());
   std::fprintf(file, "  \"date\": \"%s\",\n  \"cases\": [\n", date);
   bool first = true;
@@ -153,7 +164,8 @@ void write_json(const Args& args, const mok::LayerShape& shape, const std::strin
         worst_gbps = std::min(worst_gbps, remote_rows * row_bytes / (ms * 1e6));
       }
       const double reduce = std::max(median(config.reduce_ms[0]), median(config.reduce_ms[1]));
-      const double schedule = std::max(median(config.schedule_ms[0]), median(config.schedule_ms[1]));
+      const double schedule =
+          std::max(median(config.schedule_ms[0]), median(config.schedule_ms[1]));
       std::fprintf(file,
                    "%s    {\"name\": \"%s-%s-sms%d\", \"preset\": \"%s\", \"ep\": 2, "
                    "\"tokens_per_rank\": %lld, \"precision\": \"bf16\", \"phase\": \"%s\", "
@@ -168,7 +180,8 @@ void write_json(const Args& args, const mok::LayerShape& shape, const std::strin
                    static_cast<long long>(rows_sent[1][0] * row_bytes),
                    static_cast<long long>(rows_sent[0][1] * row_bytes));
       std::printf("%-8s %-11s sms %3d  %8.3f ms  %6.1f GB/s  (reduce %.3f ms, schedule %.3f ms)\n",
-                  phase, config.method.c_str(), config.num_sms, worst_ms, worst_gbps, reduce, schedule);
+                  phase, config.method.c_str(), config.num_sms, worst_ms, worst_gbps, reduce,
+                  schedule);
       first = false;
     }
   }

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "bench_options.hpp"
-#include "mok/gemm.hpp"
-#include "mok/shape.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/gemm.hpp"
 #include "mok/gpu.hpp"
+#include "mok/shape.hpp"
 
 namespace {
 
@@ -67,7 +67,8 @@ void warm_up(const std::function<void()>& launch, double warmup_ms) {
     launch();
     if (i % 4 != 3) continue;
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::chrono::duration<double, std::milli> elapsed = std::chrono::steady_clock::now() - start;
+    const std::chrono::duration<double, std::milli> elapsed =
+        std::chrono::steady_clock::now() - start;
     if (elapsed.count() >= warmup_ms) break;
   }
 }
@@ -145,7 +146,8 @@ constexpr const char* kPhases[] = {"gemm-gateup",       "gemm-gateup-swiglu", "g
                                    "gemm-dgrad-gateup", "gemm-dgrad-down",    "gemm-wgrad-gateup",
                                    "gemm-wgrad-down"};
 
-constexpr char kUsage[] = R"(bench_gemm: the grouped expert GEMMs of the benchmark presets at one rank of EP2, balanced
+constexpr char kUsage[] =
+    R"(bench_gemm: the grouped expert GEMMs of the benchmark presets at one rank of EP2, balanced
 routing (65,536 rows over the rank's experts), on both GEMM engines; one Hopper GPU.
 
 usage: bench_gemm [--out FILE] [--iterations N] [--warmup-ms MS] [--only PRESET/PHASE]
@@ -173,26 +175,36 @@ int run(int argc, char** argv) {
   std::string out_path = "gemm-mok.json", only, only_engine, swiglu_cost_path;
   int iterations = 20, rounds = 1, block = 1;
   double warmup_ms = 300;
-  const bool go = mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& name,
-                                                                    const std::string& value) {
-    if (name == "--out") out_path = value;
-    else if (name == "--iterations") iterations = static_cast<int>(mok::bench::integer_option(name, value));
-    else if (name == "--only") only = value;
-    else if (name == "--engine") only_engine = value;
-    else if (name == "--swiglu-cost") swiglu_cost_path = value;
-    else if (name == "--rounds") rounds = static_cast<int>(mok::bench::integer_option(name, value));
-    else if (name == "--block") block = static_cast<int>(mok::bench::integer_option(name, value));
-    else if (name == "--warmup-ms") warmup_ms = static_cast<double>(mok::bench::integer_option(name, value));
-    else return false;
-    return true;
-  });
+  const bool go = mok::bench::parse_options(
+      argc, argv, kUsage, [&](const std::string& name, const std::string& value) {
+        if (name == "--out")
+          out_path = value;
+        else if (name == "--iterations")
+          iterations = static_cast<int>(mok::bench::integer_option(name, value));
+        else if (name == "--only")
+          only = value;
+        else if (name == "--engine")
+          only_engine = value;
+        else if (name == "--swiglu-cost")
+          swiglu_cost_path = value;
+        else if (name == "--rounds")
+          rounds = static_cast<int>(mok::bench::integer_option(name, value));
+        else if (name == "--block")
+          block = static_cast<int>(mok::bench::integer_option(name, value));
+        else if (name == "--warmup-ms")
+          warmup_ms = static_cast<double>(mok::bench::integer_option(name, value));
+        else
+          return false;
+        return true;
+      });
   if (!go) return 0;
   if (iterations < 1) throw mok::bench::UsageError("--iterations", "must be >= 1");
   if (rounds < 1) throw mok::bench::UsageError("--rounds", "must be >= 1");
   if (block < 1) throw mok::bench::UsageError("--block", "must be >= 1");
   if (warmup_ms < 0) throw mok::bench::UsageError("--warmup-ms", "must be >= 0");
   if (!only_engine.empty() && only_engine != "cooperative" && only_engine != "pingpong") {
-    throw mok::bench::UsageError("--engine", "expected cooperative or pingpong, got '" + only_engine + "'");
+    throw mok::bench::UsageError("--engine",
+                                 "expected cooperative or pingpong, got '" + only_engine + "'");
   }
   if (!swiglu_cost_path.empty() && !only.empty()) {
     throw mok::bench::UsageError("--only", "does not go with --swiglu-cost");
@@ -205,7 +217,8 @@ int run(int argc, char** argv) {
     if (!known) throw mok::bench::UsageError("--only", "no case is called '" + only + "'");
   }
   const mok::GpuSummary gpus = mok::query_gpus();
-  if (gpus.num_hopper_gpus < 1) throw mok::Error("", "needs a Hopper GPU; found " + gpus.description);
+  if (gpus.num_hopper_gpus < 1)
+    throw mok::Error("", "needs a Hopper GPU; found " + gpus.description);
   constexpr int kEp = 2, kTokensPerRank = 8192;
   std::vector<CaseResult> results;
   std::string swiglu_cost_json;
@@ -241,16 +254,42 @@ int run(int argc, char** argv) {
       std::function<void(const LaunchOptions&)> launch;
     };
     const std::vector<Case> cases = {
-        {kPhases[0], gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, gate_up_out.data, ForwardOutput::kBf16, nullptr, o); }},
-        {kPhases[1], gate_up, [&](const LaunchOptions& o) { grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, h.data, ForwardOutput::kSwiGluBf16, nullptr, o); }},
-        {kPhases[2], down, [&](const LaunchOptions& o) { grouped_forward(down, h.bf16(), w_down.bf16(), offs, down_out.data, ForwardOutput::kBf16, nullptr, o); }},
-        {kPhases[3], gate_up, [&](const LaunchOptions& o) { grouped_dgrad(gate_up, gate_up_out.bf16(), w_gate_up.bf16(), offs, x.bf16(), nullptr, o); }},
-        {kPhases[4], down, [&](const LaunchOptions& o) { grouped_dgrad(down, down_out.bf16(), w_down.bf16(), offs, h.bf16(), nullptr, o); }},
-        {kPhases[5], gate_up, [&](const LaunchOptions& o) { grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
-        {kPhases[6], down, [&](const LaunchOptions& o) { grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16, nullptr, o); }},
+        {kPhases[0], gate_up,
+         [&](const LaunchOptions& o) {
+           grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, gate_up_out.data,
+                           ForwardOutput::kBf16, nullptr, o);
+         }},
+        {kPhases[1], gate_up,
+         [&](const LaunchOptions& o) {
+           grouped_forward(gate_up, x.bf16(), w_gate_up.bf16(), offs, h.data,
+                           ForwardOutput::kSwiGluBf16, nullptr, o);
+         }},
+        {kPhases[2], down,
+         [&](const LaunchOptions& o) {
+           grouped_forward(down, h.bf16(), w_down.bf16(), offs, down_out.data, ForwardOutput::kBf16,
+                           nullptr, o);
+         }},
+        {kPhases[3], gate_up,
+         [&](const LaunchOptions& o) {
+           grouped_dgrad(gate_up, gate_up_out.bf16(), w_gate_up.bf16(), offs, x.bf16(), nullptr, o);
+         }},
+        {kPhases[4], down,
+         [&](const LaunchOptions& o) {
+           grouped_dgrad(down, down_out.bf16(), w_down.bf16(), offs, h.bf16(), nullptr, o);
+         }},
+        {kPhases[5], gate_up,
+         [&](const LaunchOptions& o) {
+           grouped_wgrad(gate_up, gate_up_out.bf16(), x.bf16(), offs, dw.data, WgradOutput::kBf16,
+                         nullptr, o);
+         }},
+        {kPhases[6], down,
+         [&](const LaunchOptions& o) {
+           grouped_wgrad(down, down_out.bf16(), h.bf16(), offs, dw.data, WgradOutput::kBf16,
+                         nullptr, o);
+         }},
     };
-    const std::pair<const char*, GemmEngine> engines[] = {
-        {"cooperative", GemmEngine::kCooperative}, {"pingpong", GemmEngine::kPingpong}};
+    const std::pair<const char*, GemmEngine> engines[] = {{"cooperative", GemmEngine::kCooperative},
+                                                          {"pingpong", GemmEngine::kPingpong}};
     if (!swiglu_cost_path.empty()) {
       for (const auto& [engine_name, engine] : engines) {
         if (!only_engine.empty() && only_engine != engine_name) continue;
@@ -261,9 +300,9 @@ int run(int argc, char** argv) {
         std::vector<PairTimes> round_times;
         std::string round_costs;
         for (int round = 0; round < rounds; ++round) {
-          const PairTimes times = alternated_median_ms([&] { cases[0].launch(options); },
-                                                       [&] { cases[1].launch(options); },
-                                                       iterations, block);
+          const PairTimes times =
+              alternated_median_ms([&] { cases[0].launch(options); },
+                                   [&] { cases[1].launch(options); }, iterations, block);
           const double cost = times.swiglu_ms / times.plain_ms - 1.0;
           std::printf("%-16s swiglu-cost  %-12s plain %8.3f ms  swiglu %8.3f ms  cost %+6.2f %%\n",
                       preset_name, engine_name, times.plain_ms, times.swiglu_ms, 100.0 * cost);
@@ -273,9 +312,10 @@ int run(int argc, char** argv) {
           std::snprintf(value, sizeof(value), "%s%.5f", round == 0 ? "" : ", ", cost);
           round_costs += value;
         }
-        std::sort(round_times.begin(), round_times.end(), [](const PairTimes& a, const PairTimes& b) {
-          return a.swiglu_ms / a.plain_ms < b.swiglu_ms / b.plain_ms;
-        });
+        std::sort(round_times.begin(), round_times.end(),
+                  [](const PairTimes& a, const PairTimes& b) {
+                    return a.swiglu_ms / a.plain_ms < b.swiglu_ms / b.plain_ms;
+                  });
         const PairTimes& times = round_times[round_times.size() / 2];
         const double cost = times.swiglu_ms / times.plain_ms - 1.0;
         if (rounds > 1) {
@@ -283,12 +323,13 @@ int run(int argc, char** argv) {
                       engine_name, rounds, 100.0 * cost);
         }
         char line[1024];
-        std::snprintf(line, sizeof(line),
-                      "%s  {\"preset\": \"%s\", \"engine\": \"%s\", \"pairs\": %d, "
-                      "\"rounds\": %d, \"block\": %d, \"plain_ms\": %.5f, \"swiglu_ms\": %.5f, \"cost\": %.5f, "
-                      "\"round_costs\": [%s]}",
-                      swiglu_cost_json.empty() ? "" : ",\n", preset_name, engine_name, iterations,
-                      rounds, block, times.plain_ms, times.swiglu_ms, cost, round_costs.c_str());
+        std::snprintf(
+            line, sizeof(line),
+            "%s  {\"preset\": \"%s\", \"engine\": \"%s\", \"pairs\": %d, "
+            "\"rounds\": %d, \"block\": %d, \"plain_ms\": %.5f, \"swiglu_ms\": %.5f, \"cost\": %.5f, "
+            "\"round_costs\": [%s]}",
+            swiglu_cost_json.empty() ? "" : ",\n", preset_name, engine_name, iterations, rounds,
+            block, times.plain_ms, times.swiglu_ms, cost, round_costs.c_str());
         swiglu_cost_json += line;
       }
       MOK_CUDA_CHECK(cudaDeviceSynchronize());
@@ -302,8 +343,8 @@ int run(int argc, char** argv) {
         options.engine = engine;
         const double ms = median_ms([&] { c.launch(options); }, iterations, warmup_ms);
         const double flops = 2.0 * rows_total * double(c.shape.n) * c.shape.k;
-        results.push_back({preset_name, c.phase, engine_name, experts, rows, c.shape.n,
-                           c.shape.k, ms, flops / ms / 1e9});
+        results.push_back({preset_name, c.phase, engine_name, experts, rows, c.shape.n, c.shape.k,
+                           ms, flops / ms / 1e9});
         std::printf("%-16s %-20s %-12s E %3d rows %5d n %5d k %5d  %8.3f ms  %6.1f TFLOP/s\n",
                     preset_name, c.phase, engine_name, experts, rows, c.shape.n, c.shape.k, ms,
                     results.back().tflops);
@@ -322,11 +363,11 @@ int run(int argc, char** argv) {
   out << "[\n";
   for (size_t i = 0; i < results.size(); ++i) {
     const CaseResult& r = results[i];
-    out << "  {\"preset\": \"" << r.preset << "\", \"phase\": \"" << r.phase
-        << "\", \"engine\": \"" << r.engine << "\", \"num_experts\": " << r.num_experts << ", \"rows_per_expert\": "
-        << r.rows_per_expert << ", \"n\": " << r.n << ", \"k\": " << r.k
-        << ", \"mok_ms\": " << r.ms << ", \"useful_tflops\": " << r.tflops << "}"
-        << (i + 1 < results.size() ? ",\n" : "\n");
+    out << "  {\"preset\": \"" << r.preset << "\", \"phase\": \"" << r.phase << "\", \"engine\": \""
+        << r.engine << "\", \"num_experts\": " << r.num_experts
+        << ", \"rows_per_expert\": " << r.rows_per_expert << ", \"n\": " << r.n
+        << ", \"k\": " << r.k << ", \"mok_ms\": " << r.ms << ", \"useful_tflops\": " << r.tflops
+        << "}" << (i + 1 < results.size() ? ",\n" : "\n");
   }
   out << "]\n";
   return 0;

@@ -20,9 +20,9 @@
 #include "bench_options.hpp"
 #include "mok/error.hpp"
 #include "mok/gemm.hpp"
+#include "mok/layer_runner.hpp"
 #include "mok/shape.hpp"
 #include "mok/synthetic.hpp"
-#include "mok/layer_runner.hpp"
 
 namespace {
 
@@ -47,8 +47,7 @@ struct Args {
   std::vector<std::string> cases;
   int iters = 20, warmup_ms = 500;
   int gemm_sms = 0, copy_ctas = 0, schedule_ctas = 0;
-  bool fused = true, schedule_in_kernel = true, l2_tickets = true, trace = false,
-       stale_rows = true;
+  bool fused = true, schedule_in_kernel = true, l2_tickets = true, trace = false, stale_rows = true;
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
   bool backward = true;
@@ -59,7 +58,8 @@ struct Args {
   mok::LayerShape custom_shape = mok::find_preset("deepseek-v3").shape;
 };
 
-constexpr char kUsage[] = R"(bench_layer: the GPU layer forward (fused kernel by default) at the benchmark presets, ms per
+constexpr char kUsage[] =
+    R"(bench_layer: the GPU layer forward (fused kernel by default) at the benchmark presets, ms per
 rank (median, slowest rank), useful TFLOP/s and tokens/s per GPU; EP 2 cases need two Hopper GPUs.
 
 usage: bench_layer [options]
@@ -105,64 +105,88 @@ int integer(const std::string& name, const std::string& value) {
 
 // Returns false when --help was asked for.
 bool parse(int argc, char** argv, Args& args) {
-  return mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& key,
-                                                           const std::string& value) {
-    if (key == "--cases") {
-      args.cases = mok::bench::list_option(key, value);
-      for (const std::string& name : args.cases) {
-        const bool known = std::any_of(kCases.begin(), kCases.end(),
-                                       [&](const BenchCase& which) { return which.name == name; });
-        if (!known) throw mok::bench::UsageError(key, "no case is called '" + name + "'");
-      }
-    } else if (key == "--iters") args.iters = integer(key, value);
-    else if (key == "--backward") args.backward = integer(key, value) != 0;
-    else if (key == "--backward-engine") {
-      if (value == "auto") args.backward_engine = mok::gemm::GemmEngine::kAuto;
-      else if (value == "cooperative") args.backward_engine = mok::gemm::GemmEngine::kCooperative;
-      else if (value == "pingpong") args.backward_engine = mok::gemm::GemmEngine::kPingpong;
-      else throw mok::bench::UsageError(key, "expected auto, cooperative or pingpong, got '" + value + "'");
-    }
-    else if (key == "--preset") {
-      args.custom = true;
-      args.custom_case.preset = value;
-      args.custom_shape = mok::find_preset(value).shape;
-    } else if (key == "--hidden") args.custom = true, args.custom_shape.hidden = integer(key, value);
-    else if (key == "--intermediate") {
-      args.custom = true;
-      args.custom_shape.intermediate = integer(key, value);
-    } else if (key == "--shared-intermediate") {
-      args.custom = true;
-      args.custom_shape.shared_intermediate = integer(key, value);
-    } else if (key == "--experts") {
-      args.custom = true;
-      args.custom_shape.num_experts = integer(key, value);
-    } else if (key == "--top-k") args.custom = true, args.custom_shape.top_k = integer(key, value);
-    else if (key == "--tokens") {
-      args.custom = true;
-      args.custom_case.tokens_per_rank = integer(key, value);
-    } else if (key == "--ep") args.custom = true, args.custom_case.ep = integer(key, value);
-    else if (key == "--routing") {
-      args.custom = true;
-      mok::Routing::parse(value);  // checked here, named by the error
-      args.custom_case.routing = value;
-    }
-    else if (key == "--warmup-ms") args.warmup_ms = integer(key, value);
-    else if (key == "--gemm-sms") args.gemm_sms = integer(key, value);
-    else if (key == "--copy-ctas") args.copy_ctas = integer(key, value);
-    else if (key == "--schedule-ctas") args.schedule_ctas = integer(key, value);
-    else if (key == "--fused") args.fused = integer(key, value) != 0;
-    else if (key == "--schedule-in-kernel") args.schedule_in_kernel = integer(key, value) != 0;
-    else if (key == "--trace") args.trace = integer(key, value) != 0;
-    else if (key == "--l2-tickets") args.l2_tickets = integer(key, value) != 0;
-    else if (key == "--stale-rows") args.stale_rows = integer(key, value) != 0;
-    else if (key == "--comm-ctas") args.comm_ctas = mok::bench::integer_list_option(key, value);
-    else if (key == "--minibatch-rows") args.minibatch_rows = mok::bench::integer_list_option(key, value);
-    else if (key == "--ring-rows") args.ring_rows = mok::bench::integer_list_option(key, value);
-    else if (key == "--out") args.out = value;
-    else if (key == "--routing-dir") args.routing_dir = value;
-    else return false;
-    return true;
-  });
+  return mok::bench::parse_options(
+      argc, argv, kUsage, [&](const std::string& key, const std::string& value) {
+        if (key == "--cases") {
+          args.cases = mok::bench::list_option(key, value);
+          for (const std::string& name : args.cases) {
+            const bool known =
+                std::any_of(kCases.begin(), kCases.end(),
+                            [&](const BenchCase& which) { return which.name == name; });
+            if (!known) throw mok::bench::UsageError(key, "no case is called '" + name + "'");
+          }
+        } else if (key == "--iters")
+          args.iters = integer(key, value);
+        else if (key == "--backward")
+          args.backward = integer(key, value) != 0;
+        else if (key == "--backward-engine") {
+          if (value == "auto")
+            args.backward_engine = mok::gemm::GemmEngine::kAuto;
+          else if (value == "cooperative")
+            args.backward_engine = mok::gemm::GemmEngine::kCooperative;
+          else if (value == "pingpong")
+            args.backward_engine = mok::gemm::GemmEngine::kPingpong;
+          else
+            throw mok::bench::UsageError(
+                key, "expected auto, cooperative or pingpong, got '" + value + "'");
+        } else if (key == "--preset") {
+          args.custom = true;
+          args.custom_case.preset = value;
+          args.custom_shape = mok::find_preset(value).shape;
+        } else if (key == "--hidden")
+          args.custom = true, args.custom_shape.hidden = integer(key, value);
+        else if (key == "--intermediate") {
+          args.custom = true;
+          args.custom_shape.intermediate = integer(key, value);
+        } else if (key == "--shared-intermediate") {
+          args.custom = true;
+          args.custom_shape.shared_intermediate = integer(key, value);
+        } else if (key == "--experts") {
+          args.custom = true;
+          args.custom_shape.num_experts = integer(key, value);
+        } else if (key == "--top-k")
+          args.custom = true, args.custom_shape.top_k = integer(key, value);
+        else if (key == "--tokens") {
+          args.custom = true;
+          args.custom_case.tokens_per_rank = integer(key, value);
+        } else if (key == "--ep")
+          args.custom = true, args.custom_case.ep = integer(key, value);
+        else if (key == "--routing") {
+          args.custom = true;
+          mok::Routing::parse(value);  // checked here, named by the error
+          args.custom_case.routing = value;
+        } else if (key == "--warmup-ms")
+          args.warmup_ms = integer(key, value);
+        else if (key == "--gemm-sms")
+          args.gemm_sms = integer(key, value);
+        else if (key == "--copy-ctas")
+          args.copy_ctas = integer(key, value);
+        else if (key == "--schedule-ctas")
+          args.schedule_ctas = integer(key, value);
+        else if (key == "--fused")
+          args.fused = integer(key, value) != 0;
+        else if (key == "--schedule-in-kernel")
+          args.schedule_in_kernel = integer(key, value) != 0;
+        else if (key == "--trace")
+          args.trace = integer(key, value) != 0;
+        else if (key == "--l2-tickets")
+          args.l2_tickets = integer(key, value) != 0;
+        else if (key == "--stale-rows")
+          args.stale_rows = integer(key, value) != 0;
+        else if (key == "--comm-ctas")
+          args.comm_ctas = mok::bench::integer_list_option(key, value);
+        else if (key == "--minibatch-rows")
+          args.minibatch_rows = mok::bench::integer_list_option(key, value);
+        else if (key == "--ring-rows")
+          args.ring_rows = mok::bench::integer_list_option(key, value);
+        else if (key == "--out")
+          args.out = value;
+        else if (key == "--routing-dir")
+          args.routing_dir = value;
+        else
+          return false;
+        return true;
+      });
 }
 
 // Routing only: Problem::generate on a layer of the case's E and k with minimal H and I (its
@@ -188,8 +212,8 @@ void write_routing(const std::string& path, const mok::Problem& routing) {
 
 // One forward configuration of one case: runs it, prints a line, appends a JSON entry.
 void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::Problem& routing,
-               const std::string& routing_path, const Args& args, int comm_ctas,
-               int minibatch_rows, int ring_rows, std::ofstream& out, bool& first) {
+               const std::string& routing_path, const Args& args, int comm_ctas, int minibatch_rows,
+               int ring_rows, std::ofstream& out, bool& first) {
   mok::LayerRunSpec spec;
   spec.shape = shape;
   spec.ep = which.ep;
@@ -219,41 +243,43 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
   std::printf("%-26s %s comm %2d mb %6d ring %6d %8.3f ms/rank (ranks:", which.name.c_str(),
-              !args.fused ? "unfused" : args.schedule_in_kernel ? "fused" : "fused+sched", comm_ctas,
-              minibatch_rows, ring_rows, result.forward_ms);
+              !args.fused               ? "unfused"
+              : args.schedule_in_kernel ? "fused"
+                                        : "fused+sched",
+              comm_ctas, minibatch_rows, ring_rows, result.forward_ms);
   for (double ms : result.rank_ms) std::printf(" %.3f", ms);
   std::printf(")  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU  buffers %.2f GB/rank\n", tflops,
               which.tokens_per_rank / (result.forward_ms * 1e-3),
               result.buffer_bytes_per_rank / 1e9);
   if (args.backward) {
-    std::printf("%-26s backward %8.3f ms/rank  %7.1f useful TFLOP/s; forward + backward %8.3f "
-                "ms/rank  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU; backward buffers %.2f GB/rank\n",
-                "", result.backward_ms, 2 * flops / (result.backward_ms * 1e-3) * 1e-12,
-                result.forward_backward_ms, 3 * flops / (result.forward_backward_ms * 1e-3) * 1e-12,
-                which.tokens_per_rank / (result.forward_backward_ms * 1e-3),
-                result.backward_buffer_bytes_per_rank / 1e9);
+    std::printf(
+        "%-26s backward %8.3f ms/rank  %7.1f useful TFLOP/s; forward + backward %8.3f "
+        "ms/rank  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU; backward buffers %.2f GB/rank\n",
+        "", result.backward_ms, 2 * flops / (result.backward_ms * 1e-3) * 1e-12,
+        result.forward_backward_ms, 3 * flops / (result.forward_backward_ms * 1e-3) * 1e-12,
+        which.tokens_per_rank / (result.forward_backward_ms * 1e-3),
+        result.backward_buffer_bytes_per_rank / 1e9);
   }
   std::fflush(stdout);
   char line[2048];
-  std::snprintf(line, sizeof(line),
-                "%s  {\"name\": \"%s\", \"preset\": \"%s\", \"ep\": %d, \"tokens_per_rank\": %lld, "
-                "\"routing\": \"%s\", \"routing_file\": \"%s\", \"mok_ms\": %.4f, "
-                "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
-                "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
-                "\"num_experts\": %lld, \"top_k\": %lld, \"fused\": %s, "
-                "\"comm_ctas\": %d, \"minibatch_rows\": %d, \"ring_rows\": %d, "
-                "\"schedule_in_kernel\": %s, \"schedule_ctas\": %d, \"l2_tickets\": %s, "
-                "\"stale_rows\": %s",
-                first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
-                static_cast<long long>(which.tokens_per_rank), which.routing.c_str(),
-                routing_path.c_str(), result.forward_ms, tflops, flops,
-                static_cast<long long>(result.buffer_bytes_per_rank),
-                static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
-                static_cast<long long>(shape.shared_intermediate),
-                static_cast<long long>(shape.num_experts), static_cast<long long>(shape.top_k),
-                args.fused ? "true" : "false", comm_ctas, minibatch_rows, ring_rows,
-                args.schedule_in_kernel ? "true" : "false", args.schedule_ctas,
-                args.l2_tickets ? "true" : "false", args.stale_rows ? "true" : "false");
+  std::snprintf(
+      line, sizeof(line),
+      "%s  {\"name\": \"%s\", \"preset\": \"%s\", \"ep\": %d, \"tokens_per_rank\": %lld, "
+      "\"routing\": \"%s\", \"routing_file\": \"%s\", \"mok_ms\": %.4f, "
+      "\"useful_tflops\": %.2f, \"flops_per_rank\": %.6e, \"buffer_bytes_per_rank\": %lld, "
+      "\"hidden\": %lld, \"intermediate\": %lld, \"shared_intermediate\": %lld, "
+      "\"num_experts\": %lld, \"top_k\": %lld, \"fused\": %s, "
+      "\"comm_ctas\": %d, \"minibatch_rows\": %d, \"ring_rows\": %d, "
+      "\"schedule_in_kernel\": %s, \"schedule_ctas\": %d, \"l2_tickets\": %s, "
+      "\"stale_rows\": %s",
+      first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
+      static_cast<long long>(which.tokens_per_rank), which.routing.c_str(), routing_path.c_str(),
+      result.forward_ms, tflops, flops, static_cast<long long>(result.buffer_bytes_per_rank),
+      static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
+      static_cast<long long>(shape.shared_intermediate), static_cast<long long>(shape.num_experts),
+      static_cast<long long>(shape.top_k), args.fused ? "true" : "false", comm_ctas, minibatch_rows,
+      ring_rows, args.schedule_in_kernel ? "true" : "false", args.schedule_ctas,
+      args.l2_tickets ? "true" : "false", args.stale_rows ? "true" : "false");
   out << line;
   if (args.backward) {
     out << ", \"backward_ms\": " << result.backward_ms
@@ -302,9 +328,11 @@ int run(int argc, char** argv) {
   out << "{\"date\": \"" << date << "\", \"cases\": [\n";
   bool first = true, failed = false;
   if (args.custom && !args.cases.empty()) {
-    throw mok::bench::UsageError("--cases", "cannot be combined with a custom shape (--hidden ...)");
+    throw mok::bench::UsageError("--cases",
+                                 "cannot be combined with a custom shape (--hidden ...)");
   }
-  const std::vector<BenchCase> cases = args.custom ? std::vector<BenchCase>{args.custom_case} : kCases;
+  const std::vector<BenchCase> cases =
+      args.custom ? std::vector<BenchCase>{args.custom_case} : kCases;
   for (const BenchCase& which : cases) {
     if (!args.cases.empty() &&
         std::find(args.cases.begin(), args.cases.end(), which.name) == args.cases.end()) {

@@ -83,10 +83,10 @@ void fill_random(mok::bf16* out, int64_t count, double scale, uint64_t seed, uin
 // The routings of the rotation; step s uses routing s % kNumRoutings, so that every window of a
 // multiple of kNumRoutings steps holds the same mix (500 and 1000 are).
 enum class Routing : int {
-  kUniform = 0,     // k distinct experts, uniformly
-  kSkewed = 1,      // expert ~ E·u⁴: a few experts take most rows, many none
-  kOneExpert = 2,   // every token to one expert (slot 0), the other slots -1
-  kHotExperts = 3,  // k distinct experts out of k + 2 neighbours: the rest of the experts empty
+  kUniform = 0,      // k distinct experts, uniformly
+  kSkewed = 1,       // expert ~ E·u⁴: a few experts take most rows, many none
+  kOneExpert = 2,    // every token to one expert (slot 0), the other slots -1
+  kHotExperts = 3,   // k distinct experts out of k + 2 neighbours: the rest of the experts empty
   kUnusedSlots = 4,  // uniform, each slot -1 with probability 0.3 (some rows all -1)
 };
 constexpr int kNumRoutings = 5;
@@ -96,7 +96,8 @@ const char* const kRoutingNames[kNumRoutings] = {"uniform", "skewed", "one-exper
 // One token per thread: its k ids (distinct but for -1, as the contract asks) and weights of
 // either sign (unused slots too: their weight must be ignored). `hot`: the step's hot expert.
 __global__ void make_routing_kernel(int32_t* topk_idx, float* topk_w, int num_tokens, int top_k,
-                                    int num_experts, Routing routing, uint64_t seed, uint64_t step) {
+                                    int num_experts, Routing routing, uint64_t seed,
+                                    uint64_t step) {
   const int token = blockIdx.x * blockDim.x + threadIdx.x;
   if (token >= num_tokens) return;
   const uint64_t step_key = mix(seed ^ mix(step));
@@ -135,9 +136,10 @@ __global__ void make_routing_kernel(int32_t* topk_idx, float* topk_w, int num_to
         return false;
       };
       while (taken(expert)) {
-        expert = routing == Routing::kHotExperts
-                     ? (hot + ((expert - hot + num_experts) % num_experts + 1) % window) % num_experts
-                     : (expert + 1) % num_experts;
+        expert =
+            routing == Routing::kHotExperts
+                ? (hot + ((expert - hot + num_experts) % num_experts + 1) % window) % num_experts
+                : (expert + 1) % num_experts;
       }
     }
     row[slot] = expert;
@@ -161,7 +163,8 @@ template <class T>
 class DeviceArray {
  public:
   explicit DeviceArray(int64_t count) : count_(count) {
-    MOK_CUDA_CHECK(cudaMalloc(&data_, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
+    MOK_CUDA_CHECK(
+        cudaMalloc(&data_, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
   }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
@@ -206,7 +209,8 @@ struct Args {
 // blocks and N tiles, a shared expert, experts of many and of no rows).
 constexpr mok::LayerShape kDefaultShape{1024, 512, 512, 32, 4};
 
-constexpr char kUsage[] = R"(bench_soak: many forward + backward training steps of the GPU layer (one Hopper GPU, EP 1) with
+constexpr char kUsage[] =
+    R"(bench_soak: many forward + backward training steps of the GPU layer (one Hopper GPU, EP 1) with
 a new routing every step, made on the device (uniform, skewed, every token to one expert, a few hot
 experts, unused -1 slots, in rotation; router weights of either sign; a new dy every step).
 Before and after the soak a fixed probe runs; the soak passes when the probe's every output is
@@ -243,10 +247,10 @@ usage: bench_soak [options]
 // The whole of `value` as a number in [low, high]: digits only (no sign, no leading zero, no
 // base prefix), or a UsageError naming the option.
 int64_t number(const std::string& name, const std::string& value, int64_t low, int64_t high) {
-  const bool digits = !value.empty() && value.size() <= 18 &&
-                      std::all_of(value.begin(), value.end(),
-                                  [](char c) { return c >= '0' && c <= '9'; }) &&
-                      (value.size() == 1 || value[0] != '0');
+  const bool digits =
+      !value.empty() && value.size() <= 18 &&
+      std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+      (value.size() == 1 || value[0] != '0');
   if (!digits) throw UsageError(name, concat("expected an integer, got '", value, "'"));
   const int64_t result = std::stoll(value);
   if (result < low || result > high) {
@@ -265,36 +269,53 @@ std::string message_of(const mok::Error& error) {
 bool parse(int argc, char** argv, Args& args) {
   std::set<std::string> seen;
   constexpr int64_t kMax = int64_t{1} << 40;
-  return mok::bench::parse_options(argc, argv, kUsage, [&](const std::string& key,
-                                                           const std::string& value) {
-    if (!seen.insert(key).second) throw UsageError(key, "given twice");
-    if (key == "--steps") args.steps = number(key, value, 2, kMax);
-    else if (key == "--preset") {
-      try {
-        mok::find_preset(value);
-      } catch (const mok::Error& error) {
-        throw UsageError(key, message_of(error));
-      }
-      args.preset = value;
-    } else if (key == "--hidden") args.hidden = number(key, value, 1, kMax);
-    else if (key == "--intermediate") args.intermediate = number(key, value, 1, kMax);
-    else if (key == "--shared-intermediate") args.shared_intermediate = number(key, value, 0, kMax);
-    else if (key == "--experts") args.experts = number(key, value, 1, kMax);
-    else if (key == "--top-k") args.top_k = number(key, value, 1, kMax);
-    else if (key == "--tokens") args.tokens = number(key, value, 1, int64_t{1} << 30);
-    else if (key == "--seed") args.seed = number(key, value, 0, kMax);
-    else if (key == "--check-every") args.check_every = number(key, value, 1, kMax);
-    else if (key == "--progress-every") args.progress_every = number(key, value, 1, kMax);
-    else if (key == "--window") args.window = number(key, value, 1, kMax);
-    else if (key == "--drift-limit") args.drift_limit_percent = number(key, value, 0, 1000);
-    else if (key == "--memory-tolerance-mib") args.memory_tolerance_mib = number(key, value, 0, kMax);
-    else if (key == "--warmup-ms") args.warmup_ms = number(key, value, 0, 3600 * 1000);
-    else if (key == "--out") {
-      if (value.empty()) throw UsageError(key, "expected a file name or -, got ''");
-      args.out = value;
-    } else return false;
-    return true;
-  });
+  return mok::bench::parse_options(argc, argv, kUsage,
+                                   [&](const std::string& key, const std::string& value) {
+                                     if (!seen.insert(key).second)
+                                       throw UsageError(key, "given twice");
+                                     if (key == "--steps")
+                                       args.steps = number(key, value, 2, kMax);
+                                     else if (key == "--preset") {
+                                       try {
+                                         mok::find_preset(value);
+                                       } catch (const mok::Error& error) {
+                                         throw UsageError(key, message_of(error));
+                                       }
+                                       args.preset = value;
+                                     } else if (key == "--hidden")
+                                       args.hidden = number(key, value, 1, kMax);
+                                     else if (key == "--intermediate")
+                                       args.intermediate = number(key, value, 1, kMax);
+                                     else if (key == "--shared-intermediate")
+                                       args.shared_intermediate = number(key, value, 0, kMax);
+                                     else if (key == "--experts")
+                                       args.experts = number(key, value, 1, kMax);
+                                     else if (key == "--top-k")
+                                       args.top_k = number(key, value, 1, kMax);
+                                     else if (key == "--tokens")
+                                       args.tokens = number(key, value, 1, int64_t{1} << 30);
+                                     else if (key == "--seed")
+                                       args.seed = number(key, value, 0, kMax);
+                                     else if (key == "--check-every")
+                                       args.check_every = number(key, value, 1, kMax);
+                                     else if (key == "--progress-every")
+                                       args.progress_every = number(key, value, 1, kMax);
+                                     else if (key == "--window")
+                                       args.window = number(key, value, 1, kMax);
+                                     else if (key == "--drift-limit")
+                                       args.drift_limit_percent = number(key, value, 0, 1000);
+                                     else if (key == "--memory-tolerance-mib")
+                                       args.memory_tolerance_mib = number(key, value, 0, kMax);
+                                     else if (key == "--warmup-ms")
+                                       args.warmup_ms = number(key, value, 0, 3600 * 1000);
+                                     else if (key == "--out") {
+                                       if (value.empty())
+                                         throw UsageError(key, "expected a file name or -, got ''");
+                                       args.out = value;
+                                     } else
+                                       return false;
+                                     return true;
+                                   });
 }
 
 mok::LayerShape shape_of(const Args& args) {
@@ -378,9 +399,9 @@ std::string non_finite(const std::vector<ProbeTensor>& tensors) {
 
 struct Report {
   int64_t steps_done = 0;
-  std::string error;                    // a device fault or CUDA error, with the steps it hit
-  std::string probe_difference;         // empty: bitwise equal
-  std::string probe_non_finite;         // empty: every element finite
+  std::string error;             // a device fault or CUDA error, with the steps it hit
+  std::string probe_difference;  // empty: bitwise equal
+  std::string probe_non_finite;  // empty: every element finite
   bool probe_compared = false;
   int64_t memory_start = 0, memory_end = -1;
   std::vector<float> step_ms;
@@ -422,9 +443,10 @@ class Soak {
                 1.0 / std::sqrt(static_cast<double>(shape.intermediate)), seed, 11, stream_);
     fill_random(weights.shared_gate_up, weights.shared_gate_up_elements, in_scale, seed, 12,
                 stream_);
-    fill_random(weights.shared_down, weights.shared_down_elements,
-                1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(shape.shared_intermediate, 1))),
-                seed, 13, stream_);
+    fill_random(
+        weights.shared_down, weights.shared_down_elements,
+        1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(shape.shared_intermediate, 1))), seed,
+        13, stream_);
     fill_random(x_.get(), x_.size(), 1.0, seed, 14, stream_);
     // The probe: unused slots and signed weights, most experts with rows; its own dy.
     fill_random(probe_dy_.get(), probe_dy_.size(), 1.0, seed, 15, stream_);
@@ -455,7 +477,8 @@ class Soak {
     report.memory_start = device_bytes_in_use();
     say("device memory in use before the soak: %.1f MiB (the layer's buffers: forward %.1f MiB, "
         "backward %.1f MiB)\n",
-        mib(static_cast<double>(report.memory_start)), mib(static_cast<double>(forward_.buffer_bytes())),
+        mib(static_cast<double>(report.memory_start)),
+        mib(static_cast<double>(forward_.buffer_bytes())),
         mib(static_cast<double>(backward_.buffer_bytes())));
     soak(report);
     if (report.error.empty()) {
@@ -469,7 +492,8 @@ class Soak {
         report.error = concat("in the probe after the soak: ", error.what());
       }
     }
-    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    report.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     summarize(report);
     return report;
   }
@@ -512,13 +536,14 @@ class Soak {
         {"grad_gate_up", grad_gate_up_.get(), grad_gate_up_.bytes(), 4, {}},
         {"grad_down", grad_down_.get(), grad_down_.bytes(), 4, {}}};
     if (shape_.has_shared()) {
-      tensors.push_back({"grad_shared_gate_up", grad_shared_gate_up_.get(),
-                         grad_shared_gate_up_.bytes(), 4, {}});
-      tensors.push_back({"grad_shared_down", grad_shared_down_.get(), grad_shared_down_.bytes(), 4,
-                         {}});
+      tensors.push_back(
+          {"grad_shared_gate_up", grad_shared_gate_up_.get(), grad_shared_gate_up_.bytes(), 4, {}});
+      tensors.push_back(
+          {"grad_shared_down", grad_shared_down_.get(), grad_shared_down_.bytes(), 4, {}});
     }
     for (const ProbeTensor& tensor : tensors) {
-      MOK_CUDA_CHECK(cudaMemsetAsync(const_cast<void*>(tensor.device), 0xff, tensor.bytes, stream_));
+      MOK_CUDA_CHECK(
+          cudaMemsetAsync(const_cast<void*>(tensor.device), 0xff, tensor.bytes, stream_));
     }
     forward_.forward(x_.get(), probe_topk_idx_.get(), probe_topk_w_.get(), y_.get(), args_.tokens,
                      stream_);
@@ -528,8 +553,8 @@ class Soak {
     check();
     for (ProbeTensor& tensor : tensors) {
       tensor.host.resize(tensor.bytes);
-      MOK_CUDA_CHECK(cudaMemcpy(tensor.host.data(), tensor.device, tensor.bytes,
-                                cudaMemcpyDeviceToHost));
+      MOK_CUDA_CHECK(
+          cudaMemcpy(tensor.host.data(), tensor.device, tensor.bytes, cudaMemcpyDeviceToHost));
     }
     return tensors;
   }
@@ -541,11 +566,13 @@ class Soak {
     for (;;) {
       for (int routing = 0; routing < kNumRoutings; ++routing) enqueue_step(step++);
       check();
-      const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - start;
+      const std::chrono::duration<double, std::milli> spent =
+          std::chrono::steady_clock::now() - start;
       if (spent.count() >= static_cast<double>(args_.warmup_ms)) break;
     }
     say("warm-up: %llu steps in %.0f ms\n", static_cast<unsigned long long>(step - kWarmUpStep),
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count());
   }
 
   // The soak's steps in chunks that end at a check or a progress line; stops at the first error.
@@ -555,8 +582,8 @@ class Soak {
     auto next = [](int64_t done, int64_t every) { return (done / every + 1) * every; };
     int64_t done = 0;
     while (done < steps) {
-      const int64_t end = std::min({steps, next(done, args_.check_every),
-                                    next(done, args_.progress_every)});
+      const int64_t end =
+          std::min({steps, next(done, args_.check_every), next(done, args_.progress_every)});
       try {
         for (int64_t step = done; step < end; ++step) {
           const size_t event = static_cast<size_t>(2 * (step - done));
@@ -570,10 +597,10 @@ class Soak {
           report.step_ms.push_back(ms);
         }
       } catch (const std::exception& error) {
-        report.error = concat("in steps ", done, " to ", end - 1, " (routings rotate ",
-                              kRoutingNames[0], ", ", kRoutingNames[1], ", ", kRoutingNames[2],
-                              ", ", kRoutingNames[3], ", ", kRoutingNames[4], " by step % ",
-                              kNumRoutings, "): ", error.what());
+        report.error =
+            concat("in steps ", done, " to ", end - 1, " (routings rotate ", kRoutingNames[0], ", ",
+                   kRoutingNames[1], ", ", kRoutingNames[2], ", ", kRoutingNames[3], ", ",
+                   kRoutingNames[4], " by step % ", kNumRoutings, "): ", error.what());
         say("%s\n", report.error.c_str());
         return;
       }
@@ -609,9 +636,9 @@ class Soak {
   mok::Communicator comm_;
   mok::LayerForward forward_;
   mok::LayerBackward backward_;
-  DeviceArray<mok::bf16> x_, dy_, probe_dy_, y_, dx_;                       // (T, H)
-  DeviceArray<int32_t> topk_idx_, probe_topk_idx_;                          // (T, k)
-  DeviceArray<float> topk_w_, probe_topk_w_, d_topk_w_;                     // (T, k)
+  DeviceArray<mok::bf16> x_, dy_, probe_dy_, y_, dx_;    // (T, H)
+  DeviceArray<int32_t> topk_idx_, probe_topk_idx_;       // (T, k)
+  DeviceArray<float> topk_w_, probe_topk_w_, d_topk_w_;  // (T, k)
   DeviceArray<float> grad_gate_up_, grad_down_, grad_shared_gate_up_, grad_shared_down_;
   mok::DeviceLayerGradients grads_;
   cudaStream_t stream_ = nullptr;
@@ -640,8 +667,8 @@ int run(int argc, char** argv) {
   if (!parse(argc, argv, args)) return 0;
   const mok::LayerShape shape = shape_of(args);
   const mok::GpuSummary gpus = mok::query_gpus();
-  MOK_CHECK_ARG(gpus.num_hopper_gpus >= 1, "GPU", "the soak needs a Hopper GPU; found: ",
-                gpus.description);
+  MOK_CHECK_ARG(gpus.num_hopper_gpus >= 1, "GPU",
+                "the soak needs a Hopper GPU; found: ", gpus.description);
   const std::string unfit = mok::gpu_layer_unfit_reason(shape, 1, args.tokens, true);
   MOK_CHECK_ARG(unfit.empty(), "shape", unfit);
   const mok::Communicator& comm = mok::local_communicators(1)[0];
@@ -652,7 +679,8 @@ int run(int argc, char** argv) {
   const bool to_stdout = args.out == "-";
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> out(
       to_stdout ? stdout : std::fopen(args.out.c_str(), "w"),
-      to_stdout ? +[](std::FILE*) { return 0; } : +[](std::FILE* file) { return std::fclose(file); });
+      to_stdout ? +[](std::FILE*) { return 0; }
+                : +[](std::FILE* file) { return std::fclose(file); });
   if (out == nullptr) {
     throw mok::Error("--out", concat("cannot write '", args.out, "': ", std::strerror(errno)));
   }
@@ -675,27 +703,29 @@ int run(int argc, char** argv) {
   const int64_t growth = report.memory_end >= 0 ? report.memory_end - report.memory_start : 0;
   const bool memory_flat = report.memory_end >= 0 && std::llabs(growth) <= tolerance;
   const bool probe_equal = report.probe_compared && report.probe_difference.empty();
-  const bool drift_flagged =
-      report.window > 0 && std::fabs(report.drift_percent) > static_cast<double>(args.drift_limit_percent);
+  const bool drift_flagged = report.window > 0 && std::fabs(report.drift_percent) >
+                                                      static_cast<double>(args.drift_limit_percent);
   const bool passed = report.error.empty() && probe_equal && report.probe_non_finite.empty() &&
                       memory_flat && report.steps_done == args.steps;
 
   std::fprintf(progress, "probe (y, dx, d_topk_w, weight gradients): %s\n",
                !report.probe_compared ? "not compared (the soak stopped)"
-               : probe_equal ? "bitwise equal before and after the soak"
+               : probe_equal          ? "bitwise equal before and after the soak"
                              : ("DIFFERS after the soak: " + report.probe_difference).c_str());
   if (!report.probe_non_finite.empty()) {
     std::fprintf(progress, "probe: %s\n", report.probe_non_finite.c_str());
   }
   if (report.memory_end >= 0) {
-    std::fprintf(progress, "device memory in use: %.1f MiB before, %.1f MiB after (%+.1f MiB, "
+    std::fprintf(progress,
+                 "device memory in use: %.1f MiB before, %.1f MiB after (%+.1f MiB, "
                  "tolerance %lld MiB): %s\n",
                  mib(static_cast<double>(report.memory_start)),
                  mib(static_cast<double>(report.memory_end)), mib(static_cast<double>(growth)),
                  static_cast<long long>(args.memory_tolerance_mib), memory_flat ? "flat" : "GREW");
   }
   if (report.window > 0) {
-    std::fprintf(progress, "time per step: median %.3f ms over the first %lld steps, %.3f ms over "
+    std::fprintf(progress,
+                 "time per step: median %.3f ms over the first %lld steps, %.3f ms over "
                  "the last %lld: %+.1f %% (limit %lld %%)%s; median of all %.3f ms\n",
                  report.first_ms, static_cast<long long>(report.window), report.last_ms,
                  static_cast<long long>(report.window), report.drift_percent,
@@ -703,9 +733,9 @@ int run(int argc, char** argv) {
                  drift_flagged ? ": DRIFT (flagged, not failed)" : "", report.median_ms);
   }
   std::fprintf(progress, "device faults: %s\n",
-               report.error.empty() ? concat("none recorded (checked every ", args.check_every,
-                                             " steps)").c_str()
-                                    : report.error.c_str());
+               report.error.empty()
+                   ? concat("none recorded (checked every ", args.check_every, " steps)").c_str()
+                   : report.error.c_str());
   std::fprintf(progress, "soak: %s after %lld of %lld steps in %.1f s\n",
                passed ? "PASSED" : "FAILED", static_cast<long long>(report.steps_done),
                static_cast<long long>(args.steps), report.seconds);
@@ -715,13 +745,13 @@ int run(int argc, char** argv) {
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   const char* commit = std::getenv("MOK_COMMIT");
-  std::string json = concat(
-      "{\"schema\": \"mok-soak/1\", \"commit\": ", json_string(commit ? commit : "unknown"),
-      ", \"device\": ", json_string(properties.name), ", \"date\": \"", date, "\",\n",
-      " \"shape\": {\"hidden\": ", shape.hidden, ", \"intermediate\": ", shape.intermediate,
-      ", \"shared_intermediate\": ", shape.shared_intermediate, ", \"num_experts\": ",
-      shape.num_experts, ", \"top_k\": ", shape.top_k, "}, \"tokens\": ", args.tokens,
-      ", \"seed\": ", args.seed, ",\n \"routings\": [");
+  std::string json =
+      concat("{\"schema\": \"mok-soak/1\", \"commit\": ", json_string(commit ? commit : "unknown"),
+             ", \"device\": ", json_string(properties.name), ", \"date\": \"", date, "\",\n",
+             " \"shape\": {\"hidden\": ", shape.hidden, ", \"intermediate\": ", shape.intermediate,
+             ", \"shared_intermediate\": ", shape.shared_intermediate,
+             ", \"num_experts\": ", shape.num_experts, ", \"top_k\": ", shape.top_k,
+             "}, \"tokens\": ", args.tokens, ", \"seed\": ", args.seed, ",\n \"routings\": [");
   for (int routing = 0; routing < kNumRoutings; ++routing) {
     json += concat(routing == 0 ? "" : ", ", "\"", kRoutingNames[routing], "\"");
   }
@@ -734,19 +764,19 @@ int run(int argc, char** argv) {
                 report.median_ms, report.drift_percent,
                 static_cast<long long>(args.drift_limit_percent), drift_flagged ? "true" : "false");
   json += concat("], \"steps\": ", args.steps, ", \"steps_done\": ", report.steps_done,
-                 ", \"check_every\": ", args.check_every, ",\n \"probe\": {\"compared\": ",
-                 report.probe_compared ? "true" : "false", ", \"bitwise_equal\": ",
-                 probe_equal ? "true" : "false", ", \"first_difference\": ",
-                 json_string(report.probe_difference), ", \"non_finite\": ",
-                 json_string(report.probe_non_finite), "},\n \"device_memory\": {\"start_bytes\": ",
-                 report.memory_start, ", \"end_bytes\": ", report.memory_end,
-                 ", \"tolerance_bytes\": ", tolerance, ", \"flat\": ",
-                 memory_flat ? "true" : "false", "},\n ", figures, ",\n \"error\": ",
-                 json_string(report.error), ", \"seconds\": ", report.seconds, ", \"passed\": ",
-                 passed ? "true" : "false", "}\n");
+                 ", \"check_every\": ", args.check_every,
+                 ",\n \"probe\": {\"compared\": ", report.probe_compared ? "true" : "false",
+                 ", \"bitwise_equal\": ", probe_equal ? "true" : "false",
+                 ", \"first_difference\": ", json_string(report.probe_difference),
+                 ", \"non_finite\": ", json_string(report.probe_non_finite),
+                 "},\n \"device_memory\": {\"start_bytes\": ", report.memory_start,
+                 ", \"end_bytes\": ", report.memory_end, ", \"tolerance_bytes\": ", tolerance,
+                 ", \"flat\": ", memory_flat ? "true" : "false", "},\n ", figures,
+                 ",\n \"error\": ", json_string(report.error), ", \"seconds\": ", report.seconds,
+                 ", \"passed\": ", passed ? "true" : "false", "}\n");
   const bool written = std::fputs(json.c_str(), out.get()) >= 0 && std::fflush(out.get()) == 0;
-  MOK_CHECK_ARG(written && !std::ferror(out.get()), "--out", "writing '", args.out, "' failed: ",
-                std::strerror(errno));
+  MOK_CHECK_ARG(written && !std::ferror(out.get()), "--out", "writing '", args.out,
+                "' failed: ", std::strerror(errno));
   return passed ? 0 : 1;
 }
 

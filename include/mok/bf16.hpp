@@ -41,7 +41,8 @@ struct bf16 {
 
 static_assert(sizeof(bf16) == 2, "bf16 must be two bytes, as on the GPU");
 
-// The float a bf16 store followed by a load gives back: the one rounding point of every bf16 tensor.
+// The float a bf16 store followed by a load gives back: the one rounding point of every bf16
+// tensor.
 inline float round_to_bf16(float value) { return bf16(value).to_float(); }
 
 }  // namespace mok

@@ -6,14 +6,14 @@
 
 #include "mok/error.hpp"
 
-#define MOK_CUDA_CHECK(call)                                                               \
-  do {                                                                                     \
-    const cudaError_t mok_status_ = (call);                                                \
-    if (mok_status_ != cudaSuccess) {                                                      \
-      throw ::mok::Error("cuda", ::mok::detail::concat(#call, " failed: ",                 \
-                                                       cudaGetErrorString(mok_status_),    \
-                                                       " at ", __FILE__, ":", __LINE__));  \
-    }                                                                                      \
+#define MOK_CUDA_CHECK(call)                                                                 \
+  do {                                                                                       \
+    const cudaError_t mok_status_ = (call);                                                  \
+    if (mok_status_ != cudaSuccess) {                                                        \
+      throw ::mok::Error(                                                                    \
+          "cuda", ::mok::detail::concat(#call, " failed: ", cudaGetErrorString(mok_status_), \
+                                        " at ", __FILE__, ":", __LINE__));                   \
+    }                                                                                        \
   } while (0)
 
 // After a kernel launch: the launch's own error, without synchronising.

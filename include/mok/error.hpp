@@ -38,12 +38,12 @@ inline void append_part(std::string& out, const void* pointer) {
   out += text;
 }
 template <class Enum>
-  requires std::is_enum_v<Enum>
+requires std::is_enum_v<Enum>
 void append_part(std::string& out, Enum value) {
   out += std::to_string(static_cast<std::underlying_type_t<Enum>>(value));
 }
 template <class Number>
-  requires std::is_arithmetic_v<Number>
+requires std::is_arithmetic_v<Number>
 void append_part(std::string& out, Number value) {
   if constexpr (std::is_floating_point_v<Number>) {
     char text[32];
@@ -63,11 +63,11 @@ std::string concat(const Parts&... parts) {
 }  // namespace detail
 
 // Throws mok::Error naming `argument` unless `condition` holds; the message parts are streamed.
-#define MOK_CHECK_ARG(condition, argument, ...)                            \
-  do {                                                                     \
-    if (!(condition)) {                                                    \
+#define MOK_CHECK_ARG(condition, argument, ...)                           \
+  do {                                                                    \
+    if (!(condition)) {                                                   \
       throw ::mok::Error((argument), ::mok::detail::concat(__VA_ARGS__)); \
-    }                                                                      \
+    }                                                                     \
   } while (0)
 
 }  // namespace mok

@@ -57,8 +57,8 @@ enum class WgradOutput {
 
 // y_e = x_e · W_eᵀ. x [capacity_rows, k], w [E, n, k]; k and n multiples of 8 (16 for SwiGLU).
 void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
-                     const int* expert_offsets, void* y, ForwardOutput output,
-                     cudaStream_t stream, const LaunchOptions& options = {});
+                     const int* expert_offsets, void* y, ForwardOutput output, cudaStream_t stream,
+                     const LaunchOptions& options = {});
 
 enum class DgradOutput {
   kBf16,  // dx [capacity_rows, k] bf16
@@ -92,8 +92,8 @@ inline std::vector<bf16> interleave_gate_up(const std::vector<bf16>& gate,
   for (int e = 0; e < num_experts; ++e) {
     for (int i = 0; i < intermediate; ++i) {
       const size_t source = (static_cast<size_t>(e) * intermediate + i) * hidden;
-      const size_t gate_row = static_cast<size_t>(e) * 2 * intermediate +
-                              (i / kBlock) * 2 * kBlock + i % kBlock;
+      const size_t gate_row =
+          static_cast<size_t>(e) * 2 * intermediate + (i / kBlock) * 2 * kBlock + i % kBlock;
       for (int h = 0; h < hidden; ++h) {
         fused[gate_row * hidden + h] = gate[source + h];
         fused[(gate_row + kBlock) * hidden + h] = up[source + h];

@@ -40,7 +40,7 @@ struct LayerRunSpec {
   int fused_minibatch_rows = 0;
   int64_t fused_ring_rows = 0;  // 0 = one round (FusedForwardOptions::ring_rows)
   bool fused_schedule_in_kernel = true;
-  int fused_schedule_ctas = 0;  // 0 = every CTA
+  int fused_schedule_ctas = 0;             // 0 = every CTA
   bool fused_l2_partition_tickets = true;  // FusedForwardOptions::l2_partition_tickets
   // Before the warm-up, one forward with every expert id shifted by one, so that the row buffers
   // hold rows of another routing where this one pads, as in training, where the routing changes
@@ -68,9 +68,9 @@ struct LayerRunSpec {
 };
 
 struct LayerRunResult {
-  std::vector<bf16> y;             // (T_global, H) when keep_y
-  double forward_ms = 0;           // median over iterations, slowest rank
-  std::vector<double> rank_ms;     // median of each rank
+  std::vector<bf16> y;          // (T_global, H) when keep_y
+  double forward_ms = 0;        // median over iterations, slowest rank
+  std::vector<double> rank_ms;  // median of each rank
   // Per step of the forward (LayerForward's phases, in order): the median over iterations, the
   // slowest rank. Steps that wait for a peer include the wait.
   std::vector<std::string> phase_names;
@@ -84,12 +84,12 @@ struct LayerRunResult {
   int64_t backward_buffer_bytes_per_rank = 0;
   std::vector<std::string> backward_phase_names;  // LayerBackward's phases, in order
   std::vector<double> backward_phase_ms;          // median over the timed pairs, slowest rank
-  std::vector<bf16> dx;                     // (T_global, H)
-  std::vector<float> d_topk_w;              // (T_global, k)
-  std::vector<float> grad_gate_up;          // (E, 2I, H)
-  std::vector<float> grad_down;             // (E, H, I)
-  std::vector<float> grad_shared_gate_up;   // (ep, 2I_s, H)
-  std::vector<float> grad_shared_down;      // (ep, H, I_s)
+  std::vector<bf16> dx;                           // (T_global, H)
+  std::vector<float> d_topk_w;                    // (T_global, k)
+  std::vector<float> grad_gate_up;                // (E, 2I, H)
+  std::vector<float> grad_down;                   // (E, H, I)
+  std::vector<float> grad_shared_gate_up;         // (ep, 2I_s, H)
+  std::vector<float> grad_shared_down;            // (ep, H, I_s)
   int64_t weight_bytes_per_rank = 0;
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
   // How the fused kernel hands out its tasks on GPU 0: one pool, or a grant per L2 partition of

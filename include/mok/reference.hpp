@@ -33,10 +33,10 @@ struct RankInputs {
 
 // One virtual rank's outputs; forward writes `y`, backward the rest.
 struct RankOutputs {
-  View<bf16> y;           // (T, H)
-  View<bf16> dx;          // (T, H)
-  View<float> d_topk_w;   // (T, k); 0 in unused (-1) slots
-  WeightGrads grads;      // this rank's local experts and its share of the shared expert
+  View<bf16> y;          // (T, H)
+  View<bf16> dx;         // (T, H)
+  View<float> d_topk_w;  // (T, k); 0 in unused (-1) slots
+  WeightGrads grads;     // this rank's local experts and its share of the shared expert
 };
 
 // R = ranks.size(). Validates every argument first (mok::Error on bad input), then computes.

@@ -35,11 +35,11 @@ struct SyntheticSpec {
 struct Problem {
   LayerShape shape;
   int64_t num_tokens = 0;
-  std::vector<bf16> x, dy;        // (T, H)
-  std::vector<int32_t> topk_idx;  // (T, k)
-  std::vector<float> topk_w;      // (T, k)
-  std::vector<bf16> gate, up;     // (E, I, H)
-  std::vector<bf16> down;         // (E, H, I)
+  std::vector<bf16> x, dy;                   // (T, H)
+  std::vector<int32_t> topk_idx;             // (T, k)
+  std::vector<float> topk_w;                 // (T, k)
+  std::vector<bf16> gate, up;                // (E, I, H)
+  std::vector<bf16> down;                    // (E, H, I)
   std::vector<bf16> shared_gate, shared_up;  // (I_s, H)
   std::vector<bf16> shared_down;             // (H, I_s)
 
@@ -54,8 +54,8 @@ struct Problem {
 // The shared expert's gradients are per rank (each rank sums over its own tokens): (ep, ...).
 struct ProblemOutputs {
   int64_t ep = 1;
-  std::vector<bf16> y, dx;      // (T, H)
-  std::vector<float> d_topk_w;  // (T, k)
+  std::vector<bf16> y, dx;                                                // (T, H)
+  std::vector<float> d_topk_w;                                            // (T, k)
   std::vector<float> grad_gate, grad_up, grad_down;                       // (E, ...)
   std::vector<float> grad_shared_gate, grad_shared_up, grad_shared_down;  // (ep, ...)
 

@@ -39,17 +39,17 @@ struct HostTensor {
 
 // bf16 tensors are passed as their 16-bit patterns. gate/up are the separate (E, I, H) layouts.
 struct CpuLayerInputs {
-  HostTensor x;         // (T, H) bf16
-  HostTensor topk_idx;  // (T, k) int32
-  HostTensor topk_w;    // (T, k) fp32
-  HostTensor gate, up, down;                      // (E, I, H), (E, I, H), (E, H, I) bf16
+  HostTensor x;                                    // (T, H) bf16
+  HostTensor topk_idx;                             // (T, k) int32
+  HostTensor topk_w;                               // (T, k) fp32
+  HostTensor gate, up, down;                       // (E, I, H), (E, I, H), (E, H, I) bf16
   HostTensor shared_gate, shared_up, shared_down;  // (I_s, H), (I_s, H), (H, I_s); empty = none
-  HostTensor dy;        // (T, H) bf16, backward only
+  HostTensor dy;                                   // (T, H) bf16, backward only
 };
 
 // Fresh fp32 weight gradients in the separate layouts; shared ones null when there is none.
 struct CpuLayerGradients {
-  void* dx = nullptr;        // (T, H) bf16
+  void* dx = nullptr;         // (T, H) bf16
   float* d_topk_w = nullptr;  // (T, k)
   float* gate = nullptr;
   float* up = nullptr;
@@ -72,14 +72,14 @@ bool have_nccl();
 std::vector<uint8_t> nccl_unique_id();
 
 struct WorkspaceSpec {
-  Shape shape;              // E global
-  int64_t tokens_max = 0;   // the most tokens any call passes on any rank (same on every rank)
+  Shape shape;             // E global
+  int64_t tokens_max = 0;  // the most tokens any call passes on any rank (same on every rank)
   int device = 0;
   int rank = 0, num_ranks = 1;
   std::vector<uint8_t> unique_id;  // nccl_unique_id() of rank 0; empty when num_ranks == 1
-  int copy_ctas = 0;        // communication CTAs (fused kernel and unfused copies); 0 = default
-  int minibatch_rows = 0;   // the fused kernel's routed rows per minibatch; 0 = default
-  int64_t ring_rows = 0;    // the fused kernel's ring of received rows; 0 = every row, one round
+  int copy_ctas = 0;       // communication CTAs (fused kernel and unfused copies); 0 = default
+  int minibatch_rows = 0;  // the fused kernel's routed rows per minibatch; 0 = default
+  int64_t ring_rows = 0;   // the fused kernel's ring of received rows; 0 = every row, one round
 };
 
 // Collective when num_ranks > 1 (every rank at once): makes the NCCL communicator from the unique
@@ -101,13 +101,13 @@ struct ForwardCall {
   // (w_gate_up's first dimension). Checked against the workspace's shape.
   Shape local_shape;
   DeviceWeights weights;
-  const void* x = nullptr;          // (T, H) bf16
+  const void* x = nullptr;            // (T, H) bf16
   const int32_t* topk_idx = nullptr;  // (T, k) global expert ids
-  const float* topk_w = nullptr;    // (T, k)
-  void* y = nullptr;                // (T, H) bf16
+  const float* topk_w = nullptr;      // (T, k)
+  void* y = nullptr;                  // (T, H) bf16
   int64_t num_tokens = 0;
   int device = 0;
-  void* stream = nullptr;           // cudaStream_t
+  void* stream = nullptr;  // cudaStream_t
 };
 
 // Enqueues the layer forward on `stream`, no host synchronisation. workspace 0: this device's
@@ -117,7 +117,7 @@ struct ForwardCall {
 void forward(int64_t workspace, const ForwardCall& call);
 
 struct BackwardCall {
-  Shape local_shape;                // as ForwardCall's
+  Shape local_shape;  // as ForwardCall's
   DeviceWeights weights;
   const void* x = nullptr;            // (T, H) bf16
   const int32_t* topk_idx = nullptr;  // (T, k)

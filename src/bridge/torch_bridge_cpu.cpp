@@ -1,9 +1,9 @@
 // The CPU half of the bridge: the CPU backend (mok::reference) for one rank.
 #include <utility>
 
-#include "mok/torch_bridge.hpp"
 #include "mok/error.hpp"
 #include "mok/reference.hpp"
+#include "mok/torch_bridge.hpp"
 
 namespace mok::torch_bridge {
 
@@ -62,7 +62,8 @@ void cpu_forward(const Shape& shape, const CpuLayerInputs& inputs, void* y) {
   });
 }
 
-void cpu_backward(const Shape& shape, const CpuLayerInputs& inputs, const CpuLayerGradients& grads) {
+void cpu_backward(const Shape& shape, const CpuLayerInputs& inputs,
+                  const CpuLayerGradients& grads) {
   translating_errors([&] {
     const LayerShape layer = core_shape(shape);
     const reference::RankInputs rank = rank_inputs(inputs, layer.has_shared());
@@ -89,7 +90,8 @@ namespace mok::torch_bridge {
 
 namespace {
 [[noreturn]] void no_gpu_layer() {
-  throw CoreError("mok was built without CUDA (no nvcc at build time): the GPU layer is unavailable");
+  throw CoreError(
+      "mok was built without CUDA (no nvcc at build time): the GPU layer is unavailable");
 }
 }  // namespace
 

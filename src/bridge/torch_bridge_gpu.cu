@@ -15,11 +15,11 @@
 #include <tuple>
 #include <utility>
 
-#include "mok/torch_bridge.hpp"
+#include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "mok/torch_bridge.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_nccl_check.hpp"
-#include "mok/cuda_check.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
 
@@ -138,8 +138,8 @@ std::shared_ptr<Workspace> make_workspace(const WorkspaceSpec& spec, bool automa
   options.fused.minibatch_rows = spec.minibatch_rows;
   options.fused.ring_rows = spec.ring_rows;
   workspace->communicator = comm;
-  workspace->layer = std::make_unique<LayerForward>(comm, core_shape(spec.shape), spec.tokens_max,
-                                                    options);
+  workspace->layer =
+      std::make_unique<LayerForward>(comm, core_shape(spec.shape), spec.tokens_max, options);
   return workspace;
 }
 
@@ -153,8 +153,9 @@ int64_t next_power_of_two(int64_t value) {
 template <class Call>
 std::shared_ptr<Workspace> automatic_workspace(const Call& call) {
   const Shape& shape = call.local_shape;  // EP = 1: local experts are all the experts
-  const AutomaticKey key{call.device, shape.hidden, shape.intermediate, shape.shared_intermediate,
-                         shape.num_experts, shape.top_k};
+  const AutomaticKey key{call.device,        shape.hidden,
+                         shape.intermediate, shape.shared_intermediate,
+                         shape.num_experts,  shape.top_k};
   Registry& all = registry();
   std::lock_guard<std::mutex> lock(all.mutex);
   auto found = all.automatic.find(key);
@@ -182,8 +183,8 @@ std::shared_ptr<Workspace> find_workspace(int64_t handle) {
   Registry& all = registry();
   std::lock_guard<std::mutex> lock(all.mutex);
   auto found = all.by_handle.find(handle);
-  MOK_CHECK_ARG(found != all.by_handle.end(), "workspace",
-                "no workspace with handle ", handle, " (destroyed, or made in another process?)");
+  MOK_CHECK_ARG(found != all.by_handle.end(), "workspace", "no workspace with handle ", handle,
+                " (destroyed, or made in another process?)");
   return found->second;
 }
 
@@ -200,14 +201,14 @@ void check_call(const Workspace& workspace, const Call& call) {
   MOK_CHECK_ARG(given.intermediate == mine.intermediate, "w_down", "I = ", given.intermediate,
                 ", the workspace's layer has I = ", mine.intermediate);
   MOK_CHECK_ARG(given.shared_intermediate == mine.shared_intermediate, "w_shared_down",
-                "I_s = ", given.shared_intermediate, ", the workspace's layer has I_s = ",
-                mine.shared_intermediate);
+                "I_s = ", given.shared_intermediate,
+                ", the workspace's layer has I_s = ", mine.shared_intermediate);
   MOK_CHECK_ARG(given.top_k == mine.top_k, "topk_idx", "k = ", given.top_k,
                 ", the workspace's layer has k = ", mine.top_k);
   MOK_CHECK_ARG(given.num_experts * workspace.num_ranks == mine.num_experts, "w_gate_up",
-                given.num_experts, " local experts; the workspace's layer has E = ",
-                mine.num_experts, " over ", workspace.num_ranks, " ranks (",
-                mine.num_experts / workspace.num_ranks, " each)");
+                given.num_experts,
+                " local experts; the workspace's layer has E = ", mine.num_experts, " over ",
+                workspace.num_ranks, " ranks (", mine.num_experts / workspace.num_ranks, " each)");
   MOK_CHECK_ARG(call.num_tokens <= workspace.tokens_max, "x", call.num_tokens,
                 " tokens; the workspace holds at most ", workspace.tokens_max,
                 " per rank (max_tokens_per_rank)");
@@ -318,11 +319,11 @@ void backward(int64_t handle, const BackwardCall& call) {
       workspace->backward = std::make_unique<LayerBackward>(
           workspace->communicator, core_shape(workspace->shape), workspace->tokens_max, options);
     }
-    const DeviceLayerGradients grads{
-        call.grad_gate_up, call.grad_down, call.grad_shared_gate_up, call.grad_shared_down,
-        call.accumulate      ? gemm::WgradOutput::kAccumulateFp32
-        : call.bf16_gradients ? gemm::WgradOutput::kBf16
-                              : gemm::WgradOutput::kFp32};
+    const DeviceLayerGradients grads{call.grad_gate_up, call.grad_down, call.grad_shared_gate_up,
+                                     call.grad_shared_down,
+                                     call.accumulate       ? gemm::WgradOutput::kAccumulateFp32
+                                     : call.bf16_gradients ? gemm::WgradOutput::kBf16
+                                                           : gemm::WgradOutput::kFp32};
     workspace->backward->backward(
         device_weights(*workspace->layer, call.weights), static_cast<const bf16*>(call.x),
         call.topk_idx, call.topk_w, static_cast<const bf16*>(call.dy), static_cast<bf16*>(call.dx),

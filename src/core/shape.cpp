@@ -24,15 +24,16 @@ void LayerShape::validate(int64_t ep) const {
   MOK_CHECK_ARG(hidden > 0, "hidden", "must be positive, got ", hidden);
   MOK_CHECK_ARG(hidden % 8 == 0, "hidden", "must be a multiple of 8 (16-byte rows), got ", hidden);
   MOK_CHECK_ARG(intermediate > 0, "intermediate", "must be positive, got ", intermediate);
-  MOK_CHECK_ARG(intermediate % 8 == 0, "intermediate", "must be a multiple of 8, got ", intermediate);
+  MOK_CHECK_ARG(intermediate % 8 == 0, "intermediate", "must be a multiple of 8, got ",
+                intermediate);
   MOK_CHECK_ARG(shared_intermediate >= 0, "shared_intermediate", "must be >= 0, got ",
                 shared_intermediate);
-  MOK_CHECK_ARG(shared_intermediate % 8 == 0, "shared_intermediate", "must be a multiple of 8, got ",
-                shared_intermediate);
+  MOK_CHECK_ARG(shared_intermediate % 8 == 0, "shared_intermediate",
+                "must be a multiple of 8, got ", shared_intermediate);
   MOK_CHECK_ARG(num_experts > 0, "num_experts", "must be positive, got ", num_experts);
   MOK_CHECK_ARG(top_k > 0, "top_k", "must be positive, got ", top_k);
-  MOK_CHECK_ARG(top_k <= num_experts, "top_k", "k = ", top_k, " exceeds the number of experts E = ",
-                num_experts);
+  MOK_CHECK_ARG(top_k <= num_experts, "top_k", "k = ", top_k,
+                " exceeds the number of experts E = ", num_experts);
   MOK_CHECK_ARG(ep > 0, "ep", "must be positive, got ", ep);
   MOK_CHECK_ARG(num_experts % ep == 0, "ep", "E = ", num_experts, " experts do not divide over ",
                 ep, " ranks");
@@ -56,7 +57,8 @@ const Preset& find_preset(std::string_view name) {
 
 std::string format_shape(const std::vector<int64_t>& shape) {
   std::string text = "[";
-  for (size_t dim = 0; dim < shape.size(); ++dim) text += detail::concat(dim ? ", " : "", shape[dim]);
+  for (size_t dim = 0; dim < shape.size(); ++dim)
+    text += detail::concat(dim ? ", " : "", shape[dim]);
   return text + "]";
 }
 

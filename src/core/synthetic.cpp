@@ -10,7 +10,8 @@ namespace {
 // splitmix64: tiny, fast, and the same stream on every platform (no libm involved).
 class Generator {
  public:
-  Generator(uint64_t seed, uint64_t stream) : state_(seed * 0x9e3779b97f4a7c15ull + stream * 0xbf58476d1ce4e5b9ull + 1) {}
+  Generator(uint64_t seed, uint64_t stream)
+      : state_(seed * 0x9e3779b97f4a7c15ull + stream * 0xbf58476d1ce4e5b9ull + 1) {}
 
   uint64_t next() {
     uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
@@ -19,7 +20,9 @@ class Generator {
     return z ^ (z >> 31);
   }
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  int64_t below(int64_t bound) { return static_cast<int64_t>(uniform() * static_cast<double>(bound)); }
+  int64_t below(int64_t bound) {
+    return static_cast<int64_t>(uniform() * static_cast<double>(bound));
+  }
   // Irwin-Hall sum of four uniforms, scaled to unit variance: close to normal, arithmetic only.
   double normal() { return (uniform() + uniform() + uniform() + uniform() - 2.0) * std::sqrt(3.0); }
 
@@ -27,7 +30,18 @@ class Generator {
   uint64_t state_;
 };
 
-enum Stream : uint64_t { kX = 1, kDy, kIdx, kW, kGate, kUp, kDown, kSharedGate, kSharedUp, kSharedDown };
+enum Stream : uint64_t {
+  kX = 1,
+  kDy,
+  kIdx,
+  kW,
+  kGate,
+  kUp,
+  kDown,
+  kSharedGate,
+  kSharedUp,
+  kSharedDown
+};
 
 std::vector<bf16> normal_bf16(size_t count, double scale, uint64_t seed, Stream stream) {
   Generator generator(seed, stream);
@@ -65,8 +79,9 @@ Routing Routing::parse(std::string_view text) {
     const std::string value(text.substr(7));
     char* end = nullptr;
     routing.alpha = std::strtod(value.c_str(), &end);
-    MOK_CHECK_ARG(!value.empty() && end && *end == '\0' && routing.alpha >= 0 && routing.alpha <= 10,
-                  "routing", "skewed:ALPHA needs ALPHA in [0, 10], got '", value, "'");
+    MOK_CHECK_ARG(
+        !value.empty() && end && *end == '\0' && routing.alpha >= 0 && routing.alpha <= 10,
+        "routing", "skewed:ALPHA needs ALPHA in [0, 10], got '", value, "'");
     routing.kind = Kind::kSkewed;
     return routing;
   }
@@ -76,9 +91,12 @@ Routing Routing::parse(std::string_view text) {
 
 std::string Routing::name() const {
   switch (kind) {
-    case Kind::kUniform: return "uniform";
-    case Kind::kSkewed: return detail::concat("skewed:", alpha);
-    case Kind::kSingleExpert: return "single-expert";
+    case Kind::kUniform:
+      return "uniform";
+    case Kind::kSkewed:
+      return detail::concat("skewed:", alpha);
+    case Kind::kSingleExpert:
+      return "single-expert";
   }
   return "?";
 }
@@ -91,7 +109,8 @@ Problem Problem::generate(const SyntheticSpec& spec) {
   problem.shape = shape;
   problem.num_tokens = spec.num_tokens;
   const int64_t tokens = spec.num_tokens, hidden = shape.hidden, inter = shape.intermediate;
-  const int64_t experts = shape.num_experts, top_k = shape.top_k, shared = shape.shared_intermediate;
+  const int64_t experts = shape.num_experts, top_k = shape.top_k,
+                shared = shape.shared_intermediate;
 
   problem.x = normal_bf16(tokens * hidden, 1.0, spec.seed, kX);
   problem.dy = normal_bf16(tokens * hidden, 1.0, spec.seed, kDy);
@@ -99,11 +118,13 @@ Problem Problem::generate(const SyntheticSpec& spec) {
   const double in_scale = 1.0 / std::sqrt(static_cast<double>(hidden));
   problem.gate = normal_bf16(experts * inter * hidden, in_scale, spec.seed, kGate);
   problem.up = normal_bf16(experts * inter * hidden, in_scale, spec.seed, kUp);
-  problem.down = normal_bf16(experts * hidden * inter, 1.0 / std::sqrt(double(inter)), spec.seed, kDown);
+  problem.down =
+      normal_bf16(experts * hidden * inter, 1.0 / std::sqrt(double(inter)), spec.seed, kDown);
   if (shared > 0) {
     problem.shared_gate = normal_bf16(shared * hidden, in_scale, spec.seed, kSharedGate);
     problem.shared_up = normal_bf16(shared * hidden, in_scale, spec.seed, kSharedUp);
-    problem.shared_down = normal_bf16(hidden * shared, 1.0 / std::sqrt(double(shared)), spec.seed, kSharedDown);
+    problem.shared_down =
+        normal_bf16(hidden * shared, 1.0 / std::sqrt(double(shared)), spec.seed, kSharedDown);
   }
 
   problem.topk_idx.assign(tokens * top_k, -1);
@@ -123,7 +144,8 @@ Problem Problem::generate(const SyntheticSpec& spec) {
       draw_experts(route, expert_weights, top_k, row);
     }
     for (int64_t slot = 0; slot < top_k; ++slot) {
-      if (spec.unused_slot_fraction > 0 && route.uniform() < spec.unused_slot_fraction) row[slot] = -1;
+      if (spec.unused_slot_fraction > 0 && route.uniform() < spec.unused_slot_fraction)
+        row[slot] = -1;
     }
     // Router weights: a softmax over the used slots, or signed values when asked.
     float* weights = problem.topk_w.data() + token * top_k;
@@ -147,8 +169,10 @@ reference::RankInputs Problem::rank_inputs(int64_t rank, int64_t ep) const {
                 " ranks");
   MOK_CHECK_ARG(rank >= 0 && rank < ep, "rank", rank, " out of range [0, ", ep, ")");
   const int64_t tokens = num_tokens / ep, experts = shape.num_experts / ep;
-  const int64_t hidden = shape.hidden, inter = shape.intermediate, shared = shape.shared_intermediate;
-  const View<const bf16> all_x(x.data(), {num_tokens, hidden}), all_dy(dy.data(), {num_tokens, hidden});
+  const int64_t hidden = shape.hidden, inter = shape.intermediate,
+                shared = shape.shared_intermediate;
+  const View<const bf16> all_x(x.data(), {num_tokens, hidden}),
+      all_dy(dy.data(), {num_tokens, hidden});
   const View<const int32_t> all_idx(topk_idx.data(), {num_tokens, shape.top_k});
   const View<const float> all_w(topk_w.data(), {num_tokens, shape.top_k});
   const View<const bf16> all_gate(gate.data(), {shape.num_experts, inter, hidden});
@@ -202,7 +226,8 @@ ProblemOutputs ProblemOutputs::poisoned(const Problem& problem, int64_t ep) {
 std::vector<reference::RankOutputs> ProblemOutputs::rank_outputs(const Problem& problem) {
   const LayerShape& shape = problem.shape;
   const int64_t tokens = problem.num_tokens / ep, experts = shape.num_experts / ep;
-  const int64_t hidden = shape.hidden, inter = shape.intermediate, shared = shape.shared_intermediate;
+  const int64_t hidden = shape.hidden, inter = shape.intermediate,
+                shared = shape.shared_intermediate;
   std::vector<reference::RankOutputs> ranks(static_cast<size_t>(ep));
   for (int64_t rank = 0; rank < ep; ++rank) {
     reference::RankOutputs& out = ranks[rank];
@@ -210,13 +235,18 @@ std::vector<reference::RankOutputs> ProblemOutputs::rank_outputs(const Problem& 
     out.y = View<bf16>(y.data() + token0 * hidden, {tokens, hidden});
     out.dx = View<bf16>(dx.data() + token0 * hidden, {tokens, hidden});
     out.d_topk_w = View<float>(d_topk_w.data() + token0 * shape.top_k, {tokens, shape.top_k});
-    out.grads.gate = View<float>(grad_gate.data() + expert0 * inter * hidden, {experts, inter, hidden});
+    out.grads.gate =
+        View<float>(grad_gate.data() + expert0 * inter * hidden, {experts, inter, hidden});
     out.grads.up = View<float>(grad_up.data() + expert0 * inter * hidden, {experts, inter, hidden});
-    out.grads.down = View<float>(grad_down.data() + expert0 * hidden * inter, {experts, hidden, inter});
+    out.grads.down =
+        View<float>(grad_down.data() + expert0 * hidden * inter, {experts, hidden, inter});
     if (shared > 0) {
-      out.grads.shared_gate = View<float>(grad_shared_gate.data() + rank * shared * hidden, {shared, hidden});
-      out.grads.shared_up = View<float>(grad_shared_up.data() + rank * shared * hidden, {shared, hidden});
-      out.grads.shared_down = View<float>(grad_shared_down.data() + rank * hidden * shared, {hidden, shared});
+      out.grads.shared_gate =
+          View<float>(grad_shared_gate.data() + rank * shared * hidden, {shared, hidden});
+      out.grads.shared_up =
+          View<float>(grad_shared_up.data() + rank * shared * hidden, {shared, hidden});
+      out.grads.shared_down =
+          View<float>(grad_shared_down.data() + rank * hidden * shared, {hidden, shared});
     }
   }
   return ranks;
@@ -231,7 +261,8 @@ uint64_t checksum(const ProblemOutputs& outputs) {
   mix(outputs.y.data(), outputs.y.size() * sizeof(bf16));
   mix(outputs.dx.data(), outputs.dx.size() * sizeof(bf16));
   mix(outputs.d_topk_w.data(), outputs.d_topk_w.size() * sizeof(float));
-  for (const std::vector<float>* grad : {&outputs.grad_gate, &outputs.grad_up, &outputs.grad_down}) {
+  for (const std::vector<float>* grad :
+       {&outputs.grad_gate, &outputs.grad_up, &outputs.grad_down}) {
     mix(grad->data(), grad->size() * sizeof(float));
   }
   return hash;

@@ -40,7 +40,8 @@ void validate_tokens(const LayerShape& shape, const TokenBatch& tokens) {
   MOK_CHECK_ARG(tokens.x.shape.size() == 2, "x", "expected a 2-D tensor (T, H), got shape ",
                 format_shape(tokens.x.shape));
   const int64_t num_tokens = tokens.x.shape[0];
-  MOK_CHECK_ARG(num_tokens > 0, "x", "T = ", num_tokens, " tokens; a layer call needs at least one");
+  MOK_CHECK_ARG(num_tokens > 0, "x", "T = ", num_tokens,
+                " tokens; a layer call needs at least one");
   check_shape(tokens.x, "x", {num_tokens, shape.hidden});
   check_shape(tokens.topk_idx, "topk_idx", {num_tokens, shape.top_k});
   check_shape(tokens.topk_w, "topk_w", {num_tokens, shape.top_k});

@@ -36,7 +36,7 @@ template <class Real>
 struct GradTargets {
   Real* gate = nullptr;  // (E_local, I, H)
   Real* up = nullptr;
-  Real* down = nullptr;  // (E_local, H, I)
+  Real* down = nullptr;         // (E_local, H, I)
   Real* shared_gate = nullptr;  // (I_s, H)
   Real* shared_up = nullptr;
   Real* shared_down = nullptr;  // (H, I_s)

@@ -15,9 +15,8 @@ int resolve_num_threads(int requested) {
   return hardware > 0 ? static_cast<int>(hardware) : 1;
 }
 
-void parallel_for(int64_t num_items, int num_threads,
-                  const std::function<void(int64_t, int)>& body, std::string_view phase,
-                  const ProgressFn& progress) {
+void parallel_for(int64_t num_items, int num_threads, const std::function<void(int64_t, int)>& body,
+                  std::string_view phase, const ProgressFn& progress) {
   if (num_items <= 0) return;
   num_threads = static_cast<int>(std::min<int64_t>(resolve_num_threads(num_threads), num_items));
   std::atomic<int64_t> next_item{0};

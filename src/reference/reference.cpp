@@ -21,13 +21,13 @@ void validate_inputs(const LayerShape& shape, std::span<const RankInputs> ranks,
 }
 
 void check_output_count(std::span<const RankInputs> ranks, std::span<const RankOutputs> outputs) {
-  MOK_CHECK_ARG(outputs.size() == ranks.size(), "outputs", outputs.size(),
-                " output sets for ", ranks.size(), " ranks");
+  MOK_CHECK_ARG(outputs.size() == ranks.size(), "outputs", outputs.size(), " output sets for ",
+                ranks.size(), " ranks");
 }
 
 template <class Real>
 GradTargets<Real> targets_of(const WeightGrads& grads) {
-  return {grads.gate.data, grads.up.data, grads.down.data,
+  return {grads.gate.data,        grads.up.data,        grads.down.data,
           grads.shared_gate.data, grads.shared_up.data, grads.shared_down.data};
 }
 
@@ -77,7 +77,8 @@ void backward(const LayerShape& shape, std::span<const RankInputs> ranks,
   for (size_t rank = 0; rank < ranks.size(); ++rank) {
     std::transform(results[rank].dx.begin(), results[rank].dx.end(), outputs[rank].dx.data,
                    [](float value) { return bf16(value); });
-    std::copy(results[rank].d_topk_w.begin(), results[rank].d_topk_w.end(), outputs[rank].d_topk_w.data);
+    std::copy(results[rank].d_topk_w.begin(), results[rank].d_topk_w.end(),
+              outputs[rank].d_topk_w.data);
   }
 }
 

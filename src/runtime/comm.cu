@@ -5,9 +5,9 @@
 #include <mutex>
 #include <thread>
 
+#include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "runtime/comm_nccl_check.hpp"
-#include "mok/cuda_check.hpp"
 
 namespace mok {
 

@@ -5,9 +5,9 @@
 #include "kernels/comm/combine.cuh"
 #include "kernels/comm/dispatch.cuh"
 #include "kernels/comm/token_schedule.cuh"
+#include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "runtime/comm_ops.hpp"
-#include "mok/cuda_check.hpp"
 
 namespace mok {
 
@@ -32,13 +32,15 @@ __global__ void __launch_bounds__(comm::kOrderThreads, 1)
 }
 
 template <comm::CopyMethod kMethod, comm::DispatchTensor kTensor>
-__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1) dispatch_kernel(comm::WorkspaceView view) {
+__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
+    dispatch_kernel(comm::WorkspaceView view) {
   extern __shared__ __align__(128) char shared_stages[];
   comm::dispatch_pull<kMethod>(view, shared_stages, kTensor);
 }
 
 template <comm::CopyMethod kMethod>
-__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1) combine_push_kernel(comm::WorkspaceView view) {
+__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
+    combine_push_kernel(comm::WorkspaceView view) {
   extern __shared__ __align__(128) char shared_stages[];
   comm::combine_push<kMethod>(view, shared_stages);
 }
@@ -67,7 +69,8 @@ int resolve_ctas(const CommWorkspace& ws, const CopyConfig& config) {
 
 // Launches the copy kernel of the chosen method with its shared-memory stages.
 void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
-                 void (*vector_kernel)(comm::WorkspaceView), void (*bulk_kernel)(comm::WorkspaceView)) {
+                 void (*vector_kernel)(comm::WorkspaceView),
+                 void (*bulk_kernel)(comm::WorkspaceView)) {
   const int num_ctas = resolve_ctas(ws, config);
   if (config.method == comm::CopyMethod::kBulk) {
     const int shared_bytes = static_cast<int>(comm::bulk_shared_bytes(ws.layout().row_bytes()));
@@ -75,7 +78,8 @@ void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t
                                         shared_bytes));
     bulk_kernel<<<num_ctas, comm::kBulkThreads, shared_bytes, stream>>>(ws.view());
   } else {
-    MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
+    MOK_CHECK_ARG(config.threads_per_cta >= 32 &&
+                      config.threads_per_cta <= comm::kVectorMaxThreads &&
                       config.threads_per_cta % 32 == 0,
                   "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
                   "], got ", config.threads_per_cta);
@@ -89,7 +93,8 @@ void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t
 void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStream_t stream) {
   check_num_tokens(ws, num_tokens);
   MOK_CHECK_ARG(num_tokens == 0 || x != nullptr, "x", "null pointer for ", num_tokens, " tokens");
-  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.x(), x, static_cast<size_t>(num_tokens * ws.layout().row_bytes()),
+  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.x(), x,
+                                 static_cast<size_t>(num_tokens * ws.layout().row_bytes()),
                                  cudaMemcpyDeviceToDevice, stream));
 }
 
@@ -115,16 +120,17 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
       static_cast<int>(std::clamp<int64_t>(ceil_div(all_ids, kCountThreads * 8), 1, ws.num_sms()));
   count_rows_kernel<<<count_ctas, kCountThreads, 0, stream>>>(ws.view());
   MOK_CUDA_CHECK_LAUNCH();
-  order_rows_kernel<<<static_cast<int>(layout.experts_per_rank()), comm::kOrderThreads, 0, stream>>>(
-      ws.view());
+  order_rows_kernel<<<static_cast<int>(layout.experts_per_rank()), comm::kOrderThreads, 0,
+                      stream>>>(ws.view());
   MOK_CUDA_CHECK_LAUNCH();
 }
 
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
               comm::DispatchTensor tensor) {
   MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace",
-                "the standalone dispatch needs expert_x for every row (", ws.layout().rows_capacity(),
-                "), this one has ", ws.layout().expert_rows, " (a fused forward's ring)");
+                "the standalone dispatch needs expert_x for every row (",
+                ws.layout().rows_capacity(), "), this one has ", ws.layout().expert_rows,
+                " (a fused forward's ring)");
   if (tensor == comm::DispatchTensor::kDy) {
     MOK_CHECK_ARG(ws.layout().backward, "workspace",
                   "dispatching dy needs a workspace with the backward's regions");
@@ -143,7 +149,7 @@ void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stre
                 "the standalone combine push needs expert_y; this workspace (a fused forward's) "
                 "has none");
   launch_copy(ws, config, stream, combine_push_kernel<comm::CopyMethod::kVector>,
-                      combine_push_kernel<comm::CopyMethod::kBulk>);
+              combine_push_kernel<comm::CopyMethod::kBulk>);
 }
 
 void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_output, bf16* y,
@@ -160,12 +166,12 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
   // part-full (76 registers a thread: 3 CTAs of 256 per SM).
   static const int resident_per_sm = [] {  // the same for every device mok runs on (sm_90)
     int resident = 0;
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, combine_reduce_kernel, comm::kReduceThreads, 0));
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, combine_reduce_kernel,
+                                                                 comm::kReduceThreads, 0));
     return std::max(resident, 1);
   }();
-  const int ctas = static_cast<int>(std::clamp<int64_t>(
-      ceil_div(items, comm::kReduceThreads), 1, int64_t{ws.num_sms()} * resident_per_sm));
+  const int ctas = static_cast<int>(std::clamp<int64_t>(ceil_div(items, comm::kReduceThreads), 1,
+                                                        int64_t{ws.num_sms()} * resident_per_sm));
   combine_reduce_kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(
       ws.view(), topk_w, shared_output, reinterpret_cast<__nv_bfloat16*>(y),
       static_cast<int32_t>(num_tokens));

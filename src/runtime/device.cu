@@ -14,9 +14,9 @@ GpuSummary query_gpus() {
     (void)cudaGetLastError();  // clear the sticky "no device" error
     summary.description =
         status == cudaSuccess || status == cudaErrorNoDevice ? "no CUDA device visible"
-        : status == cudaErrorInsufficientDriver              ? "no CUDA driver on this machine"
-                                                             : detail::concat("no usable CUDA device (",
-                                                                              cudaGetErrorString(status), ")");
+        : status == cudaErrorInsufficientDriver
+            ? "no CUDA driver on this machine"
+            : detail::concat("no usable CUDA device (", cudaGetErrorString(status), ")");
     return summary;
   }
   summary.num_gpus = count;
@@ -26,10 +26,11 @@ GpuSummary query_gpus() {
     if (properties.major == 9) ++summary.num_hopper_gpus;
   }
   cudaGetDeviceProperties(&properties, 0);
-  summary.description = detail::concat(count, " x ", properties.name, " (sm_", properties.major,
-                                       properties.minor, ", ", properties.multiProcessorCount,
-                                       " SMs)");
-  if (summary.num_hopper_gpus == 0) summary.description += "; mok's kernels need a Hopper GPU (sm_90)";
+  summary.description =
+      detail::concat(count, " x ", properties.name, " (sm_", properties.major, properties.minor,
+                     ", ", properties.multiProcessorCount, " SMs)");
+  if (summary.num_hopper_gpus == 0)
+    summary.description += "; mok's kernels need a Hopper GPU (sm_90)";
   return summary;
 }
 

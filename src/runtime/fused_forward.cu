@@ -4,20 +4,19 @@
 #include <algorithm>
 
 #include "kernels/megakernel/forward_kernel.cuh"
-#include "mok/error.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 #include "runtime/l2_partitions.hpp"
 
 namespace mok {
 
-int fused_forward_shared_bytes() {
-  return static_cast<int>(megakernel::kSharedBytes);
-}
+int fused_forward_shared_bytes() { return static_cast<int>(megakernel::kSharedBytes); }
 
 RingBlocks ring_config(const comm::WorkspaceLayout& layout, int minibatch_mblocks) {
   constexpr int64_t kRows = gemm::TileConfig::BLOCK_M;
-  MOK_CHECK_ARG(minibatch_mblocks >= 1, "minibatch_mblocks", "must be >= 1, got ", minibatch_mblocks);
+  MOK_CHECK_ARG(minibatch_mblocks >= 1, "minibatch_mblocks", "must be >= 1, got ",
+                minibatch_mblocks);
   if (layout.expert_rows >= layout.rows_capacity()) {
     return {minibatch_mblocks, static_cast<int>(gemm::ceil_div(layout.rows_capacity(), kRows))};
   }
@@ -31,8 +30,8 @@ RingBlocks ring_config(const comm::WorkspaceLayout& layout, int minibatch_mblock
 void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwardBuffers& buffers,
                    const bf16* x, const int32_t* topk_idx, int64_t num_tokens,
                    const FusedForwardConfig& config, cudaStream_t stream) {
-  using megakernel::TaskKind;
   using gemm::TileConfig;
+  using megakernel::TaskKind;
   const comm::WorkspaceLayout& layout = ws.layout();
   MOK_CHECK_ARG(layout.block_m == TileConfig::BLOCK_M, "workspace.block_m",
                 "the fused forward needs row blocks of ", TileConfig::BLOCK_M, ", got ",
@@ -47,14 +46,15 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
                 ring.minibatch_mblocks, " and ", ring.ring_mblocks, ")");
   MOK_CHECK_ARG(config.schedule_ctas >= std::max(config.comm_ctas, 1) &&
                     config.schedule_ctas <= config.num_ctas,
-                "schedule_ctas", "must be in [max(comm_ctas, 1) = ", std::max(config.comm_ctas, 1), ", ",
-                config.num_ctas, "], got ", config.schedule_ctas);
+                "schedule_ctas", "must be in [max(comm_ctas, 1) = ", std::max(config.comm_ctas, 1),
+                ", ", config.num_ctas, "], got ", config.schedule_ctas);
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr), "forward",
                 "null x or topk_idx for ", num_tokens, " tokens");
   MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(x) % 16 == 0, "x", "must be 16-byte aligned");
   MOK_CHECK_ARG((layout.experts_per_rank() * (1 + megakernel::kThreads / 32) + 1) * 4 <=
                     fused_forward_shared_bytes(),
-                "num_experts", layout.experts_per_rank(), " local experts: their offsets and row "
+                "num_experts", layout.experts_per_rank(),
+                " local experts: their offsets and row "
                 "counters exceed the shared memory the schedule has");
   const bool has_shared = shape.has_shared() && num_tokens > 0;
   const uint64_t experts = static_cast<uint64_t>(layout.experts_per_rank());
@@ -77,8 +77,8 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   // row only), so the A maps of the intermediates span their buffers' capacity.
   set(TaskKind::kGateUp,
       gemm::make_tensor_map_2d(ws.expert_x(), rows, hidden, TileConfig::BLOCK_M, "expert_x"),
-      gemm::make_tensor_map_3d(buffers.gate_up, experts, 2 * inter, hidden, TileConfig::BLOCK_N,
-                               64, "gate_up"),
+      gemm::make_tensor_map_3d(buffers.gate_up, experts, 2 * inter, hidden, TileConfig::BLOCK_N, 64,
+                               "gate_up"),
       static_cast<int>(2 * inter), static_cast<int>(hidden), buffers.routed_hidden);
   maps.a_tail[static_cast<int>(TaskKind::kGateUp)] = gemm::make_tensor_map_2d(
       ws.expert_x(), rows, hidden, megakernel::kCarriedTailRows, "expert_x");
@@ -93,8 +93,8 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
       static_cast<int>(hidden), static_cast<int>(inter), ws.expert_y());
   if (has_shared) {
     set(TaskKind::kSharedGateUp,
-        gemm::make_tensor_map_2d(x, static_cast<uint64_t>(num_tokens), hidden,
-                                 TileConfig::BLOCK_M, "x"),
+        gemm::make_tensor_map_2d(x, static_cast<uint64_t>(num_tokens), hidden, TileConfig::BLOCK_M,
+                                 "x"),
         gemm::make_tensor_map_3d(buffers.shared_gate_up, 1, 2 * shared_inter, hidden,
                                  TileConfig::BLOCK_N, 64, "shared_gate_up"),
         static_cast<int>(2 * shared_inter), static_cast<int>(hidden), buffers.shared_hidden);

@@ -26,13 +26,14 @@ struct FusedForwardBuffers {
 };
 
 struct FusedForwardConfig {
-  int num_ctas = 0;       // the persistent grid: one CTA per SM
+  int num_ctas = 0;  // the persistent grid: one CTA per SM
   // Of which dispatch first, then compute (< num_ctas); 0: none, three warps of every CTA's
   // producer warpgroup dispatch beside its tiles instead.
   int comm_ctas = 0;
   int minibatch_mblocks = 0;  // minibatch, in row blocks of 128 (>= 1)
   // Row blocks of the ring (expert_x and routed_hidden): >= ceil(rows_capacity / 128) for one
-  // round, else a multiple of minibatch_mblocks >= 2 minibatch_mblocks within expert_rows (ring_config()).
+  // round, else a multiple of minibatch_mblocks >= 2 minibatch_mblocks within expert_rows
+  // (ring_config()).
   int ring_mblocks = 0;
   // The kernel makes the schedule itself (after begin_call), else stage_tokens and schedule ran
   // before it.

@@ -8,8 +8,8 @@
 
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "kernels/gemm/pingpong_gemm_kernel.cuh"
-#include "mok/error.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
 namespace mok::gemm {
@@ -39,9 +39,12 @@ int device_sm_count() {
 int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
                 int reduction_length) {
   switch (options.engine) {
-    case GemmEngine::kCooperative: return 0;
-    case GemmEngine::kPingpong: return 128;
-    case GemmEngine::kAuto: break;
+    case GemmEngine::kCooperative:
+      return 0;
+    case GemmEngine::kPingpong:
+      return 128;
+    case GemmEngine::kAuto:
+      break;
   }
   // Plain bf16 forward GEMMs with short K: ping-pong measured ahead on qwen3-30b down (K = 768)
   // and qwen3-235b down (K = 1536) in the runs of a0aa876 and 7574ade; at K = 2048 the two trade
@@ -79,12 +82,11 @@ void check_shape(const GroupedShape& shape, const int* expert_offsets) {
                 shape.num_experts);
   MOK_CHECK_ARG(shape.capacity_rows >= 1, "shape.capacity_rows", "must be >= 1, got ",
                 shape.capacity_rows);
-  MOK_CHECK_ARG(shape.n > 0 && shape.n % 8 == 0, "shape.n", "must be a positive multiple of 8, got ",
-                shape.n);
-  MOK_CHECK_ARG(shape.k > 0 && shape.k % 8 == 0, "shape.k", "must be a positive multiple of 8, got ",
-                shape.k);
-  MOK_CHECK_ARG(expert_offsets != nullptr || shape.num_experts == 0, "expert_offsets",
-                "is null");
+  MOK_CHECK_ARG(shape.n > 0 && shape.n % 8 == 0, "shape.n",
+                "must be a positive multiple of 8, got ", shape.n);
+  MOK_CHECK_ARG(shape.k > 0 && shape.k % 8 == 0, "shape.k",
+                "must be a positive multiple of 8, got ", shape.k);
+  MOK_CHECK_ARG(expert_offsets != nullptr || shape.num_experts == 0, "expert_offsets", "is null");
 }
 
 // Outputs are written 16 bytes at a time (bf16 rows by warp stores, fp32 pairs): the base must be
@@ -126,9 +128,12 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGem
 
 EpilogueKind forward_epilogue(ForwardOutput output) {
   switch (output) {
-    case ForwardOutput::kSwiGluBf16: return EpilogueKind::kSwiGluBf16;
-    case ForwardOutput::kFp32: return EpilogueKind::kStoreFp32;
-    case ForwardOutput::kBf16: break;
+    case ForwardOutput::kSwiGluBf16:
+      return EpilogueKind::kSwiGluBf16;
+    case ForwardOutput::kFp32:
+      return EpilogueKind::kStoreFp32;
+    case ForwardOutput::kBf16:
+      break;
   }
   return EpilogueKind::kStoreBf16;
 }
@@ -136,8 +141,8 @@ EpilogueKind forward_epilogue(ForwardOutput output) {
 }  // namespace
 
 void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
-                     const int* expert_offsets, void* y, ForwardOutput output,
-                     cudaStream_t stream, const LaunchOptions& options) {
+                     const int* expert_offsets, void* y, ForwardOutput output, cudaStream_t stream,
+                     const LaunchOptions& options) {
   check_shape(shape, expert_offsets);
   MOK_CHECK_ARG(output != ForwardOutput::kSwiGluBf16 || shape.n % 16 == 0, "shape.n",
                 "SwiGLU needs gate/up blocks of 8: n must be a multiple of 16, got ", shape.n);
@@ -146,12 +151,12 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
   const LaunchConfig config = pick_config(
       options, pick_engine(options, GemmKind::kForward, forward_epilogue(output), shape.k),
       unknown_tiles);
-  const CUtensorMap map_a = make_tensor_map_2d(x, shape.capacity_rows, shape.k,
-                                               config.block_m(), "x");
-  const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
-                                               config.block_n(), 64, "w");
-  const GroupedGemmParams params{expert_offsets, shape.num_experts, 0,      shape.n,
-                                 shape.k,        y,                  shape.expert_counts};
+  const CUtensorMap map_a =
+      make_tensor_map_2d(x, shape.capacity_rows, shape.k, config.block_m(), "x");
+  const CUtensorMap map_b =
+      make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k, config.block_n(), 64, "w");
+  const GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.n, shape.k, y,
+                                 shape.expert_counts};
   switch (output) {
     case ForwardOutput::kBf16:
       launch<GemmKind::kForward, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
@@ -180,12 +185,12 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
       output == DgradOutput::kFp32 ? EpilogueKind::kStoreFp32 : EpilogueKind::kStoreBf16;
   const LaunchConfig config = pick_config(
       options, pick_engine(options, GemmKind::kDgrad, epilogue, shape.n), unknown_tiles);
-  const CUtensorMap map_a = make_tensor_map_2d(dy, shape.capacity_rows, shape.n,
-                                               config.block_m(), "dy");
+  const CUtensorMap map_a =
+      make_tensor_map_2d(dy, shape.capacity_rows, shape.n, config.block_m(), "dy");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
                                                TileConfig::BLOCK_K, TileConfig::kPanel, "w");
-  const GroupedGemmParams params{expert_offsets, shape.num_experts, 0,      shape.k,
-                                 shape.n,        dx,                 shape.expert_counts};
+  const GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.k, shape.n, dx,
+                                 shape.expert_counts};
   if (output == DgradOutput::kFp32) {
     launch<GemmKind::kDgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);
   } else {
@@ -200,12 +205,11 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
   if (shape.num_experts == 0) return;
   check_output(dw, "dw");
   // C[n, k] = dYᵀ[n, rows] · X[rows, k]: both operands are read rows-of-the-expert by 64 columns.
-  const CUtensorMap map_a = make_tensor_map_2d(dy, shape.capacity_rows, shape.n,
-                                               TileConfig::BLOCK_K, "dy");
-  const CUtensorMap map_b = make_tensor_map_2d(x, shape.capacity_rows, shape.k,
-                                               TileConfig::BLOCK_K, "x");
-  const GroupedGemmParams params{expert_offsets, shape.num_experts, shape.n,
-                                 shape.k,        0,                  dw,
+  const CUtensorMap map_a =
+      make_tensor_map_2d(dy, shape.capacity_rows, shape.n, TileConfig::BLOCK_K, "dy");
+  const CUtensorMap map_b =
+      make_tensor_map_2d(x, shape.capacity_rows, shape.k, TileConfig::BLOCK_K, "x");
+  const GroupedGemmParams params{expert_offsets,     shape.num_experts, shape.n, shape.k, 0, dw,
                                  shape.expert_counts};
   const EpilogueKind epilogue = output == WgradOutput::kFp32   ? EpilogueKind::kStoreFp32
                                 : output == WgradOutput::kBf16 ? EpilogueKind::kStoreBf16
@@ -229,8 +233,7 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
       break;
     }
     case WgradOutput::kAccumulateFp32:
-      launch<GemmKind::kWgrad, EpilogueKind::kAccumulateFp32>(map_a, map_b, params, config,
-                                                             stream);
+      launch<GemmKind::kWgrad, EpilogueKind::kAccumulateFp32>(map_a, map_b, params, config, stream);
       break;
   }
 }

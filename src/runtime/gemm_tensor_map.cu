@@ -4,8 +4,8 @@
 
 #include <cuda_runtime.h>
 
-#include "mok/error.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
 
 namespace mok::gemm {
 namespace {
@@ -31,8 +31,8 @@ EncodeTiled encode_tiled() {
 
 CUtensorMap encode(const void* base, cuuint32_t rank, const cuuint64_t* dims,
                    const cuuint64_t* strides, const cuuint32_t* box, const char* argument) {
-  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % 16 == 0, argument,
-                "address ", base, " is not 16-byte aligned");
+  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(base) % 16 == 0, argument, "address ", base,
+                " is not 16-byte aligned");
   const cuuint32_t element_strides[3] = {1, 1, 1};
   CUtensorMap map;
   const CUresult status = encode_tiled()(
@@ -46,8 +46,8 @@ CUtensorMap encode(const void* base, cuuint32_t rank, const cuuint64_t* dims,
 
 }  // namespace
 
-CUtensorMap make_tensor_map_2d(const void* base, uint64_t rows, uint64_t columns,
-                               uint32_t box_rows, const char* argument) {
+CUtensorMap make_tensor_map_2d(const void* base, uint64_t rows, uint64_t columns, uint32_t box_rows,
+                               const char* argument) {
   MOK_CHECK_ARG(columns % 8 == 0, argument, "row length ", columns,
                 " must be a multiple of 8 elements (16-byte rows for TMA)");
   const cuuint64_t dims[2] = {columns, rows};

@@ -10,8 +10,8 @@
 namespace mok::gemm {
 
 // A [rows, columns] row-major bf16 matrix, box (box_rows, 64 columns).
-CUtensorMap make_tensor_map_2d(const void* base, uint64_t rows, uint64_t columns,
-                               uint32_t box_rows, const char* argument);
+CUtensorMap make_tensor_map_2d(const void* base, uint64_t rows, uint64_t columns, uint32_t box_rows,
+                               const char* argument);
 
 // A [batch, rows, columns] row-major bf16 tensor, box (1, box_rows, box_columns).
 CUtensorMap make_tensor_map_3d(const void* base, uint64_t batch, uint64_t rows, uint64_t columns,

@@ -140,8 +140,8 @@ bool probe_once(int num_sms, std::vector<int>* sm_ids, std::vector<double>* late
   std::vector<uint32_t> host_cycles(num_sms);
   MOK_CUDA_CHECK(cudaMemcpy(host_ints.data(), ints.as<int>(), host_ints.size() * sizeof(int),
                             cudaMemcpyDeviceToHost));
-  MOK_CUDA_CHECK(cudaMemcpy(host_cycles.data(), cycles.as<uint32_t>(),
-                            num_sms * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(cudaMemcpy(host_cycles.data(), cycles.as<uint32_t>(), num_sms * sizeof(uint32_t),
+                            cudaMemcpyDeviceToHost));
   if (host_ints[num_sms + 2] != 0) return false;
   sm_ids->assign(host_ints.begin(), host_ints.begin() + num_sms);
   latency->assign(num_sms, 0.0);

@@ -10,8 +10,8 @@
 
 #include "kernels/comm/flags.cuh"
 #include "kernels/megakernel/swiglu_backward.cuh"
-#include "mok/error.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
 
 namespace mok {
 namespace {
@@ -91,8 +91,8 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   const int64_t num_slots = tokens_max * shape.top_k;
   ones_ = device_alloc<float>(num_slots);
   MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
-  fill_kernel<<<static_cast<unsigned>(std::clamp<int64_t>((num_slots + 255) / 256, 1, 1024)), 256>>>(
-      ones_, num_slots, 1.0f);
+  fill_kernel<<<static_cast<unsigned>(std::clamp<int64_t>((num_slots + 255) / 256, 1, 1024)),
+                256>>>(ones_, num_slots, 1.0f);
   MOK_CUDA_CHECK_LAUNCH();
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   if (shape.has_shared()) {
@@ -110,13 +110,12 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
 }
 
 LayerBackward::~LayerBackward() {
-  for (void* memory :
-       {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
-        static_cast<void*>(d_gate_up_), static_cast<void*>(weighted_hidden_),
-        static_cast<void*>(ones_), static_cast<void*>(shared_gate_up_),
-        static_cast<void*>(shared_grad_hidden_), static_cast<void*>(shared_d_gate_up_),
-        static_cast<void*>(shared_hidden_), static_cast<void*>(shared_dx_),
-        static_cast<void*>(shared_offsets_)}) {
+  for (void* memory : {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
+                       static_cast<void*>(d_gate_up_), static_cast<void*>(weighted_hidden_),
+                       static_cast<void*>(ones_), static_cast<void*>(shared_gate_up_),
+                       static_cast<void*>(shared_grad_hidden_),
+                       static_cast<void*>(shared_d_gate_up_), static_cast<void*>(shared_hidden_),
+                       static_cast<void*>(shared_dx_), static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
   if (fork_ != nullptr) cudaEventDestroy(fork_);
@@ -145,8 +144,8 @@ int64_t LayerBackward::buffer_bytes() const {
 }
 
 void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
-                                      const bf16* dy, const DeviceLayerGradients& grads,
-                                      int tokens, cudaStream_t stream,
+                                      const bf16* dy, const DeviceLayerGradients& grads, int tokens,
+                                      cudaStream_t stream,
                                       const gemm::LaunchOptions& gemm_options) {
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.shared_intermediate);
@@ -158,14 +157,15 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
   // g = dy · W_sd: (T, H) -> (T, I_s) fp32.
   gemm::grouped_dgrad({1, tokens, hidden, inter}, dy, weights.shared_down, shared_offsets_,
                       shared_grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
-  const megakernel::SwiGluBackwardRows rows{shared_gate_up_, shared_grad_hidden_,
-                                      reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
-                                      reinterpret_cast<__nv_bfloat16*>(shared_hidden_), inter};
+  const megakernel::SwiGluBackwardRows rows{
+      shared_gate_up_, shared_grad_hidden_, reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
+      reinterpret_cast<__nv_bfloat16*>(shared_hidden_), inter};
   const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
   const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
   const int ctas = static_cast<int>(
       std::clamp<int64_t>((tokens + warps_per_cta - 1) / warps_per_cta, 1, int64_t{sms} * 8));
-  swiglu_backward_shared_kernel<<<ctas, megakernel::kSwiGluBackwardThreads, 0, stream>>>(rows, tokens);
+  swiglu_backward_shared_kernel<<<ctas, megakernel::kSwiGluBackwardThreads, 0, stream>>>(rows,
+                                                                                         tokens);
   MOK_CUDA_CHECK_LAUNCH();
   // dx_shared = d_gate_up · W_sgu: (T, 2I_s) -> (T, H) fp32, added by the combine's reduce.
   gemm::grouped_dgrad({1, tokens, 2 * inter, hidden}, shared_d_gate_up_, weights.shared_gate_up,
@@ -198,10 +198,9 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
   mark();
-  const megakernel::SwiGluBackwardRows swiglu_rows{gate_up_, grad_hidden_,
-                                             reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
-                                             reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
-                                             inter};
+  const megakernel::SwiGluBackwardRows swiglu_rows{
+      gate_up_, grad_hidden_, reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
+      reinterpret_cast<__nv_bfloat16*>(weighted_hidden_), inter};
   swiglu_backward_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
       workspace_.view(), swiglu_rows);
   MOK_CUDA_CHECK_LAUNCH();
@@ -217,16 +216,15 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   gemm::grouped_wgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(),
                       weighted_hidden_, offsets, grads.down, grads.output, stream, gemm_options);
   mark();
-  gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_,
-                      workspace_.expert_x(), offsets, grads.gate_up, grads.output, stream, gemm_options);
+  gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_, workspace_.expert_x(),
+                      offsets, grads.gate_up, grads.output, stream, gemm_options);
   mark();
 }
 
 void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
-                             const int32_t* topk_idx, const float* topk_w, const bf16* dy,
-                             bf16* dx, float* d_topk_w, const DeviceLayerGradients& grads,
-                             int64_t num_tokens, cudaStream_t stream,
-                             const cudaEvent_t* phase_events) {
+                             const int32_t* topk_idx, const float* topk_w, const bf16* dy, bf16* dx,
+                             float* d_topk_w, const DeviceLayerGradients& grads, int64_t num_tokens,
+                             cudaStream_t stream, const cudaEvent_t* phase_events) {
   MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
                 " out of range [0, ", tokens_max_, "]");
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
@@ -302,17 +300,28 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
 
 const char* phase_name(BackwardPhase phase) {
   switch (phase) {
-    case BackwardPhase::kSchedule: return "schedule";
-    case BackwardPhase::kSharedExpert: return "shared-expert";
-    case BackwardPhase::kDispatch: return "dispatch";
-    case BackwardPhase::kGateUp: return "gate-up";
-    case BackwardPhase::kDownDgrad: return "down-dgrad";
-    case BackwardPhase::kSwiGluBackward: return "swiglu-backward";
-    case BackwardPhase::kGateUpDgrad: return "gate-up-dgrad";
-    case BackwardPhase::kCombinePush: return "combine-push";
-    case BackwardPhase::kWgradDown: return "wgrad-down";
-    case BackwardPhase::kWgradGateUp: return "wgrad-gate-up";
-    case BackwardPhase::kCombineReduce: return "combine-reduce";
+    case BackwardPhase::kSchedule:
+      return "schedule";
+    case BackwardPhase::kSharedExpert:
+      return "shared-expert";
+    case BackwardPhase::kDispatch:
+      return "dispatch";
+    case BackwardPhase::kGateUp:
+      return "gate-up";
+    case BackwardPhase::kDownDgrad:
+      return "down-dgrad";
+    case BackwardPhase::kSwiGluBackward:
+      return "swiglu-backward";
+    case BackwardPhase::kGateUpDgrad:
+      return "gate-up-dgrad";
+    case BackwardPhase::kCombinePush:
+      return "combine-push";
+    case BackwardPhase::kWgradDown:
+      return "wgrad-down";
+    case BackwardPhase::kWgradGateUp:
+      return "wgrad-gate-up";
+    case BackwardPhase::kCombineReduce:
+      return "combine-reduce";
   }
   return "?";
 }

@@ -1,8 +1,8 @@
 // The GPU backward of one MoE layer on one expert-parallel rank, composed from the tested engines
 // (the communication steps of comm_ops.hpp, the grouped GEMMs of mok/gemm.hpp) and one SwiGLU
 // backward kernel (kernels/megakernel/swiglu_backward.cuh). Recompute mode: the context is the
-// forward's inputs (x, topk_idx, topk_w) alone, and the routed and shared gate/up activations are computed
-// again here.
+// forward's inputs (x, topk_idx, topk_w) alone, and the routed and shared gate/up activations are
+// computed again here.
 //
 //   stage x, dy, topk_w   into the window, for the expert ranks to pull and read
 //   schedule              on-GPU all-gather of topk_idx, each local expert's rows in global order
@@ -40,7 +40,7 @@
 namespace mok {
 
 struct LayerBackwardOptions {
-  CopyConfig copy{32};      // dispatch and combine CTAs (as the unfused forward's)
+  CopyConfig copy{32};       // dispatch and combine CTAs (as the unfused forward's)
   gemm::LaunchOptions gemm;  // expert GEMM grid; 0 SMs = every SM
   WorkspaceOptions workspace;
   // Dispatch x and dy beside the shared expert's GEMMs (the copy CTAs on a side stream, the GEMMs
@@ -61,19 +61,19 @@ struct DeviceLayerGradients {
 
 // The steps of one backward, for a per-phase timing breakdown.
 enum class BackwardPhase : int {
-  kSchedule = 0,     // x, dy, topk_w into the window; the schedule
-  kSharedExpert,     // the shared expert's recompute, dgrads, SwiGLU backward and wgrads
-                     // (with the overlap: beside the dispatch)
-  kDispatch,         // x and dy rows to the experts (with the overlap: what it takes beyond
-                     // the shared expert)
-  kGateUp,           // routed gate/up recomputed (fp32)
-  kDownDgrad,        // g = W_downᵀ dy (fp32)
-  kSwiGluBackward,   // d_topk_w, d_gate_up, w·h
-  kGateUpDgrad,      // dx rows
+  kSchedule = 0,    // x, dy, topk_w into the window; the schedule
+  kSharedExpert,    // the shared expert's recompute, dgrads, SwiGLU backward and wgrads
+                    // (with the overlap: beside the dispatch)
+  kDispatch,        // x and dy rows to the experts (with the overlap: what it takes beyond
+                    // the shared expert)
+  kGateUp,          // routed gate/up recomputed (fp32)
+  kDownDgrad,       // g = W_downᵀ dy (fp32)
+  kSwiGluBackward,  // d_topk_w, d_gate_up, w·h
+  kGateUpDgrad,     // dx rows
   kCombinePush,
   kWgradDown,
   kWgradGateUp,
-  kCombineReduce,    // dx, d_topk_w
+  kCombineReduce,  // dx, d_topk_w
 };
 inline constexpr int kNumBackwardPhases = 11;
 const char* phase_name(BackwardPhase phase);
@@ -123,18 +123,18 @@ class LayerBackward {
   cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // Routed rows (rows_capacity of the workspace):
-  float* gate_up_ = nullptr;            // (rows, 2I) fp32, recomputed, interleaved
-  float* grad_hidden_ = nullptr;        // (rows, I) fp32, g = W_downᵀ dy
-  bf16* d_gate_up_ = nullptr;           // (rows, 2I) bf16, interleaved
-  bf16* weighted_hidden_ = nullptr;     // (rows, I) bf16, w · h
-  float* ones_ = nullptr;               // (T_max, k) 1.0f: the reduce's weights for dx
+  float* gate_up_ = nullptr;         // (rows, 2I) fp32, recomputed, interleaved
+  float* grad_hidden_ = nullptr;     // (rows, I) fp32, g = W_downᵀ dy
+  bf16* d_gate_up_ = nullptr;        // (rows, 2I) bf16, interleaved
+  bf16* weighted_hidden_ = nullptr;  // (rows, I) bf16, w · h
+  float* ones_ = nullptr;            // (T_max, k) 1.0f: the reduce's weights for dx
   // Shared expert (T_max rows; null without one):
-  float* shared_gate_up_ = nullptr;     // (T_max, 2I_s) fp32
+  float* shared_gate_up_ = nullptr;      // (T_max, 2I_s) fp32
   float* shared_grad_hidden_ = nullptr;  // (T_max, I_s) fp32
-  bf16* shared_d_gate_up_ = nullptr;    // (T_max, 2I_s) bf16
-  bf16* shared_hidden_ = nullptr;       // (T_max, I_s) bf16
-  float* shared_dx_ = nullptr;          // (T_max, H) fp32
-  int32_t* shared_offsets_ = nullptr;   // (2): 0, T of the current call
+  bf16* shared_d_gate_up_ = nullptr;     // (T_max, 2I_s) bf16
+  bf16* shared_hidden_ = nullptr;        // (T_max, I_s) bf16
+  float* shared_dx_ = nullptr;           // (T_max, H) fp32
+  int32_t* shared_offsets_ = nullptr;    // (2): 0, T of the current call
 };
 
 }  // namespace mok

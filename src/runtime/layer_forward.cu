@@ -9,8 +9,8 @@
 
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/megakernel/trace.cuh"
-#include "mok/error.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
 #include "runtime/l2_partitions.hpp"
 
 namespace mok {
@@ -66,7 +66,8 @@ WorkspaceOptions workspace_options(const LayerForwardOptions& options) {
 }
 
 int checked_int(int64_t value, const char* argument) {
-  MOK_CHECK_ARG(value >= 0 && value <= INT32_MAX, argument, value, " does not fit the GEMM's int32 "
+  MOK_CHECK_ARG(value >= 0 && value <= INT32_MAX, argument, value,
+                " does not fit the GEMM's int32 "
                 "row indices");
   return static_cast<int>(value);
 }
@@ -75,21 +76,31 @@ int checked_int(int64_t value, const char* argument) {
 
 const char* phase_name(ForwardPhase phase) {
   switch (phase) {
-    case ForwardPhase::kSchedule: return "schedule";
-    case ForwardPhase::kFused: return "fused";
-    case ForwardPhase::kSharedExpert: return "shared-expert";
-    case ForwardPhase::kDispatch: return "dispatch";
-    case ForwardPhase::kGateUp: return "gate-up-swiglu";
-    case ForwardPhase::kDown: return "down";
-    case ForwardPhase::kCombinePush: return "combine-push";
-    case ForwardPhase::kCombineReduce: return "combine-reduce";
+    case ForwardPhase::kSchedule:
+      return "schedule";
+    case ForwardPhase::kFused:
+      return "fused";
+    case ForwardPhase::kSharedExpert:
+      return "shared-expert";
+    case ForwardPhase::kDispatch:
+      return "dispatch";
+    case ForwardPhase::kGateUp:
+      return "gate-up-swiglu";
+    case ForwardPhase::kDown:
+      return "down";
+    case ForwardPhase::kCombinePush:
+      return "combine-push";
+    case ForwardPhase::kCombineReduce:
+      return "combine-reduce";
   }
   return "unknown";
 }
 
 LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
                            const LayerForwardOptions& options)
-    : shape_(shape), tokens_max_(tokens_max), options_(options),
+    : shape_(shape),
+      tokens_max_(tokens_max),
+      options_(options),
       workspace_(comm, shape, tokens_max, workspace_options(options)) {
   shape.validate(comm.num_ranks());
   MOK_CHECK_ARG(shape.intermediate % 8 == 0, "shape.intermediate",
@@ -237,9 +248,9 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   check_device_weights(weights);
   MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
                 " out of range [0, ", tokens_max_, "]");
-  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
-                                    y != nullptr),
-                "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
+  MOK_CHECK_ARG(
+      num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr && y != nullptr),
+      "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
   int recorded = 0;
   const std::function<void()> phase_done = [&] {
     if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));
@@ -307,10 +318,10 @@ FusedForwardConfig LayerForward::fused_config() const {
   config.schedule_in_kernel = fused.schedule_in_kernel;
   MOK_CHECK_ARG(fused.schedule_ctas >= 0, "fused.schedule_ctas", "must be >= 0, got ",
                 fused.schedule_ctas);
-  config.schedule_ctas = fused.schedule_ctas > 0
-                             ? std::clamp(fused.schedule_ctas, std::max(config.comm_ctas, 1),
-                                          config.num_ctas)
-                             : config.num_ctas;
+  config.schedule_ctas =
+      fused.schedule_ctas > 0
+          ? std::clamp(fused.schedule_ctas, std::max(config.comm_ctas, 1), config.num_ctas)
+          : config.num_ctas;
   config.trace = trace_;
   config.sm_partition = sm_partition_;  // null unless fused.l2_partition_tickets
   return config;

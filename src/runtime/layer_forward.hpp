@@ -56,8 +56,9 @@ struct FusedForwardOptions {
 };
 
 struct LayerForwardOptions {
-  CopyConfig copy{32};  // dispatch and combine CTAs: 32 reach the NVLink ceiling (perf-notes/comm.md)
-  gemm::LaunchOptions gemm;      // expert GEMM grid; 0 SMs = every SM
+  CopyConfig copy{
+      32};  // dispatch and combine CTAs: 32 reach the NVLink ceiling (perf-notes/comm.md)
+  gemm::LaunchOptions gemm;  // expert GEMM grid; 0 SMs = every SM
   WorkspaceOptions workspace;
   // Run the dispatch beside the shared expert's GEMMs (copy CTAs on a side stream, the GEMMs on
   // the other SMs) instead of after them. Same bits either way; needs copy.num_ctas > 0.
@@ -83,12 +84,12 @@ struct DeviceLayerWeights {
 // kCombineReduce but kFused; the fused one kSchedule, kFused, kCombineReduce (the phases a path
 // does not run take no time).
 enum class ForwardPhase : int {
-  kSchedule = 0,   // stage_tokens + schedule
-  kFused,          // the fused kernel: dispatch, expert GEMMs and combine push (fused path only)
-  kSharedExpert,   // shared gate/up + down GEMMs (empty without a shared expert)
-  kDispatch,       // with the overlap: only what the dispatch takes beyond the shared GEMMs
-  kGateUp,         // routed gate/up GEMM with SwiGLU
-  kDown,           // routed down GEMM
+  kSchedule = 0,  // stage_tokens + schedule
+  kFused,         // the fused kernel: dispatch, expert GEMMs and combine push (fused path only)
+  kSharedExpert,  // shared gate/up + down GEMMs (empty without a shared expert)
+  kDispatch,      // with the overlap: only what the dispatch takes beyond the shared GEMMs
+  kGateUp,        // routed gate/up GEMM with SwiGLU
+  kDown,          // routed down GEMM
   kCombinePush,
   kCombineReduce,
 };
@@ -150,7 +151,8 @@ class LayerForward {
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
   void check_device_weights(const DeviceLayerWeights& weights) const;
   void run_unfused(const DeviceLayerWeights& weights, const bf16* x, const float* topk_w, bf16* y,
-                   int64_t num_tokens, cudaStream_t stream, const std::function<void()>& phase_done);
+                   int64_t num_tokens, cudaStream_t stream,
+                   const std::function<void()>& phase_done);
   // The fused kernel's grid, split and minibatch from the options and this GPU.
   FusedForwardConfig fused_config() const;
   // The shared GEMMs' grid when they share the GPU with the copy CTAs; 0 = no overlap possible.
@@ -161,14 +163,14 @@ class LayerForward {
   LayerForwardOptions options_;
   CommWorkspace workspace_;
   DeviceLayerWeights weights_;
-  bf16* routed_hidden_ = nullptr;   // (expert_rows, I)
-  bf16* shared_hidden_ = nullptr;   // (T_max, I_s)
-  float* shared_output_ = nullptr;  // (T_max, H)
-  int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
-  int num_sms_ = 0;                    // of this rank's GPU
-  uint64_t* trace_ = nullptr;          // (num_sms_, trace_fields()) when tracing
+  bf16* routed_hidden_ = nullptr;          // (expert_rows, I)
+  bf16* shared_hidden_ = nullptr;          // (T_max, I_s)
+  float* shared_output_ = nullptr;         // (T_max, H)
+  int32_t* shared_offsets_ = nullptr;      // (2): 0, T of the current call
+  int num_sms_ = 0;                        // of this rank's GPU
+  uint64_t* trace_ = nullptr;              // (num_sms_, trace_fields()) when tracing
   const uint8_t* sm_partition_ = nullptr;  // L2 partition by %smid (l2_partitions.hpp), or null
-  cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
+  cudaStream_t side_stream_ = nullptr;     // the dispatch, when it overlaps the shared expert
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 

@@ -16,10 +16,10 @@
 
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/trace.cuh"
-#include "mok/error.hpp"
-#include "runtime/comm.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
 #include "mok/gpu.hpp"
+#include "runtime/comm.hpp"
 #include "runtime/l2_partitions.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
@@ -31,7 +31,8 @@ template <class T>
 class DeviceArray {
  public:
   explicit DeviceArray(int64_t count) : count_(count) {
-    MOK_CUDA_CHECK(cudaMalloc(&data_, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
+    MOK_CUDA_CHECK(
+        cudaMalloc(&data_, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
   }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
@@ -39,12 +40,12 @@ class DeviceArray {
   T* get() const { return data_; }
   int64_t size() const { return count_; }
   void download(T* host) const {
-    MOK_CUDA_CHECK(cudaMemcpy(host, data_, static_cast<size_t>(count_) * sizeof(T),
-                              cudaMemcpyDeviceToHost));
+    MOK_CUDA_CHECK(
+        cudaMemcpy(host, data_, static_cast<size_t>(count_) * sizeof(T), cudaMemcpyDeviceToHost));
   }
   void upload(const T* host) {
-    MOK_CUDA_CHECK(cudaMemcpy(data_, host, static_cast<size_t>(count_) * sizeof(T),
-                              cudaMemcpyHostToDevice));
+    MOK_CUDA_CHECK(
+        cudaMemcpy(data_, host, static_cast<size_t>(count_) * sizeof(T), cudaMemcpyHostToDevice));
   }
 
  private:
@@ -71,7 +72,8 @@ __global__ void fill_random_kernel(__nv_bfloat16* out, int64_t count, double sca
 void fill_random(bf16* out, int64_t count, double scale, uint64_t seed, uint64_t stream) {
   if (count == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 4096));
-  fill_random_kernel<<<blocks, 256>>>(reinterpret_cast<__nv_bfloat16*>(out), count, scale, seed, stream);
+  fill_random_kernel<<<blocks, 256>>>(reinterpret_cast<__nv_bfloat16*>(out), count, scale, seed,
+                                      stream);
   MOK_CUDA_CHECK_LAUNCH();
 }
 
@@ -122,15 +124,13 @@ std::string summarize_trace(const std::vector<uint64_t>& trace, int fields) {
                 ms(end), ctas, median(scheduled), ms(dispatched),
                 *std::max_element(tasks_end.begin(), tasks_end.end()),
                 *std::min_element(ends.begin(), ends.end()), ms(end), median(ends),
-                mean(input_wait), schedule_wait,
-                kind_wait[static_cast<int>(TaskKind::kGateUp)],
+                mean(input_wait), schedule_wait, kind_wait[static_cast<int>(TaskKind::kGateUp)],
                 kind_wait[static_cast<int>(TaskKind::kSharedDown)],
                 kind_wait[static_cast<int>(TaskKind::kDown)], mean(slot_wait), mean(publish),
                 *std::min_element(tasks.begin(), tasks.end()),
                 *std::max_element(tasks.begin(), tasks.end()));
   return line;
 }
-
 
 // The ranks' warm-up beyond spec.warmup forwards: rounds of 4 forwards on every rank until rank 0
 // has spent spec.warmup_ms warming up. The ranks must run the same number (a forward at EP > 1
@@ -175,8 +175,8 @@ class WarmUp {
 template <class Forward>
 void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
                   const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
-                  const float* topk_w, cudaStream_t stream, const Forward& forward,
-                  WarmUp& warm_up, LayerRunResult& result, double& backward_ms, double& pair_ms,
+                  const float* topk_w, cudaStream_t stream, const Forward& forward, WarmUp& warm_up,
+                  LayerRunResult& result, double& backward_ms, double& pair_ms,
                   std::vector<double>& phase_ms, int64_t& buffer_bytes) {
   const LayerShape& shape = spec.shape;
   const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
@@ -228,15 +228,16 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
     MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
     MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
     for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
-      MOK_CUDA_CHECK(cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase],
-                                          marks[2 + phase]));
+      MOK_CUDA_CHECK(
+          cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase], marks[2 + phase]));
     }
   }
   for (cudaEvent_t event : events) cudaEventDestroy(event);
   backward_ms = median(backward_times);
   pair_ms = median(pair_times);
   phase_ms.resize(kNumBackwardPhases);
-  for (int phase = 0; phase < kNumBackwardPhases; ++phase) phase_ms[phase] = median(phase_times[phase]);
+  for (int phase = 0; phase < kNumBackwardPhases; ++phase)
+    phase_ms[phase] = median(phase_times[phase]);
   if (!spec.keep_y) return;
   const int64_t experts_local = shape.num_experts / spec.ep;
   dx.download(result.dx.data() + rank * tokens * hidden);
@@ -303,10 +304,10 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     options.fused.schedule_ctas = spec.fused_schedule_ctas;
     options.fused.l2_partition_tickets = spec.fused_l2_partition_tickets;
     LayerForward layer(comms[rank], shape, tokens, options);
-    DeviceArray<bf16> x(tokens * hidden);        // (T, H)
+    DeviceArray<bf16> x(tokens * hidden);           // (T, H)
     DeviceArray<int32_t> topk_idx(tokens * top_k);  // (T, k)
     DeviceArray<float> topk_w(tokens * top_k);      // (T, k)
-    DeviceArray<bf16> y(tokens * hidden);        // (T, H)
+    DeviceArray<bf16> y(tokens * hidden);           // (T, H)
     topk_idx.upload(spec.topk_idx->data() + rank * tokens * top_k);
     topk_w.upload(spec.topk_w->data() + rank * tokens * top_k);
     const DeviceLayerWeights& weights = layer.device_weights();
@@ -321,21 +322,25 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       fill_random(weights.down, weights.down_elements,
                   1.0 / std::sqrt(static_cast<double>(shape.intermediate)), spec.seed, 20 + rank);
       fill_random(weights.shared_gate_up, weights.shared_gate_up_elements, in_scale, spec.seed, 30);
-      fill_random(weights.shared_down, weights.shared_down_elements,
-                  1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(shape.shared_intermediate, 1))),
-                  spec.seed, 31);
+      fill_random(
+          weights.shared_down, weights.shared_down_elements,
+          1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(shape.shared_intermediate, 1))),
+          spec.seed, 31);
       fill_random(x.get(), tokens * hidden, 1.0, spec.seed, 40 + rank);
       MOK_CUDA_CHECK(cudaDeviceSynchronize());
     }
     buffer_bytes[rank] = layer.buffer_bytes();
     weight_bytes[rank] = (weights.gate_up_elements + weights.down_elements +
-                          weights.shared_gate_up_elements + weights.shared_down_elements) * 2;
+                          weights.shared_gate_up_elements + weights.shared_down_elements) *
+                         2;
 
     cudaStream_t stream = nullptr;
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     std::unique_ptr<CUstream_st, void (*)(cudaStream_t)> stream_guard(
         stream, [](cudaStream_t s) { cudaStreamDestroy(s); });
-    auto forward = [&] { layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream); };
+    auto forward = [&] {
+      layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
+    };
     if (spec.stale_rows) {
       std::vector<int32_t> shifted(spec.topk_idx->begin() + rank * tokens * top_k,
                                    spec.topk_idx->begin() + (rank + 1) * tokens * top_k);
@@ -365,8 +370,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
       MOK_CUDA_CHECK(cudaEventElapsedTime(&times[iteration], marks[0], marks[kNumForwardPhases]));
       for (int phase = 0; phase < kNumForwardPhases; ++phase) {
-        MOK_CUDA_CHECK(cudaEventElapsedTime(&phase_times[phase][iteration], marks[phase],
-                                            marks[phase + 1]));
+        MOK_CUDA_CHECK(
+            cudaEventElapsedTime(&phase_times[phase][iteration], marks[phase], marks[phase + 1]));
       }
     }
     for (cudaEvent_t event : events) cudaEventDestroy(event);
@@ -409,7 +414,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   for (int phase = 0; phase < kNumForwardPhases; ++phase) {
     result.phase_names.push_back(phase_name(static_cast<ForwardPhase>(phase)));
     double slowest = 0;
-    for (int rank = 0; rank < spec.ep; ++rank) slowest = std::max(slowest, rank_phase_ms[rank][phase]);
+    for (int rank = 0; rank < spec.ep; ++rank)
+      slowest = std::max(slowest, rank_phase_ms[rank][phase]);
     result.phase_ms.push_back(slowest);
   }
   for (int rank = 0; rank < spec.ep && spec.trace; ++rank) {
@@ -423,7 +429,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       map.num_partitions == 2
           ? detail::concat("GPU 0 L2 partitions (probed): ", map.sms_per_partition[0], " + ",
                            map.sms_per_partition[1], " SMs; fused tasks go out per partition")
-          : std::string("GPU 0 L2 partitions (probed): one found; fused tasks go out from one pool");
+          : std::string(
+                "GPU 0 L2 partitions (probed): one found; fused tasks go out from one pool");
   result.weight_bytes_per_rank = *std::max_element(weight_bytes.begin(), weight_bytes.end());
   return result;
 }
@@ -434,8 +441,9 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
   if (gpus.num_hopper_gpus < ep) {
     return detail::concat("EP ", ep, " needs ", ep, " Hopper GPU(s); found ", gpus.description);
   }
-  const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
-      ep, tokens_per_rank, shape.hidden, shape.top_k, shape.num_experts, WorkspaceOptions{}.block_m);
+  const comm::WorkspaceLayout layout =
+      comm::WorkspaceLayout::make(ep, tokens_per_rank, shape.hidden, shape.top_k, shape.num_experts,
+                                  WorkspaceOptions{}.block_m);
   const double weights = 2.0 * (shape.num_experts / ep * 3.0 * shape.intermediate * shape.hidden +
                                 3.0 * shape.shared_intermediate * shape.hidden);
   const double buffers =
@@ -445,9 +453,9 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
       tokens_per_rank * (4.0 * shape.hidden + 8.0 * shape.top_k);  // x, y, topk_idx, topk_w
   double backward_bytes = 0;
   if (backward) {  // LayerBackward's workspace and rows, fp32 gradients, dy, dx, d_topk_w
-    const comm::WorkspaceLayout with_backward = comm::WorkspaceLayout::make(
-        ep, tokens_per_rank, shape.hidden, shape.top_k, shape.num_experts,
-        WorkspaceOptions{}.block_m, 0, true, true);
+    const comm::WorkspaceLayout with_backward =
+        comm::WorkspaceLayout::make(ep, tokens_per_rank, shape.hidden, shape.top_k,
+                                    shape.num_experts, WorkspaceOptions{}.block_m, 0, true, true);
     backward_bytes = static_cast<double>(with_backward.window_bytes + with_backward.local_bytes) +
                      12.0 * with_backward.rows_capacity() * shape.intermediate +
                      tokens_per_rank * (12.0 * shape.shared_intermediate + 4.0 * shape.hidden) +

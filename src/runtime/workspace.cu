@@ -2,9 +2,9 @@
 
 #include <string>
 
+#include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "runtime/comm_nccl_check.hpp"
-#include "mok/cuda_check.hpp"
 
 #if defined(MOK_WITH_NCCL)
 #include <nccl_device.h>
@@ -26,19 +26,26 @@ __global__ void read_window_bases(ncclWindow_t window, int num_ranks, char** bas
 
 const char* flag_kind_name(uint32_t kind) {
   switch (static_cast<comm::FlagKind>(kind)) {
-    case comm::FlagKind::kGather: return "gather";
-    case comm::FlagKind::kCombine: return "combine";
-    case comm::FlagKind::kBarrier: return "barrier";
+    case comm::FlagKind::kGather:
+      return "gather";
+    case comm::FlagKind::kCombine:
+      return "combine";
+    case comm::FlagKind::kBarrier:
+      return "barrier";
   }
   return "unknown";
 }
 
 const char* task_counter_name(uint32_t kind) {
   switch (static_cast<comm::TaskCounter>(kind)) {
-    case comm::TaskCounter::kRowsArrived: return "dispatched-rows";
-    case comm::TaskCounter::kHiddenReady: return "gate/up-tiles";
-    case comm::TaskCounter::kSharedHiddenReady: return "shared-gate/up-tiles";
-    case comm::TaskCounter::kDownDone: return "down-tiles-read";
+    case comm::TaskCounter::kRowsArrived:
+      return "dispatched-rows";
+    case comm::TaskCounter::kHiddenReady:
+      return "gate/up-tiles";
+    case comm::TaskCounter::kSharedHiddenReady:
+      return "shared-gate/up-tiles";
+    case comm::TaskCounter::kDownDone:
+      return "down-tiles-read";
   }
   return "unknown";
 }
@@ -55,8 +62,7 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
   MOK_CHECK_ARG(tokens_max > 0, "tokens_max", "must be positive, got ", tokens_max);
   MOK_CHECK_ARG(options.block_m > 0, "block_m", "must be positive, got ", options.block_m);
   MOK_CHECK_ARG(options.timeout_ms > 0, "timeout_ms", "must be positive, got ", options.timeout_ms);
-  MOK_CHECK_ARG(options.expert_rows >= 0, "expert_rows", "must be >= 0, got ",
-                options.expert_rows);
+  MOK_CHECK_ARG(options.expert_rows >= 0, "expert_rows", "must be >= 0, got ", options.expert_rows);
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
       num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, options.block_m,
       options.expert_rows, options.expert_y, options.backward);
@@ -150,40 +156,45 @@ void CommWorkspace::check(cudaStream_t stream) const {
   MOK_CUDA_CHECK(cudaSetDevice(comm_.device()));
   MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
   comm::ErrorRecord record{};
-  MOK_CUDA_CHECK(cudaMemcpy(&record, &view_.state()->error, sizeof(record), cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(
+      cudaMemcpy(&record, &view_.state()->error, sizeof(record), cudaMemcpyDeviceToHost));
   const auto code = static_cast<comm::ErrorCode>(record.code);
   if (code == comm::ErrorCode::kNone) return;
-  const std::string where = detail::concat("rank ", record.rank, ", phase ",
-                                           comm::phase_name(static_cast<comm::Phase>(record.phase)));
+  const std::string where = detail::concat(
+      "rank ", record.rank, ", phase ", comm::phase_name(static_cast<comm::Phase>(record.phase)));
   switch (code) {
     case comm::ErrorCode::kExpertOutOfRange:
       throw Error("topk_idx", detail::concat("expert id ", record.value, " out of range [-1, ",
                                              record.expected, ") at rank ", record.peer, " token ",
-                                             record.token, " slot ", record.slot, " (found on the "
-                                             "device by ", where, ")"));
+                                             record.token, " slot ", record.slot,
+                                             " (found on the "
+                                             "device by ",
+                                             where, ")"));
     case comm::ErrorCode::kExpertRepeated:
       throw Error("topk_idx", detail::concat("expert id ", record.value, " repeated at rank ",
                                              record.peer, " token ", record.token, " slot ",
                                              record.slot, " (also at slot ", record.expected,
                                              "; the ids of a row must be distinct, only -1 may "
-                                             "repeat; found on the device by ", where, ")"));
+                                             "repeat; found on the device by ",
+                                             where, ")"));
     case comm::ErrorCode::kTokenCountOutOfRange:
       throw Error("num_tokens", detail::concat("rank ", record.peer, " sent ", record.value,
                                                " tokens, outside [0, ", record.expected,
                                                "] (found on the device by ", where, ")"));
     case comm::ErrorCode::kTaskTimeout:
-      throw Error("fused forward",
-                  detail::concat(where, ": timed out after ", view_.timeout_ns / 1000000ull,
-                                 " ms waiting for row block ", record.token, "'s ",
-                                 task_counter_name(record.flag_kind), " count to reach ",
-                                 record.expected, " (it holds ", static_cast<uint32_t>(record.value),
-                                 "): a CTA of the fused kernel did not run (are other kernels "
-                                 "holding SMs?) or a peer stalled"));
+      throw Error(
+          "fused forward",
+          detail::concat(where, ": timed out after ", view_.timeout_ns / 1000000ull,
+                         " ms waiting for row block ", record.token, "'s ",
+                         task_counter_name(record.flag_kind), " count to reach ", record.expected,
+                         " (it holds ", static_cast<uint32_t>(record.value),
+                         "): a CTA of the fused kernel did not run (are other kernels "
+                         "holding SMs?) or a peer stalled"));
     case comm::ErrorCode::kTimeout:
-      throw Error("comm", detail::concat(where, ": timed out after ",
-                                         view_.timeout_ns / 1000000ull, " ms waiting for rank ",
-                                         record.peer, "'s ", flag_kind_name(record.flag_kind),
-                                         " flag to reach epoch ", record.expected, " (it holds ",
+      throw Error("comm", detail::concat(where, ": timed out after ", view_.timeout_ns / 1000000ull,
+                                         " ms waiting for rank ", record.peer, "'s ",
+                                         flag_kind_name(record.flag_kind), " flag to reach epoch ",
+                                         record.expected, " (it holds ",
                                          static_cast<uint32_t>(record.value),
                                          "); did every rank launch this call?"));
     default:

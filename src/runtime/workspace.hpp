@@ -19,7 +19,7 @@
 namespace mok {
 
 struct WorkspaceOptions {
-  int64_t block_m = 128;   // tile height: each expert's rows start at a multiple of it
+  int64_t block_m = 128;       // tile height: each expert's rows start at a multiple of it
   int64_t timeout_ms = 10000;  // every device wait gives up after this long
   // Rows of expert_x: 0 = every row a call can route here (rows_capacity); fewer only for the
   // fused forward, which goes through them in ring rounds.
@@ -67,7 +67,7 @@ class CommWorkspace {
     return reinterpret_cast<float*>(window_base() + view_.layout.d_topk_w_offset);
   }
   bf16* expert_dy() const { return reinterpret_cast<bf16*>(view_.expert_dy_row(0)); }
-  const int32_t* expert_counts() const { return view_.counts(); }  // (E_l), device
+  const int32_t* expert_counts() const { return view_.counts(); }    // (E_l), device
   const int32_t* expert_offsets() const { return view_.offsets(); }  // (E_l + 1), device
   const int32_t* row_source() const { return view_.row_source(); }   // (rows_capacity), device
 

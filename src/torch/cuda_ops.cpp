@@ -26,8 +26,8 @@ Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
                     const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
                     int64_t workspace) {
   return core_errors_as_value_errors([&] {
-    const LayerCall layer = read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down,
-                                            w_shared_gate_up, w_shared_down);
+    const LayerCall layer =
+        read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     const c10::cuda::CUDAGuard device_guard(x.device());
     // int64 ids are narrowed on the device (no host read of their range); the layer's schedule
     // checks every id there and check() reports one out of range.
@@ -61,8 +61,8 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
                              const OptionalTensor& w_shared_down, int64_t workspace,
                              bool bf16_grads) {
   return core_errors_as_value_errors([&] {
-    const LayerCall layer = read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down,
-                                            w_shared_gate_up, w_shared_down);
+    const LayerCall layer =
+        read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     check_tensor(dy, "dy", at::kBFloat16, x.device());
     check_sizes(dy, "dy", {x.size(0), x.size(1)}, "(T, H)");
     const c10::cuda::CUDAGuard device_guard(x.device());
@@ -74,8 +74,8 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
     Tensor grad_gate_up = at::empty(w_gate_up.sizes(), grad_options);
     Tensor grad_down = at::empty(w_down.sizes(), grad_options);
     const bool shared = optional_data(w_shared_gate_up) != nullptr;
-    Tensor grad_shared_gate_up = shared ? at::empty(w_shared_gate_up->sizes(), grad_options)
-                                        : at::empty({0}, grad_options);
+    Tensor grad_shared_gate_up =
+        shared ? at::empty(w_shared_gate_up->sizes(), grad_options) : at::empty({0}, grad_options);
     Tensor grad_shared_down =
         shared ? at::empty(w_shared_down->sizes(), grad_options) : at::empty({0}, grad_options);
 
@@ -100,8 +100,8 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
     call.device = x.device().index();
     call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
     bridge::backward(workspace, call);
-    return BackwardResult{dx, d_topk_w, grad_gate_up, grad_down, grad_shared_gate_up,
-                          grad_shared_down};
+    return BackwardResult{
+        dx, d_topk_w, grad_gate_up, grad_down, grad_shared_gate_up, grad_shared_down};
   });
 }
 

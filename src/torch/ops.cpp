@@ -33,8 +33,10 @@ Tensor deinterleave(const Tensor& fused, int64_t half) {
   std::vector<int64_t> separate = blocks;
   blocks.insert(blocks.end(), {rows / (2 * kInterleaveRows), 2, kInterleaveRows, hidden});
   separate.insert(separate.end(), {rows / 2, hidden});
-  return fused.view(blocks).select(static_cast<int64_t>(blocks.size()) - 3, half)
-      .reshape(separate).contiguous();
+  return fused.view(blocks)
+      .select(static_cast<int64_t>(blocks.size()) - 3, half)
+      .reshape(separate)
+      .contiguous();
 }
 
 // gate, up (.., n, H) -> (.., 2n, H) interleaved in blocks of 8 rows.
@@ -59,19 +61,20 @@ struct CpuCall {
 };
 
 CpuCall cpu_call(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
-                 const Tensor& w_gate_up, const Tensor& w_down, const OptionalTensor& w_shared_gate_up,
-                 const OptionalTensor& w_shared_down, int64_t workspace) {
+                 const Tensor& w_gate_up, const Tensor& w_down,
+                 const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
+                 int64_t workspace) {
   CpuCall call;
-  call.layer = read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
-                               w_shared_down);
+  call.layer =
+      read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
   MOK_TORCH_CHECK(x.device().is_cpu(), "x: expected a CPU tensor, got one on ", x.device().str());
   MOK_TORCH_CHECK(workspace == 0, "workspace: CPU tensors run the CPU backend, which takes no GPU ",
                   "workspace (got handle ", workspace, ")");
   const int64_t num_experts = call.layer.shape.num_experts;
   if (topk_idx.scalar_type() == at::kLong && topk_idx.numel() > 0) {
     const int64_t low = topk_idx.min().item<int64_t>(), high = topk_idx.max().item<int64_t>();
-    MOK_TORCH_CHECK(low >= -1 && high < num_experts, "topk_idx: expert id ",
-                    low < -1 ? low : high, " out of range [0, ", num_experts, ")");
+    MOK_TORCH_CHECK(low >= -1 && high < num_experts, "topk_idx: expert id ", low < -1 ? low : high,
+                    " out of range [0, ", num_experts, ")");
   }
   call.topk_idx = topk_idx.to(at::kInt).contiguous();
   call.gate = deinterleave(w_gate_up, 0);
@@ -97,8 +100,8 @@ Tensor forward_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
                    const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
                    int64_t workspace) {
   return core_errors_as_value_errors([&] {
-    CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
-                            w_shared_down, workspace);
+    CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
+                            workspace);
     Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
     bridge::cpu_forward(call.layer.shape, call.inputs, y.data_ptr());
     return y;
@@ -113,15 +116,16 @@ BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& top
                             const OptionalTensor& w_shared_down, int64_t workspace,
                             bool bf16_grads) {
   return core_errors_as_value_errors([&] {
-    CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
-                            w_shared_down, workspace);
+    CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
+                            workspace);
     check_tensor(dy, "dy", at::kBFloat16, x.device());
     check_sizes(dy, "dy", {x.size(0), x.size(1)}, "(T, H)");
     call.inputs.dy = host_tensor(dy);
     const at::TensorOptions fp32 = x.options().dtype(at::kFloat);
     Tensor dx = at::empty_like(x);
     Tensor d_topk_w = at::empty({topk_w.size(0), topk_w.size(1)}, fp32);
-    Tensor grad_gate = at::empty(call.gate.sizes(), fp32), grad_up = at::empty(call.up.sizes(), fp32);
+    Tensor grad_gate = at::empty(call.gate.sizes(), fp32),
+           grad_up = at::empty(call.up.sizes(), fp32);
     Tensor grad_down = at::empty(w_down.sizes(), fp32);
     Tensor grad_shared_gate, grad_shared_up;
     Tensor grad_shared_down = at::empty({0}, fp32);
@@ -140,13 +144,16 @@ BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& top
       grads.shared_down = grad_shared_down.data_ptr<float>();
     }
     bridge::cpu_backward(call.layer.shape, call.inputs, grads);
-    Tensor grad_shared_gate_up = call.layer.has_shared
-                                     ? interleave(grad_shared_gate, grad_shared_up)
-                                     : at::empty({0}, fp32);
+    Tensor grad_shared_gate_up =
+        call.layer.has_shared ? interleave(grad_shared_gate, grad_shared_up) : at::empty({0}, fp32);
     // bf16_grads: the fp32 sums rounded once, as the GPU's bf16 weight gradients are.
     auto out = [&](const Tensor& grad) { return bf16_grads ? grad.to(at::kBFloat16) : grad; };
-    return BackwardResult{dx, d_topk_w, out(interleave(grad_gate, grad_up)), out(grad_down),
-                          out(grad_shared_gate_up), out(grad_shared_down)};
+    return BackwardResult{dx,
+                          d_topk_w,
+                          out(interleave(grad_gate, grad_up)),
+                          out(grad_down),
+                          out(grad_shared_gate_up),
+                          out(grad_shared_down)};
   });
 }
 
@@ -164,8 +171,8 @@ Tensor nccl_unique_id_op() {
 int64_t create_workspace_op(const Tensor& unique_id, int64_t rank, int64_t num_ranks,
                             int64_t device, int64_t hidden, int64_t intermediate,
                             int64_t shared_intermediate, int64_t num_experts, int64_t top_k,
-                            int64_t max_tokens_per_rank, int64_t copy_ctas,
-                            int64_t minibatch_rows, int64_t ring_rows) {
+                            int64_t max_tokens_per_rank, int64_t copy_ctas, int64_t minibatch_rows,
+                            int64_t ring_rows) {
   return core_errors_as_value_errors([&] {
     bridge::WorkspaceSpec spec;
     spec.shape = {hidden, intermediate, shared_intermediate, num_experts, top_k};
@@ -208,16 +215,19 @@ void reset_after_error_op(int64_t, int64_t) {
 TORCH_LIBRARY(mok, m) {
   // workspace: a handle from create_workspace; 0 = none (CPU) or the automatic EP = 1 workspace
   // of the tensors' GPU.
-  m.def("forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
-        "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> Tensor");
-  m.def("backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, "
-        "Tensor w_down, Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
-        "bool bf16_grads=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
+      "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> Tensor");
+  m.def(
+      "backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, "
+      "Tensor w_down, Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
+      "bool bf16_grads=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("nccl_unique_id() -> Tensor", &nccl_unique_id_op);
-  m.def("create_workspace(Tensor unique_id, int rank, int num_ranks, int device, int hidden, "
-        "int intermediate, int shared_intermediate, int num_experts, int top_k, "
-        "int max_tokens_per_rank, int copy_ctas, int minibatch_rows=0, int ring_rows=0) -> int",
-        &create_workspace_op);
+  m.def(
+      "create_workspace(Tensor unique_id, int rank, int num_ranks, int device, int hidden, "
+      "int intermediate, int shared_intermediate, int num_experts, int top_k, "
+      "int max_tokens_per_rank, int copy_ctas, int minibatch_rows=0, int ring_rows=0) -> int",
+      &create_workspace_op);
   m.def("destroy_workspace(int workspace) -> ()", &destroy_workspace_op);
   m.def("check(int workspace, int device) -> ()", &check_op);
   m.def("reset_after_error(int workspace, int device) -> ()", &reset_after_error_op);

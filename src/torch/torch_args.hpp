@@ -31,10 +31,8 @@ inline void append_part(std::string& out, std::string_view text) { out += text; 
 inline void append_part(std::string& out, const char* text) { out += text; }
 inline void append_part(std::string& out, const std::string& text) { out += text; }
 template <class Integer>
-  requires std::is_integral_v<Integer>
-void append_part(std::string& out, Integer value) {
-  out += std::to_string(value);
-}
+requires std::is_integral_v<Integer>
+void append_part(std::string& out, Integer value) { out += std::to_string(value); }
 template <class... Parts>
 std::string concat(const Parts&... parts) {
   std::string out;
@@ -65,9 +63,8 @@ inline void check_tensor(const Tensor& tensor, const char* argument, at::ScalarT
 
 inline void check_sizes(const Tensor& tensor, const char* argument,
                         std::initializer_list<int64_t> expected, const char* meaning) {
-  MOK_TORCH_CHECK(tensor.sizes().equals(expected), argument, ": shape ",
-                  shape_text(tensor.sizes()), ", expected ", meaning, " = ",
-                  shape_text(at::IntArrayRef(expected)));
+  MOK_TORCH_CHECK(tensor.sizes().equals(expected), argument, ": shape ", shape_text(tensor.sizes()),
+                  ", expected ", meaning, " = ", shape_text(at::IntArrayRef(expected)));
 }
 
 // The layer as one call's tensors describe it, after checking them all. shape.num_experts is
@@ -104,7 +101,8 @@ inline LayerCall read_layer_call(const Tensor& x, const Tensor& topk_idx, const 
   const int64_t num_experts = w_gate_up.size(0);
   MOK_TORCH_CHECK(w_gate_up.size(1) % (2 * kInterleaveRows) == 0,
                   "w_gate_up: gate and up interleaved in blocks of 8 rows need I to be a multiple "
-                  "of 8, got 2I = ", w_gate_up.size(1));
+                  "of 8, got 2I = ",
+                  w_gate_up.size(1));
   const int64_t inter = w_gate_up.size(1) / 2;
   check_sizes(w_gate_up, "w_gate_up", {num_experts, 2 * inter, hidden}, "(E, 2I, H)");
   check_tensor(w_down, "w_down", at::kBFloat16, device);
@@ -119,10 +117,10 @@ inline LayerCall read_layer_call(const Tensor& x, const Tensor& topk_idx, const 
   int64_t shared_inter = 0;
   if (call.has_shared) {
     check_tensor(*w_shared_gate_up, "w_shared_gate_up", at::kBFloat16, device);
-    MOK_TORCH_CHECK(w_shared_gate_up->dim() == 2 &&
-                        w_shared_gate_up->size(0) % (2 * kInterleaveRows) == 0,
-                    "w_shared_gate_up: expected (2I_s, H) with I_s a multiple of 8, got shape ",
-                    shape_text(w_shared_gate_up->sizes()));
+    MOK_TORCH_CHECK(
+        w_shared_gate_up->dim() == 2 && w_shared_gate_up->size(0) % (2 * kInterleaveRows) == 0,
+        "w_shared_gate_up: expected (2I_s, H) with I_s a multiple of 8, got shape ",
+        shape_text(w_shared_gate_up->sizes()));
     shared_inter = w_shared_gate_up->size(0) / 2;
     check_sizes(*w_shared_gate_up, "w_shared_gate_up", {2 * shared_inter, hidden}, "(2I_s, H)");
     check_tensor(*w_shared_down, "w_shared_down", at::kBFloat16, device);

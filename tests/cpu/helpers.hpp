@@ -22,9 +22,9 @@ inline ProblemOutputs run_layer(const Problem& problem, int64_t ep, int num_thre
                                 const std::vector<float>* initial_grad = nullptr) {
   ProblemOutputs outputs = ProblemOutputs::poisoned(problem, ep);
   if (initial_grad) {
-    for (std::vector<float>* grad : {&outputs.grad_gate, &outputs.grad_up, &outputs.grad_down,
-                                     &outputs.grad_shared_gate, &outputs.grad_shared_up,
-                                     &outputs.grad_shared_down}) {
+    for (std::vector<float>* grad :
+         {&outputs.grad_gate, &outputs.grad_up, &outputs.grad_down, &outputs.grad_shared_gate,
+          &outputs.grad_shared_up, &outputs.grad_shared_down}) {
       for (size_t index = 0; index < grad->size(); ++index) {
         (*grad)[index] = (*initial_grad)[index % initial_grad->size()];
       }

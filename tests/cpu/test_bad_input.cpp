@@ -11,7 +11,8 @@ namespace mok {
 namespace {
 
 // Runs `call` and checks it throws mok::Error for `argument` with `fragment` in the message.
-void expect_error(const std::function<void()>& call, const std::string& argument, const std::string& fragment) {
+void expect_error(const std::function<void()>& call, const std::string& argument,
+                  const std::string& fragment) {
   try {
     call();
     ADD_FAILURE() << "no error; expected one about " << argument;
@@ -24,8 +25,9 @@ void expect_error(const std::function<void()>& call, const std::string& argument
 
 class BadInput : public ::testing::Test {
  protected:
-  BadInput() : problem_(Problem::generate({testing::tiny_shape(), 32, Routing::parse("uniform"), 1})),
-               outputs_(ProblemOutputs::poisoned(problem_, 2)) {}
+  BadInput()
+      : problem_(Problem::generate({testing::tiny_shape(), 32, Routing::parse("uniform"), 1})),
+        outputs_(ProblemOutputs::poisoned(problem_, 2)) {}
 
   // Forward and backward over two ranks with the (possibly broken) inputs.
   void run(const std::vector<reference::RankInputs>& ranks, const LayerShape& shape) {
@@ -48,7 +50,8 @@ class BadInput : public ::testing::Test {
 
 TEST_F(BadInput, ExpertIdOutOfRange) {
   problem_.topk_idx[9] = 16;
-  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx", "expert id 16 out of range [0, 16) at token 2, slot 1");
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
+               "expert id 16 out of range [0, 16) at token 2, slot 1");
   problem_.topk_idx[9] = -2;
   expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx", "expert id -2");
   expect_untouched();
@@ -57,7 +60,8 @@ TEST_F(BadInput, ExpertIdOutOfRange) {
 TEST_F(BadInput, RepeatedExpertInARow) {
   problem_.topk_idx[5] = problem_.topk_idx[4];
   expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
-               detail::concat("expert id ", problem_.topk_idx[4], " repeated at token 1, slot 1 (also at slot 0; "
+               detail::concat("expert id ", problem_.topk_idx[4],
+                              " repeated at token 1, slot 1 (also at slot 0; "
                               "the ids of a row must be distinct, only -1 may repeat)"));
   expect_untouched();
 }
@@ -69,13 +73,15 @@ TEST_F(BadInput, RepeatedExpertAnywhereInARowButUnusedSlotsMayRepeat) {
   int32_t* row = problem_.topk_idx.data() + (16 + 3) * top_k;  // rank 1's token 3 of 16
   const int32_t first = row[0], last = row[3];
   row[3] = first;
-  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
-               detail::concat("expert id ", first, " repeated at token 3, slot 3 (also at slot 0;"));
+  expect_error(
+      [&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
+      detail::concat("expert id ", first, " repeated at token 3, slot 3 (also at slot 0;"));
   row[3] = last;
   row[1] = row[2] = -1;
   row[2] = first;  // [e, -1, e, e']: the repeat skips the -1 between
-  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
-               detail::concat("expert id ", first, " repeated at token 3, slot 2 (also at slot 0;"));
+  expect_error(
+      [&] { run(problem_.all_rank_inputs(2)); }, "topk_idx",
+      detail::concat("expert id ", first, " repeated at token 3, slot 2 (also at slot 0;"));
   expect_untouched();
 
   row[2] = -1;  // [e, -1, -1, e']: accepted, and the token's y is written
@@ -88,7 +94,8 @@ TEST_F(BadInput, RepeatedExpertAnywhereInARowButUnusedSlotsMayRepeat) {
 
 TEST_F(BadInput, NonFiniteRouterWeights) {
   problem_.topk_w[6] = std::nanf("");
-  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_w", "non-finite router weight nan at token 1, slot 2");
+  expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_w",
+               "non-finite router weight nan at token 1, slot 2");
   problem_.topk_w[6] = INFINITY;
   expect_error([&] { run(problem_.all_rank_inputs(2)); }, "topk_w", "non-finite router weight inf");
   expect_untouched();
@@ -127,7 +134,8 @@ TEST_F(BadInput, OutputShapeMismatch) {
   expect_error([&] { reference::backward(problem_.shape, ranks, views, GradMode::kOverwrite); },
                "grad_up", "shape [8, 32, 63], expected [8, 32, 64]");
   views.pop_back();
-  expect_error([&] { reference::forward(problem_.shape, ranks, views); }, "outputs", "1 output sets for 2 ranks");
+  expect_error([&] { reference::forward(problem_.shape, ranks, views); }, "outputs",
+               "1 output sets for 2 ranks");
   expect_untouched();
 }
 
@@ -140,20 +148,32 @@ TEST_F(BadInput, TopKAboveExpertCount) {
 }
 
 TEST_F(BadInput, ExpertsNotDivisibleByRanks) {
-  expect_error([&] { problem_.shape.validate(3); }, "ep", "E = 16 experts do not divide over 3 ranks");
-  std::vector<reference::RankInputs> three = {problem_.rank_inputs(0, 2), problem_.rank_inputs(1, 2),
-                                              problem_.rank_inputs(1, 2)};
+  expect_error([&] { problem_.shape.validate(3); }, "ep",
+               "E = 16 experts do not divide over 3 ranks");
+  std::vector<reference::RankInputs> three = {
+      problem_.rank_inputs(0, 2), problem_.rank_inputs(1, 2), problem_.rank_inputs(1, 2)};
   expect_error([&] { run(three); }, "ep", "do not divide over 3 ranks");
   expect_untouched();
 }
 
 TEST_F(BadInput, BadShapeFields) {
   expect_error([] { LayerShape{0, 32, 0, 16, 4}.validate(); }, "hidden", "must be positive, got 0");
-  expect_error([] { LayerShape{60, 32, 0, 16, 4}.validate(); }, "hidden", "multiple of 8 (16-byte rows), got 60");
-  expect_error([] { LayerShape{64, 32, -8, 16, 4}.validate(); }, "shared_intermediate", ">= 0, got -8");
+  expect_error(
+      [] {
+        LayerShape{60, 32, 0, 16, 4}.validate();
+      },
+      "hidden", "multiple of 8 (16-byte rows), got 60");
+  expect_error(
+      [] {
+        LayerShape{64, 32, -8, 16, 4}.validate();
+      },
+      "shared_intermediate", ">= 0, got -8");
   expect_error([] { LayerShape{64, 32, 0, 16, 0}.validate(); }, "top_k", "must be positive, got 0");
-  expect_error([&] { run(problem_.all_rank_inputs(2), LayerShape{60, 32, 48, 16, 4}); }, "hidden",
-               "multiple of 8 (16-byte rows), got 60");
+  expect_error(
+      [&] {
+        run(problem_.all_rank_inputs(2), LayerShape{60, 32, 48, 16, 4});
+      },
+      "hidden", "multiple of 8 (16-byte rows), got 60");
   expect_untouched();
 }
 

@@ -19,8 +19,9 @@ class EpInvariance : public ::testing::TestWithParam<RoutingCase> {};
 
 TEST_P(EpInvariance, BitwiseEqualForOneTwoFourEightRanks) {
   const RoutingCase& param = GetParam();
-  SyntheticSpec spec{testing::tiny_shape(), 128, Routing::parse(param.routing), 11,
-                     param.signed_weights, param.unused_slots};
+  SyntheticSpec spec{testing::tiny_shape(),         128,
+                     Routing::parse(param.routing), 11,
+                     param.signed_weights,          param.unused_slots};
   const Problem problem = Problem::generate(spec);
   const ProblemOutputs single = testing::run_layer(problem, 1);
   for (int64_t ep : {2, 4, 8}) {
@@ -29,13 +30,13 @@ TEST_P(EpInvariance, BitwiseEqualForOneTwoFourEightRanks) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Routings, EpInvariance,
-    ::testing::Values(RoutingCase{"uniform", "uniform", false, 0.0},
-                      RoutingCase{"skewed", "skewed:2", true, 0.0},
-                      RoutingCase{"all_tokens_to_one_expert", "single-expert", false, 0.0},
-                      RoutingCase{"unused_slots", "uniform", true, 0.25}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Routings, EpInvariance,
+                         ::testing::Values(RoutingCase{"uniform", "uniform", false, 0.0},
+                                           RoutingCase{"skewed", "skewed:2", true, 0.0},
+                                           RoutingCase{"all_tokens_to_one_expert", "single-expert",
+                                                       false, 0.0},
+                                           RoutingCase{"unused_slots", "uniform", true, 0.25}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST(EpInvariance, EmptyExpertsHaveZeroGradients) {
   SyntheticSpec spec{testing::tiny_shape(), 64, Routing::parse("single-expert"), 2};
@@ -58,7 +59,8 @@ TEST(EpInvariance, AccumulateModeIsInvariantAndAddsToMainGrad) {
   SyntheticSpec spec{testing::tiny_shape(), 64, Routing::parse("skewed:1"), 4};
   const Problem problem = Problem::generate(spec);
   const std::vector<float> main_grad = {0.5f, -0.25f, 0.125f, 1.0f, -2.0f};
-  const ProblemOutputs single = testing::run_layer(problem, 1, 0, GradMode::kAccumulate, &main_grad);
+  const ProblemOutputs single =
+      testing::run_layer(problem, 1, 0, GradMode::kAccumulate, &main_grad);
   const ProblemOutputs fresh = testing::run_layer(problem, 1);
   for (int64_t ep : {2, 8}) {
     testing::expect_ep_invariant_outputs_equal(

@@ -64,9 +64,12 @@ TEST(Numerics, SwiGluBackwardMatchesDifferences) {
   for (double gate : {-6.0, -1.3, -0.2, 0.0, 0.7, 2.5, 9.0}) {
     for (double up : {-1.1, 0.4, 2.0}) {
       const double step = 1e-6;
-      const double d_gate = (numerics::swiglu(gate + step, up) - numerics::swiglu(gate - step, up)) / (2 * step);
-      const double d_up = (numerics::swiglu(gate, up + step) - numerics::swiglu(gate, up - step)) / (2 * step);
-      const auto grad = numerics::swiglu_backward(static_cast<float>(gate), static_cast<float>(up), 1.0f);
+      const double d_gate =
+          (numerics::swiglu(gate + step, up) - numerics::swiglu(gate - step, up)) / (2 * step);
+      const double d_up =
+          (numerics::swiglu(gate, up + step) - numerics::swiglu(gate, up - step)) / (2 * step);
+      const auto grad =
+          numerics::swiglu_backward(static_cast<float>(gate), static_cast<float>(up), 1.0f);
       EXPECT_NEAR(grad.d_gate, d_gate, 1e-5 * (1 + std::fabs(d_gate))) << gate << " " << up;
       EXPECT_NEAR(grad.d_up, d_up, 1e-5 * (1 + std::fabs(d_up))) << gate << " " << up;
       EXPECT_NEAR(numerics::swiglu(static_cast<float>(gate), static_cast<float>(up)),

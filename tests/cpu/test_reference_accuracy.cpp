@@ -19,8 +19,12 @@ class ReferenceAccuracy : public ::testing::TestWithParam<AccuracyCase> {};
 
 TEST_P(ReferenceAccuracy, WithinBf16ToleranceOfOracle) {
   const AccuracyCase& param = GetParam();
-  SyntheticSpec spec{testing::tiny_shape(param.shared), 96, Routing::parse(param.routing), 7,
-                     param.signed_weights, param.unused_slots};
+  SyntheticSpec spec{testing::tiny_shape(param.shared),
+                     96,
+                     Routing::parse(param.routing),
+                     7,
+                     param.signed_weights,
+                     param.unused_slots};
   const Problem problem = Problem::generate(spec);
   const ProblemOutputs outputs = testing::run_layer(problem, 2);
   const reference::OracleResult oracle =
@@ -45,7 +49,8 @@ TEST_P(ReferenceAccuracy, WithinBf16ToleranceOfOracle) {
           std::tuple{&outputs.grad_shared_down, &oracle.grad_shared_down, "grad_shared_down"}}) {
       const size_t size = whole->size();
       std::vector<float> total(size);
-      for (size_t index = 0; index < size; ++index) total[index] = (*per_rank)[index] + (*per_rank)[size + index];
+      for (size_t index = 0; index < size; ++index)
+        total[index] = (*per_rank)[index] + (*per_rank)[size + index];
       expect_close(compare(std::span<const float>(total), *whole), name);
     }
   }

@@ -7,7 +7,8 @@ namespace mok {
 namespace {
 
 TEST(Schedule, RowsOfEachExpertAreInGlobalTokenOrder) {
-  const Problem problem = Problem::generate({testing::tiny_shape(), 64, Routing::parse("skewed:1"), 3, false, 0.2});
+  const Problem problem =
+      Problem::generate({testing::tiny_shape(), 64, Routing::parse("skewed:1"), 3, false, 0.2});
   const std::vector<reference::RankInputs> ranks = problem.all_rank_inputs(4);
   std::vector<TokenBatch> batches;
   for (const auto& rank : ranks) batches.push_back(rank.tokens);
@@ -35,7 +36,8 @@ TEST(Synthetic, RoutingsHaveTheirShape) {
   for (int64_t token = 0; token < 40; ++token) {
     EXPECT_EQ(single.topk_idx[token * shape.top_k], 0);
     EXPECT_EQ(single.topk_w[token * shape.top_k], 1.0f);  // softmax over one used slot
-    for (int64_t slot = 1; slot < shape.top_k; ++slot) EXPECT_EQ(single.topk_idx[token * shape.top_k + slot], -1);
+    for (int64_t slot = 1; slot < shape.top_k; ++slot)
+      EXPECT_EQ(single.topk_idx[token * shape.top_k + slot], -1);
   }
   const Problem skewed = Problem::generate({shape, 400, Routing::parse("skewed:2"), 1});
   std::vector<int64_t> counts(shape.num_experts, 0);

@@ -14,23 +14,24 @@
 #include <string>
 #include <vector>
 
+#include "device_buffer.hpp"
 #include "mok/bf16.hpp"
 #include "mok/cuda_check.hpp"
-#include "device_buffer.hpp"
 
 namespace mok::gemm_test {
 
 // Skips the test unless a Hopper GPU (sm_90) is present.
-#define MOK_REQUIRE_HOPPER()                                                                 \
-  do {                                                                                       \
-    int device_count_ = 0;                                                                   \
-    if (cudaGetDeviceCount(&device_count_) != cudaSuccess || device_count_ == 0) {           \
-      GTEST_SKIP() << "no CUDA device: the grouped GEMM needs an sm_90 GPU";                  \
-    }                                                                                        \
-    cudaDeviceProp prop_{};                                                                  \
-    MOK_CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));                                      \
-    if (prop_.major != 9) GTEST_SKIP() << "device is sm_" << prop_.major << prop_.minor      \
-                                       << ", the grouped GEMM needs sm_90";                  \
+#define MOK_REQUIRE_HOPPER()                                                       \
+  do {                                                                             \
+    int device_count_ = 0;                                                         \
+    if (cudaGetDeviceCount(&device_count_) != cudaSuccess || device_count_ == 0) { \
+      GTEST_SKIP() << "no CUDA device: the grouped GEMM needs an sm_90 GPU";       \
+    }                                                                              \
+    cudaDeviceProp prop_{};                                                        \
+    MOK_CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));                            \
+    if (prop_.major != 9)                                                          \
+      GTEST_SKIP() << "device is sm_" << prop_.major << prop_.minor                \
+                   << ", the grouped GEMM needs sm_90";                            \
   } while (0)
 
 using ::mok::testing::DeviceBuffer;
@@ -105,10 +106,8 @@ void expect_accuracy(const std::vector<T>& device, const std::vector<float>& hos
             << " (L2)\n";
   EXPECT_LE(device_error.max_abs, factor * host_error.max_abs + floor)
       << what << ": max |device - fp64| vs max |host - fp64| = " << host_error.max_abs;
-  EXPECT_LE(std::sqrt(device_error.sum_squares),
-            factor * std::sqrt(host_error.sum_squares) + floor)
-      << what << ": L2 error vs host same-precision L2 error "
-      << std::sqrt(host_error.sum_squares);
+  EXPECT_LE(std::sqrt(device_error.sum_squares), factor * std::sqrt(host_error.sum_squares) + floor)
+      << what << ": L2 error vs host same-precision L2 error " << std::sqrt(host_error.sum_squares);
 }
 
 template <class T>

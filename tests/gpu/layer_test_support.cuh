@@ -10,30 +10,31 @@
 #include <string>
 #include <vector>
 
+#include "kernels/megakernel/trace.cuh"
 #include "mok/compare.hpp"
 #include "mok/gemm.hpp"
 #include "mok/gpu.hpp"
-#include "kernels/megakernel/trace.cuh"
-#include "runtime/layer_forward.hpp"
 #include "routing_cases.hpp"
+#include "runtime/layer_forward.hpp"
 #include "test_comm_harness.cuh"
 
 namespace mok::comm_test {
 
-#define MOK_REQUIRE_HOPPER_GPUS(count)                                                          \
-  do {                                                                                          \
-    const GpuSummary gpus_ = query_gpus();                                    \
-    if (gpus_.num_hopper_gpus < (count)) {                                                      \
-      GTEST_SKIP() << "needs " << (count) << " Hopper GPU(s) for the layer forward; found: "     \
-                   << gpus_.description;                                                        \
-    }                                                                                           \
+#define MOK_REQUIRE_HOPPER_GPUS(count)                                                      \
+  do {                                                                                      \
+    const GpuSummary gpus_ = query_gpus();                                                  \
+    if (gpus_.num_hopper_gpus < (count)) {                                                  \
+      GTEST_SKIP() << "needs " << (count)                                                   \
+                   << " Hopper GPU(s) for the layer forward; found: " << gpus_.description; \
+    }                                                                                       \
   } while (0)
 
 using testing::Case;
 using testing::case_name;
 
 // The tiny preset's shape, or H 512 and I 192: several K blocks and N tiles, a partial N tile.
-inline Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t seed, bool wider = false) {
+inline Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t seed,
+                             bool wider = false) {
   return testing::make_problem(which, num_tokens, seed,
                                wider ? LayerShape{512, 192, 64, 16, 6} : find_preset("tiny").shape);
 }
@@ -41,8 +42,8 @@ inline Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t see
 struct GpuRun {
   GpuRun() { layer.fused.enabled = false; }  // the unfused composition unless a test asks
   LayerForwardOptions layer;
-  int repeats = 1;          // eager runs after the first; each must give the first's bits
-  bool use_graph = false;   // then also capture one forward and replay it twice
+  int repeats = 1;         // eager runs after the first; each must give the first's bits
+  bool use_graph = false;  // then also capture one forward and replay it twice
   int64_t extra_capacity = 0;
   // The weights live in the test's own device buffers, passed to every forward (the torch path);
   // the layer allocates none.
@@ -83,51 +84,52 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
     LayerForwardOptions options = run.layer;
     options.allocate_weights = !run.callers_weights;
     LayerForward layer(comms[rank], problem.shape, tokens + run.extra_capacity, options);
-    auto host = [](const auto& view) {
-      return std::vector(view.data, view.data + view.numel());
-    };
+    auto host = [](const auto& view) { return std::vector(view.data, view.data + view.numel()); };
     const LayerWeights& w = inputs.weights;
     const LayerShape& shape = problem.shape;
     const int local_experts = static_cast<int>(w.gate.shape[0]);
-    DeviceBuffer<bf16> gate_up(run.callers_weights ? gemm::interleave_gate_up(
-                                                         host(w.gate), host(w.up), local_experts,
-                                                         static_cast<int>(shape.intermediate),
-                                                         static_cast<int>(shape.hidden))
-                                                   : std::vector<bf16>{});
+    DeviceBuffer<bf16> gate_up(
+        run.callers_weights ? gemm::interleave_gate_up(host(w.gate), host(w.up), local_experts,
+                                                       static_cast<int>(shape.intermediate),
+                                                       static_cast<int>(shape.hidden))
+                            : std::vector<bf16>{});
     DeviceBuffer<bf16> down(run.callers_weights ? host(w.down) : std::vector<bf16>{});
     const bool shared = run.callers_weights && shape.has_shared();
-    DeviceBuffer<bf16> shared_gate_up(shared ? gemm::interleave_gate_up(
-                                                   host(w.shared_gate), host(w.shared_up), 1,
-                                                   static_cast<int>(shape.shared_intermediate),
-                                                   static_cast<int>(shape.hidden))
-                                             : std::vector<bf16>{});
+    DeviceBuffer<bf16> shared_gate_up(
+        shared ? gemm::interleave_gate_up(host(w.shared_gate), host(w.shared_up), 1,
+                                          static_cast<int>(shape.shared_intermediate),
+                                          static_cast<int>(shape.hidden))
+               : std::vector<bf16>{});
     DeviceBuffer<bf16> shared_down(shared ? host(w.shared_down) : std::vector<bf16>{});
     DeviceLayerWeights callers;
     if (run.callers_weights) {
-      callers = {gate_up.get(), down.get(), shared ? shared_gate_up.get() : nullptr,
+      callers = {gate_up.get(),
+                 down.get(),
+                 shared ? shared_gate_up.get() : nullptr,
                  shared ? shared_down.get() : nullptr,
-                 static_cast<int64_t>(gate_up.size()), static_cast<int64_t>(down.size()),
+                 static_cast<int64_t>(gate_up.size()),
+                 static_cast<int64_t>(down.size()),
                  shared ? static_cast<int64_t>(shared_gate_up.size()) : 0,
                  shared ? static_cast<int64_t>(shared_down.size()) : 0};
     } else {
       layer.load_weights(inputs.weights);
     }
-    DeviceBuffer<bf16> x(host(inputs.tokens.x));                 // (T, H)
+    DeviceBuffer<bf16> x(host(inputs.tokens.x));                   // (T, H)
     DeviceBuffer<int32_t> topk_idx(host(inputs.tokens.topk_idx));  // (T, k)
-    DeviceBuffer<float> topk_w(host(inputs.tokens.topk_w));       // (T, k)
-    DeviceBuffer<bf16> y(static_cast<size_t>(tokens * hidden));   // (T, H)
+    DeviceBuffer<float> topk_w(host(inputs.tokens.topk_w));        // (T, k)
+    DeviceBuffer<bf16> y(static_cast<size_t>(tokens * hidden));    // (T, H)
     cudaStream_t stream = nullptr;
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     CommWorkspace& ws = layer.workspace();
     const size_t row_bytes = static_cast<size_t>(ws.layout().row_bytes());
     auto poison = [&] {
       MOK_CUDA_CHECK(cudaMemsetAsync(y.get(), 0xff, y.size() * sizeof(bf16), stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(ws.slots(), 0xff,
-                                     ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_x(), 0xff, ws.layout().expert_rows * row_bytes,
-                                     stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, ws.layout().expert_y_rows * row_bytes,
-                                     stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(
+          ws.slots(), 0xff, ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
+      MOK_CUDA_CHECK(
+          cudaMemsetAsync(ws.expert_x(), 0xff, ws.layout().expert_rows * row_bytes, stream));
+      MOK_CUDA_CHECK(
+          cudaMemsetAsync(ws.expert_y(), 0xff, ws.layout().expert_y_rows * row_bytes, stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(layer.routed_hidden(), 0xff,
                                      ws.layout().expert_rows * problem.shape.intermediate * 2,
                                      stream));
@@ -187,6 +189,5 @@ inline void expect_matches_reference(const Problem& problem, int ep, const std::
   EXPECT_LE(gpu.relative_l2, 2.0 * cpu.relative_l2 + 1e-4)
       << "GPU vs oracle: " << gpu.describe() << "; CPU reference vs oracle: " << cpu.describe();
 }
-
 
 }  // namespace mok::comm_test

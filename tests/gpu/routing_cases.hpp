@@ -19,14 +19,17 @@ struct Case {
 // How gtest names a case in its output (instead of the raw bytes of the struct).
 inline void PrintTo(const Case& which, std::ostream* out) {
   *out << which.routing << (which.unused_slots > 0 ? ", unused slots" : "")
-       << (which.signed_weights ? ", signed weights" : "") << (which.shared_expert ? ", shared expert" : "");
+       << (which.signed_weights ? ", signed weights" : "")
+       << (which.shared_expert ? ", shared expert" : "");
 }
 
 // A test name: "skewed_1_5_signed_shared".
 inline std::string case_name(const Case& which) {
   std::string name = which.routing + (which.unused_slots > 0 ? "_unused" : "") +
-                     (which.signed_weights ? "_signed" : "") + (which.shared_expert ? "_shared" : "");
-  for (char& c : name) if (c == ':' || c == '-' || c == '.') c = '_';
+                     (which.signed_weights ? "_signed" : "") +
+                     (which.shared_expert ? "_shared" : "");
+  for (char& c : name)
+    if (c == ':' || c == '-' || c == '.') c = '_';
   return name;
 }
 

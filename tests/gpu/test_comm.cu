@@ -38,9 +38,9 @@ TEST_P(CommDispatch, RowsInGlobalTokenOrderWithPadding) {
     CommWorkspace ws(comms[rank], shape, tokens + 5, options);  // T < T_max on purpose
     const int64_t experts_local = ws.layout().experts_per_rank();
     const int64_t capacity = ws.layout().rows_capacity();
-    DeviceBuffer<int32_t> topk_idx(std::vector<int32_t>(
-        problem.topk_idx.begin() + rank * tokens * top_k,
-        problem.topk_idx.begin() + (rank + 1) * tokens * top_k));
+    DeviceBuffer<int32_t> topk_idx(
+        std::vector<int32_t>(problem.topk_idx.begin() + rank * tokens * top_k,
+                             problem.topk_idx.begin() + (rank + 1) * tokens * top_k));
     MOK_CUDA_CHECK(cudaMemcpy(ws.x(), problem.x.data() + rank * tokens * hidden,
                               tokens * hidden * sizeof(bf16), cudaMemcpyHostToDevice));
     MOK_CUDA_CHECK(cudaMemset(ws.expert_x(), 0xff, capacity * hidden * sizeof(bf16)));
@@ -50,9 +50,12 @@ TEST_P(CommDispatch, RowsInGlobalTokenOrderWithPadding) {
 
     std::vector<int32_t> offsets(experts_local + 1), row_source(capacity);
     std::vector<bf16> expert_x(capacity * hidden);
-    MOK_CUDA_CHECK(cudaMemcpy(offsets.data(), ws.expert_offsets(), offsets.size() * 4, cudaMemcpyDeviceToHost));
-    MOK_CUDA_CHECK(cudaMemcpy(row_source.data(), ws.row_source(), row_source.size() * 4, cudaMemcpyDeviceToHost));
-    MOK_CUDA_CHECK(cudaMemcpy(expert_x.data(), ws.expert_x(), expert_x.size() * 2, cudaMemcpyDeviceToHost));
+    MOK_CUDA_CHECK(cudaMemcpy(offsets.data(), ws.expert_offsets(), offsets.size() * 4,
+                              cudaMemcpyDeviceToHost));
+    MOK_CUDA_CHECK(cudaMemcpy(row_source.data(), ws.row_source(), row_source.size() * 4,
+                              cudaMemcpyDeviceToHost));
+    MOK_CUDA_CHECK(
+        cudaMemcpy(expert_x.data(), ws.expert_x(), expert_x.size() * 2, cudaMemcpyDeviceToHost));
 
     int64_t expected_first = 0;
     for (int64_t local = 0; local < experts_local; ++local) {
@@ -63,9 +66,12 @@ TEST_P(CommDispatch, RowsInGlobalTokenOrderWithPadding) {
         for (int64_t slot = 0; slot < top_k; ++slot) {
           if (problem.topk_idx[global * top_k + slot] != expert) continue;
           const int64_t source = global / tokens, token = global % tokens;
-          const int32_t packed = static_cast<int32_t>((source * (tokens + 5) + token) * top_k + slot);
-          ASSERT_EQ(row_source[row], packed) << "rank " << rank << " expert " << expert << " row " << row;
-          ASSERT_EQ(0, std::memcmp(&expert_x[row * hidden], &problem.x[global * hidden], hidden * 2))
+          const int32_t packed =
+              static_cast<int32_t>((source * (tokens + 5) + token) * top_k + slot);
+          ASSERT_EQ(row_source[row], packed)
+              << "rank " << rank << " expert " << expert << " row " << row;
+          ASSERT_EQ(0,
+                    std::memcmp(&expert_x[row * hidden], &problem.x[global * hidden], hidden * 2))
               << "rank " << rank << " row " << row << " is not token " << global;
           ++row;
         }
@@ -84,7 +90,8 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(comm::CopyMethod::kVector, comm::CopyMethod::kBulk)),
     [](const auto& info) {
       std::string routing = std::get<0>(info.param);
-      for (char& c : routing) if (c == ':' || c == '-') c = '_';
+      for (char& c : routing)
+        if (c == ':' || c == '-') c = '_';
       return routing + "_" + method_name(std::get<1>(info.param));
     });
 

@@ -30,7 +30,8 @@ TEST(CommErrors, ExpertIdOutOfRangeBecomesHostError) {
   options.tamper = [&](int rank, int32_t* topk_idx) {
     if (rank != 1) return;
     const int32_t bad = 300;  // E = 16
-    MOK_CUDA_CHECK(cudaMemcpy(topk_idx + 7 * problem.shape.top_k + 2, &bad, 4, cudaMemcpyHostToDevice));
+    MOK_CUDA_CHECK(
+        cudaMemcpy(topk_idx + 7 * problem.shape.top_k + 2, &bad, 4, cudaMemcpyHostToDevice));
   };
   try {
     run_layer(problem, 2, options);
@@ -39,7 +40,8 @@ TEST(CommErrors, ExpertIdOutOfRangeBecomesHostError) {
     const std::string message = error.what();
     EXPECT_EQ(error.argument(), "topk_idx") << message;
     EXPECT_NE(message.find("expert id 300 out of range [-1, 16) at rank 1 token 7 slot 2"),
-              std::string::npos) << message;
+              std::string::npos)
+        << message;
   }
 }
 
@@ -70,7 +72,8 @@ TEST(CommErrors, RepeatedExpertIdBecomesHostError) {
     MOK_CUDA_CHECK(cudaMemcpy(topk_idx + 7 * top_k + 3, &row[1], 4, cudaMemcpyHostToDevice));
   };
   expect_topk_idx_error([&] { run_layer(problem, 2, options); },
-                        detail::concat("expert id ", row[1], " repeated at rank 1 token 7 slot 3 "
+                        detail::concat("expert id ", row[1],
+                                       " repeated at rank 1 token 7 slot 3 "
                                        "(also at slot 1; the ids of a row must be distinct"));
 
   // Two unused slots in that row: accepted, and y is the CPU reference's.
@@ -108,7 +111,8 @@ TEST(CommErrors, RepeatedExpertIdInTheFusedForwardBecomesHostError) {
         layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), problem.num_tokens, nullptr);
         layer.check(nullptr);
       },
-      detail::concat("expert id ", ids[100 * top_k], " repeated at rank 0 token 100 slot 3 (also at "
+      detail::concat("expert id ", ids[100 * top_k],
+                     " repeated at rank 0 token 100 slot 3 (also at "
                      "slot 0; the ids of a row must be distinct, only -1 may repeat; found on the "
                      "device by rank 0, phase schedule)"));
 }
@@ -125,9 +129,9 @@ TEST(CommErrors, MissingPeerTimesOutThenRecovers) {
   for_each_rank(2, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
     CommWorkspace ws(comms[rank], problem.shape, tokens, options);
-    DeviceBuffer<int32_t> topk_idx(std::vector<int32_t>(
-        problem.topk_idx.begin() + rank * tokens * top_k,
-        problem.topk_idx.begin() + (rank + 1) * tokens * top_k));
+    DeviceBuffer<int32_t> topk_idx(
+        std::vector<int32_t>(problem.topk_idx.begin() + rank * tokens * top_k,
+                             problem.topk_idx.begin() + (rank + 1) * tokens * top_k));
     if (rank == 0) {  // rank 1 never launches its half
       schedule(ws, topk_idx.get(), tokens, nullptr);
       try {
@@ -145,7 +149,8 @@ TEST(CommErrors, MissingPeerTimesOutThenRecovers) {
   });
   EXPECT_NE(message.find("rank 0, phase gather: timed out after 300 ms waiting for rank 1's "
                          "gather flag to reach epoch 1"),
-            std::string::npos) << "got: '" << message << "'";
+            std::string::npos)
+      << "got: '" << message << "'";
 }
 
 }  // namespace

@@ -1,6 +1,5 @@
 #include "test_comm_harness.cuh"
 
-
 #include "mok/reference.hpp"
 
 namespace mok::comm_test {
@@ -24,7 +23,10 @@ struct ExpertRows {
     int32_t low = 0, high = num_local_experts - 1;  // last expert whose first row <= row
     while (low < high) {
       const int32_t middle = (low + high + 1) / 2;
-      if (offsets[middle] <= row) low = middle; else high = middle - 1;
+      if (offsets[middle] <= row)
+        low = middle;
+      else
+        high = middle - 1;
     }
     return low;
   }
@@ -34,8 +36,8 @@ __device__ inline float dot_natural_order(const __nv_bfloat16* weights, const __
                                           int64_t length) {
   float sum = 0.0f;
   for (int64_t index = 0; index < length; ++index) {
-    sum = numerics::add_rn(sum, numerics::mul_rn(__bfloat162float(weights[index]),
-                                                 __bfloat162float(values[index])));
+    sum = numerics::add_rn(
+        sum, numerics::mul_rn(__bfloat162float(weights[index]), __bfloat162float(values[index])));
   }
   return sum;
 }
@@ -67,7 +69,8 @@ __global__ void reference_expert_output(ExpertRows rows, const __nv_bfloat16* h,
   const int64_t row = item / hidden, column = item % hidden;
   const int32_t expert = rows.expert_of(row);
   if (expert < 0) return;
-  const float value = dot_natural_order(down + (expert * hidden + column) * inter, h + row * inter, inter);
+  const float value =
+      dot_natural_order(down + (expert * hidden + column) * inter, h + row * inter, inter);
   if constexpr (sizeof(Out) == 2) {
     out[item] = __float2bfloat16_rn(value);
   } else {
@@ -103,17 +106,20 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
     const int64_t capacity = ws.layout().rows_capacity();
     const int64_t experts_local = ws.layout().experts_per_rank();
 
-    DeviceBuffer<bf16> x(host_copy(inputs.tokens.x));             // (T, H)
-    DeviceBuffer<int32_t> topk_idx(host_copy(inputs.tokens.topk_idx));  // (T, k)
-    DeviceBuffer<float> topk_w(host_copy(inputs.tokens.topk_w));   // (T, k)
-    DeviceBuffer<bf16> gate(host_copy(inputs.weights.gate));       // (E_l, I, H)
-    DeviceBuffer<bf16> up(host_copy(inputs.weights.up));           // (E_l, I, H)
-    DeviceBuffer<bf16> down(host_copy(inputs.weights.down));       // (E_l, H, I)
+    DeviceBuffer<bf16> x(host_copy(inputs.tokens.x));                         // (T, H)
+    DeviceBuffer<int32_t> topk_idx(host_copy(inputs.tokens.topk_idx));        // (T, k)
+    DeviceBuffer<float> topk_w(host_copy(inputs.tokens.topk_w));              // (T, k)
+    DeviceBuffer<bf16> gate(host_copy(inputs.weights.gate));                  // (E_l, I, H)
+    DeviceBuffer<bf16> up(host_copy(inputs.weights.up));                      // (E_l, I, H)
+    DeviceBuffer<bf16> down(host_copy(inputs.weights.down));                  // (E_l, H, I)
     DeviceBuffer<bf16> routed_hidden(static_cast<size_t>(capacity * inter));  // (rows, I)
     const bool has_shared = shared_inter > 0;
-    DeviceBuffer<bf16> shared_gate(has_shared ? host_copy(inputs.weights.shared_gate) : std::vector<bf16>{});
-    DeviceBuffer<bf16> shared_up(has_shared ? host_copy(inputs.weights.shared_up) : std::vector<bf16>{});
-    DeviceBuffer<bf16> shared_down(has_shared ? host_copy(inputs.weights.shared_down) : std::vector<bf16>{});
+    DeviceBuffer<bf16> shared_gate(has_shared ? host_copy(inputs.weights.shared_gate)
+                                              : std::vector<bf16>{});
+    DeviceBuffer<bf16> shared_up(has_shared ? host_copy(inputs.weights.shared_up)
+                                            : std::vector<bf16>{});
+    DeviceBuffer<bf16> shared_down(has_shared ? host_copy(inputs.weights.shared_down)
+                                              : std::vector<bf16>{});
     DeviceBuffer<bf16> shared_hidden(static_cast<size_t>(tokens * shared_inter));  // (T, I_s)
     DeviceBuffer<float> shared_output(static_cast<size_t>(tokens * hidden));       // (T, H)
     DeviceBuffer<bf16> y(static_cast<size_t>(tokens * hidden));                    // (T, H)
@@ -121,7 +127,9 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
 
     cudaStream_t stream = nullptr;
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto as_device = [](const bf16* pointer) { return reinterpret_cast<const __nv_bfloat16*>(pointer); };
+    auto as_device = [](const bf16* pointer) {
+      return reinterpret_cast<const __nv_bfloat16*>(pointer);
+    };
     auto as_device_out = [](bf16* pointer) { return reinterpret_cast<__nv_bfloat16*>(pointer); };
     const ExpertRows routed_rows{ws.expert_offsets(), ws.row_source(),
                                  static_cast<int32_t>(experts_local), 0};
@@ -139,8 +147,9 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
           capacity, as_device_out(ws.expert_y()));
       if (has_shared) {
         reference_expert_hidden<<<blocks_for(tokens * shared_inter), 256, 0, stream>>>(
-            shared_rows, as_device(x.get()), as_device(shared_gate.get()), as_device(shared_up.get()),
-            hidden, shared_inter, tokens, as_device_out(shared_hidden.get()));
+            shared_rows, as_device(x.get()), as_device(shared_gate.get()),
+            as_device(shared_up.get()), hidden, shared_inter, tokens,
+            as_device_out(shared_hidden.get()));
         reference_expert_output<float><<<blocks_for(tokens * hidden), 256, 0, stream>>>(
             shared_rows, as_device(shared_hidden.get()), as_device(shared_down.get()), hidden,
             shared_inter, tokens, shared_output.get());
@@ -154,8 +163,8 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
     auto poison = [&] {
       const size_t row_bytes = static_cast<size_t>(ws.layout().row_bytes());
       MOK_CUDA_CHECK(cudaMemsetAsync(y.get(), 0xff, y.size() * sizeof(bf16), stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(ws.slots(), 0xff,
-                                     ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(
+          ws.slots(), 0xff, ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_x(), 0xff, capacity * row_bytes, stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, capacity * row_bytes, stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(shared_output.get(), 0xff, shared_output.size() * 4, stream));

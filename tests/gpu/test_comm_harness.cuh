@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "device_buffer.hpp"
+#include "mok/cuda_check.hpp"
 #include "mok/detail/numerics.hpp"
 #include "mok/synthetic.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
-#include "mok/cuda_check.hpp"
-#include "device_buffer.hpp"
 #include "runtime/workspace.hpp"
 
 namespace mok::comm_test {
@@ -28,13 +28,13 @@ inline int visible_gpus() {
   return count;
 }
 
-#define MOK_REQUIRE_GPUS(count)                                                                \
-  do {                                                                                         \
-    const int visible_ = ::mok::comm_test::visible_gpus();                                     \
-    if (visible_ < (count)) {                                                                  \
-      GTEST_SKIP() << "needs " << (count) << " GPU(s) for expert parallelism, " << visible_    \
-                   << " visible";                                                              \
-    }                                                                                          \
+#define MOK_REQUIRE_GPUS(count)                                                             \
+  do {                                                                                      \
+    const int visible_ = ::mok::comm_test::visible_gpus();                                  \
+    if (visible_ < (count)) {                                                               \
+      GTEST_SKIP() << "needs " << (count) << " GPU(s) for expert parallelism, " << visible_ \
+                   << " visible";                                                           \
+    }                                                                                       \
   } while (0)
 
 using ::mok::testing::DeviceBuffer;
@@ -61,8 +61,8 @@ std::vector<bf16> reference_y(const Problem& problem, int ep);
 
 // Captures enqueue() on `stream` into a CUDA graph, then `replays` times: before(), a replay,
 // after(replay).
-inline void replay_in_graph(cudaStream_t stream, const std::function<void()>& enqueue,
-                            int replays, const std::function<void()>& before,
+inline void replay_in_graph(cudaStream_t stream, const std::function<void()>& enqueue, int replays,
+                            const std::function<void()>& before,
                             const std::function<void(int)>& after) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t graph_exec = nullptr;

@@ -104,18 +104,22 @@ class LayerPair {
       MOK_CUDA_CHECK(cudaMemsetAsync(grad->get(), 0xff, grad->size() * sizeof(float), stream));
     }
     forward_.forward(x, topk_idx, topk_w, y.get(), tokens, stream);
-    const DeviceLayerGradients grads{grad_gate_up_.get(), grad_down_.get(),
-                                     shared ? grad_shared_gate_up_.get() : nullptr,
-                                     shared ? grad_shared_down_.get() : nullptr,
-                                     gemm::WgradOutput::kFp32};
+    const DeviceLayerGradients grads{
+        grad_gate_up_.get(), grad_down_.get(), shared ? grad_shared_gate_up_.get() : nullptr,
+        shared ? grad_shared_down_.get() : nullptr, gemm::WgradOutput::kFp32};
     backward_.backward(weights(), x, topk_idx, topk_w, dy, dx.get(), d_topk_w.get(), grads, tokens,
                        stream);
   }
 
   StepOutputs outputs(const DeviceBuffer<bf16>& y, const DeviceBuffer<bf16>& dx,
                       const DeviceBuffer<float>& d_topk_w) const {
-    StepOutputs out{y.download(), dx.download(), d_topk_w.download(), grad_gate_up_.download(),
-                    grad_down_.download(), {}, {}};
+    StepOutputs out{y.download(),
+                    dx.download(),
+                    d_topk_w.download(),
+                    grad_gate_up_.download(),
+                    grad_down_.download(),
+                    {},
+                    {}};
     if (forward_.shape().has_shared()) {
       out.grad_shared_gate_up = grad_shared_gate_up_.download();
       out.grad_shared_down = grad_shared_down_.download();
@@ -193,8 +197,8 @@ TEST(FaultRecovery, PoisonedRoutingIsNamedThenTheRunGoesOnBitwiseAsIfItNeverHapp
     const Step& step = steps[index];
     SCOPED_TRACE("step " + std::to_string(index) + " (" + step.routing.routing + ")");
     // The routing: Problem::generate's for a layer of this E and k (it does not depend on H or I).
-    const Problem routing = testing::make_problem(step.routing, tokens, step.seed,
-                                                  LayerShape{8, 8, 0, shape.num_experts, shape.top_k});
+    const Problem routing = testing::make_problem(
+        step.routing, tokens, step.seed, LayerShape{8, 8, 0, shape.num_experts, shape.top_k});
     topk_idx.upload(routing.topk_idx);
     topk_w.upload(routing.topk_w);
     if (step.poisoned) {
@@ -204,9 +208,9 @@ TEST(FaultRecovery, PoisonedRoutingIsNamedThenTheRunGoesOnBitwiseAsIfItNeverHapp
                                      &step.id, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
       faulted.enqueue(x.get(), topk_idx.get(), topk_w.get(), dy.get(), y, dx, d_topk_w, tokens,
                       stream);
-      const std::string fragment = detail::concat("expert id ", step.id, " out of range [-1, ",
-                                                  experts, ") at rank 0 token ", step.token,
-                                                  " slot ", step.slot);
+      const std::string fragment =
+          detail::concat("expert id ", step.id, " out of range [-1, ", experts,
+                         ") at rank 0 token ", step.token, " slot ", step.slot);
       expect_named_fault([&] { faulted.forward().check(stream); }, fragment, "forward");
       expect_named_fault([&] { faulted.backward().check(stream); }, fragment, "backward");
       // Still reported until the reset: a later check does not lose it.

@@ -60,8 +60,7 @@ INSTANTIATE_TEST_SUITE_P(
     Routings, FusedForwardEp2,
     ::testing::Values(Case{"uniform", 0.0, false, true}, Case{"skewed:1.5", 0.0, true, true},
                       Case{"skewed:4", 0.0, false, true},  // most experts empty
-                      Case{"single-expert", 0.0, false, false},
-                      Case{"uniform", 0.35, true, false}),
+                      Case{"single-expert", 0.0, false, false}, Case{"uniform", 0.35, true, false}),
     [](const auto& info) { return case_name(info.param); });
 
 // Ten eager repeats at EP 2 with the default settings, where the tickets, the dispatch order and
@@ -121,8 +120,8 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
 // have read and the gate/up tiles for hidden rows the down tiles have read.
 TEST(FusedForwardEp2Rings, RingsSmallerThanTheReceivedRowsDoNotChangeABit) {
   MOK_REQUIRE_HOPPER_GPUS(2);
-  for (const Case& routing : {Case{"skewed:1.2", 0.1, true, true},
-                              Case{"single-expert", 0.0, false, false}}) {
+  for (const Case& routing :
+       {Case{"skewed:1.2", 0.1, true, true}, Case{"single-expert", 0.0, false, false}}) {
     SCOPED_TRACE(case_name(routing));
     const Problem problem = layer_problem(routing, 2 * 300, 41, true);
     const std::vector<bf16> expected = run_gpu_layer(problem, 2, GpuRun{});  // unfused
@@ -164,7 +163,8 @@ TEST(FusedForwardEp1Rings, RingBoundsTheBuffers) {
   const int64_t unfused_bytes = LayerForward(comm, shape, tokens, unfused).buffer_bytes();
   const int64_t full_bytes = LayerForward(comm, shape, tokens, full).buffer_bytes();
   const int64_t ring_bytes = LayerForward(comm, shape, tokens, ring).buffer_bytes();
-  const int64_t capacity = LayerForward(comm, shape, tokens, full).workspace().layout().rows_capacity();
+  const int64_t capacity =
+      LayerForward(comm, shape, tokens, full).workspace().layout().rows_capacity();
   const int64_t row = shape.hidden * 2;
   EXPECT_EQ(unfused_bytes - full_bytes, capacity * row) << "the fused path holds an expert_y";
   EXPECT_GE(full_bytes - ring_bytes, (capacity - 1024) * (row + shape.intermediate * 2) - 8192)
@@ -180,8 +180,9 @@ TEST(FusedForwardEp1Rings, RingBoundsTheBuffers) {
 // multiples of the slice, and slice boundaries inside a token's slots (T k = 300 * 6).
 TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
   MOK_REQUIRE_HOPPER_GPUS(2);
-  for (const Case& routing : {Case{"skewed:1.2", 0.1, true, true}, Case{"uniform", 0.0, false, true},
-                              Case{"single-expert", 0.0, false, false}}) {
+  for (const Case& routing :
+       {Case{"skewed:1.2", 0.1, true, true}, Case{"uniform", 0.0, false, true},
+        Case{"single-expert", 0.0, false, false}}) {
     SCOPED_TRACE(case_name(routing));
     const Problem problem = layer_problem(routing, 2 * 300, 51, true);
     GpuRun run = fused_run(3, 256);
@@ -226,8 +227,8 @@ TEST(FusedForwardTails, CarriedTailsEqualUnfusedBitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   const int64_t tokens = 2 * 240;
   Problem problem = layer_problem({"uniform", 0.0, true, true}, tokens, 41, true);
-  const std::vector<int> counts = {1, 5, 16, 17, 265, 400, 136, 64, 401, 129, 144, 130, 164, 0,
-                                   3, 264};
+  const std::vector<int> counts = {1,   5,   16,  17,  265, 400, 136, 64,
+                                   401, 129, 144, 130, 164, 0,   3,   264};
   ASSERT_EQ(counts.size(), static_cast<size_t>(problem.shape.num_experts));
   // Expert e's slots are consecutive places of the list, so they fall on distinct tokens.
   const int64_t top_k = problem.shape.top_k;

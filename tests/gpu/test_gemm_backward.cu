@@ -73,8 +73,10 @@ class GroupedGemmBackward : public ::testing::Test {
                            GemmEngine engine = GemmEngine::kAuto) {
     DeviceBuffer<T> dw(static_cast<size_t>(p_->num_experts) * kOut * kIn);
     if constexpr (std::is_same_v<T, float>) {
-      if (initial != nullptr) dw.upload(*initial);
-      else dw.poison();
+      if (initial != nullptr)
+        dw.upload(*initial);
+      else
+        dw.poison();
     } else {
       dw.poison();
     }
@@ -210,14 +212,14 @@ TEST_F(GroupedGemmBackward, PingpongEqualsCooperativeBitwise) {
   const auto accumulated =
       run_wgrad<float>(WgradOutput::kAccumulateFp32, 0, &main_grad, GemmEngine::kCooperative);
   for (int num_sms : {0, 1, 7, 33}) {
-    EXPECT_TRUE(bitwise_equal(fp32, run_wgrad<float>(WgradOutput::kFp32, num_sms, nullptr,
-                                                     kPingpong)))
+    EXPECT_TRUE(
+        bitwise_equal(fp32, run_wgrad<float>(WgradOutput::kFp32, num_sms, nullptr, kPingpong)))
         << "wgrad fp32: ping-pong on " << num_sms << " CTAs differs from cooperative";
-    EXPECT_TRUE(bitwise_equal(bf16_result, run_wgrad<bf16>(WgradOutput::kBf16, num_sms,
-                                                           nullptr, kPingpong)))
+    EXPECT_TRUE(bitwise_equal(bf16_result,
+                              run_wgrad<bf16>(WgradOutput::kBf16, num_sms, nullptr, kPingpong)))
         << "wgrad bf16: ping-pong on " << num_sms << " CTAs differs from cooperative";
-    EXPECT_TRUE(bitwise_equal(accumulated, run_wgrad<float>(WgradOutput::kAccumulateFp32,
-                                                            num_sms, &main_grad, kPingpong)))
+    EXPECT_TRUE(bitwise_equal(accumulated, run_wgrad<float>(WgradOutput::kAccumulateFp32, num_sms,
+                                                            &main_grad, kPingpong)))
         << "wgrad accumulate: ping-pong on " << num_sms << " CTAs differs from cooperative";
   }
 }

@@ -13,8 +13,8 @@ namespace {
 
 using namespace mok::gemm;
 
-constexpr int kHidden = 328;        // K: 5 full k-blocks of 64 and a partial one
-constexpr int kIntermediate = 160;  // SwiGLU output width
+constexpr int kHidden = 328;                    // K: 5 full k-blocks of 64 and a partial one
+constexpr int kIntermediate = 160;              // SwiGLU output width
 constexpr int kFusedWidth = 2 * kIntermediate;  // N = 320: one full N tile and a partial one
 // A group's last row block with at most 64 rows runs as a half tile (is_half_tile): 1, 129, 2100
 // (52 rows past 2048), 64 and 192 do, 127, 65 and 193 do not.
@@ -27,13 +27,17 @@ struct ForwardProblem {
   int total_rows = offsets.back();
   int capacity = total_rows + kSpareRows;
   std::vector<bf16> x = random_bf16(static_cast<size_t>(capacity) * kHidden, 11);
-  std::vector<bf16> gate = random_bf16(static_cast<size_t>(num_experts) * kIntermediate * kHidden, 12);
-  std::vector<bf16> up = random_bf16(static_cast<size_t>(num_experts) * kIntermediate * kHidden, 13);
+  std::vector<bf16> gate =
+      random_bf16(static_cast<size_t>(num_experts) * kIntermediate * kHidden, 12);
+  std::vector<bf16> up =
+      random_bf16(static_cast<size_t>(num_experts) * kIntermediate * kHidden, 13);
   std::vector<bf16> w = interleave_gate_up(gate, up, num_experts, kIntermediate, kHidden);
 
   GroupedShape shape() const { return {num_experts, capacity, kFusedWidth, kHidden}; }
   int expert_of(int row) const {
-    return static_cast<int>(std::upper_bound(offsets.begin(), offsets.end(), row) - offsets.begin()) - 1;
+    return static_cast<int>(std::upper_bound(offsets.begin(), offsets.end(), row) -
+                            offsets.begin()) -
+           1;
   }
 };
 
@@ -103,7 +107,8 @@ class GroupedGemmForward : public ::testing::Test {
 TEST_F(GroupedGemmForward, Bf16MatchesReference) {
   const ForwardReference reference(*problem_);
   std::vector<float> host_bf16(reference.same_precision.size());
-  for (size_t i = 0; i < host_bf16.size(); ++i) host_bf16[i] = round_to_bf16(reference.same_precision[i]);
+  for (size_t i = 0; i < host_bf16.size(); ++i)
+    host_bf16[i] = round_to_bf16(reference.same_precision[i]);
   const auto y = run<bf16>(ForwardOutput::kBf16, kFusedWidth);
   expect_accuracy(y, host_bf16, reference.oracle, reference.written, 2.0, "forward bf16");
   const auto again = run<bf16>(ForwardOutput::kBf16, kFusedWidth);

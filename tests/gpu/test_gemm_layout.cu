@@ -29,8 +29,10 @@ TEST(GateUpLayout, InterleavesBlocksOfEightRowsPerExpert) {
       const int source_row = block * 8 + within % 8;
       const std::vector<bf16>& source = is_up ? up : gate;
       for (int column = 0; column < kHidden; ++column) {
-        const size_t fused_index = (static_cast<size_t>(expert) * 2 * kIntermediate + row) * kHidden + column;
-        const size_t source_index = (static_cast<size_t>(expert) * kIntermediate + source_row) * kHidden + column;
+        const size_t fused_index =
+            (static_cast<size_t>(expert) * 2 * kIntermediate + row) * kHidden + column;
+        const size_t source_index =
+            (static_cast<size_t>(expert) * kIntermediate + source_row) * kHidden + column;
         ASSERT_EQ(fused[fused_index].bits, source[source_index].bits)
             << "expert " << expert << ", fused row " << row << ", column " << column;
       }

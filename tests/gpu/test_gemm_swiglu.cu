@@ -17,14 +17,13 @@ namespace {
 
 using namespace mok::gemm;
 
-constexpr uint32_t kOneBits = 0x3f800000u;         // 1.0f
-constexpr uint32_t kTwoPow126Bits = 0x7e800000u;   // 2^126
+constexpr uint32_t kOneBits = 0x3f800000u;        // 1.0f
+constexpr uint32_t kTwoPow126Bits = 0x7e800000u;  // 2^126
 
 __global__ void count_reciprocal_mismatches(unsigned long long* mismatches,
                                             uint32_t* first_mismatch_bits) {
   const uint32_t count = kTwoPow126Bits - kOneBits;
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count;
-       i += gridDim.x * blockDim.x) {
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
     const float d = __uint_as_float(kOneBits + i);
     if (__float_as_uint(reciprocal_rn(d)) != __float_as_uint(__fdiv_rn(1.0f, d))) {
       atomicAdd(mismatches, 1ull);
@@ -97,7 +96,8 @@ TEST(GemmSwiGlu, InPlaceTileMatchesHostDefinitionBitwise) {
   constexpr int kThreads = 8192;
   std::mt19937 generator(31);
   std::uniform_real_distribution<float> wide(-90.0f, 90.0f), narrow(-6.0f, 6.0f);
-  const float edges[] = {-87.0f, -86.99999f, -88.0f, -100.0f, 87.0f, 86.99999f, 88.6f, 0.0f, 1e-30f};
+  const float edges[] = {-87.0f,    -86.99999f, -88.0f, -100.0f, 87.0f,
+                         86.99999f, 88.6f,      0.0f,   1e-30f};
   std::vector<float> input(static_cast<size_t>(kThreads) * kTileValues);
   for (size_t i = 0; i < input.size(); ++i) {
     input[i] = (i % 3 == 0) ? wide(generator) : narrow(generator);

@@ -19,8 +19,8 @@ TEST(L2PartitionMap, SplitsTheSmsOfAHopperGpuInTwoAndIsProbedOnce) {
   const runtime::L2PartitionMap& map = runtime::l2_partition_map();
   std::string latencies;
   for (int id = 0; id < runtime::kMaxSmIds; ++id) {
-    if (map.probe_latency[id] != 0) latencies += std::to_string(id) + ":" +
-                                                 std::to_string(map.probe_latency[id]) + " ";
+    if (map.probe_latency[id] != 0)
+      latencies += std::to_string(id) + ":" + std::to_string(map.probe_latency[id]) + " ";
   }
   // H100 and H200 have two L2 partitions; the probe must find both, each with a fair share.
   ASSERT_EQ(map.num_partitions, 2) << "mean probe latency by SM: " << latencies;

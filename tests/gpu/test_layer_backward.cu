@@ -72,10 +72,9 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
     const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
     auto host = [](const auto& view) { return std::vector(view.data, view.data + view.numel()); };
     const LayerWeights& w = inputs.weights;
-    DeviceBuffer<bf16> gate_up(gemm::interleave_gate_up(host(w.gate), host(w.up),
-                                                        static_cast<int>(local_experts),
-                                                        static_cast<int>(inter),
-                                                        static_cast<int>(hidden)));
+    DeviceBuffer<bf16> gate_up(
+        gemm::interleave_gate_up(host(w.gate), host(w.up), static_cast<int>(local_experts),
+                                 static_cast<int>(inter), static_cast<int>(hidden)));
     DeviceBuffer<bf16> down(host(w.down));
     const bool shared = shape.has_shared();
     DeviceBuffer<bf16> shared_gate_up(
@@ -100,12 +99,11 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
     DeviceBuffer<float> grad_gate_up(gate_up.size()), grad_down(down.size());
     DeviceBuffer<float> grad_shared_gate_up(shared_gate_up.size()),
         grad_shared_down(shared_down.size());
-    DeviceLayerGradients grads{grad_gate_up.get(), grad_down.get(),
-                               shared ? grad_shared_gate_up.get() : nullptr,
-                               shared ? grad_shared_down.get() : nullptr,
-                               run.mode == GradMode::kAccumulate
-                                   ? gemm::WgradOutput::kAccumulateFp32
-                                   : gemm::WgradOutput::kFp32};
+    DeviceLayerGradients grads{
+        grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
+        shared ? grad_shared_down.get() : nullptr,
+        run.mode == GradMode::kAccumulate ? gemm::WgradOutput::kAccumulateFp32
+                                          : gemm::WgradOutput::kFp32};
     LayerBackward layer(comms[rank], shape, tokens, run.layer);
     cudaStream_t stream = nullptr;
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -125,9 +123,10 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
       MOK_CUDA_CHECK(cudaMemset(ws.expert_y(), 0xff, ws.layout().expert_y_rows * row_bytes));
       MOK_CUDA_CHECK(cudaMemset(ws.expert_x(), 0xff, ws.layout().expert_rows * row_bytes));
       MOK_CUDA_CHECK(cudaMemset(ws.expert_dy(), 0xff, ws.layout().rows_capacity() * row_bytes));
-      MOK_CUDA_CHECK(cudaMemset(ws.slots(), 0xff,
-                                ws.layout().tokens_max * ws.layout().top_k * row_bytes));
-      MOK_CUDA_CHECK(cudaMemset(ws.d_topk_w(), 0xff, ws.layout().tokens_max * ws.layout().top_k * 4));
+      MOK_CUDA_CHECK(
+          cudaMemset(ws.slots(), 0xff, ws.layout().tokens_max * ws.layout().top_k * row_bytes));
+      MOK_CUDA_CHECK(
+          cudaMemset(ws.d_topk_w(), 0xff, ws.layout().tokens_max * ws.layout().top_k * 4));
       MOK_CUDA_CHECK(cudaDeviceSynchronize());
     };
     auto enqueue = [&] {
@@ -142,8 +141,8 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
                     out.grad_up);
       out.grad_down = grad_down.download();
       if (shared) {
-        split_gate_up(grad_shared_gate_up.download(), 1, shared_inter, hidden,
-                      out.grad_shared_gate, out.grad_shared_up);
+        split_gate_up(grad_shared_gate_up.download(), 1, shared_inter, hidden, out.grad_shared_gate,
+                      out.grad_shared_up);
         out.grad_shared_down = grad_shared_down.download();
       }
       return out;
@@ -259,23 +258,25 @@ TEST_P(LayerBackwardEp1, MatchesReferenceAndRepeatsBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Routings, LayerBackwardEp1,
-    ::testing::Values(Case{"uniform", 0.2, true, true}, Case{"skewed:4", 0.0, false, true},
-                      Case{"single-expert", 0.0, true, false}, Case{"uniform", 0.0, false, false}),
-    [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Routings, LayerBackwardEp1,
+                         ::testing::Values(Case{"uniform", 0.2, true, true},
+                                           Case{"skewed:4", 0.0, false, true},
+                                           Case{"single-expert", 0.0, true, false},
+                                           Case{"uniform", 0.0, false, false}),
+                         [](const auto& info) { return case_name(info.param); });
 
 TEST(LayerBackwardEp1Shapes, OddShapesMatchReference) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   // (H, I, I_s, E, k): top-1, many experts with few rows, I and I_s not multiples of 128.
-  const std::vector<LayerShape> shapes = {{256, 136, 0, 8, 1}, {384, 72, 200, 64, 8},
-                                          {128, 256, 64, 4, 2}};
+  const std::vector<LayerShape> shapes = {
+      {256, 136, 0, 8, 1}, {384, 72, 200, 64, 8}, {128, 256, 64, 4, 2}};
   for (const LayerShape& shape : shapes) {
     for (int64_t tokens : {int64_t{1}, int64_t{77}}) {
-      SCOPED_TRACE("H " + std::to_string(shape.hidden) + " I " + std::to_string(shape.intermediate) +
-                   " I_s " + std::to_string(shape.shared_intermediate) + " E " +
-                   std::to_string(shape.num_experts) + " k " + std::to_string(shape.top_k) +
-                   ", " + std::to_string(tokens) + " tokens");
+      SCOPED_TRACE("H " + std::to_string(shape.hidden) + " I " +
+                   std::to_string(shape.intermediate) + " I_s " +
+                   std::to_string(shape.shared_intermediate) + " E " +
+                   std::to_string(shape.num_experts) + " k " + std::to_string(shape.top_k) + ", " +
+                   std::to_string(tokens) + " tokens");
       const Problem problem = testing::make_problem({"uniform", 0.1, true, true}, tokens, 7, shape);
       BackwardRun run;
       expect_matches_reference(problem, 1, run_gpu_backward(problem, 1, run), run);
@@ -347,11 +348,11 @@ TEST_P(LayerBackwardEp2, MatchesReferenceAndEp1Bitwise) {
   EXPECT_EQ(first_different_tensor(ep1, ep2), "") << "EP=1 differs from EP=2";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Routings, LayerBackwardEp2,
-    ::testing::Values(Case{"uniform", 0.2, true, true}, Case{"skewed:4", 0.0, false, true},
-                      Case{"single-expert", 0.0, false, false}),
-    [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Routings, LayerBackwardEp2,
+                         ::testing::Values(Case{"uniform", 0.2, true, true},
+                                           Case{"skewed:4", 0.0, false, true},
+                                           Case{"single-expert", 0.0, false, false}),
+                         [](const auto& info) { return case_name(info.param); });
 
 }  // namespace
 }  // namespace mok::comm_test

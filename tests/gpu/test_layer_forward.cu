@@ -19,7 +19,8 @@ TEST(LayerForwardEp1, MatchesReferenceAndRepeatsBitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   for (bool wider : {false, true}) {
     SCOPED_TRACE(wider ? "H 512, I 192, top-6" : "H 256, I 128, top-4");
-    const Problem problem = layer_problem({"uniform", 0.1, true, true}, 300, 11, wider);  // 300 % 128 != 0
+    const Problem problem =
+        layer_problem({"uniform", 0.1, true, true}, 300, 11, wider);  // 300 % 128 != 0
     GpuRun run;
     run.repeats = 3;
     expect_matches_reference(problem, 1, run_gpu_layer(problem, 1, run));
@@ -66,8 +67,7 @@ INSTANTIATE_TEST_SUITE_P(
     Routings, LayerForwardEp2,
     ::testing::Values(Case{"uniform", 0.0, false, true}, Case{"skewed:1.5", 0.0, true, true},
                       Case{"skewed:4", 0.0, false, true},  // most experts empty
-                      Case{"single-expert", 0.0, false, false},
-                      Case{"uniform", 0.35, true, false}),
+                      Case{"single-expert", 0.0, false, false}, Case{"uniform", 0.35, true, false}),
     [](const auto& info) { return case_name(info.param); });
 
 TEST(LayerForwardEp2Settings, GemmAndCopySmCountsDoNotChangeABit) {
@@ -79,7 +79,7 @@ TEST(LayerForwardEp2Settings, GemmAndCopySmCountsDoNotChangeABit) {
   settings[2].layer.gemm.num_sms = 8;
   settings[2].layer.copy = {64, comm::CopyMethod::kVector, 512};
   settings[3].layer.overlap_shared_with_dispatch = false;  // shared expert, then dispatch
-  settings.emplace_back().callers_weights = true;           // weights passed per call
+  settings.emplace_back().callers_weights = true;          // weights passed per call
   const std::vector<bf16> expected = run_gpu_layer(problem, 2, settings[0]);
   expect_matches_reference(problem, 2, expected);
   for (size_t index = 1; index < settings.size(); ++index) {

@@ -177,9 +177,9 @@ TEST_P(TaskListTest, EveryTileOnceInDependencyOrder) {
     const int tail = count - (blocks - 1) * kRows;
     const int carriers = (tail + kCarriedTailRows - 1) / kCarriedTailRows;
     const int last = routed.offsets[task.tile.group] / kRows + blocks - 1;
-    const bool carries_ok = blocks >= 2 && carriers <= blocks - 1 &&
-                            carriers <= (one_round ? kMaxTailCarriers : 1) &&
-                            last / which.minibatch_mblocks == (last - carriers) / which.minibatch_mblocks;
+    const bool carries_ok =
+        blocks >= 2 && carriers <= blocks - 1 && carriers <= (one_round ? kMaxTailCarriers : 1) &&
+        last / which.minibatch_mblocks == (last - carriers) / which.minibatch_mblocks;
     const int j = last - 1 - task.mblock;
     const bool carrier = carries_ok && j >= 0 && j < carriers;
     EXPECT_EQ(task.carried, carries_ok && task.mblock == last) << "ticket " << ticket;
@@ -245,8 +245,12 @@ INSTANTIATE_TEST_SUITE_P(
         // Tails carried by one block (136, 264, 130, 392), two (400) or three (532); not without
         // blocks enough before (8, 140, 280), not past three carriers (160). With ring rounds by
         // one at most, and not across two minibatches (264 in minibatches of 4 blocks).
-        ListCase{"carried_tails", {136, 264, 130, 8, 392, 140, 280, 532, 160, 400}, 1, 8,
-                 {2, 3, 2, 2}, 0},
+        ListCase{"carried_tails",
+                 {136, 264, 130, 8, 392, 140, 280, 532, 160, 400},
+                 1,
+                 8,
+                 {2, 3, 2, 2},
+                 0},
         ListCase{"carried_tails_ring", {136, 264, 130, 8, 392, 140, 136}, 1, 4, {2, 3, 2, 2}, 8}),
     [](const auto& info) { return std::string(info.param.name); });
 

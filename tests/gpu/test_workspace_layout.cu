@@ -26,7 +26,8 @@ void expect_disjoint_and_aligned(std::vector<Region> regions, int64_t total) {
     EXPECT_EQ(region.offset % kRegionAlignment, 0) << region.name;
     const int64_t end = region.offset + region.bytes;
     if (index + 1 < regions.size()) {
-      EXPECT_LE(end, regions[index + 1].offset) << region.name << " runs into " << regions[index + 1].name;
+      EXPECT_LE(end, regions[index + 1].offset)
+          << region.name << " runs into " << regions[index + 1].name;
     } else {
       EXPECT_LE(end, total) << region.name << " runs past the end";
     }
@@ -43,7 +44,8 @@ TEST_P(Layout, RegionsAreDisjointAlignedAndLargeEnough) {
   const int64_t local_experts = layout.experts_per_rank();
   EXPECT_EQ(local_experts, p[4] / ranks);
   EXPECT_EQ(layout.row_bytes(), 2 * hidden);
-  // Worst case: every token of every rank sends all k rows here, and each expert pads its last tile.
+  // Worst case: every token of every rank sends all k rows here, and each expert pads its last
+  // tile.
   EXPECT_EQ(layout.rows_capacity(), ranks * tokens * top_k + local_experts * (block_m - 1));
 
   expect_disjoint_and_aligned(
@@ -63,8 +65,7 @@ TEST_P(Layout, RegionsAreDisjointAlignedAndLargeEnough) {
        {"local_row", layout.local_row_offset, tokens * top_k * 4},
        {"task_counters", layout.task_counters_offset,
         kNumTaskCounters *
-            ((std::max(layout.rows_capacity(), tokens) + layout.block_m - 1) / layout.block_m) *
-            4},
+            ((std::max(layout.rows_capacity(), tokens) + layout.block_m - 1) / layout.block_m) * 4},
        {"expert_x", layout.expert_x_offset, layout.rows_capacity() * 2 * hidden},
        {"expert_y", layout.expert_y_offset, layout.rows_capacity() * 2 * hidden}},
       layout.local_bytes);

@@ -32,7 +32,8 @@ Args::Args(const std::vector<std::string>& words, const std::set<std::string>& v
       // does start with -- can still be given as --name=VALUE.
       const std::string& next = words[index + 1];
       MOK_CHECK_ARG(next.rfind("--", 0) != 0 || next.size() == 2, word,
-                    "needs a value, got the option '", next, "' (write ", word, "=VALUE for a "
+                    "needs a value, got the option '", next, "' (write ", word,
+                    "=VALUE for a "
                     "value that starts with --)");
       value = words[++index];
     }
@@ -61,11 +62,12 @@ void Args::forbid_together(const std::string& first, const std::string& second) 
   MOK_CHECK_ARG(!has(first) || !has(second), "--" + second, "does not go with --", first);
 }
 
-int64_t parse_decimal(const std::string& option, const std::string& text, int64_t min, int64_t max) {
+int64_t parse_decimal(const std::string& option, const std::string& text, int64_t min,
+                      int64_t max) {
   bool digits = !text.empty() && (text[0] != '0' || text.size() == 1);
   for (const char letter : text) digits = digits && letter >= '0' && letter <= '9';
-  MOK_CHECK_ARG(digits, option, "expected an integer (decimal digits, no sign or leading zero), got '",
-                text, "'");
+  MOK_CHECK_ARG(digits, option,
+                "expected an integer (decimal digits, no sign or leading zero), got '", text, "'");
   // Digit by digit with an overflow check: strtoll would also take "+8", " 8", "0x8".
   int64_t value = 0;
   for (const char letter : text) {

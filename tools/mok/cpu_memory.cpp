@@ -26,14 +26,13 @@ double engine_bytes(const LayerShape& shape, double tokens, double ranks, double
   const double top_k = static_cast<double>(shape.top_k), rows = tokens * top_k;
   const double schedule = rows * 16;  // RowRef and the expert of each row
   // Combine slots (T, k, H); the shared expert's output and y (T, H); per-thread scratch.
-  const double forward =
-      real_bytes * (rows * hidden + 2 * tokens * hidden +
-                    threads * (3 * hidden + 3 * inter + 3 * shared));
+  const double forward = real_bytes * (rows * hidden + 2 * tokens * hidden +
+                                       threads * (3 * hidden + 3 * inter + 3 * shared));
   // d_topk_w (T, k), dx slots (T, k, H), per-row d_gate, d_up, w·h (rows, I), one rank's shared
   // expert operands (T_r, 3 I_s) and dx (T_r, H), dx of every rank (T, H), scratch.
-  const double backward =
-      real_bytes * (rows + rows * hidden + 3 * rows * inter + tokens / ranks * (3 * shared + hidden) +
-                    tokens * hidden + threads * (3 * hidden + 4 * std::max(inter, shared)));
+  const double backward = real_bytes * (rows + rows * hidden + 3 * rows * inter +
+                                        tokens / ranks * (3 * shared + hidden) + tokens * hidden +
+                                        threads * (3 * hidden + 4 * std::max(inter, shared)));
   return schedule + std::max(forward, backward);
 }
 
@@ -55,8 +54,9 @@ std::string format_bytes(double bytes) {
 }
 
 std::string CpuMemory::describe() const {
-  std::string text = "weights and inputs " + format_bytes(weights) + ", outputs and fp32 gradients " +
-                     format_bytes(outputs) + ", run buffers " + format_bytes(run);
+  std::string text = "weights and inputs " + format_bytes(weights) +
+                     ", outputs and fp32 gradients " + format_bytes(outputs) + ", run buffers " +
+                     format_bytes(run);
   if (ep1_run > 0) text += ", EP 1 comparison run " + format_bytes(ep1_run);
   if (oracle > 0) text += ", fp64 oracle " + format_bytes(oracle);
   return text;
@@ -81,8 +81,8 @@ CpuMemory cpu_memory(const LayerShape& shape, int64_t tokens_per_rank, int64_t e
   memory.run = engine_bytes(shape, tokens, ranks, 4, threads);
   if (!check) return memory;
   if (ep > 1) {
-    memory.ep1_run = token_outputs + 4 * (routed + shared) +
-                     engine_bytes(shape, tokens, 1, 4, threads);
+    memory.ep1_run =
+        token_outputs + 4 * (routed + shared) + engine_bytes(shape, tokens, 1, 4, threads);
   }
   // The oracle (one rank): fp64 gradients, and y while its backward runs (the engine's buffers
   // count dx and d_topk_w); then the comparison's fp32 sums of the shared gradients over ranks.

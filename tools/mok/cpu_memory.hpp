@@ -12,11 +12,11 @@ namespace mok::cli {
 // Bytes, by what holds them. The run's peak is resident + the largest of the phases, which run
 // one after another and free their buffers in between.
 struct CpuMemory {
-  double weights = 0;   // the problem: bf16 weights of every expert, x, dy, routing
-  double outputs = 0;   // y, dx, d_topk_w and the fp32 weight gradients of every rank
-  double run = 0;       // the forward's or the backward's per-row buffers, whichever is larger
-  double ep1_run = 0;   // --check, EP > 1: an EP=1 run's outputs and buffers, compared bitwise
-  double oracle = 0;    // --check: the fp64 oracle's gradients, outputs and per-row buffers
+  double weights = 0;  // the problem: bf16 weights of every expert, x, dy, routing
+  double outputs = 0;  // y, dx, d_topk_w and the fp32 weight gradients of every rank
+  double run = 0;      // the forward's or the backward's per-row buffers, whichever is larger
+  double ep1_run = 0;  // --check, EP > 1: an EP=1 run's outputs and buffers, compared bitwise
+  double oracle = 0;   // --check: the fp64 oracle's gradients, outputs and per-row buffers
 
   double peak() const;
   std::string describe() const;  // "weights 1.1 GiB, gradients and outputs 2.3 GiB, ..."

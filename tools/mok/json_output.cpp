@@ -27,12 +27,13 @@ void check_writable(const std::string& path) {
   struct stat status {};
   if (stat(path.c_str(), &status) == 0) {
     MOK_CHECK_ARG(!S_ISDIR(status.st_mode), "--json", "'", path, "' is a directory");
-    MOK_CHECK_ARG(access(path.c_str(), W_OK) == 0, "--json", "cannot write '", path, "': ",
-                  cause(errno));
+    MOK_CHECK_ARG(access(path.c_str(), W_OK) == 0, "--json", "cannot write '", path,
+                  "': ", cause(errno));
     return;
   }
   MOK_CHECK_ARG(errno == ENOENT, "--json", "cannot write '", path, "': ", cause(errno));
-  MOK_CHECK_ARG(path.back() != '/', "--json", "'", path, "' names a directory, which does not exist");
+  MOK_CHECK_ARG(path.back() != '/', "--json", "'", path,
+                "' names a directory, which does not exist");
   const std::string parent = parent_folder(path);
   struct stat parent_status {};
   MOK_CHECK_ARG(stat(parent.c_str(), &parent_status) == 0, "--json", "cannot create '", path,
@@ -79,12 +80,12 @@ void JsonOutput::write(const std::string& text) {
   }
   std::FILE* file = std::fopen(path_.c_str(), "w");
   MOK_CHECK_ARG(file != nullptr, "--json", "cannot write '", path_, "': ", cause(errno));
-  const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size() &&
-                       std::fflush(file) == 0;
+  const bool written =
+      std::fwrite(text.data(), 1, text.size(), file) == text.size() && std::fflush(file) == 0;
   const int error_number = errno;
   const bool closed = std::fclose(file) == 0;
-  MOK_CHECK_ARG(written && closed, "--json", "cannot write '", path_, "': ",
-                cause(written ? errno : error_number));
+  MOK_CHECK_ARG(written && closed, "--json", "cannot write '", path_,
+                "': ", cause(written ? errno : error_number));
 }
 
 }  // namespace mok::cli

@@ -8,9 +8,10 @@ namespace mok::cli {
 
 int presets_command(const std::vector<std::string>& words) {
   if (Args::wants_help(words)) {
-    std::puts("usage: mok presets\n\nLists each preset: hidden size H, expert intermediate size I, "
-              "shared-expert size I_s,\nexperts E, top-k, useful forward GFLOP per token "
-              "(6·H·(k·I + I_s)) and default tokens per rank.");
+    std::puts(
+        "usage: mok presets\n\nLists each preset: hidden size H, expert intermediate size I, "
+        "shared-expert size I_s,\nexperts E, top-k, useful forward GFLOP per token "
+        "(6·H·(k·I + I_s)) and default tokens per rank.");
     return 0;
   }
   const Args args(words, {}, {});  // takes no options: anything else is an error

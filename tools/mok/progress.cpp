@@ -27,14 +27,16 @@ ProgressLine::Mode ProgressLine::mode_from_environment() {
 }
 
 ProgressLine::ProgressLine(Mode mode)
-    : mode_(mode), start_(std::chrono::steady_clock::now()), terminal_(isatty(fileno(stderr)) != 0) {}
+    : mode_(mode),
+      start_(std::chrono::steady_clock::now()),
+      terminal_(isatty(fileno(stderr)) != 0) {}
 
 void ProgressLine::show(std::string_view phase, int64_t done, int64_t total) {
   if (mode_ == Mode::kNever) return;
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  const bool due = elapsed >= kFirstLineAfterS &&
-                   (terminal_ || elapsed >= last_line_s_ + kLogLineEveryS);
+  const bool due =
+      elapsed >= kFirstLineAfterS && (terminal_ || elapsed >= last_line_s_ + kLogLineEveryS);
   if (mode_ == Mode::kAuto && !due) return;
   last_line_s_ = elapsed;
   char line[256];

@@ -119,8 +119,8 @@ std::string json_record(const RunConfig& config, const RunResult& result) {
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   const std::string preset = config.shape_flags.empty() ? config.preset : "custom";
   std::string text = "{\n  \"schema\": \"mok-bench/1\",\n  \"commit\": \"" MOK_GIT_COMMIT
-                     "\",\n  \"device\": \"" + result.device + "\",\n  \"date\": \"" + date +
-                     "\",\n  \"cases\": [\n";
+                     "\",\n  \"device\": \"" +
+                     result.device + "\",\n  \"date\": \"" + date + "\",\n  \"cases\": [\n";
   const std::vector<Phase> all = phases(config, result);
   for (size_t index = 0; index < all.size(); ++index) {
     const Phase& phase = all[index];
@@ -133,9 +133,8 @@ std::string json_record(const RunConfig& config, const RunResult& result) {
                   "\"baseline_ms\": null, \"speedup\": null, \"useful_tflops\": %.6f, "
                   "\"gbps\": null, \"dense_gemm_tflops\": null, \"checksum\": \"%016llx\"}%s\n",
                   preset.c_str(), static_cast<long long>(config.ep), phase.name, preset.c_str(),
-                  static_cast<long long>(config.ep),
-                  static_cast<long long>(config.tokens_per_rank), phase.name,
-                  config.backend.c_str(), config.routing.name().c_str(), per_rank_ms,
+                  static_cast<long long>(config.ep), static_cast<long long>(config.tokens_per_rank),
+                  phase.name, config.backend.c_str(), config.routing.name().c_str(), per_rank_ms,
                   useful_tflops(phase.flops, per_rank_ms),
                   static_cast<unsigned long long>(checksum(result.outputs)),
                   index + 1 < all.size() ? "," : "");

@@ -27,9 +27,9 @@ struct RunResult {
   ProblemOutputs outputs;
   double forward_ms = 0;
   double backward_ms = 0;
-  bool has_backward = true;       // false: backward was not run (the GPU backend is forward only)
-  bool times_per_rank = false;    // true: the ms are per rank (GPU ranks run at once), else the
-                                  // sum over the virtual ranks (CPU backend, one after another)
+  bool has_backward = true;     // false: backward was not run (the GPU backend is forward only)
+  bool times_per_rank = false;  // true: the ms are per rank (GPU ranks run at once), else the
+                                // sum over the virtual ranks (CPU backend, one after another)
   std::string device = "cpu (reference backend)";
 };
 

@@ -91,11 +91,15 @@ constexpr double kUsableMemoryFraction = 0.9;
 template <class Step>
 void naming_flags(Step&& step) {
   static constexpr std::pair<const char*, const char*> kFlagOfField[] = {
-      {"hidden", "--hidden"},       {"intermediate", "--intermediate"},
+      {"hidden", "--hidden"},
+      {"intermediate", "--intermediate"},
       {"shared_intermediate", "--shared-intermediate"},
-      {"num_experts", "--experts"}, {"top_k", "--top-k"},
-      {"ep", "--ep"},               {"tokens", "--tokens"},
-      {"preset", "--preset"},       {"routing", "--routing"},
+      {"num_experts", "--experts"},
+      {"top_k", "--top-k"},
+      {"ep", "--ep"},
+      {"tokens", "--tokens"},
+      {"preset", "--preset"},
+      {"routing", "--routing"},
   };
   try {
     step();
@@ -155,10 +159,9 @@ CpuMemory check_cpu_memory(const RunConfig& config, int threads, const Args& arg
       config.tokens_per_rank, " tokens/rank", args.has("tokens") ? "" : " (the preset's default)",
       ", more than the ", format_bytes(usable), " usable (90 % of the ", format_bytes(available),
       " available)");
-  const char* unchecked =
-      config.check && need(config.tokens_per_rank, false).peak() <= usable
-          ? ", or --no-check (the fp64 oracle needs most of it)"
-          : "";
+  const char* unchecked = config.check && need(config.tokens_per_rank, false).peak() <= usable
+                              ? ", or --no-check (the fp64 oracle needs most of it)"
+                              : "";
   // The most tokens per rank that fit; the need grows with the tokens.
   int64_t fit = 0;
   for (int64_t low = 1, high = config.tokens_per_rank - 1; low <= high;) {
@@ -180,11 +183,12 @@ CpuMemory check_cpu_memory(const RunConfig& config, int threads, const Args& arg
     }
   }
   const bool fits_unchecked = config.check && need(1, false).peak() <= usable;
-  throw Error(flag, detail::concat(needs, "; even 1 token/rank does not fit; ",
-                                   fits_unchecked ? "it does with --no-check (the fp64 oracle needs "
-                                                    "most of it), or with a smaller shape"
-                                                  : "a smaller shape does",
-                                   " (--preset tiny)"));
+  throw Error(flag,
+              detail::concat(needs, "; even 1 token/rank does not fit; ",
+                             fits_unchecked ? "it does with --no-check (the fp64 oracle needs "
+                                              "most of it), or with a smaller shape"
+                                            : "a smaller shape does",
+                             " (--preset tiny)"));
 }
 
 void print_header(const RunConfig& config, const std::string& precision) {
@@ -229,7 +233,8 @@ int run_cpu(const RunConfig& config, int threads, const CpuMemory& memory,
   std::fflush(stdout);
 
   const int64_t num_tokens = config.tokens_per_rank * config.ep;
-  const Problem problem = Problem::generate({config.shape, num_tokens, config.routing, config.seed});
+  const Problem problem =
+      Problem::generate({config.shape, num_tokens, config.routing, config.seed});
   ProgressLine progress_line(progress_mode);
   reference::Options options;
   options.num_threads = config.num_threads;
@@ -284,8 +289,8 @@ int run_command(const std::vector<std::string>& words) {
   const std::string precision = args.text("precision", "bf16");
   MOK_CHECK_ARG(precision == "bf16" || precision == "fp8" || precision == "mxfp8", "--precision",
                 "unknown precision '", precision, "' (bf16, fp8, mxfp8)");
-  MOK_CHECK_ARG(precision == "bf16", "--precision",
-                precision, " is not implemented in this version; use bf16");
+  MOK_CHECK_ARG(precision == "bf16", "--precision", precision,
+                " is not implemented in this version; use bf16");
   const std::string backend = args.text("backend", "auto");
   MOK_CHECK_ARG(backend == "auto" || backend == "cpu" || backend == "cuda", "--backend",
                 "unknown backend '", backend, "' (auto, cpu, cuda)");
@@ -294,9 +299,10 @@ int run_command(const std::vector<std::string>& words) {
   std::unique_ptr<JsonOutput> json;
   if (args.has("json")) json = std::make_unique<JsonOutput>(args.text("json", ""));
 
-  const std::string cuda_unfit = backend == "cpu" ? "not asked for" : cuda_backend_unfit_reason(config);
-  MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend", "cuda cannot run here: ",
-                cuda_unfit);
+  const std::string cuda_unfit =
+      backend == "cpu" ? "not asked for" : cuda_backend_unfit_reason(config);
+  MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend",
+                "cuda cannot run here: ", cuda_unfit);
   config.backend = cuda_unfit.empty() ? "cuda" : "cpu";
   if (config.backend == "cuda") return run_gpu(config, precision, json.get());
 

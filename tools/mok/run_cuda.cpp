@@ -53,7 +53,8 @@ std::vector<int64_t> sample_tokens(const Problem& problem, int64_t* experts_cove
   }
   const int64_t wanted = std::min(problem.num_tokens, kMinSampleTokens);
   const int64_t stride = std::max<int64_t>(1, problem.num_tokens / wanted);
-  for (int64_t token = 0; token < problem.num_tokens && static_cast<int64_t>(tokens.size()) < wanted;
+  for (int64_t token = 0;
+       token < problem.num_tokens && static_cast<int64_t>(tokens.size()) < wanted;
        token += stride) {
     if (!chosen[token]) {
       chosen[token] = 1;
@@ -75,7 +76,8 @@ struct SampleOutputs {
 SampleOutputs reference_sample(const Problem& problem, const std::vector<int64_t>& tokens,
                                bool backward) {
   const LayerShape& shape = problem.shape;
-  const int64_t count = static_cast<int64_t>(tokens.size()), hidden = shape.hidden, top_k = shape.top_k;
+  const int64_t count = static_cast<int64_t>(tokens.size()), hidden = shape.hidden,
+                top_k = shape.top_k;
   std::vector<bf16> x(static_cast<size_t>(count * hidden)), dy(x.size());
   std::vector<int32_t> idx(static_cast<size_t>(count * top_k));
   std::vector<float> w(idx.size());
@@ -153,18 +155,19 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
   int64_t experts_covered = 0;
   const std::vector<int64_t> tokens = sample_tokens(problem, &experts_covered);
   const LayerShape& shape = problem.shape;
-  std::printf("check: y, dx and d_topk_w of %zu of the %lld tokens (every one of the %lld experts "
-              "that received tokens is used by at least one; the rest evenly spaced) against the "
-              "CPU reference computed for those tokens (pass: rel-L2 <= %.0e, every element "
-              "written):\n",
-              tokens.size(), static_cast<long long>(problem.num_tokens),
-              static_cast<long long>(experts_covered), kBf16Tolerance);
+  std::printf(
+      "check: y, dx and d_topk_w of %zu of the %lld tokens (every one of the %lld experts "
+      "that received tokens is used by at least one; the rest evenly spaced) against the "
+      "CPU reference computed for those tokens (pass: rel-L2 <= %.0e, every element "
+      "written):\n",
+      tokens.size(), static_cast<long long>(problem.num_tokens),
+      static_cast<long long>(experts_covered), kBf16Tolerance);
   std::fflush(stdout);
   const SampleOutputs expected = reference_sample(problem, tokens, true);
   bool passed = print_sample_error("y (sample)", run.y, expected.y, tokens, shape.hidden);
   passed &= print_sample_error("dx (sample)", run.dx, expected.dx, tokens, shape.hidden);
-  passed &= print_sample_error("d_topk_w (sample)", run.d_topk_w, expected.d_topk_w, tokens,
-                               shape.top_k);
+  passed &=
+      print_sample_error("d_topk_w (sample)", run.d_topk_w, expected.d_topk_w, tokens, shape.top_k);
 
   const double flops = 18.0 * static_cast<double>(problem.num_tokens) * shape.hidden *
                        (shape.top_k * shape.intermediate + shape.shared_intermediate);
@@ -173,7 +176,8 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
     ProblemOutputs cpu = ProblemOutputs::poisoned(problem, config.ep);
     reference::backward(shape, problem.all_rank_inputs(config.ep), cpu.rank_outputs(problem),
                         GradMode::kOverwrite);
-    auto grads = [&](const char* name, const std::vector<float>& value, const std::vector<float>& ref) {
+    auto grads = [&](const char* name, const std::vector<float>& value,
+                     const std::vector<float>& ref) {
       std::vector<double> expected_values(ref.begin(), ref.end());
       const ErrorStats stats = compare(std::span<const float>(value), expected_values);
       const bool ok = stats.within(kBf16Tolerance);
@@ -189,8 +193,10 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
       passed &= grads("grad_shared_down", gpu.grad_shared_down, cpu.grad_shared_down);
     }
   } else {
-    std::printf("  weight gradients: not compared here (the whole CPU backward would take %.0e "
-                "multiply-adds; the GPU tests check them on smaller layers)\n", flops / 2);
+    std::printf(
+        "  weight gradients: not compared here (the whole CPU backward would take %.0e "
+        "multiply-adds; the GPU tests check them on smaller layers)\n",
+        flops / 2);
   }
 
   if (config.ep > 1) {
@@ -209,9 +215,10 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
                        same_bits(one.d_topk_w, run.d_topk_w) &&
                        same_bits(one.grad_gate_up, run.grad_gate_up) &&
                        same_bits(one.grad_down, run.grad_down);
-    std::printf("  EP %lld vs EP 1 on the GPU: y, dx, d_topk_w, routed weight gradients (all) "
-                "bitwise %s\n",
-                static_cast<long long>(config.ep), equal ? "equal" : "DIFFERENT");
+    std::printf(
+        "  EP %lld vs EP 1 on the GPU: y, dx, d_topk_w, routed weight gradients (all) "
+        "bitwise %s\n",
+        static_cast<long long>(config.ep), equal ? "equal" : "DIFFERENT");
     passed &= equal;
   }
   return passed;
@@ -277,12 +284,13 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
                   outputs.grad_shared_gate, outputs.grad_shared_up);
     outputs.grad_shared_down = run.grad_shared_down;
   }
-  std::printf("GPU forward and backward: medians of %d after %d warm-up, slowest of %lld rank(s); "
-              "per rank %.2f GB weights + %.2f GB forward and %.2f GB backward workspace and "
-              "buffers; the backward is timed right after a forward (pairs), the forward alone\n",
-              spec.iterations, spec.warmup, static_cast<long long>(config.ep),
-              run.weight_bytes_per_rank / 1e9, run.buffer_bytes_per_rank / 1e9,
-              run.backward_buffer_bytes_per_rank / 1e9);
+  std::printf(
+      "GPU forward and backward: medians of %d after %d warm-up, slowest of %lld rank(s); "
+      "per rank %.2f GB weights + %.2f GB forward and %.2f GB backward workspace and "
+      "buffers; the backward is timed right after a forward (pairs), the forward alone\n",
+      spec.iterations, spec.warmup, static_cast<long long>(config.ep),
+      run.weight_bytes_per_rank / 1e9, run.buffer_bytes_per_rank / 1e9,
+      run.backward_buffer_bytes_per_rank / 1e9);
   print_timings(config, result);
   std::printf("fwd+bwd as timed pairs: %.3f ms/rank\n", run.forward_backward_ms);
   std::printf("%s\n", run.l2_partitions.c_str());

@@ -23,7 +23,7 @@
 namespace mok::comm {
 
 inline constexpr int kReduceThreads = 256;
-inline constexpr int kReduceVector = 8;  // bf16 per 16-byte access
+inline constexpr int kReduceVector = 8;     // bf16 per 16-byte access
 inline constexpr int kReduceSlotBatch = 8;  // top-k slots whose rows one thread loads at once
 
 struct CombineRows {
@@ -92,10 +92,9 @@ __device__ inline void combine_reduce(const WorkspaceView& view, const float* to
         weight[index] = topk_w[token * layout.top_k + slot];
         // Ids were range-checked by the schedule: expert / E_l is a rank. Own rows are read in
         // place from expert_y when the workspace has one (else they were stored in the slots).
-        const char* row =
-            layout.has_expert_y() && expert / layout.experts_per_rank() == view.rank
-                ? view.expert_y_row(view.local_row()[token * layout.top_k + slot])
-                : view.slot_row(view.rank, token, slot);
+        const char* row = layout.has_expert_y() && expert / layout.experts_per_rank() == view.rank
+                              ? view.expert_y_row(view.local_row()[token * layout.top_k + slot])
+                              : view.slot_row(view.rank, token, slot);
         packed[index] = *reinterpret_cast<const int4*>(row + column * 2);
       }
 #pragma unroll

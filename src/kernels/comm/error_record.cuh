@@ -16,49 +16,56 @@ namespace mok::comm {
 
 enum class ErrorCode : uint32_t {
   kNone = 0,
-  kClaimed = 1,            // a thread is filling in the record
-  kTimeout = 2,            // a flag did not reach the call's epoch in time
-  kExpertOutOfRange = 3,   // topk_idx holds an id outside [-1, E)
+  kClaimed = 1,           // a thread is filling in the record
+  kTimeout = 2,           // a flag did not reach the call's epoch in time
+  kExpertOutOfRange = 3,  // topk_idx holds an id outside [-1, E)
   kTokenCountOutOfRange = 4,
-  kTaskTimeout = 5,        // a fused-forward task waited too long for a row block's counter
-  kExpertRepeated = 6,     // a row of topk_idx holds an expert id twice (-1 may repeat)
+  kTaskTimeout = 5,     // a fused-forward task waited too long for a row block's counter
+  kExpertRepeated = 6,  // a row of topk_idx holds an expert id twice (-1 may repeat)
 };
 
 enum class Phase : uint32_t {
   kGather = 0,    // all-gather of topk_idx
   kSchedule = 1,  // counting and ordering the rows of the local experts
   kDispatch = 2,
-  kCombine = 3,   // pushing expert output rows to their owners
-  kReduce = 4,    // the owner's fixed-order sum over its combine slots
+  kCombine = 3,  // pushing expert output rows to their owners
+  kReduce = 4,   // the owner's fixed-order sum over its combine slots
   kBarrier = 5,
-  kExperts = 6,   // the fused forward's expert GEMM tasks waiting on each other
+  kExperts = 6,  // the fused forward's expert GEMM tasks waiting on each other
 };
 
 MOK_COMM_HOST_DEVICE const char* phase_name(Phase phase) {
   switch (phase) {
-    case Phase::kGather: return "gather";
-    case Phase::kSchedule: return "schedule";
-    case Phase::kDispatch: return "dispatch";
-    case Phase::kCombine: return "combine";
-    case Phase::kReduce: return "reduce";
-    case Phase::kBarrier: return "barrier";
-    case Phase::kExperts: return "experts";
+    case Phase::kGather:
+      return "gather";
+    case Phase::kSchedule:
+      return "schedule";
+    case Phase::kDispatch:
+      return "dispatch";
+    case Phase::kCombine:
+      return "combine";
+    case Phase::kReduce:
+      return "reduce";
+    case Phase::kBarrier:
+      return "barrier";
+    case Phase::kExperts:
+      return "experts";
   }
   return "unknown";
 }
 
 // First error wins; later ones are dropped (the first is the cause, the rest its echoes).
 struct ErrorRecord {
-  uint32_t code;      // ErrorCode; kNone while healthy
-  uint32_t rank;      // the rank that saw the fault
-  uint32_t phase;     // Phase
-  uint32_t peer;      // kTimeout: the rank waited for; kExpert*: the token's rank
-  int32_t token;      // kExpert*: token index on `peer`
-  int32_t slot;       // kExpert*: top-k slot (kExpertRepeated: the later of the two)
-  int32_t value;      // the bad id / token count, or the flag value seen at the timeout
-  uint32_t expected;  // kTimeout: the epoch waited for; kExpertOutOfRange: E;
-                      // kExpertRepeated: the earlier slot holding the same id
-  uint32_t flag_kind; // kTimeout: which FlagKind
+  uint32_t code;       // ErrorCode; kNone while healthy
+  uint32_t rank;       // the rank that saw the fault
+  uint32_t phase;      // Phase
+  uint32_t peer;       // kTimeout: the rank waited for; kExpert*: the token's rank
+  int32_t token;       // kExpert*: token index on `peer`
+  int32_t slot;        // kExpert*: top-k slot (kExpertRepeated: the later of the two)
+  int32_t value;       // the bad id / token count, or the flag value seen at the timeout
+  uint32_t expected;   // kTimeout: the epoch waited for; kExpertOutOfRange: E;
+                       // kExpertRepeated: the earlier slot holding the same id
+  uint32_t flag_kind;  // kTimeout: which FlagKind
 };
 
 #if defined(__CUDACC__)

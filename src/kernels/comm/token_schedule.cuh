@@ -30,7 +30,8 @@ inline constexpr int kOrderTokensPerThread = 4;
 
 __device__ inline void begin_call(const WorkspaceView& view) {
   DeviceState* state = view.state();
-  for (int64_t expert = threadIdx.x; expert < view.layout.experts_per_rank(); expert += blockDim.x) {
+  for (int64_t expert = threadIdx.x; expert < view.layout.experts_per_rank();
+       expert += blockDim.x) {
     view.counts()[expert] = 0;
   }
   uint32_t* task_counters = view.task_counters(TaskCounter::kRowsArrived);
@@ -218,12 +219,12 @@ __device__ inline void order_rows(const WorkspaceView& view, int64_t local_exper
       }
       int32_t pass_total = 0;
       int64_t row = first_row + placed + exclusive_scan_cta(matches, pass_total);
-      for (int64_t token = my_first; matches > 0 && token < my_first + kOrderTokensPerThread &&
-                                     token < num_tokens;
-           ++token) {
+      for (int64_t token = my_first;
+           matches > 0 && token < my_first + kOrderTokensPerThread && token < num_tokens; ++token) {
         for (int64_t slot = 0; slot < layout.top_k; ++slot) {
           if (ids[token * layout.top_k + slot] == expert) {
-            if (source == view.rank) view.local_row()[token * layout.top_k + slot] = static_cast<int32_t>(row);
+            if (source == view.rank)
+              view.local_row()[token * layout.top_k + slot] = static_cast<int32_t>(row);
             row_source[row++] = pack_row_source(layout, source, token, slot);
           }
         }
@@ -262,7 +263,8 @@ __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_
   const int64_t slices = layout.slices_per_source();
   for (int64_t slice = me.first_warp; slice < layout.num_ranks * slices; slice += me.num_warps) {
     const int source = static_cast<int>(slice / slices);
-    const int64_t num_ids = static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
+    const int64_t num_ids =
+        static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
     const int64_t first_id = (slice % slices) * kScheduleSlice;
     int32_t* out = view.slice_rows() + slice * experts;
     if (first_id >= num_ids) {
@@ -323,7 +325,8 @@ __device__ inline void expert_offsets(const WorkspaceView& view, int32_t* offset
   for (int64_t first = 0; first < experts; first += blockDim.x) {
     const int64_t expert = first + threadIdx.x;
     const int32_t padded =
-        expert < experts ? static_cast<int32_t>(padded_rows(counts[expert], view.layout.block_m)) : 0;
+        expert < experts ? static_cast<int32_t>(padded_rows(counts[expert], view.layout.block_m))
+                         : 0;
     int32_t total = 0;
     const int32_t before = exclusive_scan_cta(padded, total);
     if (expert < experts) offsets[expert] = carried + before;
@@ -364,7 +367,8 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
   const int64_t slices = layout.slices_per_source();
   for (int64_t slice = me.first_warp; slice < layout.num_ranks * slices; slice += me.num_warps) {
     const int source = static_cast<int>(slice / slices);
-    const int64_t num_ids = static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
+    const int64_t num_ids =
+        static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
     const int64_t first_id = (slice % slices) * kScheduleSlice;
     if (first_id >= num_ids) continue;
     const int32_t* before = view.slice_rows() + slice * experts;

@@ -43,7 +43,7 @@
 
 namespace mok::comm {
 
-inline constexpr int kMaxRanks = 8;           // one NVLink (LSA) domain
+inline constexpr int kMaxRanks = 8;  // one NVLink (LSA) domain
 inline constexpr int64_t kRegionAlignment = 4096;
 // Ids per slice of the fused forward's schedule: one warp's share, 32 ids a step.
 inline constexpr int64_t kScheduleSlice = 1024;
@@ -72,14 +72,14 @@ inline constexpr int kMaxL2Partitions = 2;
 // Per-GPU state in the local buffer. `epoch` numbers the calls: flags are compared against it and
 // never reset, so a replayed CUDA graph reuses them safely.
 struct DeviceState {
-  uint32_t epoch;             // bumped once per call by the first kernel of the call
-  uint32_t barrier_epoch;     // bumped by each standalone barrier
-  uint32_t gather_arrivals;   // CTAs of the gather push that finished this call
-  uint32_t combine_arrivals;  // CTAs of the combine push that finished this call
-  uint32_t down_tiles_done;   // routed down tiles of the fused forward stored this call
-  uint32_t next_task;         // the fused forward's next task ticket
-  uint32_t schedule_epoch;    // the fused forward's schedule is complete for this epoch
-  uint32_t barrier_count;     // the fused forward's communication CTAs in the current barrier
+  uint32_t epoch;               // bumped once per call by the first kernel of the call
+  uint32_t barrier_epoch;       // bumped by each standalone barrier
+  uint32_t gather_arrivals;     // CTAs of the gather push that finished this call
+  uint32_t combine_arrivals;    // CTAs of the combine push that finished this call
+  uint32_t down_tiles_done;     // routed down tiles of the fused forward stored this call
+  uint32_t next_task;           // the fused forward's next task ticket
+  uint32_t schedule_epoch;      // the fused forward's schedule is complete for this epoch
+  uint32_t barrier_count;       // the fused forward's communication CTAs in the current barrier
   uint32_t barrier_generation;  // barriers passed (never reset)
   // The fused forward's ticket grant of each L2 partition: (first ticket + 1) << 32 | tickets
   // taken from it (kernels/megakernel/tickets.cuh).
@@ -92,12 +92,12 @@ MOK_COMM_HOST_DEVICE int64_t align_up(int64_t value, int64_t alignment) {
 }
 
 struct WorkspaceLayout {
-  int32_t num_ranks = 0;    // R
-  int64_t tokens_max = 0;   // T_max, tokens per rank capacity
-  int64_t hidden = 0;       // H
-  int64_t top_k = 0;        // k
-  int64_t num_experts = 0;  // E, global
-  int64_t block_m = 0;      // tile height: each expert's rows start at a multiple of it
+  int32_t num_ranks = 0;      // R
+  int64_t tokens_max = 0;     // T_max, tokens per rank capacity
+  int64_t hidden = 0;         // H
+  int64_t top_k = 0;          // k
+  int64_t num_experts = 0;    // E, global
+  int64_t block_m = 0;        // tile height: each expert's rows start at a multiple of it
   int64_t expert_rows = 0;    // rows of expert_x (rows_capacity unless a ring is smaller)
   int64_t expert_y_rows = 0;  // rows of expert_y: rows_capacity or 0
   bool backward = false;      // the backward's regions (dy, topk_w, d_topk_w, expert_dy)
@@ -211,7 +211,8 @@ struct WorkspaceView {
     return windows[owner] + layout.x_offset + token * layout.row_bytes();
   }
   MOK_COMM_HOST_DEVICE char* slot_row(int owner, int64_t token, int64_t slot) const {
-    return windows[owner] + layout.slots_offset + (token * layout.top_k + slot) * layout.row_bytes();
+    return windows[owner] + layout.slots_offset +
+           (token * layout.top_k + slot) * layout.row_bytes();
   }
   // Backward regions (layout.backward).
   MOK_COMM_HOST_DEVICE char* dy_row(int owner, int64_t token) const {
@@ -268,8 +269,8 @@ enum class DispatchTensor : int { kX = 0, kDy = 1 };
 struct RowSource {
   int32_t rank, token, slot;
 };
-MOK_COMM_HOST_DEVICE int32_t pack_row_source(const WorkspaceLayout& layout, int rank,
-                                             int64_t token, int64_t slot) {
+MOK_COMM_HOST_DEVICE int32_t pack_row_source(const WorkspaceLayout& layout, int rank, int64_t token,
+                                             int64_t slot) {
   return static_cast<int32_t>((rank * layout.tokens_max + token) * layout.top_k + slot);
 }
 // In unsigned 32-bit arithmetic: packed lies in [0, 2^31) (the workspace checks R * T_max * k

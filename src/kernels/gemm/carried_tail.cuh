@@ -31,9 +31,9 @@
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/wgmma.cuh"
-#include "kernels/gemm/tile_scheduler.cuh"
 #include "mok/detail/numerics.hpp"
 
 namespace mok::gemm {
@@ -46,7 +46,7 @@ struct CarriedTail {
   using Mma = ptx::Wgmma64x8<0, 0>;
   static_assert(Mma::kN == kRows, "wgmma N = the rows (m64n8 only: see above)");
   static constexpr int kSlice = Mma::kNumAccumulators;  // accumulators of one m64 slice
-  static constexpr int kSlices = 2;                      // per consumer: 128 weight rows
+  static constexpr int kSlices = 2;                     // per consumer: 128 weight rows
   static constexpr int kAccumulators = kSlices * kSlice;
 
   // The tail's MMAs of one k16 step (the mainloop's `beside`): consumer c multiplies weight rows
@@ -83,8 +83,7 @@ struct CarriedTail {
   // of A per stage, tail_stage_bytes apart.
   template <class Loop>
   __device__ static void mma_beside_full_tile(const typename Loop::Storage& smem,
-                                              const uint8_t* tail_stages,
-                                              uint32_t tail_stage_bytes,
+                                              const uint8_t* tail_stages, uint32_t tail_stage_bytes,
                                               const GroupedGemmParams& params,
                                               const GroupedTile& tile, int consumer_idx,
                                               typename Loop::State& state,

@@ -8,9 +8,9 @@
 #include "kernels/gemm/fragment.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/gemm/warp_boxes.cuh"
 #include "kernels/gemm/warp_rows.cuh"
-#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -23,10 +23,10 @@ struct Epilogue {
   // the column base of block j = 0. A consumer covers rows 64 c .. 64 c + 63 and all columns of
   // a full tile, rows 0-63 and columns 128 c .. 128 c + 127 of a half tile (is_half_tile).
   struct Fragment : TileInC {
-    int row;            // in the C tile, first of the pair row / row + 8
-    int column;         // in the consumer's columns, of block j = 0
-    int first_column;   // the consumer's first column in the C tile (before SwiGLU halving)
-    int staging_row;    // first of the warp's 16 staging rows (its own in either kind of tile)
+    int row;           // in the C tile, first of the pair row / row + 8
+    int column;        // in the consumer's columns, of block j = 0
+    int first_column;  // the consumer's first column in the C tile (before SwiGLU halving)
+    int staging_row;   // first of the warp's 16 staging rows (its own in either kind of tile)
   };
 
   // Where row `tile_row` of a staged tile goes: row-major C, rows tile_base + row * row_stride.
@@ -76,8 +76,7 @@ struct Epilogue {
   // written. map_c: wgrad's bf16 C as a [groups, M, N] tensor map with (16, 64) boxes, or null.
   template <class RowDestination = RowMajorRows>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
-                               int consumer_idx, uint8_t* staging,
-                               float (&accum)[kNumAccumulators],
+                               int consumer_idx, uint8_t* staging, float (&accum)[kNumAccumulators],
                                const RowDestination& row_destination = {},
                                const CUtensorMap* map_c = nullptr) {
     const Fragment f = fragment(params, tile, consumer_idx);
@@ -98,8 +97,8 @@ struct Epilogue {
 
   // store() for a consumer's kColumns columns: its accum[0, kColumns / 2).
   template <int kColumns, class RowDestination>
-  __device__ static void store_columns(const Fragment& f, const GroupedTile& tile,
-                                       uint8_t* staging, float (&accum)[kNumAccumulators],
+  __device__ static void store_columns(const Fragment& f, const GroupedTile& tile, uint8_t* staging,
+                                       float (&accum)[kNumAccumulators],
                                        const RowDestination& row_destination,
                                        const CUtensorMap* map_c) {
     if constexpr (!uses_staged_store(kEpilogue)) {

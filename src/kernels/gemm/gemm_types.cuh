@@ -36,10 +36,10 @@ template <int kBlockM, int kBlockN>
 struct TileShape {
   static constexpr int BLOCK_M = kBlockM;
   static constexpr int BLOCK_N = kBlockN;
-  static constexpr int BLOCK_K = 64;   // one 128-byte swizzle row of bf16
+  static constexpr int BLOCK_K = 64;  // one 128-byte swizzle row of bf16
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
-  static constexpr int kPanel = 64;    // MN-major tiles are loaded as 64-wide panels
+  static constexpr int kPanel = 64;  // MN-major tiles are loaded as 64-wide panels
   static constexpr uint32_t kPanelBytes = kPanel * BLOCK_K * 2;  // (BLOCK_K, 64) bf16
   static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K * 2;     // (BLOCK_M, BLOCK_K) bf16
   static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K * 2;     // (BLOCK_N, BLOCK_K) bf16
@@ -97,9 +97,9 @@ struct SharedLayout {
 struct GroupedGemmParams {
   const int* group_offsets;  // [num_groups + 1], device memory
   int num_groups;
-  int m;  // wgrad: rows of each group's C; unused otherwise (the group's row count)
-  int n;  // columns of C (before the SwiGLU halving)
-  int k;  // reduction length for forward/dgrad; unused for wgrad (the group's row count)
+  int m;         // wgrad: rows of each group's C; unused otherwise (the group's row count)
+  int n;         // columns of C (before the SwiGLU halving)
+  int k;         // reduction length for forward/dgrad; unused for wgrad (the group's row count)
   void* output;  // forward/dgrad: [rows, N] (SwiGLU: [rows, N / 2]); wgrad: [groups, M, N]
   // [num_groups] device, or null: group g's rows are group_offsets[g] .. + group_counts[g] (the
   // rest up to group_offsets[g + 1] is padding no tile reads); null: up to group_offsets[g + 1].

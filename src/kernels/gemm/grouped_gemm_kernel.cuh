@@ -9,9 +9,9 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/gemm/mainloop.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
-#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -28,8 +28,7 @@ template <GemmKind kKind, EpilogueKind kEpilogue>
 __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
-                        const __grid_constant__ CUtensorMap map_c,
-                        const GroupedGemmParams params) {
+                        const __grid_constant__ CUtensorMap map_c, const GroupedGemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Layout = SharedLayout<kEpilogue>;
   using Loop = Mainloop<kKind, Layout>;
@@ -38,9 +37,8 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
   // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
   // buffers start on that boundary.
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
-  uint8_t* aligned_base =
-      dynamic_smem + ((Layout::kAlignment - base_address % Layout::kAlignment) %
-                      Layout::kAlignment);
+  uint8_t* aligned_base = dynamic_smem + ((Layout::kAlignment - base_address % Layout::kAlignment) %
+                                          Layout::kAlignment);
   const typename Loop::Storage smem = Loop::Storage::carve(aligned_base);
 
   const int warpgroup_idx = warpgroup_index();

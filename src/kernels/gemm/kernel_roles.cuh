@@ -29,9 +29,9 @@ __device__ __forceinline__ bool is_consumer_leader() {
 
 // bar.sync ids (0 is __syncthreads'). One table for every kernel, so no two uses collide.
 enum class NamedBarrier : uint32_t {
-  kConsumers = 1,       // megakernel: both consumer warpgroups, after a tile's stores
-  kMainloopTurn0 = 2,   // ping-pong: consumer 0 may start its mainloop (the other one hands over)
-  kMainloopTurn1 = 3,   // ping-pong: consumer 1 may start its mainloop
+  kConsumers = 1,      // megakernel: both consumer warpgroups, after a tile's stores
+  kMainloopTurn0 = 2,  // ping-pong: consumer 0 may start its mainloop (the other one hands over)
+  kMainloopTurn1 = 3,  // ping-pong: consumer 1 may start its mainloop
 };
 
 // setmaxnreg budgets: every thread of the CTA holds its warpgroup's registers at once, and the SM

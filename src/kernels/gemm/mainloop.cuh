@@ -8,10 +8,10 @@
 
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/tile_loader.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
-#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -42,9 +42,9 @@ struct SharedStorage {
 
   __device__ static SharedStorage carve(uint8_t* aligned_base) {
     auto* barriers = reinterpret_cast<uint64_t*>(aligned_base + Layout::kBarrierOffset);
-    return {aligned_base + Layout::kAOffset, aligned_base + Layout::kBOffset,
-            aligned_base + Layout::kStagingOffset, barriers, barriers + Layout::kNumStages,
-            barriers + 2 * Layout::kNumStages};
+    return {aligned_base + Layout::kAOffset,       aligned_base + Layout::kBOffset,
+            aligned_base + Layout::kStagingOffset, barriers,
+            barriers + Layout::kNumStages,         barriers + 2 * Layout::kNumStages};
   }
   __device__ uint8_t* a_stage(int stage) const { return a + stage * Config::kABytes; }
   __device__ uint8_t* b_stage(int stage) const { return b + stage * Config::kBBytes; }
@@ -114,9 +114,8 @@ struct Mainloop {
   // mma() for a full tile (not a half one), with `beside`'s MMAs in each k16 step.
   template <class Beside>
   __device__ static void mma_full_tile_with(const Storage& smem, const GroupedGemmParams& params,
-                                            const GroupedTile& tile, int consumer_idx,
-                                            State& state, float (&accum)[Mma::kNumAccumulators],
-                                            Beside& beside) {
+                                            const GroupedTile& tile, int consumer_idx, State& state,
+                                            float (&accum)[Mma::kNumAccumulators], Beside& beside) {
     mma_k_blocks<Mma>(smem, params, tile,
                       consumer_idx * (Config::kABytes / Config::kNumConsumerWarpgroups), 0, state,
                       accum, beside);
@@ -133,9 +132,8 @@ struct Mainloop {
   // into each stage.
   template <class Shape, class Beside = const NothingBeside>
   __device__ static void mma_k_blocks(const Storage& smem, const GroupedGemmParams& params,
-                                      const GroupedTile& tile, uint32_t a_offset,
-                                      uint32_t b_offset, State& state,
-                                      float (&accum)[Shape::kNumAccumulators],
+                                      const GroupedTile& tile, uint32_t a_offset, uint32_t b_offset,
+                                      State& state, float (&accum)[Shape::kNumAccumulators],
                                       Beside& beside = NothingBeside{}) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);

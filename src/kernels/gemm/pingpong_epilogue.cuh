@@ -13,8 +13,8 @@
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/pingpong_types.cuh"
 #include "kernels/gemm/swiglu.cuh"
-#include "kernels/gemm/warp_rows.cuh"
 #include "kernels/gemm/tile_scheduler.cuh"
+#include "kernels/gemm/warp_rows.cuh"
 
 namespace mok::gemm {
 

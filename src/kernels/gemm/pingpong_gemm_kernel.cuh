@@ -18,10 +18,10 @@
 #include "kernels/gemm/pingpong_epilogue.cuh"
 #include "kernels/gemm/pingpong_mainloop.cuh"
 #include "kernels/gemm/pingpong_types.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/named_barrier.cuh"
 #include "kernels/ptx/tma.cuh"
-#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -39,9 +39,8 @@ __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
   // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
   // buffers start on that boundary.
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
-  uint8_t* aligned_base =
-      dynamic_smem + ((Layout::kAlignment - base_address % Layout::kAlignment) %
-                      Layout::kAlignment);
+  uint8_t* aligned_base = dynamic_smem + ((Layout::kAlignment - base_address % Layout::kAlignment) %
+                                          Layout::kAlignment);
   const typename Loop::Storage smem = Loop::Storage::carve(aligned_base);
 
   const int warpgroup_idx = warpgroup_index();
@@ -73,8 +72,7 @@ __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
   } else {
     ptx::setmaxnreg_increase<kConsumerRegisters>();
     const int consumer_idx = warpgroup_idx - 1;
-    const uint32_t my_turn =
-        static_cast<uint32_t>(NamedBarrier::kMainloopTurn0) + consumer_idx;
+    const uint32_t my_turn = static_cast<uint32_t>(NamedBarrier::kMainloopTurn0) + consumer_idx;
     const uint32_t other_turn =
         static_cast<uint32_t>(NamedBarrier::kMainloopTurn0) + (1 - consumer_idx);
     constexpr uint32_t kTurnThreads = 2 * 128;  // the waiting consumer and the one handing over

@@ -18,10 +18,10 @@
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/gemm/pingpong_types.cuh"
 #include "kernels/gemm/tile_loader.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
-#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 

@@ -43,8 +43,8 @@ struct PingpongSharedLayout {
   // bf16 outputs: 16 staging rows per warp (warp_rows.cuh).
   static constexpr uint32_t kStagingBytesPerConsumer = kStagedStore ? 4 * kWarpStagingBytes : 0;
   // As many stages as fit beside the staging tiles, barriers and alignment slack (at most 6).
-  static constexpr uint32_t kSpareBytes = 227 * 1024 - kAlignment - 256 -
-                                          Config::kNumConsumerWarpgroups * kStagingBytesPerConsumer;
+  static constexpr uint32_t kSpareBytes =
+      227 * 1024 - kAlignment - 256 - Config::kNumConsumerWarpgroups * kStagingBytesPerConsumer;
   static constexpr int kFittingStages = static_cast<int>(kSpareBytes / Config::kStageBytes);
   static constexpr int kNumStages = kFittingStages < 6 ? kFittingStages : 6;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)

@@ -10,9 +10,9 @@
 #include <cuda.h>
 
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/tma.cuh"
-#include "kernels/gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 

@@ -45,7 +45,7 @@ __host__ __device__ inline bool is_half_tile(const GroupedTile& tile) {
 
 template <GemmKind kKind, EpilogueKind kEpilogue, class Config>
 __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
-                                              const GroupedTile& tile) {
+                                             const GroupedTile& tile) {
   constexpr int kElementBytes = output_element_bytes(kEpilogue);
   const int output_columns = kEpilogue == EpilogueKind::kSwiGluBf16 ? params.n / 2 : params.n;
   const int column_begin = tile.n_block * output_tile_columns<Config>(kEpilogue);

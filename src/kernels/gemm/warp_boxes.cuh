@@ -3,8 +3,8 @@
 // TMA unit copies the rows out.
 //
 // A warp's 16 staging rows (kWarpStagingBytes) hold two boxes of 16 rows x 64 bf16 columns
-// (128-byte lines), in the layout a 128-byte-swizzled tensor map expects: 16-byte vector c of line r
-// at vector c ^ (r % 8). That is also what keeps a fragment store (8 rows, one vector each)
+// (128-byte lines), in the layout a 128-byte-swizzled tensor map expects: 16-byte vector c of line
+// r at vector c ^ (r % 8). That is also what keeps a fragment store (8 rows, one vector each)
 // conflict-free. The boxes alternate: before a box is refilled, the store that read it two boxes
 // ago must have read it (bulk_wait_group_read<1>). Weight gradients have no group tails (M and N
 // are weight dimensions), and the tensor map clips the columns and rows past N and M, so every

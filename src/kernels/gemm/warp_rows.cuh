@@ -27,7 +27,8 @@ struct WarpRows {
   static constexpr int kPassVectors = kStagingRowBytes / 16;
   static constexpr int kPasses = (kOutVectors + kPassVectors - 1) / kPassVectors;
   static_assert(kOutVectors < kPassVectors || kOutVectors % kPassVectors == 0, "whole passes");
-  static constexpr int kVectors = kOutVectors < kPassVectors ? kOutVectors : kPassVectors;  // a pass's
+  static constexpr int kVectors =
+      kOutVectors < kPassVectors ? kOutVectors : kPassVectors;  // a pass's
   static_assert(32 % kVectors == 0, "a warp copies whole rows at a time");
   static constexpr int kRowsAtOnce = 32 / kVectors;
   // The copy loop of plain outputs is unrolled, so that a lane's staged loads are in flight
@@ -74,8 +75,8 @@ struct WarpRows {
 #pragma unroll kCopyUnroll
       for (int first = 0; first < 16; first += kRowsAtOnce) {
         const int row = first + lane_idx / kVectors;
-        const uint4 value = *reinterpret_cast<const uint4*>(
-            warp_staging + row * kStagingRowBytes + staged_vector_offset(row, vector));
+        const uint4 value = *reinterpret_cast<const uint4*>(warp_staging + row * kStagingRowBytes +
+                                                            staged_vector_offset(row, vector));
         char* row_destination = reinterpret_cast<char*>(
             __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(row_start), row));
         if (row_destination != nullptr && column < columns_valid) {

@@ -6,12 +6,12 @@
 
 #include "kernels/comm/flags.cuh"
 #include "kernels/comm/row_copy.cuh"
+#include "kernels/comm/token_schedule.cuh"
 #include "kernels/comm/workspace_layout.cuh"
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/megakernel/forward_params.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/trace.cuh"
-#include "kernels/comm/token_schedule.cuh"
 
 namespace mok::megakernel {
 
@@ -44,8 +44,8 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
   // x into the window (peers pull it once they see the gather flag; this rank's own rows are read
   // from the caller's x, so one rank alone stages nothing), topk_idx to every rank.
   const int64_t staged_tokens = layout.num_ranks > 1 ? params.num_tokens : 0;
-  for (int64_t token = static_cast<int64_t>(cta) * warps + threadIdx.x / 32;
-       token < staged_tokens; token += static_cast<int64_t>(num_ctas) * warps) {
+  for (int64_t token = static_cast<int64_t>(cta) * warps + threadIdx.x / 32; token < staged_tokens;
+       token += static_cast<int64_t>(num_ctas) * warps) {
     const char* source = reinterpret_cast<const char*>(params.x) + token * layout.row_bytes();
     comm::copy_row_warp<comm::RowLoad::kBypassL1>(source, view.x_row(view.rank, token),
                                                   layout.row_bytes(), lane);
@@ -110,8 +110,8 @@ __device__ inline void dispatch_rows(const FusedForwardParams& params, int64_t f
   // Each warp's rows increase, so a warp waiting for a ring slot holds back only later rows.
   constexpr int kRows = gemm::TileConfig::BLOCK_M;
   uint32_t* arrived = view.task_counters(comm::TaskCounter::kRowsArrived);
-  const uint32_t gate_up_tiles = static_cast<uint32_t>(
-      gemm::ceil_div(params.gemm[static_cast<int>(TaskKind::kGateUp)].n, gemm::TileConfig::BLOCK_N));
+  const uint32_t gate_up_tiles = static_cast<uint32_t>(gemm::ceil_div(
+      params.gemm[static_cast<int>(TaskKind::kGateUp)].n, gemm::TileConfig::BLOCK_N));
   int slot_free_below = params.ring_mblocks;  // blocks this warp knows it may write
   for (int64_t row = first_warp; row < num_rows; row += num_warps) {
     const int32_t packed = row_source[row];

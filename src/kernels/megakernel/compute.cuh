@@ -9,6 +9,7 @@
 #include "kernels/comm/workspace_layout.cuh"
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/megakernel/carried_tails.cuh"
 #include "kernels/megakernel/combine_store.cuh"
@@ -18,7 +19,6 @@
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/tickets.cuh"
 #include "kernels/megakernel/trace.cuh"
-#include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/memory.cuh"
 #include "kernels/ptx/tma.cuh"
@@ -63,9 +63,9 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
       // ring round).
       const auto wait_block = [&](int offset) {
         const int mblock = task.mblock + offset;
-        const int rows = min(gemm::TileConfig::BLOCK_M,
-                             task.tile.row_count - (task.tile.mblock + offset) *
-                                                       gemm::TileConfig::BLOCK_M);
+        const int rows =
+            min(gemm::TileConfig::BLOCK_M,
+                task.tile.row_count - (task.tile.mblock + offset) * gemm::TileConfig::BLOCK_M);
         wait_counter(view, comm::TaskCounter::kRowsArrived, mblock, rows, comm::Phase::kDispatch);
         if (mblock >= shape.ring_mblocks) {
           wait_counter(view, comm::TaskCounter::kDownDone, mblock - shape.ring_mblocks,
@@ -99,9 +99,8 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
 
 // row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners;
 // its block(n) places the rows n blocks on: a carried tail's).
-template <gemm::EpilogueKind kEpilogue,
-          class RowDestination =
-              typename gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>::RowMajorRows>
+template <gemm::EpilogueKind kEpilogue, class RowDestination = typename gemm::Epilogue<
+                                            gemm::GemmKind::kForward, kEpilogue>::RowMajorRows>
 __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, const Task& task,
                                 int consumer_idx, const Loop::Storage& smem,
                                 const uint8_t* tail_smem, Loop::State& state,
@@ -297,8 +296,8 @@ __device__ __forceinline__ void consume_tasks(const FusedForwardParams& params,
     switch (task.kind) {
       case TaskKind::kSharedGateUp:
       case TaskKind::kGateUp: {
-        run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem,
-                                                  tail_smem, state, accum);
+        run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, tail_smem,
+                                                  state, accum);
         const uint64_t publish_start = spans.begin();
         publish_tile(params.view,
                      task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady

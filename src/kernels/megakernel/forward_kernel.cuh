@@ -56,8 +56,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) trace_set(params.trace, kTraceDispatched, trace_clock());
   }
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
-  uint8_t* aligned = dynamic_smem + ((RingLayout::kAlignment - base_address % RingLayout::kAlignment) %
-                                     RingLayout::kAlignment);
+  uint8_t* aligned =
+      dynamic_smem +
+      ((RingLayout::kAlignment - base_address % RingLayout::kAlignment) % RingLayout::kAlignment);
   compute(maps, params, aligned);
 #endif
 }

@@ -25,20 +25,20 @@ struct FusedForwardMaps {
 
 struct FusedForwardParams {
   comm::WorkspaceView view;
-  const __nv_bfloat16* x;    // (T, H), the caller's tokens
-  const int32_t* topk_idx;   // (T, k)
+  const __nv_bfloat16* x;                       // (T, H), the caller's tokens
+  const int32_t* topk_idx;                      // (T, k)
   gemm::GroupedGemmParams gemm[kNumTaskKinds];  // n, k and output of each GEMM
-  int num_tokens;     // this rank's tokens this call
-  int num_comm_ctas;  // blockIdx.x below this dispatches first, then computes like the rest;
-                      // 0: warps 1-3 of every CTA dispatch beside its tiles
+  int num_tokens;                               // this rank's tokens this call
+  int num_comm_ctas;      // blockIdx.x below this dispatches first, then computes like the rest;
+                          // 0: warps 1-3 of every CTA dispatch beside its tiles
   int minibatch_mblocks;  // row blocks per minibatch
-  int ring_mblocks;   // row blocks of expert_x and the routed hidden rows (task_list.cuh)
+  int ring_mblocks;       // row blocks of expert_x and the routed hidden rows (task_list.cuh)
   int has_shared;
   int schedule_in_kernel;  // 0: the schedule kernels (comm_ops.hpp) ran before the launch
   // blockIdx.x below this makes the schedule (>= num_comm_ctas); the others start on the shared
   // gate/up tiles at once
   int num_schedule_ctas;
-  uint64_t* trace;         // (grid, kTraceFields) per-CTA timeline (trace.cuh), or null
+  uint64_t* trace;              // (grid, kTraceFields) per-CTA timeline (trace.cuh), or null
   const uint8_t* sm_partition;  // L2 partition by %smid (tickets.cuh), or null
   int max_sm_ids;               // entries of sm_partition
 };

@@ -26,9 +26,9 @@ inline constexpr int kSwiGluBackwardThreads = 256;
 inline constexpr int kSwiGluBlock = 8;  // the gate/up interleave: 8 gate columns, then 8 up
 
 struct SwiGluBackwardRows {
-  const float* gate_up;      // (rows, 2I) fp32, 8-interleaved
-  const float* grad_hidden;  // (rows, I) fp32: g = W_downᵀ dy
-  __nv_bfloat16* d_gate_up;  // (rows, 2I) bf16, 8-interleaved
+  const float* gate_up;            // (rows, 2I) fp32, 8-interleaved
+  const float* grad_hidden;        // (rows, I) fp32: g = W_downᵀ dy
+  __nv_bfloat16* d_gate_up;        // (rows, 2I) bf16, 8-interleaved
   __nv_bfloat16* weighted_hidden;  // (rows, I) bf16: w · h
   int intermediate;                // I, a multiple of 8
 };
@@ -37,15 +37,17 @@ struct SwiGluBackwardRows {
 __device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int64_t row,
                                             float weight, int lane) {
   const int64_t inter = rows.intermediate;
-  const float* gate_up = rows.gate_up + row * 2 * inter;       // (2I)
+  const float* gate_up = rows.gate_up + row * 2 * inter;      // (2I)
   const float* grad_hidden = rows.grad_hidden + row * inter;  // (I)
   __nv_bfloat16* d_gate_up = rows.d_gate_up + row * 2 * inter;
   __nv_bfloat16* weighted_hidden = rows.weighted_hidden + row * inter;
   float dot = 0.0f;
   for (int64_t block = lane; block < inter / kSwiGluBlock; block += 32) {
     float gate[kSwiGluBlock], up[kSwiGluBlock], grad[kSwiGluBlock];
-    const float4* gate_vectors = reinterpret_cast<const float4*>(gate_up + block * 2 * kSwiGluBlock);
-    const float4* grad_vectors = reinterpret_cast<const float4*>(grad_hidden + block * kSwiGluBlock);
+    const float4* gate_vectors =
+        reinterpret_cast<const float4*>(gate_up + block * 2 * kSwiGluBlock);
+    const float4* grad_vectors =
+        reinterpret_cast<const float4*>(grad_hidden + block * kSwiGluBlock);
     *reinterpret_cast<float4*>(&gate[0]) = gate_vectors[0];
     *reinterpret_cast<float4*>(&gate[4]) = gate_vectors[1];
     *reinterpret_cast<float4*>(&up[0]) = gate_vectors[2];

@@ -2,9 +2,10 @@
 // expert GEMMs of one layer, in one dependency order that every compute CTA derives on its own.
 //
 //   kSharedGateUp  x (T, H) -> shared_hidden (T, I_s), SwiGLU        needs nothing
-//   kGateUp        expert_x -> routed_hidden (rows, I), SwiGLU       needs the block's rows dispatched
-//   kSharedDown    shared_hidden -> shared_output (T, H) fp32        needs the block's shared gate/up
-//   kDown          routed_hidden -> expert_y (rows, H) bf16          needs the block's gate/up tiles
+//   kGateUp        expert_x -> routed_hidden (rows, I), SwiGLU       needs the block's rows
+//   dispatched kSharedDown    shared_hidden -> shared_output (T, H) fp32        needs the block's
+//   shared gate/up kDown          routed_hidden -> expert_y (rows, H) bf16          needs the
+//   block's gate/up tiles
 //
 // Rows come in blocks of 128 (BLOCK_M): each local expert's rows start at a block boundary, so
 // block g covers rows [128 g, 128 g + 128) of the call's expert rows and belongs to one expert.
@@ -52,12 +53,12 @@ __host__ __device__ constexpr bool is_shared(TaskKind kind) {
 
 // The sizes that fix the task list of one call.
 struct TaskShape {
-  int num_experts;     // local experts
-  int shared_mblocks;  // ceil(T / 128) with a shared expert, else 0
-  int routed_mblocks;  // rows of the local experts (tile padded) / 128
-  int minibatch_mblocks;   // row blocks per minibatch, >= 1
-  int ring_mblocks;    // row blocks of the ring (expert_x, hidden): a multiple of minibatch_mblocks
-                       // >= 2 minibatch_mblocks, or at least routed_mblocks (one round)
+  int num_experts;        // local experts
+  int shared_mblocks;     // ceil(T / 128) with a shared expert, else 0
+  int routed_mblocks;     // rows of the local experts (tile padded) / 128
+  int minibatch_mblocks;  // row blocks per minibatch, >= 1
+  int ring_mblocks;  // row blocks of the ring (expert_x, hidden): a multiple of minibatch_mblocks
+                     // >= 2 minibatch_mblocks, or at least routed_mblocks (one round)
   int n_blocks[kNumTaskKinds];  // 256-column blocks of each GEMM's output (before SwiGLU halving)
 
   __host__ __device__ int num_minibatches() const {
@@ -79,7 +80,7 @@ inline constexpr int kMaxTailCarriers = 3;
 
 struct Task {
   TaskKind kind;
-  int mblock;             // row block: of the call's expert rows, or of this rank's tokens (shared)
+  int mblock;  // row block: of the call's expert rows, or of this rank's tokens (shared)
   // Routed down tile whose block's ring slot a later round reuses: it reports that it has read it.
   bool frees_ring_block;
   // Routed: the tile of a carried tail block (nothing to do: the tiles of the blocks before it
@@ -166,11 +167,10 @@ class TaskScheduler {
       const int row_begin = offsets_[expert_];
       const int mblock = expert_skip_mblocks_ + local % expert_mblocks_;
       task.mblock = row_begin / gemm::TileConfig::BLOCK_M + mblock;
-      task.frees_ring_block = kind_ == TaskKind::kDown &&
-                              task.mblock + shape_.ring_mblocks < shape_.routed_mblocks;
+      task.frees_ring_block =
+          kind_ == TaskKind::kDown && task.mblock + shape_.ring_mblocks < shape_.routed_mblocks;
       task.tile = {expert_, mblock, local / expert_mblocks_,
-                   row_begin - ring_round_base(task.mblock, shape_.ring_mblocks),
-                   counts_[expert_]};
+                   row_begin - ring_round_base(task.mblock, shape_.ring_mblocks), counts_[expert_]};
       const int carriers = tail_carriers(row_begin, counts_[expert_]);
       if (carriers > 0) {
         const int last = (counts_[expert_] - 1) / gemm::TileConfig::BLOCK_M;

@@ -10,20 +10,20 @@
 namespace mok::megakernel {
 
 enum TraceField : int {
-  kTraceStart = 0,        // kernel entry (thread 0)
-  kTraceScheduled,        // schedule done (thread 0)
-  kTraceDispatched,       // this CTA's dispatch share done (its last dispatching warp)
-  kTraceTasksEnd,         // the producer found no task left
-  kTraceEnd,              // the consumers' last stores landed
-  kTraceTasks,            // tasks this CTA ran
-  kTraceInputWaitNs,      // producer: waiting for tasks' inputs (rows, gate/up tiles, schedule)
-  kTraceSlotWaitNs,       // producer: waiting for the consumers to free a task slot
-  kTracePublishNs,        // consumers: waiting for gate/up stores to land before publishing
+  kTraceStart = 0,    // kernel entry (thread 0)
+  kTraceScheduled,    // schedule done (thread 0)
+  kTraceDispatched,   // this CTA's dispatch share done (its last dispatching warp)
+  kTraceTasksEnd,     // the producer found no task left
+  kTraceEnd,          // the consumers' last stores landed
+  kTraceTasks,        // tasks this CTA ran
+  kTraceInputWaitNs,  // producer: waiting for tasks' inputs (rows, gate/up tiles, schedule)
+  kTraceSlotWaitNs,   // producer: waiting for the consumers to free a task slot
+  kTracePublishNs,    // consumers: waiting for gate/up stores to land before publishing
   // kTraceInputWaitNs split by what was awaited: the schedule, then the inputs of each task kind
   // (TaskKind order: shared gate/up none, routed gate/up its rows and ring slot, shared down its
   // shared hidden rows, routed down its hidden rows)
   kTraceWaitScheduleNs,
-  kTraceWaitKindNs,       // + TaskKind, four fields
+  kTraceWaitKindNs,  // + TaskKind, four fields
   kTraceFields = kTraceWaitKindNs + 4
 };
 

@@ -28,10 +28,10 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
 // Arrives once and announces `bytes` of asynchronous transactions that must land before the
 // phase completes.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                   smem_address(barrier)),
-               "r"(bytes)
-               : "memory");
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(barrier)),
+      "r"(bytes)
+      : "memory");
 }
 
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {

@@ -15,8 +15,7 @@
 namespace mok::ptx {
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* tensor_map) {
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tensor_map))
-               : "memory");
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
 }
 
 // Box at (inner, outer) element coordinates.
@@ -61,7 +60,8 @@ __device__ __forceinline__ void bulk_load(void* destination, const void* source,
                                           uint64_t* barrier) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_address(destination)), "l"(source), "r"(bytes), "r"(smem_address(barrier))
+          "r"(smem_address(destination)),
+      "l"(source), "r"(bytes), "r"(smem_address(barrier))
       : "memory");
 }
 
