@@ -32,6 +32,7 @@
 
 #include "bench_options.hpp"
 #include "mok/cuda_check.hpp"
+#include "mok/device_buffer.hpp"
 #include "mok/error.hpp"
 #include "mok/gpu.hpp"
 #include "mok/layer_runner.hpp"
@@ -158,25 +159,6 @@ void make_routing(int32_t* topk_idx, float* topk_w, const mok::LayerShape& shape
 }
 
 // ---- host helpers ---------------------------------------------------------------------------
-
-template <class T>
-class DeviceArray {
- public:
-  explicit DeviceArray(int64_t count) : count_(count) {
-    MOK_CUDA_CHECK(
-        cudaMalloc(&data_, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() { cudaFree(data_); }
-  T* get() const { return data_; }
-  int64_t size() const { return count_; }
-  size_t bytes() const { return static_cast<size_t>(count_) * sizeof(T); }
-
- private:
-  T* data_ = nullptr;
-  int64_t count_ = 0;
-};
 
 double median(std::vector<float> values) {
   if (values.empty()) return 0.0;
@@ -636,10 +618,10 @@ class Soak {
   mok::Communicator comm_;
   mok::LayerForward forward_;
   mok::LayerBackward backward_;
-  DeviceArray<mok::bf16> x_, dy_, probe_dy_, y_, dx_;    // (T, H)
-  DeviceArray<int32_t> topk_idx_, probe_topk_idx_;       // (T, k)
-  DeviceArray<float> topk_w_, probe_topk_w_, d_topk_w_;  // (T, k)
-  DeviceArray<float> grad_gate_up_, grad_down_, grad_shared_gate_up_, grad_shared_down_;
+  mok::DeviceBuffer<mok::bf16> x_, dy_, probe_dy_, y_, dx_;    // (T, H)
+  mok::DeviceBuffer<int32_t> topk_idx_, probe_topk_idx_;       // (T, k)
+  mok::DeviceBuffer<float> topk_w_, probe_topk_w_, d_topk_w_;  // (T, k)
+  mok::DeviceBuffer<float> grad_gate_up_, grad_down_, grad_shared_gate_up_, grad_shared_down_;
   mok::DeviceLayerGradients grads_;
   cudaStream_t stream_ = nullptr;
   std::vector<cudaEvent_t> events_;  // (chunk, 2): start and stop of each step

@@ -12,6 +12,7 @@
 #include "kernels/megakernel/swiglu_backward.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "runtime/device_memory.hpp"
 
 namespace mok {
 namespace {
@@ -43,19 +44,6 @@ __global__ void fill_kernel(float* values, int64_t count, float value) {
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     values[index] = value;
   }
-}
-
-template <class T>
-T* device_alloc(int64_t count) {
-  void* memory = nullptr;
-  MOK_CUDA_CHECK(cudaMalloc(&memory, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T)));
-  return static_cast<T*>(memory);
-}
-
-int checked_int(int64_t value, const char* what) {
-  MOK_CHECK_ARG(value <= std::numeric_limits<int>::max(), what, value,
-                " does not fit the GEMM engine's 32-bit sizes");
-  return static_cast<int>(value);
 }
 
 WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {

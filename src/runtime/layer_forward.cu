@@ -11,6 +11,7 @@
 #include "kernels/megakernel/trace.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "runtime/device_memory.hpp"
 #include "runtime/l2_partitions.hpp"
 
 namespace mok {
@@ -25,13 +26,6 @@ constexpr int64_t kInterleaveRows = 8;
 __global__ void write_shared_offsets_kernel(int32_t* offsets, int32_t num_tokens) {
   offsets[0] = 0;
   offsets[1] = num_tokens;
-}
-
-template <class T>
-T* device_alloc(int64_t count) {
-  void* memory = nullptr;
-  MOK_CUDA_CHECK(cudaMalloc(&memory, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T)));
-  return static_cast<T*>(memory);
 }
 
 // fused (experts, 2 * inter, hidden) <- gate, up (experts, inter, hidden) on the host: every block
@@ -63,13 +57,6 @@ WorkspaceOptions workspace_options(const LayerForwardOptions& options) {
     workspace.expert_y = true;
   }
   return workspace;
-}
-
-int checked_int(int64_t value, const char* argument) {
-  MOK_CHECK_ARG(value >= 0 && value <= INT32_MAX, argument, value,
-                " does not fit the GEMM's int32 "
-                "row indices");
-  return static_cast<int>(value);
 }
 
 }  // namespace

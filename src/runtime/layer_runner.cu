@@ -17,6 +17,7 @@
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/trace.cuh"
 #include "mok/cuda_check.hpp"
+#include "mok/device_buffer.hpp"
 #include "mok/error.hpp"
 #include "mok/gpu.hpp"
 #include "runtime/comm.hpp"
@@ -26,32 +27,6 @@
 
 namespace mok {
 namespace {
-
-template <class T>
-class DeviceArray {
- public:
-  explicit DeviceArray(int64_t count) : count_(count) {
-    MOK_CUDA_CHECK(
-        cudaMalloc(&data_, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T)));
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() { cudaFree(data_); }
-  T* get() const { return data_; }
-  int64_t size() const { return count_; }
-  void download(T* host) const {
-    MOK_CUDA_CHECK(
-        cudaMemcpy(host, data_, static_cast<size_t>(count_) * sizeof(T), cudaMemcpyDeviceToHost));
-  }
-  void upload(const T* host) {
-    MOK_CUDA_CHECK(
-        cudaMemcpy(data_, host, static_cast<size_t>(count_) * sizeof(T), cudaMemcpyHostToDevice));
-  }
-
- private:
-  T* data_ = nullptr;
-  int64_t count_ = 0;
-};
 
 // Uniform values in [-scale·√3, scale·√3) (standard deviation `scale`) from a counter-based hash of
 // (seed, stream, index): the same on every GPU and in every run.
@@ -184,11 +159,11 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   options.gemm.engine = static_cast<gemm::GemmEngine>(spec.backward_engine);
   LayerBackward layer(comm, shape, tokens, options);
   buffer_bytes = layer.buffer_bytes();
-  DeviceArray<bf16> dy(tokens * hidden), dx(tokens * hidden);
-  DeviceArray<float> d_topk_w(tokens * top_k);
-  DeviceArray<float> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
-  DeviceArray<float> grad_shared_gate_up(weights.shared_gate_up_elements);
-  DeviceArray<float> grad_shared_down(weights.shared_down_elements);
+  DeviceBuffer<bf16> dy(tokens * hidden), dx(tokens * hidden);
+  DeviceBuffer<float> d_topk_w(tokens * top_k);
+  DeviceBuffer<float> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
+  DeviceBuffer<float> grad_shared_gate_up(weights.shared_gate_up_elements);
+  DeviceBuffer<float> grad_shared_down(weights.shared_down_elements);
   if (spec.problem != nullptr) {
     dy.upload(spec.problem->dy.data() + rank * tokens * hidden);
   } else {
@@ -304,10 +279,10 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     options.fused.schedule_ctas = spec.fused_schedule_ctas;
     options.fused.l2_partition_tickets = spec.fused_l2_partition_tickets;
     LayerForward layer(comms[rank], shape, tokens, options);
-    DeviceArray<bf16> x(tokens * hidden);           // (T, H)
-    DeviceArray<int32_t> topk_idx(tokens * top_k);  // (T, k)
-    DeviceArray<float> topk_w(tokens * top_k);      // (T, k)
-    DeviceArray<bf16> y(tokens * hidden);           // (T, H)
+    DeviceBuffer<bf16> x(tokens * hidden);           // (T, H)
+    DeviceBuffer<int32_t> topk_idx(tokens * top_k);  // (T, k)
+    DeviceBuffer<float> topk_w(tokens * top_k);      // (T, k)
+    DeviceBuffer<bf16> y(tokens * hidden);           // (T, H)
     topk_idx.upload(spec.topk_idx->data() + rank * tokens * top_k);
     topk_w.upload(spec.topk_w->data() + rank * tokens * top_k);
     const DeviceLayerWeights& weights = layer.device_weights();

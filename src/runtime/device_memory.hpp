@@ -1,0 +1,31 @@
+// Small host-side helpers of the runtime's layers: raw device allocations that the layer objects
+// own (freed in their destructors) and the check that a size fits the GEMM engine's int32 rows.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
+
+namespace mok {
+
+// `count` elements (at least one byte's worth, so that an empty buffer is still a valid pointer).
+template <class T>
+T* device_alloc(int64_t count) {
+  void* memory = nullptr;
+  MOK_CUDA_CHECK(cudaMalloc(&memory, static_cast<size_t>(count > 0 ? count : 1) * sizeof(T)));
+  return static_cast<T*>(memory);
+}
+
+// `value` as an int, or mok::Error naming `argument` when it does not fit the GEMM engine's
+// 32-bit row indices.
+inline int checked_int(int64_t value, const char* argument) {
+  MOK_CHECK_ARG(value >= 0 && value <= std::numeric_limits<int32_t>::max(), argument, value,
+                " does not fit the GEMM engine's 32-bit row indices");
+  return static_cast<int>(value);
+}
+
+}  // namespace mok
