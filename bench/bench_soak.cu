@@ -1,5 +1,5 @@
-// Soak: many training steps of the GPU layer on one GPU at EP 1 — the forward (LayerForward, the
-// fused kernel) and the backward (LayerBackward) — with a new routing every step, made on the
+// Soak: many training steps of the GPU layer (mok::GpuLayer) on one GPU at EP 1 — the fused forward
+// and the backward — with a new routing every step, made on the
 // device from the step number: uniform, skewed, every token to one expert, a few hot experts, and
 // unused (-1) slots, in rotation; router weights of either sign; a new dy every step. It checks
 // what a long training run relies on:
@@ -35,11 +35,9 @@
 #include "mok/device_buffer.hpp"
 #include "mok/error.hpp"
 #include "mok/gpu.hpp"
+#include "mok/gpu_layer.hpp"
 #include "mok/layer_runner.hpp"
 #include "mok/shape.hpp"
-#include "runtime/comm.hpp"
-#include "runtime/layer_backward.hpp"
-#include "runtime/layer_forward.hpp"
 
 namespace {
 
@@ -398,9 +396,7 @@ class Soak {
       : args_(args),
         shape_(shape),
         progress_(progress),
-        comm_(mok::local_communicators(1)[0]),
-        forward_(comm_, shape, args.tokens),
-        backward_(comm_, shape, args.tokens),
+        layer_(/*device=*/0, shape, args.tokens),
         x_(args.tokens * shape.hidden),
         dy_(args.tokens * shape.hidden),
         probe_dy_(args.tokens * shape.hidden),
@@ -411,12 +407,12 @@ class Soak {
         topk_w_(args.tokens * shape.top_k),
         probe_topk_w_(args.tokens * shape.top_k),
         d_topk_w_(args.tokens * shape.top_k),
-        grad_gate_up_(forward_.device_weights().gate_up_elements),
-        grad_down_(forward_.device_weights().down_elements),
-        grad_shared_gate_up_(forward_.device_weights().shared_gate_up_elements),
-        grad_shared_down_(forward_.device_weights().shared_down_elements) {
+        grad_gate_up_(layer_.weights().gate_up_elements),
+        grad_down_(layer_.weights().down_elements),
+        grad_shared_gate_up_(layer_.weights().shared_gate_up_elements),
+        grad_shared_down_(layer_.weights().shared_down_elements) {
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    const mok::DeviceLayerWeights& weights = forward_.device_weights();
+    const mok::GpuLayerWeights& weights = layer_.weights();
     const uint64_t seed = static_cast<uint64_t>(args.seed);
     // Scales as Problem::generate: every intermediate near unit size.
     const double in_scale = 1.0 / std::sqrt(static_cast<double>(shape.hidden));
@@ -460,8 +456,8 @@ class Soak {
     say("device memory in use before the soak: %.1f MiB (the layer's buffers: forward %.1f MiB, "
         "backward %.1f MiB)\n",
         mib(static_cast<double>(report.memory_start)),
-        mib(static_cast<double>(forward_.buffer_bytes())),
-        mib(static_cast<double>(backward_.buffer_bytes())));
+        mib(static_cast<double>(layer_.forward_buffer_bytes())),
+        mib(static_cast<double>(layer_.backward_buffer_bytes())));
     soak(report);
     if (report.error.empty()) {
       try {
@@ -498,16 +494,13 @@ class Soak {
                  static_cast<Routing>(step % kNumRoutings), seed, step, stream_);
     fill_random(dy_.get(), dy_.size(), 1.0, seed, 1000 + step, stream_);
     if (start != nullptr) MOK_CUDA_CHECK(cudaEventRecord(start, stream_));
-    forward_.forward(x_.get(), topk_idx_.get(), topk_w_.get(), y_.get(), args_.tokens, stream_);
-    backward_.backward(forward_.device_weights(), x_.get(), topk_idx_.get(), topk_w_.get(),
-                       dy_.get(), dx_.get(), d_topk_w_.get(), grads_, args_.tokens, stream_);
+    layer_.forward(x_.get(), topk_idx_.get(), topk_w_.get(), y_.get(), args_.tokens, stream_);
+    layer_.backward(x_.get(), topk_idx_.get(), topk_w_.get(), dy_.get(), dx_.get(), d_topk_w_.get(),
+                    grads_, args_.tokens, stream_);
     if (stop != nullptr) MOK_CUDA_CHECK(cudaEventRecord(stop, stream_));
   }
 
-  void check() {
-    forward_.check(stream_);
-    backward_.check(stream_);
-  }
+  void check() { layer_.check(stream_); }
 
   // The probe's outputs, every one poisoned (0xff: NaN) first so that an unwritten element shows.
   std::vector<ProbeTensor> probe() {
@@ -527,11 +520,10 @@ class Soak {
       MOK_CUDA_CHECK(
           cudaMemsetAsync(const_cast<void*>(tensor.device), 0xff, tensor.bytes, stream_));
     }
-    forward_.forward(x_.get(), probe_topk_idx_.get(), probe_topk_w_.get(), y_.get(), args_.tokens,
-                     stream_);
-    backward_.backward(forward_.device_weights(), x_.get(), probe_topk_idx_.get(),
-                       probe_topk_w_.get(), probe_dy_.get(), dx_.get(), d_topk_w_.get(), grads_,
-                       args_.tokens, stream_);
+    layer_.forward(x_.get(), probe_topk_idx_.get(), probe_topk_w_.get(), y_.get(), args_.tokens,
+                   stream_);
+    layer_.backward(x_.get(), probe_topk_idx_.get(), probe_topk_w_.get(), probe_dy_.get(),
+                    dx_.get(), d_topk_w_.get(), grads_, args_.tokens, stream_);
     check();
     for (ProbeTensor& tensor : tensors) {
       tensor.host.resize(tensor.bytes);
@@ -615,14 +607,12 @@ class Soak {
   const Args& args_;
   mok::LayerShape shape_;
   std::FILE* progress_;
-  mok::Communicator comm_;
-  mok::LayerForward forward_;
-  mok::LayerBackward backward_;
+  mok::GpuLayer layer_;
   mok::DeviceBuffer<mok::bf16> x_, dy_, probe_dy_, y_, dx_;    // (T, H)
   mok::DeviceBuffer<int32_t> topk_idx_, probe_topk_idx_;       // (T, k)
   mok::DeviceBuffer<float> topk_w_, probe_topk_w_, d_topk_w_;  // (T, k)
   mok::DeviceBuffer<float> grad_gate_up_, grad_down_, grad_shared_gate_up_, grad_shared_down_;
-  mok::DeviceLayerGradients grads_;
+  mok::GpuLayerGradients grads_;
   cudaStream_t stream_ = nullptr;
   std::vector<cudaEvent_t> events_;  // (chunk, 2): start and stop of each step
 };
@@ -653,10 +643,9 @@ int run(int argc, char** argv) {
                 "the soak needs a Hopper GPU; found: ", gpus.description);
   const std::string unfit = mok::gpu_layer_unfit_reason(shape, 1, args.tokens, true);
   MOK_CHECK_ARG(unfit.empty(), "shape", unfit);
-  const mok::Communicator& comm = mok::local_communicators(1)[0];
-  MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
+  MOK_CUDA_CHECK(cudaSetDevice(0));
   cudaDeviceProp properties{};
-  MOK_CUDA_CHECK(cudaGetDeviceProperties(&properties, comm.device()));
+  MOK_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
   // The JSON's path is checked before any work; write errors are reported at the end.
   const bool to_stdout = args.out == "-";
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> out(

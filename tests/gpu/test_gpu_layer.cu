@@ -1,0 +1,87 @@
+// mok::GpuLayer, the public door to the GPU layer: forward and backward on its own weights match
+// the CPU reference within tolerance (y, dx, d_topk_w), repeat bitwise, and a bad call names its
+// argument.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "layer_test_support.cuh"
+#include "mok/gpu_layer.hpp"
+
+namespace mok::comm_test {
+namespace {
+
+TEST(GpuLayer, ForwardAndBackwardMatchTheReferenceAndRepeat) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 257, 3);
+  const LayerShape& shape = problem.shape;
+  const int64_t tokens = problem.num_tokens, hidden = shape.hidden, top_k = shape.top_k;
+  GpuLayer layer(0, shape, tokens);
+  const GpuLayerWeights& weights = layer.weights();
+  const int experts = static_cast<int>(shape.num_experts);
+  const auto upload = [](bf16* device, const std::vector<bf16>& host) {
+    MOK_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  };
+  upload(weights.gate_up,
+         gemm::interleave_gate_up(problem.gate, problem.up, experts,
+                                  static_cast<int>(shape.intermediate), static_cast<int>(hidden)));
+  upload(weights.down, problem.down);
+  upload(weights.shared_gate_up,
+         gemm::interleave_gate_up(problem.shared_gate, problem.shared_up, 1,
+                                  static_cast<int>(shape.shared_intermediate),
+                                  static_cast<int>(hidden)));
+  upload(weights.shared_down, problem.shared_down);
+  DeviceBuffer<bf16> x(problem.x), dy(problem.dy), y(tokens * hidden), dx(tokens * hidden);
+  DeviceBuffer<int32_t> topk_idx(problem.topk_idx);
+  DeviceBuffer<float> topk_w(problem.topk_w), d_topk_w(tokens * top_k);
+  DeviceBuffer<float> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
+  DeviceBuffer<float> grad_shared_gate_up(weights.shared_gate_up_elements);
+  DeviceBuffer<float> grad_shared_down(weights.shared_down_elements);
+  const GpuLayerGradients grads{grad_gate_up.get(), grad_down.get(), grad_shared_gate_up.get(),
+                                grad_shared_down.get(), gemm::WgradOutput::kFp32};
+  auto step = [&] {
+    y.poison();
+    dx.poison();
+    d_topk_w.poison();
+    layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, nullptr);
+    layer.backward(x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(), d_topk_w.get(), grads,
+                   tokens, nullptr);
+    layer.check(nullptr);
+  };
+  step();
+  const std::vector<bf16> first_y = y.download(), first_dx = dx.download();
+  const std::vector<float> first_d_topk_w = d_topk_w.download();
+  expect_matches_reference(problem, 1, first_y);
+
+  ProblemOutputs cpu = ProblemOutputs::poisoned(problem, 1);
+  reference::backward(shape, problem.all_rank_inputs(1), cpu.rank_outputs(problem),
+                      GradMode::kOverwrite);
+  std::vector<double> expected_dx(cpu.dx.size()),
+      expected_d_topk_w(cpu.d_topk_w.begin(), cpu.d_topk_w.end());
+  for (size_t index = 0; index < cpu.dx.size(); ++index)
+    expected_dx[index] = cpu.dx[index].to_float();
+  EXPECT_TRUE(compare(first_dx, expected_dx).within(kBf16Tolerance))
+      << compare(first_dx, expected_dx).describe();
+  EXPECT_TRUE(compare(first_d_topk_w, expected_d_topk_w).within(kBf16Tolerance))
+      << compare(first_d_topk_w, expected_d_topk_w).describe();
+
+  step();
+  EXPECT_EQ(first_difference(y.download(), first_y), -1) << "y differs on a repeat";
+  EXPECT_EQ(first_difference(dx.download(), first_dx), -1) << "dx differs on a repeat";
+  EXPECT_EQ(d_topk_w.download(), first_d_topk_w) << "d_topk_w differs on a repeat";
+}
+
+TEST(GpuLayer, TooManyTokensNameTheArgument) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  GpuLayer layer(0, find_preset("tiny").shape, 64);
+  try {
+    layer.forward(nullptr, nullptr, nullptr, nullptr, 65, nullptr);
+    FAIL() << "65 tokens accepted with tokens_max 64";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("num_tokens"), std::string::npos) << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace mok::comm_test
