@@ -1,8 +1,8 @@
 // Expert-parallel dispatch and combine on two GPUs at a preset's shape: GB/s of NVLink payload per
-// direction against the number of SMs that move rows, for both copy methods.
+// direction against the number of SMs that move rows, for each number of threads per copy CTA.
 //
 //   bench_comm [options]   (bench_comm --help lists them)
-// (vector:N = one warp per row, N threads per CTA; bulk = 1-D bulk copies through shared memory)
+// (vector:N = one warp per row, N threads per CTA)
 //
 // Each iteration runs the whole sequence on both GPUs (schedule, dispatch, combine push, reduce),
 // with a device-side barrier before each timed kernel so that both ranks move data at once (both
@@ -36,21 +36,22 @@ struct Args {
   std::string preset = "deepseek-v3";
   int64_t tokens = 8192;
   std::vector<int> sms = {4, 8, 16, 24, 32, 132};
-  std::vector<std::string> methods = {"vector:1024", "vector:512", "bulk"};
+  std::vector<std::string> methods = {"vector:1024", "vector:512"};
   int iters = 20, warmup = 3;
   std::string out = "comm.json", splits;
 };
 
 constexpr char kUsage[] =
     R"(bench_comm: expert-parallel dispatch and combine on two Hopper GPUs at a preset's shape, GB/s of
-NVLink payload per direction against the SMs that move rows, for each copy method.
+NVLink payload per direction against the SMs that move rows, for each copy setting.
 
 usage: bench_comm [options]
 
   --preset NAME      layer shape (default deepseek-v3; `mok presets` lists them)
   --tokens N         tokens per rank (default 8192)
   --sms N,...        SM counts to sweep (default 4,8,16,24,32,132)
-  --methods M,...    vector:THREADS (one warp per row) or bulk (default vector:1024,vector:512,bulk)
+  --methods M,...    vector:THREADS: one warp per row, THREADS per CTA (default
+                     vector:1024,vector:512)
   --iters N          timed iterations (default 20)
   --out FILE         results JSON (default comm.json)
   --splits FILE      also write the rows each rank sends each peer (for the torch baseline)
@@ -73,10 +74,8 @@ bool parse(int argc, char** argv, Args& args) {
         else if (key == "--methods") {
           args.methods = mok::bench::list_option(key, value);
           for (const std::string& method : args.methods) {
-            if (method == "bulk") continue;
             if (method.rfind("vector:", 0) != 0) {
-              throw mok::bench::UsageError(
-                  key, "unknown method '" + method + "' (vector:THREADS or bulk)");
+              throw mok::bench::UsageError(key, "unknown method '" + method + "' (vector:THREADS)");
             }
             const long long threads = mok::bench::integer_option(key, method.substr(7));
             if (threads < 32 || threads > mok::comm::kVectorMaxThreads || threads % 32 != 0) {
@@ -131,7 +130,7 @@ double median(std::vector<float> values) {
 
 // One measured configuration: a copy method and a number of SMs; both phases per iteration.
 struct Config {
-  std::string method;  // "vector-1024", "bulk"
+  std::string method;  // "vector-1024"
   mok::CopyConfig copy;
   int num_sms;
   std::vector<float> dispatch_ms[2], combine_ms[2], reduce_ms[2],
@@ -230,13 +229,10 @@ int run(int argc, char** argv) {
   for (const std::string& method : args.methods) {
     mok::CopyConfig copy;
     std::string label = method;
-    if (method == "bulk") {
-      copy.method = mok::comm::CopyMethod::kBulk;
-    } else {  // vector:THREADS, checked by parse()
-      copy.threads_per_cta =
-          static_cast<int>(mok::bench::integer_option("--methods", method.substr(7)));
-      label = "vector-" + method.substr(7);
-    }
+    // vector:THREADS, checked by parse()
+    copy.threads_per_cta =
+        static_cast<int>(mok::bench::integer_option("--methods", method.substr(7)));
+    label = "vector-" + method.substr(7);
     for (int sms : args.sms) {
       copy.num_ctas = sms;
       configs.push_back(Config{label, copy, sms, {}, {}, {}, {}});

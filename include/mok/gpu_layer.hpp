@@ -21,7 +21,7 @@ namespace mok {
 
 struct GpuLayerOptions {
   // Rows of the ring that holds the rows this rank receives: 0 = every row (one round); fewer
-  // bound the memory (rounds, any routing still runs).
+  // (at least kMinRingRows, mok/shape.hpp) bound the memory: rounds, any routing still runs.
   int64_t ring_rows = 0;
   int minibatch_rows = 0;  // the fused kernel's routed rows per minibatch; 0 = default
 };

@@ -8,6 +8,11 @@
 
 namespace mok {
 
+// The GPU layer's row block: each expert's rows start at a multiple of it (the GEMM tile's
+// height), and the ring of received rows holds at least two (GpuLayerOptions::ring_rows).
+inline constexpr int64_t kRowBlock = 128;
+inline constexpr int64_t kMinRingRows = 2 * kRowBlock;
+
 struct LayerShape {
   int64_t hidden = 0;               // H
   int64_t intermediate = 0;         // I, per routed expert

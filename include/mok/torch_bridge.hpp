@@ -64,6 +64,9 @@ void cpu_backward(const Shape& shape, const CpuLayerInputs& inputs, const CpuLay
 
 // ---- GPU layer (LayerForward), one rank of EP --------------------------------------------------
 
+// The smallest ring of received rows the GPU layer takes (MoKConfig.ring_rows): two row blocks.
+int64_t min_ring_rows();
+
 // True when the core was built with CUDA (and, for EP > 1, NCCL).
 bool have_gpu_layer();
 bool have_nccl();

@@ -119,9 +119,10 @@ class MoKConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"MoKConfig.{name}: must be a positive int or None, got {value!r}")
-        if self.ring_rows is not None and self.ring_rows < 256:
-            raise ValueError("MoKConfig.ring_rows: the ring needs at least 256 rows (two row blocks), "
-                             f"got {self.ring_rows}")
+        min_ring_rows = torch.ops.mok.min_ring_rows()  # two of the GPU layer's row blocks
+        if self.ring_rows is not None and self.ring_rows < min_ring_rows:
+            raise ValueError(f"MoKConfig.ring_rows: the ring needs at least {min_ring_rows} rows (two row "
+                             f"blocks), got {self.ring_rows}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
         if self.precision not in SUPPORTED_PRECISIONS:

@@ -7,7 +7,7 @@
 #                                        the same NCCL major version); default build-comm-bin
 # Writes under $OUT (or ./comm-out), under stable names (the commit is inside the JSON): comm.json
 # (mok-bench/1), comm.png, comm.log, and bench_comm's and torch's own figures comm-mok-vector.json,
-# comm-mok-bulk.json, comm-splits.json, comm-torch.json.
+# comm-splits.json, comm-torch.json.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BIN=${1:-build-comm-bin}
@@ -41,16 +41,11 @@ if ! "$BIN/mok_gpu_tests" --gtest_list_tests >/dev/null 2>&1 || ! [ -x "$BIN/ben
   BIN=build-device
 fi
 
-# Vector-copy tests first; the bulk-copy ones in their own process (a fault there must not hide
-# the others).
 if [ "${MOK_PART_TESTS:-1}" = 1 ]; then  # device-check runs every GPU test itself and sets 0
-  run tests-vector 150 "$BIN/mok_gpu_tests" --gtest_filter='*Comm*:-*Bulk*'
-  run tests-bulk 120 "$BIN/mok_gpu_tests" --gtest_filter='*Comm*Bulk*'
+  run tests 150 "$BIN/mok_gpu_tests" --gtest_filter='*Comm*'
 fi
-# One process per copy method: a fault in one must not lose the others' numbers.
 run bench-vector 120 "$BIN/bench_comm" --methods vector:1024,vector:512 \
   --sms 4,8,12,16,20,24,28,32,132 --out "$OUT/comm-mok-vector.json" --splits "$OUT/comm-splits.json"
-run bench-bulk 120 "$BIN/bench_comm" --methods bulk --out "$OUT/comm-mok-bulk.json"
 run torch-baseline 120 torchrun --nproc-per-node=2 bench/baselines/torch_all_to_all.py measure \
   --splits "$OUT/comm-splits.json" --out "$OUT/comm-torch.json"
 mok_jsons=()

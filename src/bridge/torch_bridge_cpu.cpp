@@ -3,6 +3,7 @@
 
 #include "mok/error.hpp"
 #include "mok/reference.hpp"
+#include "mok/shape.hpp"
 #include "mok/torch_bridge.hpp"
 
 namespace mok::torch_bridge {
@@ -51,6 +52,8 @@ void translating_errors(Body&& body) {
 }
 
 }  // namespace
+
+int64_t min_ring_rows() { return kMinRingRows; }
 
 void cpu_forward(const Shape& shape, const CpuLayerInputs& inputs, void* y) {
   translating_errors([&] {

@@ -31,18 +31,15 @@ __global__ void __launch_bounds__(comm::kOrderThreads, 1)
   comm::order_rows(view, blockIdx.x);
 }
 
-template <comm::CopyMethod kMethod, comm::DispatchTensor kTensor>
+template <comm::DispatchTensor kTensor>
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
     dispatch_kernel(comm::WorkspaceView view) {
-  extern __shared__ __align__(128) char shared_stages[];
-  comm::dispatch_pull<kMethod>(view, shared_stages, kTensor);
+  comm::dispatch_pull(view, kTensor);
 }
 
-template <comm::CopyMethod kMethod>
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
     combine_push_kernel(comm::WorkspaceView view) {
-  extern __shared__ __align__(128) char shared_stages[];
-  comm::combine_push<kMethod>(view, shared_stages);
+  comm::combine_push(view);
 }
 
 __global__ void __launch_bounds__(comm::kReduceThreads)
@@ -67,24 +64,15 @@ int resolve_ctas(const CommWorkspace& ws, const CopyConfig& config) {
   return config.num_ctas == 0 ? ws.num_sms() : config.num_ctas;
 }
 
-// Launches the copy kernel of the chosen method with its shared-memory stages.
+// Launches a copy kernel on the configured CTAs and threads.
 void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
-                 void (*vector_kernel)(comm::WorkspaceView),
-                 void (*bulk_kernel)(comm::WorkspaceView)) {
+                 void (*kernel)(comm::WorkspaceView)) {
   const int num_ctas = resolve_ctas(ws, config);
-  if (config.method == comm::CopyMethod::kBulk) {
-    const int shared_bytes = static_cast<int>(comm::bulk_shared_bytes(ws.layout().row_bytes()));
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        shared_bytes));
-    bulk_kernel<<<num_ctas, comm::kBulkThreads, shared_bytes, stream>>>(ws.view());
-  } else {
-    MOK_CHECK_ARG(config.threads_per_cta >= 32 &&
-                      config.threads_per_cta <= comm::kVectorMaxThreads &&
-                      config.threads_per_cta % 32 == 0,
-                  "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
-                  "], got ", config.threads_per_cta);
-    vector_kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view());
-  }
+  MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
+                    config.threads_per_cta % 32 == 0,
+                "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
+                "], got ", config.threads_per_cta);
+  kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view());
   MOK_CUDA_CHECK_LAUNCH();
 }
 
@@ -134,13 +122,9 @@ void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
   if (tensor == comm::DispatchTensor::kDy) {
     MOK_CHECK_ARG(ws.layout().backward, "workspace",
                   "dispatching dy needs a workspace with the backward's regions");
-    launch_copy(ws, config, stream,
-                dispatch_kernel<comm::CopyMethod::kVector, comm::DispatchTensor::kDy>,
-                dispatch_kernel<comm::CopyMethod::kBulk, comm::DispatchTensor::kDy>);
+    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kDy>);
   } else {
-    launch_copy(ws, config, stream,
-                dispatch_kernel<comm::CopyMethod::kVector, comm::DispatchTensor::kX>,
-                dispatch_kernel<comm::CopyMethod::kBulk, comm::DispatchTensor::kX>);
+    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kX>);
   }
 }
 
@@ -148,8 +132,7 @@ void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stre
   MOK_CHECK_ARG(ws.layout().has_expert_y(), "workspace",
                 "the standalone combine push needs expert_y; this workspace (a fused forward's) "
                 "has none");
-  launch_copy(ws, config, stream, combine_push_kernel<comm::CopyMethod::kVector>,
-              combine_push_kernel<comm::CopyMethod::kBulk>);
+  launch_copy(ws, config, stream, combine_push_kernel);
 }
 
 void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_output, bf16* y,

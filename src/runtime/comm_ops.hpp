@@ -23,9 +23,8 @@
 namespace mok {
 
 struct CopyConfig {
-  int num_ctas = 0;  // CTAs (one per SM) that move rows; 0 = every SM
-  comm::CopyMethod method = comm::CopyMethod::kVector;
-  int threads_per_cta = comm::kVectorMaxThreads;  // kVector only: a multiple of 32
+  int num_ctas = 0;                               // CTAs (one per SM) that move rows; 0 = every SM
+  int threads_per_cta = comm::kVectorMaxThreads;  // a multiple of 32: one warp per row
 };
 
 // x (T, H) bf16 on this device -> ws.x().

@@ -46,9 +46,9 @@ WorkspaceOptions workspace_options(const LayerForwardOptions& options) {
   WorkspaceOptions workspace = options.workspace;
   MOK_CHECK_ARG(options.fused.ring_rows >= 0, "fused.ring_rows", "must be >= 0, got ",
                 options.fused.ring_rows);
-  MOK_CHECK_ARG(options.fused.ring_rows == 0 || options.fused.ring_rows >= 2 * 128,
-                "fused.ring_rows", "the ring needs at least 256 rows (two row blocks), got ",
-                options.fused.ring_rows);
+  MOK_CHECK_ARG(options.fused.ring_rows == 0 || options.fused.ring_rows >= kMinRingRows,
+                "fused.ring_rows", "the ring needs at least ", kMinRingRows,
+                " rows (two row blocks), got ", options.fused.ring_rows);
   if (options.fused.enabled) {
     workspace.expert_rows = options.fused.ring_rows;
     workspace.expert_y = false;

@@ -19,8 +19,8 @@
 namespace mok {
 
 struct WorkspaceOptions {
-  int64_t block_m = 128;       // tile height: each expert's rows start at a multiple of it
-  int64_t timeout_ms = 10000;  // every device wait gives up after this long
+  int64_t block_m = kRowBlock;  // tile height: each expert's rows start at a multiple of it
+  int64_t timeout_ms = 10000;   // every device wait gives up after this long
   // Rows of expert_x: 0 = every row a call can route here (rows_capacity); fewer only for the
   // fused forward, which goes through them in ring rounds.
   int64_t expert_rows = 0;

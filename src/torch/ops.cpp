@@ -200,6 +200,8 @@ void destroy_workspace_op(int64_t workspace) {
 
 bool have_gpu_layer_op() { return bridge::have_gpu_layer(); }
 
+int64_t min_ring_rows_op() { return bridge::min_ring_rows(); }
+
 }  // namespace
 
 #if !defined(MOK_TORCH_WITH_CUDA)
@@ -232,6 +234,7 @@ TORCH_LIBRARY(mok, m) {
   m.def("check(int workspace, int device) -> ()", &check_op);
   m.def("reset_after_error(int workspace, int device) -> ()", &reset_after_error_op);
   m.def("have_gpu_layer() -> bool", &have_gpu_layer_op);
+  m.def("min_ring_rows() -> int", &min_ring_rows_op);
 }
 
 TORCH_LIBRARY_IMPL(mok, CPU, m) {

@@ -29,7 +29,7 @@ expect 2 "--sms: expected an integer, got ''" -- "$bin/bench_comm" --sms 4,,8
 expect 2 "--tokens: must be >= 1" -- "$bin/bench_comm" --tokens 0
 expect 2 "--methods: expected an integer, got 'x'" -- "$bin/bench_comm" --methods vector:x
 expect 2 "--methods: vector:THREADS needs a multiple of 32 in .32, 1024., got 48" -- \
-  "$bin/bench_comm" --methods bulk,vector:48
+  "$bin/bench_comm" --methods vector:1024,vector:48
 expect 2 "--methods: unknown method 'tma'" -- "$bin/bench_comm" --methods tma
 expect 2 "--l2-tickets: expected an integer, got 'on'" -- "$bin/bench_layer" --l2-tickets on
 # Nothing was written by any of these.

@@ -1,10 +1,9 @@
 // Expert-parallel communication on two GPUs: the on-GPU schedule and dispatch against a host
 // construction, and the whole dispatch -> reference expert -> combine path bitwise against the
-// CPU reference at EP = 2, and EP = 1 against EP = 2, for several routings and both copy methods.
+// CPU reference at EP = 2, and EP = 1 against EP = 2, for several routings.
 #include <gtest/gtest.h>
 
 #include <string>
-#include <tuple>
 
 #include "routing_cases.hpp"
 #include "test_comm_harness.cuh"
@@ -16,18 +15,14 @@ using testing::Case;
 using testing::case_name;
 using testing::make_problem;
 
-const char* method_name(comm::CopyMethod method) {
-  return method == comm::CopyMethod::kBulk ? "Bulk" : "Vector";
-}
-
 // ---- schedule + dispatch against the host's construction ------------------------------------
 
-class CommDispatch : public ::testing::TestWithParam<std::tuple<std::string, comm::CopyMethod>> {};
+class CommDispatch : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CommDispatch, RowsInGlobalTokenOrderWithPadding) {
   MOK_REQUIRE_GPUS(2);
   const int ep = 2;
-  const Problem problem = make_problem({std::get<0>(GetParam()), 0.2, false, false}, 384, 11);
+  const Problem problem = make_problem({GetParam(), 0.2, false, false}, 384, 11);
   const LayerShape& shape = problem.shape;
   const int64_t tokens = problem.num_tokens / ep, hidden = shape.hidden, top_k = shape.top_k;
   const std::vector<Communicator>& comms = local_communicators(ep);
@@ -45,7 +40,7 @@ TEST_P(CommDispatch, RowsInGlobalTokenOrderWithPadding) {
                               tokens * hidden * sizeof(bf16), cudaMemcpyHostToDevice));
     MOK_CUDA_CHECK(cudaMemset(ws.expert_x(), 0xff, capacity * hidden * sizeof(bf16)));
     schedule(ws, topk_idx.get(), tokens, nullptr);
-    dispatch(ws, {8, std::get<1>(GetParam()), 96}, nullptr);  // 3 warps per CTA
+    dispatch(ws, {8, 96}, nullptr);  // 3 warps per CTA
     ws.check(nullptr);
 
     std::vector<int32_t> offsets(experts_local + 1), row_source(capacity);
@@ -84,27 +79,25 @@ TEST_P(CommDispatch, RowsInGlobalTokenOrderWithPadding) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Routings, CommDispatch,
-    ::testing::Combine(::testing::Values("uniform", "skewed:2", "single-expert"),
-                       ::testing::Values(comm::CopyMethod::kVector, comm::CopyMethod::kBulk)),
-    [](const auto& info) {
-      std::string routing = std::get<0>(info.param);
-      for (char& c : routing)
-        if (c == ':' || c == '-') c = '_';
-      return routing + "_" + method_name(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Routings, CommDispatch,
+                         ::testing::Values("uniform", "skewed:2", "single-expert"),
+                         [](const auto& info) {
+                           std::string routing = info.param;
+                           for (char& c : routing)
+                             if (c == ':' || c == '-') c = '_';
+                           return routing;
+                         });
 
 // ---- the whole path, bitwise ------------------------------------------------------------------
 
-class CommLayer : public ::testing::TestWithParam<std::tuple<Case, comm::CopyMethod>> {};
+class CommLayer : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CommLayer, Ep2MatchesReferenceAndEp1Bitwise) {
   MOK_REQUIRE_GPUS(2);
-  const Case which = std::get<0>(GetParam());
+  const Case which = GetParam();
   const Problem problem = make_problem(which, 256, 5);
   RunOptions options;
-  options.copy = {6, std::get<1>(GetParam())};
+  options.copy = {6};
   options.extra_capacity = 3;
   const std::vector<bf16> expected = reference_y(problem, 2);
   const std::vector<bf16> ep2 = run_layer(problem, 2, options);
@@ -115,22 +108,18 @@ TEST_P(CommLayer, Ep2MatchesReferenceAndEp1Bitwise) {
   EXPECT_EQ(first_difference(again, ep2), -1) << "a repeated EP=2 run differs";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Routings, CommLayer,
-    ::testing::Combine(::testing::Values(Case{"uniform", 0.0, false, true},
-                                         Case{"skewed:1.5", 0.0, true, true},
-                                         Case{"single-expert", 0.0, false, false},
-                                         Case{"uniform", 0.35, true, false}),
-                       ::testing::Values(comm::CopyMethod::kVector, comm::CopyMethod::kBulk)),
-    [](const auto& info) {
-      return case_name(std::get<0>(info.param)) + "_" + method_name(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Routings, CommLayer,
+                         ::testing::Values(Case{"uniform", 0.0, false, true},
+                                           Case{"skewed:1.5", 0.0, true, true},
+                                           Case{"single-expert", 0.0, false, false},
+                                           Case{"uniform", 0.35, true, false}),
+                         [](const auto& info) { return case_name(info.param); });
 
 TEST(CommLayerGraph, CapturedGraphReplaysEqualEagerAndReference) {
   MOK_REQUIRE_GPUS(2);
   const Problem problem = make_problem({"skewed:1.2", 0.1, true, true}, 256, 7);
   RunOptions options;
-  options.copy = {4, comm::CopyMethod::kVector};
+  options.copy = {4};
   options.use_graph = true;  // run_layer throws if a replay differs from the eager run
   const std::vector<bf16> y = run_layer(problem, 2, options);
   EXPECT_EQ(first_difference(y, reference_y(problem, 2)), -1);
@@ -140,14 +129,9 @@ TEST(CommLayerEp1, MatchesReferenceOnOneGpu) {
   MOK_REQUIRE_GPUS(1);
   const Problem problem = make_problem({"uniform", 0.1, false, true}, 128, 3);
   RunOptions options;
-  options.copy = {4, comm::CopyMethod::kVector};
+  options.copy = {4};
   EXPECT_EQ(first_difference(run_layer(problem, 1, options), reference_y(problem, 1)), -1);
 }
 
 }  // namespace
 }  // namespace mok::comm_test
-
-namespace mok::comm {
-// gtest prints a copy method by name (found by argument-dependent lookup).
-void PrintTo(CopyMethod method, std::ostream* out) { *out << mok::comm_test::method_name(method); }
-}  // namespace mok::comm

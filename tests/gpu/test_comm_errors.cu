@@ -25,7 +25,7 @@ TEST(CommErrors, ExpertIdOutOfRangeBecomesHostError) {
   MOK_REQUIRE_GPUS(2);
   const Problem problem = small_problem();
   RunOptions options;
-  options.copy = {4, comm::CopyMethod::kVector};
+  options.copy = {4};
   options.workspace.timeout_ms = 2000;
   options.tamper = [&](int rank, int32_t* topk_idx) {
     if (rank != 1) return;
@@ -65,7 +65,7 @@ TEST(CommErrors, RepeatedExpertIdBecomesHostError) {
   const int64_t top_k = problem.shape.top_k, tokens_per_rank = problem.num_tokens / 2;
   const int32_t* row = problem.topk_idx.data() + (tokens_per_rank + 7) * top_k;  // rank 1, token 7
   RunOptions options;
-  options.copy = {4, comm::CopyMethod::kVector};
+  options.copy = {4};
   options.workspace.timeout_ms = 2000;
   options.tamper = [&](int rank, int32_t* topk_idx) {
     if (rank != 1) return;

@@ -33,7 +33,7 @@ TEST(CommWrap, CallersCommunicatorsGiveTheReferenceBits) {
     SyntheticSpec spec{LayerShape{128, 64, 32, 16, 4}, 192, Routing::parse("skewed:1"), 17};
     const Problem problem = Problem::generate(spec);
     RunOptions options;
-    options.copy = {4, comm::CopyMethod::kVector};
+    options.copy = {4};
     const std::vector<bf16> y = run_layer(problem, comms, options);
     EXPECT_EQ(first_difference(y, reference_y(problem, kRanks)), -1)
         << "EP=2 over wrapped communicators differs from the CPU reference";

@@ -289,9 +289,9 @@ TEST(LayerBackwardEp1Settings, GemmAndCopySmCountsDoNotChangeABit) {
   const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 300, 21, true);
   std::vector<BackwardRun> settings(4);
   settings[1].layer.gemm.num_sms = 37;
-  settings[1].layer.copy = {5, comm::CopyMethod::kVector, 256};
+  settings[1].layer.copy = {5, 256};
   settings[2].layer.gemm.num_sms = 8;
-  settings[2].layer.copy = {64, comm::CopyMethod::kVector, 512};
+  settings[2].layer.copy = {64, 512};
   settings[3].layer.overlap_shared_with_dispatch = false;  // shared expert, then dispatch
   const BackwardOutputs expected = run_gpu_backward(problem, 1, settings[0]);
   expect_matches_reference(problem, 1, expected, settings[0]);

@@ -75,9 +75,9 @@ TEST(LayerForwardEp2Settings, GemmAndCopySmCountsDoNotChangeABit) {
   const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 2 * 300, 21, true);
   std::vector<GpuRun> settings(4);
   settings[1].layer.gemm.num_sms = 37;
-  settings[1].layer.copy = {5, comm::CopyMethod::kVector, 256};
+  settings[1].layer.copy = {5, 256};
   settings[2].layer.gemm.num_sms = 8;
-  settings[2].layer.copy = {64, comm::CopyMethod::kVector, 512};
+  settings[2].layer.copy = {64, 512};
   settings[3].layer.overlap_shared_with_dispatch = false;  // shared expert, then dispatch
   settings.emplace_back().callers_weights = true;          // weights passed per call
   const std::vector<bf16> expected = run_gpu_layer(problem, 2, settings[0]);
@@ -99,7 +99,7 @@ TEST(LayerForwardEp2Graph, GraphReplayEqualsEagerAndReference) {
   const Problem problem = layer_problem({"uniform", 0.2, true, true}, 2 * 250, 31, true);
   GpuRun run;
   run.use_graph = true;
-  run.layer.copy = {8, comm::CopyMethod::kVector};
+  run.layer.copy = {8};
   expect_matches_reference(problem, 2, run_gpu_layer(problem, 2, run));
 }
 

@@ -37,18 +37,13 @@ struct CombineRows {
   }
 };
 
-template <CopyMethod kMethod>
-__device__ inline void combine_push(const WorkspaceView& view, char* shared_stages) {
+__device__ inline void combine_push(const WorkspaceView& view) {
   if (cta_sees_error(view)) return;
   DeviceState* state = view.state();
   const uint32_t epoch = state->epoch;
   const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
   const CombineRows rows{view};
-  if constexpr (kMethod == CopyMethod::kBulk) {
-    copy_rows_bulk(num_rows, view.layout.row_bytes(), shared_stages, rows);
-  } else {
-    copy_rows_vector</*kSourceReadOnly=*/true>(num_rows, view.layout.row_bytes(), rows);
-  }
+  copy_rows_vector</*kSourceReadOnly=*/true>(num_rows, view.layout.row_bytes(), rows);
   if (last_block_arrived(&state->combine_arrivals)) {
     signal_all_ranks(view, FlagKind::kCombine, epoch);
   }

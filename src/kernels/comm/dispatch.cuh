@@ -27,17 +27,12 @@ struct DispatchRows {
 
 // Every row of every local expert; the gather flags were acquired by the schedule, and a kernel
 // boundary separates it from this pull.
-template <CopyMethod kMethod>
-__device__ inline void dispatch_pull(const WorkspaceView& view, char* shared_stages,
+__device__ inline void dispatch_pull(const WorkspaceView& view,
                                      DispatchTensor tensor = DispatchTensor::kX) {
   if (cta_sees_error(view)) return;
   const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
   const DispatchRows rows{view, tensor};
-  if constexpr (kMethod == CopyMethod::kBulk) {
-    copy_rows_bulk(num_rows, view.layout.row_bytes(), shared_stages, rows);
-  } else {
-    copy_rows_vector</*kSourceReadOnly=*/false>(num_rows, view.layout.row_bytes(), rows);
-  }
+  copy_rows_vector</*kSourceReadOnly=*/false>(num_rows, view.layout.row_bytes(), rows);
 }
 
 }  // namespace mok::comm

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "mok/shape.hpp"
+
 namespace mok::gemm {
 
 enum class GemmKind {
@@ -46,8 +48,10 @@ struct TileShape {
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
 };
 
-// The cooperative engine's tile: both consumer warpgroups share it, 64 rows each.
-struct TileConfig : TileShape<128, 256> {};
+// The cooperative engine's tile: both consumer warpgroups share it, 64 rows each. Its height is the
+// layer's row block (mok/shape.hpp), which the ring sizes and the padding of each expert's rows
+// follow.
+struct TileConfig : TileShape<static_cast<int>(kRowBlock), 256> {};
 
 // bf16 results leave through a shared-memory staging tile, so that whole rows are stored at a
 // time; fp32 results are stored from registers.

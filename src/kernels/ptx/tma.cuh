@@ -1,5 +1,4 @@
-// TMA: global -> shared tile loads described by a CUtensorMap (or 1-D bulk copies of plain
-// addresses), completing on an mbarrier as
+// TMA: global -> shared tile loads described by a CUtensorMap, completing on an mbarrier as
 // transaction bytes (out-of-bounds parts of a box are filled with zeros and still count as
 // transaction bytes), and shared -> global tile stores tracked by the issuing thread's bulk
 // async-groups (out-of-bounds parts of a box are not written). The GEMM epilogues store with
@@ -51,25 +50,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, cons
           reinterpret_cast<uint64_t>(tensor_map)),
       "r"(smem_address(source)), "r"(inner), "r"(middle), "r"(outer)
       : "memory");
-}
-
-// 1-D bulk copies (plain addresses, no tensor map): `bytes` (a multiple of 16) from global
-// `source` into shared `destination`, completing on `barrier` as transaction bytes (the caller
-// arms it with mbarrier_arrive_expect_tx first).
-__device__ __forceinline__ void bulk_load(void* destination, const void* source, uint32_t bytes,
-                                          uint64_t* barrier) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_address(destination)),
-      "l"(source), "r"(bytes), "r"(smem_address(barrier))
-      : "memory");
-}
-
-// Shared `source` -> global `destination`, in this thread's current bulk async-group.
-__device__ __forceinline__ void bulk_store(void* destination, const void* source, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(destination),
-               "r"(smem_address(source)), "r"(bytes)
-               : "memory");
 }
 
 __device__ __forceinline__ void bulk_commit_group() {
