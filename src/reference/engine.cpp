@@ -31,6 +31,17 @@ void LayerEngine<Real>::expert_hidden(const ExpertWeights& weights, int64_t inte
 }
 
 template <class Real>
+void LayerEngine<Real>::backward_hidden(const ExpertWeights& weights, int64_t inter, const Real* x,
+                                        Real* gate, Real* up, Real* h) const {
+  expert_hidden(weights, inter, x, gate, up, h);
+  for (int64_t i = 0; i < inter; ++i) {
+    gate[i] = Store::store(gate[i]);
+    up[i] = Store::store(up[i]);
+    h[i] = Store::store(numerics::swiglu(gate[i], up[i]));
+  }
+}
+
+template <class Real>
 void LayerEngine<Real>::expert_output(const ExpertWeights& weights, int64_t inter, const Real* h,
                                       Real* out) const {
   for (int64_t n = 0; n < shape_.hidden; ++n) out[n] = dot(weights.down + n * inter, h, inter);
@@ -169,7 +180,7 @@ std::vector<RankResult<Real>> LayerEngine<Real>::backward(
         load(token_row(source.tokens.x, row.token), hidden, x);
         load(token_row(source.dy, row.token), hidden, dy);
         const ExpertWeights weights = routed_weights(expert_of_row_[row_idx]);
-        expert_hidden(weights, inter, x, gate, up, h);
+        backward_hidden(weights, inter, x, gate, up, h);
         down_dgrad(weights, inter, dy, gvec);  // on the unscaled dy row
 
         const Real weight = source.tokens.topk_w.data[row.token * top_k + row.slot];
@@ -249,7 +260,7 @@ std::vector<RankResult<Real>> LayerEngine<Real>::backward(
             load(token_row(inputs.tokens.x, token), hidden, x);
             load(token_row(inputs.dy, token), hidden, dy);
             Real* h = hs.data() + token * shared_inter;
-            expert_hidden(weights, shared_inter, x, gate, up, h);
+            backward_hidden(weights, shared_inter, x, gate, up, h);
             down_dgrad(weights, shared_inter, dy, gvec);
             for (int64_t i = 0; i < shared_inter; ++i) {
               const auto grad = numerics::swiglu_backward(gate[i], up[i], gvec[i]);

@@ -104,6 +104,10 @@ class LayerEngine {
   // SwiGLU expert on one token: x (H) -> gate, up (I), h (I, rounded for storage).
   void expert_hidden(const ExpertWeights& weights, int64_t inter, const Real* x, Real* gate,
                      Real* up, Real* h) const;
+  // The backward's view of the same: gate and up as the backward keeps them (rounded for storage,
+  // as a saved context holds them, DESIGN.md §3) and h computed again from those.
+  void backward_hidden(const ExpertWeights& weights, int64_t inter, const Real* x, Real* gate,
+                       Real* up, Real* h) const;
   // out (H) = W_down h, unrounded.
   void expert_output(const ExpertWeights& weights, int64_t inter, const Real* h, Real* out) const;
   // gvec (I) = W_downᵀ dy: for each i the sum runs over n in natural order.

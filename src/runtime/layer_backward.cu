@@ -72,7 +72,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   checked_int(rows, "rows capacity");
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
   const int64_t shared_inter = shape.shared_intermediate;
-  gate_up_ = device_alloc<float>(rows * 2 * inter);
+  gate_up_ = device_alloc<bf16>(rows * 2 * inter);
   grad_hidden_ = device_alloc<float>(rows * inter);
   d_gate_up_ = device_alloc<bf16>(rows * 2 * inter);
   weighted_hidden_ = device_alloc<bf16>(rows * inter);
@@ -84,7 +84,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   MOK_CUDA_CHECK_LAUNCH();
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   if (shape.has_shared()) {
-    shared_gate_up_ = device_alloc<float>(tokens_max * 2 * shared_inter);
+    shared_gate_up_ = device_alloc<bf16>(tokens_max * 2 * shared_inter);
     shared_grad_hidden_ = device_alloc<float>(tokens_max * shared_inter);
     shared_d_gate_up_ = device_alloc<bf16>(tokens_max * 2 * shared_inter);
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
@@ -123,10 +123,10 @@ int64_t LayerBackward::buffer_bytes() const {
   const int64_t rows = layout.rows_capacity();
   const int64_t inter = shape_.intermediate, shared_inter = shape_.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
-  bytes += rows * inter * (2 * 4 + 4 + 2 * 2 + 2);  // gate_up, g, d_gate_up, w·h
+  bytes += rows * inter * (2 * 2 + 4 + 2 * 2 + 2);  // gate_up, g, d_gate_up, w·h
   bytes += tokens_max_ * shape_.top_k * 4;
   if (shape_.has_shared()) {
-    bytes += tokens_max_ * shared_inter * (2 * 4 + 4 + 2 * 2 + 2) + tokens_max_ * shape_.hidden * 4;
+    bytes += tokens_max_ * shared_inter * (2 * 2 + 4 + 2 * 2 + 2) + tokens_max_ * shape_.hidden * 4;
   }
   return bytes;
 }
@@ -141,12 +141,13 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
   MOK_CUDA_CHECK_LAUNCH();
   // (T, H) -> (T, 2I_s) fp32: the gate/up pre-activations again.
   gemm::grouped_forward({1, tokens, 2 * inter, hidden}, x, weights.shared_gate_up, shared_offsets_,
-                        shared_gate_up_, gemm::ForwardOutput::kFp32, stream, gemm_options);
+                        shared_gate_up_, gemm::ForwardOutput::kBf16, stream, gemm_options);
   // g = dy · W_sd: (T, H) -> (T, I_s) fp32.
   gemm::grouped_dgrad({1, tokens, hidden, inter}, dy, weights.shared_down, shared_offsets_,
                       shared_grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
   const megakernel::SwiGluBackwardRows rows{
-      shared_gate_up_, shared_grad_hidden_, reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
+      reinterpret_cast<const __nv_bfloat16*>(shared_gate_up_), shared_grad_hidden_,
+      reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
       reinterpret_cast<__nv_bfloat16*>(shared_hidden_), inter};
   const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
   const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
@@ -179,7 +180,7 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   const gemm::LaunchOptions& gemm_options = options_.gemm;
   // (rows, H) -> (rows, 2I) fp32: the gate/up pre-activations again.
   gemm::grouped_forward({experts, rows, 2 * inter, hidden, counts}, workspace_.expert_x(),
-                        weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kFp32, stream,
+                        weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kBf16, stream,
                         gemm_options);
   mark();
   // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
@@ -187,7 +188,8 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
   mark();
   const megakernel::SwiGluBackwardRows swiglu_rows{
-      gate_up_, grad_hidden_, reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
+      reinterpret_cast<const __nv_bfloat16*>(gate_up_), grad_hidden_,
+      reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
       reinterpret_cast<__nv_bfloat16*>(weighted_hidden_), inter};
   swiglu_backward_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
       workspace_.view(), swiglu_rows);

@@ -6,10 +6,10 @@
 //
 //   stage x, dy, topk_w   into the window, for the expert ranks to pull and read
 //   schedule              on-GPU all-gather of topk_idx, each local expert's rows in global order
-//   shared expert         gate/up (fp32) | down dgrad g (fp32) | SwiGLU backward | gate/up dgrad
+//   shared expert         gate/up (bf16) | down dgrad g (fp32) | SwiGLU backward | gate/up dgrad
 //                         (fp32 dx, added by the combine) | both wgrads
 //   dispatch x, dy        into expert_x and expert_dy (the same rows)
-//   routed gate/up        recomputed, fp32 (rows, 2I)
+//   routed gate/up        recomputed, rounded to bf16 as a saved context holds it (rows, 2I)
 //   routed down dgrad     g = W_downᵀ dy, fp32 (rows, I)
 //   SwiGLU backward       d_topk_w = <g, h> into the owner's window; d_gate_up (bf16), w·h (bf16)
 //   routed gate/up dgrad  dx rows (bf16) into expert_y
@@ -66,7 +66,7 @@ enum class BackwardPhase : int {
                     // (with the overlap: beside the dispatch)
   kDispatch,        // x and dy rows to the experts (with the overlap: what it takes beyond
                     // the shared expert)
-  kGateUp,          // routed gate/up recomputed (fp32)
+  kGateUp,          // routed gate/up recomputed (bf16)
   kDownDgrad,       // g = W_downᵀ dy (fp32)
   kSwiGluBackward,  // d_topk_w, d_gate_up, w·h
   kGateUpDgrad,     // dx rows
@@ -123,13 +123,13 @@ class LayerBackward {
   cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // Routed rows (rows_capacity of the workspace):
-  float* gate_up_ = nullptr;         // (rows, 2I) fp32, recomputed, interleaved
+  bf16* gate_up_ = nullptr;          // (rows, 2I) bf16, recomputed, interleaved
   float* grad_hidden_ = nullptr;     // (rows, I) fp32, g = W_downᵀ dy
   bf16* d_gate_up_ = nullptr;        // (rows, 2I) bf16, interleaved
   bf16* weighted_hidden_ = nullptr;  // (rows, I) bf16, w · h
   float* ones_ = nullptr;            // (T_max, k) 1.0f: the reduce's weights for dx
   // Shared expert (T_max rows; null without one):
-  float* shared_gate_up_ = nullptr;      // (T_max, 2I_s) fp32
+  bf16* shared_gate_up_ = nullptr;       // (T_max, 2I_s) bf16
   float* shared_grad_hidden_ = nullptr;  // (T_max, I_s) fp32
   bf16* shared_d_gate_up_ = nullptr;     // (T_max, 2I_s) bf16
   bf16* shared_hidden_ = nullptr;        // (T_max, I_s) bf16

@@ -1,9 +1,9 @@
 // The SwiGLU backward between the backward's two dgrad GEMMs, one warp per expert row.
 //
-// Given a row's recomputed gate/up pre-activations (a, b: the gate/up GEMM's fp32 output, gate and
-// up columns interleaved in blocks of 8 as the fused weight's rows are) and g = W_downᵀ dy (fp32,
-// on the unscaled dy row), with w the row's router weight:
-//   h = bf16(silu(a) · b)            the forward's hidden value, rounded as the forward stores it
+// Given a row's gate/up pre-activations (a, b: the gate/up GEMM's output rounded to bf16, as a
+// saved context keeps them; gate and up columns interleaved in blocks of 8 as the fused weight's
+// rows are) and g = W_downᵀ dy (fp32, on the unscaled dy row), with w the row's router weight:
+//   h = bf16(silu(a) · b)            the hidden value again, from the stored a and b
 //   d_topk_w = Σ_i g_i · h_i         fp32; no division by w (w may be 0 or negative)
 //   d_h = w · g;  (d_a, d_b) = numerics::swiglu_backward(a, b, d_h)    -> bf16, interleaved
 //   w · h                            -> bf16, the down projection's wgrad operand
@@ -26,7 +26,7 @@ inline constexpr int kSwiGluBackwardThreads = 256;
 inline constexpr int kSwiGluBlock = 8;  // the gate/up interleave: 8 gate columns, then 8 up
 
 struct SwiGluBackwardRows {
-  const float* gate_up;            // (rows, 2I) fp32, 8-interleaved
+  const __nv_bfloat16* gate_up;    // (rows, 2I) bf16, 8-interleaved
   const float* grad_hidden;        // (rows, I) fp32: g = W_downᵀ dy
   __nv_bfloat16* d_gate_up;        // (rows, 2I) bf16, 8-interleaved
   __nv_bfloat16* weighted_hidden;  // (rows, I) bf16: w · h
@@ -37,21 +37,25 @@ struct SwiGluBackwardRows {
 __device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int64_t row,
                                             float weight, int lane) {
   const int64_t inter = rows.intermediate;
-  const float* gate_up = rows.gate_up + row * 2 * inter;      // (2I)
-  const float* grad_hidden = rows.grad_hidden + row * inter;  // (I)
+  const __nv_bfloat16* gate_up = rows.gate_up + row * 2 * inter;  // (2I)
+  const float* grad_hidden = rows.grad_hidden + row * inter;      // (I)
   __nv_bfloat16* d_gate_up = rows.d_gate_up + row * 2 * inter;
   __nv_bfloat16* weighted_hidden = rows.weighted_hidden + row * inter;
   float dot = 0.0f;
   for (int64_t block = lane; block < inter / kSwiGluBlock; block += 32) {
     float gate[kSwiGluBlock], up[kSwiGluBlock], grad[kSwiGluBlock];
-    const float4* gate_vectors =
-        reinterpret_cast<const float4*>(gate_up + block * 2 * kSwiGluBlock);
+    // (8 gate, 8 up) bf16 of this block: two 16-byte loads.
+    const int4* gate_up_vectors = reinterpret_cast<const int4*>(gate_up + block * 2 * kSwiGluBlock);
+    const int4 gate_vector = gate_up_vectors[0], up_vector = gate_up_vectors[1];
+    const __nv_bfloat16* gate_values = reinterpret_cast<const __nv_bfloat16*>(&gate_vector);
+    const __nv_bfloat16* up_values = reinterpret_cast<const __nv_bfloat16*>(&up_vector);
+#pragma unroll
+    for (int i = 0; i < kSwiGluBlock; ++i) {
+      gate[i] = __bfloat162float(gate_values[i]);
+      up[i] = __bfloat162float(up_values[i]);
+    }
     const float4* grad_vectors =
         reinterpret_cast<const float4*>(grad_hidden + block * kSwiGluBlock);
-    *reinterpret_cast<float4*>(&gate[0]) = gate_vectors[0];
-    *reinterpret_cast<float4*>(&gate[4]) = gate_vectors[1];
-    *reinterpret_cast<float4*>(&up[0]) = gate_vectors[2];
-    *reinterpret_cast<float4*>(&up[4]) = gate_vectors[3];
     *reinterpret_cast<float4*>(&grad[0]) = grad_vectors[0];
     *reinterpret_cast<float4*>(&grad[4]) = grad_vectors[1];
     __align__(16) __nv_bfloat16 d_gate[kSwiGluBlock], d_up[kSwiGluBlock], hidden_out[kSwiGluBlock];
