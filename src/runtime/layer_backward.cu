@@ -139,7 +139,7 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
   const int inter = static_cast<int>(shape_.shared_intermediate);
   write_offsets_kernel<<<1, 1, 0, stream>>>(shared_offsets_, tokens);
   MOK_CUDA_CHECK_LAUNCH();
-  // (T, H) -> (T, 2I_s) fp32: the gate/up pre-activations again.
+  // (T, H) -> (T, 2I_s) bf16: the gate/up pre-activations again.
   gemm::grouped_forward({1, tokens, 2 * inter, hidden}, x, weights.shared_gate_up, shared_offsets_,
                         shared_gate_up_, gemm::ForwardOutput::kBf16, stream, gemm_options);
   // g = dy · W_sd: (T, H) -> (T, I_s) fp32.
@@ -178,10 +178,15 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   const int* offsets = workspace_.expert_offsets();
   const int* counts = workspace_.expert_counts();
   const gemm::LaunchOptions& gemm_options = options_.gemm;
-  // (rows, H) -> (rows, 2I) fp32: the gate/up pre-activations again.
+  // (rows, H) -> (rows, 2I) bf16: the gate/up pre-activations again. Ping-pong tiles unless the
+  // caller chose: measured ahead on the many short experts of EP 1 (docs/perf-notes/backward.md).
+  gemm::LaunchOptions recompute_options = gemm_options;
+  if (recompute_options.engine == gemm::GemmEngine::kAuto) {
+    recompute_options.engine = gemm::GemmEngine::kPingpong;
+  }
   gemm::grouped_forward({experts, rows, 2 * inter, hidden, counts}, workspace_.expert_x(),
                         weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kBf16, stream,
-                        gemm_options);
+                        recompute_options);
   mark();
   // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
