@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "mok/bf16.hpp"
@@ -101,6 +102,23 @@ inline std::vector<bf16> interleave_gate_up(const std::vector<bf16>& gate,
     }
   }
   return fused;
+}
+
+// The inverse of interleave_gate_up, for values of any type (e.g. the fp32 gradient of the fused
+// weight): fused [E, 2I, H] -> gate and up [E, I, H], appended to `gate` and `up`.
+template <class T>
+void split_gate_up(const std::vector<T>& fused, int64_t num_experts, int64_t intermediate,
+                   int64_t hidden, std::vector<T>& gate, std::vector<T>& up) {
+  constexpr int64_t kBlock = 8;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    for (int64_t i = 0; i < intermediate; ++i) {
+      const int64_t row = e * 2 * intermediate + (i / kBlock) * 2 * kBlock + i % kBlock;
+      const T* gate_row = fused.data() + row * hidden;
+      const T* up_row = gate_row + kBlock * hidden;
+      gate.insert(gate.end(), gate_row, gate_row + hidden);
+      up.insert(up.end(), up_row, up_row + hidden);
+    }
+  }
 }
 
 }  // namespace mok::gemm

@@ -1,5 +1,6 @@
-// Small host-side helpers of the runtime's layers: raw device allocations that the layer objects
-// own (freed in their destructors) and the check that a size fits the GEMM engine's int32 rows.
+// Small helpers of the runtime's layers: raw device allocations that the layer objects own (freed
+// in their destructors), the check that a size fits the GEMM engine's int32 rows, and the offsets
+// of the one-expert group the shared expert runs as.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,5 +28,9 @@ inline int checked_int(int64_t value, const char* argument) {
                 " does not fit the GEMM engine's 32-bit row indices");
   return static_cast<int>(value);
 }
+
+// The offsets {0, rows} of a group of one expert (the shared expert over a call's tokens),
+// written on `stream` itself, so that the count may change between calls without a host sync.
+void write_single_group_offsets(int32_t* offsets, int32_t rows, cudaStream_t stream);
 
 }  // namespace mok

@@ -17,11 +17,6 @@
 namespace mok {
 namespace {
 
-__global__ void write_offsets_kernel(int32_t* offsets, int32_t num_tokens) {
-  offsets[0] = 0;
-  offsets[1] = num_tokens;
-}
-
 __global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
     swiglu_backward_routed_kernel(comm::WorkspaceView view, megakernel::SwiGluBackwardRows rows) {
   if (comm::cta_sees_error(view)) return;
@@ -118,17 +113,25 @@ int LayerBackward::shared_gemm_sms_beside_copy() const {
   return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
 }
 
-int64_t LayerBackward::buffer_bytes() const {
-  const comm::WorkspaceLayout& layout = workspace_.layout();
+int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                                    const LayerBackwardOptions& options) {
+  const WorkspaceOptions workspace = backward_workspace(options);
+  const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
+      num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, workspace.block_m,
+      workspace.expert_rows, workspace.expert_y, workspace.backward);
   const int64_t rows = layout.rows_capacity();
-  const int64_t inter = shape_.intermediate, shared_inter = shape_.shared_intermediate;
+  const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
   bytes += rows * inter * (2 * 2 + 4 + 2 * 2 + 2);  // gate_up, g, d_gate_up, w·h
-  bytes += tokens_max_ * shape_.top_k * 4;
-  if (shape_.has_shared()) {
-    bytes += tokens_max_ * shared_inter * (2 * 2 + 4 + 2 * 2 + 2) + tokens_max_ * shape_.hidden * 4;
+  bytes += tokens_max * shape.top_k * 4;            // ones
+  if (shape.has_shared()) {
+    bytes += tokens_max * shared_inter * (2 * 2 + 4 + 2 * 2 + 2) + tokens_max * shape.hidden * 4;
   }
   return bytes;
+}
+
+int64_t LayerBackward::buffer_bytes() const {
+  return buffer_bytes(shape_, workspace_.num_ranks(), tokens_max_, options_);
 }
 
 void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
@@ -137,8 +140,7 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
                                       const gemm::LaunchOptions& gemm_options) {
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.shared_intermediate);
-  write_offsets_kernel<<<1, 1, 0, stream>>>(shared_offsets_, tokens);
-  MOK_CUDA_CHECK_LAUNCH();
+  write_single_group_offsets(shared_offsets_, tokens, stream);
   // (T, H) -> (T, 2I_s) bf16: the gate/up pre-activations again.
   gemm::grouped_forward({1, tokens, 2 * inter, hidden}, x, weights.shared_gate_up, shared_offsets_,
                         shared_gate_up_, gemm::ForwardOutput::kBf16, stream, gemm_options);

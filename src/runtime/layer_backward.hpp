@@ -103,6 +103,9 @@ class LayerBackward {
   int64_t tokens_max() const { return tokens_max_; }
   // Device bytes this object holds (workspace and intermediates).
   int64_t buffer_bytes() const;
+  // The same for a layer of `shape` on one of `num_ranks` ranks, before making one.
+  static int64_t buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                              const LayerBackwardOptions& options = {});
 
  private:
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,

@@ -21,13 +21,6 @@ namespace {
 // 8b..8b+7, fused rows 16b+8..16b+15 are up rows 8b..8b+7.
 constexpr int64_t kInterleaveRows = 8;
 
-// The shared expert runs as a group of one expert over rows [0, T): offsets {0, T} on the device,
-// written by the stream itself so that T may change between calls without a host sync.
-__global__ void write_shared_offsets_kernel(int32_t* offsets, int32_t num_tokens) {
-  offsets[0] = 0;
-  offsets[1] = num_tokens;
-}
-
 // fused (experts, 2 * inter, hidden) <- gate, up (experts, inter, hidden) on the host: every block
 // of 8 gate rows lands in the first half of a 16-row block, every block of up rows in the second.
 void upload_interleaved(bf16* fused, const bf16* gate, const bf16* up, int64_t experts,
@@ -216,8 +209,7 @@ void LayerForward::run_shared_expert(const DeviceLayerWeights& weights, const bf
   const int tokens = checked_int(num_tokens, "num_tokens");
   const int hidden = static_cast<int>(shape_.hidden);
   const int shared_inter = static_cast<int>(shape_.shared_intermediate);
-  write_shared_offsets_kernel<<<1, 1, 0, stream>>>(shared_offsets_, tokens);
-  MOK_CUDA_CHECK_LAUNCH();
+  write_single_group_offsets(shared_offsets_, tokens, stream);
   // (T, H) -> (T, I_s) bf16, SwiGLU in the epilogue.
   gemm::grouped_forward({1, tokens, 2 * shared_inter, hidden}, x, weights.shared_gate_up,
                         shared_offsets_, shared_hidden_, gemm::ForwardOutput::kSwiGluBf16, stream,

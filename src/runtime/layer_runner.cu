@@ -428,12 +428,7 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
       tokens_per_rank * (4.0 * shape.hidden + 8.0 * shape.top_k);  // x, y, topk_idx, topk_w
   double backward_bytes = 0;
   if (backward) {  // LayerBackward's workspace and rows, fp32 gradients, dy, dx, d_topk_w
-    const comm::WorkspaceLayout with_backward =
-        comm::WorkspaceLayout::make(ep, tokens_per_rank, shape.hidden, shape.top_k,
-                                    shape.num_experts, WorkspaceOptions{}.block_m, 0, true, true);
-    backward_bytes = static_cast<double>(with_backward.window_bytes + with_backward.local_bytes) +
-                     12.0 * with_backward.rows_capacity() * shape.intermediate +
-                     tokens_per_rank * (12.0 * shape.shared_intermediate + 4.0 * shape.hidden) +
+    backward_bytes = static_cast<double>(LayerBackward::buffer_bytes(shape, ep, tokens_per_rank)) +
                      2.0 * weights + tokens_per_rank * (4.0 * shape.hidden + 4.0 * shape.top_k);
   }
   for (int device = 0; device < ep; ++device) {

@@ -21,6 +21,20 @@ const void* optional_data(const OptionalTensor& tensor) {
   return tensor.has_value() && tensor->defined() ? tensor->data_ptr() : nullptr;
 }
 
+// The caller's tensors as the layer's device weights (no copy).
+bridge::DeviceWeights device_weights(const Tensor& w_gate_up, const Tensor& w_down,
+                                     const OptionalTensor& w_shared_gate_up,
+                                     const OptionalTensor& w_shared_down) {
+  return {w_gate_up.data_ptr(), w_down.data_ptr(), optional_data(w_shared_gate_up),
+          optional_data(w_shared_down)};
+}
+
+// int64 ids are narrowed on the device (no host read of their range); the layer's schedule
+// checks every id there and check() reports one out of range.
+Tensor int32_ids(const Tensor& topk_idx) {
+  return topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
+}
+
 Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                     const Tensor& w_gate_up, const Tensor& w_down,
                     const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
@@ -29,17 +43,12 @@ Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     const c10::cuda::CUDAGuard device_guard(x.device());
-    // int64 ids are narrowed on the device (no host read of their range); the layer's schedule
-    // checks every id there and check() reports one out of range.
-    const Tensor topk_idx32 = topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
+    const Tensor topk_idx32 = int32_ids(topk_idx);
     Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
 
     bridge::ForwardCall call;
     call.local_shape = layer.shape;
-    call.weights.gate_up = w_gate_up.data_ptr();
-    call.weights.down = w_down.data_ptr();
-    call.weights.shared_gate_up = optional_data(w_shared_gate_up);
-    call.weights.shared_down = optional_data(w_shared_down);
+    call.weights = device_weights(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     call.x = x.data_ptr();
     call.topk_idx = topk_idx32.data_ptr<int32_t>();
     call.topk_w = topk_w.data_ptr<float>();
@@ -66,7 +75,7 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
     check_tensor(dy, "dy", at::kBFloat16, x.device());
     check_sizes(dy, "dy", {x.size(0), x.size(1)}, "(T, H)");
     const c10::cuda::CUDAGuard device_guard(x.device());
-    const Tensor topk_idx32 = topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
+    const Tensor topk_idx32 = int32_ids(topk_idx);
     const at::TensorOptions fp32 = x.options().dtype(at::kFloat);
     const at::TensorOptions grad_options = bf16_grads ? x.options() : fp32;
     Tensor dx = at::empty_like(x);
@@ -81,10 +90,7 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
 
     bridge::BackwardCall call;
     call.local_shape = layer.shape;
-    call.weights.gate_up = w_gate_up.data_ptr();
-    call.weights.down = w_down.data_ptr();
-    call.weights.shared_gate_up = optional_data(w_shared_gate_up);
-    call.weights.shared_down = optional_data(w_shared_down);
+    call.weights = device_weights(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     call.x = x.data_ptr();
     call.topk_idx = topk_idx32.data_ptr<int32_t>();
     call.topk_w = topk_w.data_ptr<float>();

@@ -46,20 +46,6 @@ struct BackwardRun {
   float main_grad_start = 0.0f;  // kAccumulate: every gradient starts from this value
 };
 
-// (E_l, 2I, H) interleaved in blocks of 8 rows -> gate and up (E_l, I, H), appended.
-void split_gate_up(const std::vector<float>& fused, int64_t experts, int64_t inter, int64_t hidden,
-                   std::vector<float>& gate, std::vector<float>& up) {
-  for (int64_t e = 0; e < experts; ++e) {
-    for (int64_t i = 0; i < inter; ++i) {
-      const int64_t row = e * 2 * inter + (i / 8) * 16 + i % 8;
-      const float* gate_row = fused.data() + row * hidden;
-      const float* up_row = gate_row + 8 * hidden;
-      gate.insert(gate.end(), gate_row, gate_row + hidden);
-      up.insert(up.end(), up_row, up_row + hidden);
-    }
-  }
-}
-
 BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardRun& run) {
   const std::vector<Communicator>& comms = local_communicators(ep);
   const LayerShape& shape = problem.shape;
@@ -137,12 +123,12 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
       BackwardOutputs out;
       out.dx = dx.download();
       out.d_topk_w = d_topk_w.download();
-      split_gate_up(grad_gate_up.download(), local_experts, inter, hidden, out.grad_gate,
-                    out.grad_up);
+      gemm::split_gate_up(grad_gate_up.download(), local_experts, inter, hidden, out.grad_gate,
+                          out.grad_up);
       out.grad_down = grad_down.download();
       if (shared) {
-        split_gate_up(grad_shared_gate_up.download(), 1, shared_inter, hidden, out.grad_shared_gate,
-                      out.grad_shared_up);
+        gemm::split_gate_up(grad_shared_gate_up.download(), 1, shared_inter, hidden,
+                            out.grad_shared_gate, out.grad_shared_up);
         out.grad_shared_down = grad_shared_down.download();
       }
       return out;

@@ -13,6 +13,7 @@
 #if defined(MOK_WITH_CUDA)
 #include <cuda_runtime.h>
 
+#include "mok/gemm.hpp"
 #include "mok/gpu.hpp"
 #include "mok/layer_runner.hpp"
 #endif
@@ -236,24 +237,6 @@ std::string cuda_device_description() {
   return gpus.description;
 }
 
-namespace {
-
-// (E, 2I, H) interleaved in blocks of 8 rows (DeviceLayerWeights' layout) -> gate, up (E, I, H).
-void split_gate_up(const std::vector<float>& fused, int64_t experts, int64_t inter, int64_t hidden,
-                   std::vector<float>& gate, std::vector<float>& up) {
-  gate.clear();
-  up.clear();
-  for (int64_t expert = 0; expert < experts; ++expert) {
-    for (int64_t i = 0; i < inter; ++i) {
-      const float* gate_row = fused.data() + (expert * 2 * inter + (i / 8) * 16 + i % 8) * hidden;
-      gate.insert(gate.end(), gate_row, gate_row + hidden);
-      up.insert(up.end(), gate_row + 8 * hidden, gate_row + 9 * hidden);
-    }
-  }
-}
-
-}  // namespace
-
 bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result) {
   LayerRunSpec spec;
   spec.shape = config.shape;
@@ -276,12 +259,12 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
   outputs.dx = run.dx;
   outputs.d_topk_w = run.d_topk_w;
   const LayerShape& shape = config.shape;
-  split_gate_up(run.grad_gate_up, shape.num_experts, shape.intermediate, shape.hidden,
-                outputs.grad_gate, outputs.grad_up);
+  gemm::split_gate_up(run.grad_gate_up, shape.num_experts, shape.intermediate, shape.hidden,
+                      outputs.grad_gate, outputs.grad_up);
   outputs.grad_down = run.grad_down;
   if (shape.has_shared()) {
-    split_gate_up(run.grad_shared_gate_up, config.ep, shape.shared_intermediate, shape.hidden,
-                  outputs.grad_shared_gate, outputs.grad_shared_up);
+    gemm::split_gate_up(run.grad_shared_gate_up, config.ep, shape.shared_intermediate, shape.hidden,
+                        outputs.grad_shared_gate, outputs.grad_shared_up);
     outputs.grad_shared_down = run.grad_shared_down;
   }
   std::printf(
