@@ -68,7 +68,8 @@ usage: bench_layer [options]
                             mixtral-8x7b-ep1, deepseek-v3-ep2, qwen3-30b-a3b-ep2,
                             qwen3-235b-a22b-ep2, deepseek-v3-ep2-skewed (default all)
   --backward 0|1            1: also the GPU backward, timed alone and as forward + backward
-                            pairs (default 1)
+                            pairs, in recompute mode and in save mode (the forward keeps its
+                            context) (default 1)
   --backward-engine E       the backward's GEMM engine: auto, cooperative or pingpong (same
                             bits; default auto)
   --preset NAME, --hidden H, --intermediate I, --shared-intermediate I_S, --experts E,
@@ -253,12 +254,15 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
               result.buffer_bytes_per_rank / 1e9);
   if (args.backward) {
     std::printf(
-        "%-26s backward %8.3f ms/rank  %7.1f useful TFLOP/s; forward + backward %8.3f "
-        "ms/rank  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU; backward buffers %.2f GB/rank\n",
+        "%-26s save mode: backward %8.3f ms/rank  %7.1f useful TFLOP/s; forward + backward %8.3f "
+        "ms/rank  %7.1f useful TFLOP/s  %10.0f tokens/s/GPU; backward buffers %.2f GB/rank, "
+        "saved context %.3f GB/rank\n",
         "", result.backward_ms, 2 * flops / (result.backward_ms * 1e-3) * 1e-12,
         result.forward_backward_ms, 3 * flops / (result.forward_backward_ms * 1e-3) * 1e-12,
         which.tokens_per_rank / (result.forward_backward_ms * 1e-3),
-        result.backward_buffer_bytes_per_rank / 1e9);
+        result.backward_buffer_bytes_per_rank / 1e9, result.saved_context_bytes_per_rank / 1e9);
+    std::printf("%-26s recompute mode: backward %8.3f ms/rank; forward + backward %8.3f ms/rank\n",
+                "", result.backward_recompute_ms, result.forward_backward_recompute_ms);
   }
   std::fflush(stdout);
   char line[2048];
@@ -286,12 +290,21 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
         << ", \"fwdbwd_ms\": " << result.forward_backward_ms
         << ", \"backward_buffer_bytes_per_rank\": " << result.backward_buffer_bytes_per_rank
         << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank
-        << ", \"weight_gradients\": \"bf16\", \"backward_phases_ms\": {";
-    for (size_t phase = 0; phase < result.backward_phase_ms.size(); ++phase) {
-      out << (phase == 0 ? "" : ", ") << "\"" << result.backward_phase_names[phase]
-          << "\": " << result.backward_phase_ms[phase];
-    }
-    out << "}";
+        << ", \"context\": \"save\", \"saved_context_bytes_per_rank\": "
+        << result.saved_context_bytes_per_rank
+        << ", \"backward_recompute_ms\": " << result.backward_recompute_ms
+        << ", \"fwdbwd_recompute_ms\": " << result.forward_backward_recompute_ms
+        << ", \"weight_gradients\": \"bf16\"";
+    const auto phases = [&](const char* key, const std::vector<double>& ms) {
+      out << ", \"" << key << "\": {";
+      for (size_t phase = 0; phase < ms.size(); ++phase) {
+        out << (phase == 0 ? "" : ", ") << "\"" << result.backward_phase_names[phase]
+            << "\": " << ms[phase];
+      }
+      out << "}";
+    };
+    phases("backward_phases_ms", result.backward_phase_ms);
+    phases("backward_recompute_phases_ms", result.backward_recompute_phase_ms);
   }
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
@@ -302,10 +315,17 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   }
   std::printf("\n");
   for (size_t phase = 0; phase < result.backward_phase_ms.size(); ++phase) {
-    std::printf("%s%s %.3f", phase == 0 ? "    backward phases (ms, slowest rank): " : ", ",
+    std::printf("%s%s %.3f",
+                phase == 0 ? "    backward phases, save mode (ms, slowest rank): " : ", ",
                 result.backward_phase_names[phase].c_str(), result.backward_phase_ms[phase]);
   }
   if (!result.backward_phase_ms.empty()) std::printf("\n");
+  for (size_t phase = 0; phase < result.backward_recompute_phase_ms.size(); ++phase) {
+    std::printf("%s%s %.3f", phase == 0 ? "    backward phases, recompute mode: " : ", ",
+                result.backward_phase_names[phase].c_str(),
+                result.backward_recompute_phase_ms[phase]);
+  }
+  if (!result.backward_recompute_phase_ms.empty()) std::printf("\n");
   for (const std::string& line : result.trace_summary) std::printf("    trace %s\n", line.c_str());
   std::fflush(stdout);
   out << "}}";

@@ -10,8 +10,11 @@ hidden, intermediate, shared_intermediate, num_experts, top_k, mok_ms, buffer_by
 where bench_layer timed mok's backward too fwdbwd_ms, backward_ms and
 backward_buffer_bytes_per_rank) and torch_native.py measure's JSONs (one per EP).
 
-Per case and phase (fwd: mok_ms; fwdbwd: fwdbwd_ms; bwd: backward_ms; a phase only where mok has
-a figure for it) one entry: name, preset, ep, tokens_per_rank, precision, phase, mok_ms, baseline
+Per case and phase (fwd: mok_ms; fwdbwd: fwdbwd_ms; bwd: backward_ms, the backward's save mode
+where bench_layer timed it; a phase only where mok has a figure for it) one entry: name, preset,
+ep, tokens_per_rank, precision, phase, mok_ms, mok_context ("save" or "recompute", fwdbwd and bwd),
+mok_recompute_ms (recompute mode's time beside save mode's), saved_context_bytes_per_token and
+baseline_saved_bytes_per_token (what autograd keeps: mok's context, torch's saved tensors), baseline
 (the fastest checked torch-native variant's name), baseline_ms, baseline_variants (every timed
 variant's ms), speedup = baseline_ms / mok_ms, useful_tflops (mok's: 6·T·H·(k·I + I_s) per rank for
 fwd, 3x for fwdbwd, 2x for bwd), baseline_tflops, fraction_of_dense (mok's useful TFLOP/s / the
@@ -27,6 +30,8 @@ import json
 import os
 
 PHASES = (("fwd", "mok_ms"), ("fwdbwd", "fwdbwd_ms"), ("bwd", "backward_ms"))
+# The same phases in the backward's recompute mode, reported beside save mode's (mok_recompute_ms).
+RECOMPUTE_KEYS = {"fwdbwd": "fwdbwd_recompute_ms", "bwd": "backward_recompute_ms"}
 FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3, "bwd": 2}
 MEMORY_NOTE = ("mok: bench_layer's buffers per rank (buffer_bytes_per_rank{backward}) plus the bf16 "
                "weights of this rank's experts and the shared expert ({weights}); baseline: "
@@ -57,8 +62,9 @@ def mok_memory(case, phase):
     backward_note = ""
     if phase != "fwd":
         backward = case.get("backward_buffer_bytes_per_rank")
-        backward_note = " + backward_buffer_bytes_per_rank"
-        buffers = None if buffers is None or backward is None else buffers + backward
+        context = case.get("saved_context_bytes_per_rank", 0)
+        backward_note = " + backward_buffer_bytes_per_rank + saved_context_bytes_per_rank"
+        buffers = None if buffers is None or backward is None else buffers + backward + context
     note = MEMORY_NOTE.format(backward=backward_note, weights=weights_note,
                               grads="" if phase == "fwd" else ", weight gradients")
     if phase != "fwd":
@@ -118,6 +124,13 @@ def entry_for(case, phase, mok_ms, torch_case, dense_tflops):
         "routing": case.get("routing"),
         "mok_variant": "unfused" if case.get("fused") is False else "fused",
         "mok_ms": rounded(mok_ms, 4),
+        # the backward's context mode, and its recompute mode's time beside save mode's
+        "mok_context": case.get("context", "recompute") if phase != "fwd" else None,
+        "mok_recompute_ms": rounded(case.get(RECOMPUTE_KEYS.get(phase, "")), 4),
+        "saved_context_bytes_per_token": (
+            round(case["saved_context_bytes_per_rank"] / case["tokens_per_rank"])
+            if phase != "fwd" and case.get("saved_context_bytes_per_rank") else None),
+        "baseline_saved_bytes_per_token": (variant or {}).get("saved_bytes_per_token"),
         "baseline": fastest,
         "baseline_ms": baseline_ms,
         "baseline_variants": variants,

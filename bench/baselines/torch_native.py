@@ -588,6 +588,24 @@ class Run:
             torch.cuda.empty_cache()
 
 
+def saved_tensor_bytes(fn, exclude):
+    """Bytes of the tensors autograd saves for the backward while fn runs (each storage once),
+    those of `exclude` (the inputs and weights, which the caller holds anyway) left out."""
+    held = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = fn()
+    del output  # (and with it the graph)
+    return sum(saved.values())
+
+
 def measure_case(run, case, routing):
     """Every variant of one case: checks, then fwd, fwd_train and fwdbwd; see the docstring."""
     args, rank, world, device = run.args, run.rank, run.world, run.device
@@ -668,6 +686,10 @@ def measure_case(run, case, routing):
             continue
 
         run.free()
+        # What autograd keeps between forward and backward, besides inputs and weights.
+        saved = saved_tensor_bytes(forward_train,
+                                   [x_train, topk_idx, topk_w_train, *layer.weights.tensors()])
+        entry["saved_bytes_per_token"] = round(saved / tokens)
         entry["peak_memory_gb"] = {"fwd": run.peak_memory_gb(forward)}
         entry["peak_memory_gb"]["fwdbwd"] = run.peak_memory_gb(training_step)
         zero_grad()
@@ -682,6 +704,7 @@ def measure_case(run, case, routing):
         run.log(f"  {name:16s} fwd {entry['fwd_ms']:8.3f} ms  fwd (autograd) "
                 f"{entry['fwd_train_ms']:8.3f}  fwd+bwd {entry['fwdbwd_ms']:8.3f}  bwd "
                 f"{entry['bwd_ms']:8.3f} ms/rank  peak {memory['fwd']} / {memory['fwdbwd']} GB  "
+                f"saved {entry['saved_bytes_per_token']} B/token  "
                 f"{fwdbwd_sample['clock_mhz']} MHz {fwdbwd_sample['power_w']} W")
     layer.weights.set_requires_grad(False)
     timed = {name: v for name, v in result["variants"].items() if "fwd_ms" in v}

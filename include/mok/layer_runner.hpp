@@ -54,6 +54,9 @@ struct LayerRunSpec {
   // (the problem's, or seeded random values): timed alone and as forward + backward pairs, after
   // the same warm-up (of pairs). Its outputs are kept with y (keep_y).
   bool backward = false;
+  // The backward timed in save mode too (the pairs' forwards keep the gate/up pre-activations
+  // and the backward reads them), after recompute mode; the outputs are save mode's.
+  bool save_context = true;
   // The backward's weight gradients in bf16 (what autograd gives bf16 parameters), else fp32.
   bool bf16_gradients = false;
   // The backward's GEMM engine, as gemm::GemmEngine's value (0 = kAuto; same bits whichever).
@@ -76,20 +79,25 @@ struct LayerRunResult {
   std::vector<std::string> phase_names;
   std::vector<double> phase_ms;
   int64_t buffer_bytes_per_rank = 0;  // workspace and intermediates, weights excluded
-  // spec.backward: medians over the timed pairs, slowest rank; the backward's own buffers; and,
-  // with keep_y, every output in global layout (weight gradients fp32, gate/up interleaved as
-  // DeviceLayerWeights; the shared expert's per rank, (ep, ...)).
+  // spec.backward: medians over the timed pairs, slowest rank, in save mode (recompute mode when
+  // not spec.save_context) and in recompute mode; the backward's own buffers and the saved
+  // context's bytes; and, with keep_y, every output in global layout (weight gradients fp32,
+  // gate/up interleaved as DeviceLayerWeights; the shared expert's per rank, (ep, ...)).
   double backward_ms = 0;
   double forward_backward_ms = 0;
+  double backward_recompute_ms = 0;
+  double forward_backward_recompute_ms = 0;
   int64_t backward_buffer_bytes_per_rank = 0;
+  int64_t saved_context_bytes_per_rank = 0;
   std::vector<std::string> backward_phase_names;  // LayerBackward's phases, in order
   std::vector<double> backward_phase_ms;          // median over the timed pairs, slowest rank
-  std::vector<bf16> dx;                           // (T_global, H)
-  std::vector<float> d_topk_w;                    // (T_global, k)
-  std::vector<float> grad_gate_up;                // (E, 2I, H)
-  std::vector<float> grad_down;                   // (E, H, I)
-  std::vector<float> grad_shared_gate_up;         // (ep, 2I_s, H)
-  std::vector<float> grad_shared_down;            // (ep, H, I_s)
+  std::vector<double> backward_recompute_phase_ms;
+  std::vector<bf16> dx;                    // (T_global, H)
+  std::vector<float> d_topk_w;             // (T_global, k)
+  std::vector<float> grad_gate_up;         // (E, 2I, H)
+  std::vector<float> grad_down;            // (E, H, I)
+  std::vector<float> grad_shared_gate_up;  // (ep, 2I_s, H)
+  std::vector<float> grad_shared_down;     // (ep, H, I_s)
   int64_t weight_bytes_per_rank = 0;
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
   // How the fused kernel hands out its tasks on GPU 0: one pool, or a grant per L2 partition of

@@ -108,10 +108,17 @@ struct ForwardCall {
   const int32_t* topk_idx = nullptr;  // (T, k) global expert ids
   const float* topk_w = nullptr;      // (T, k)
   void* y = nullptr;                  // (T, H) bf16
+  // Save mode: the gate/up pre-activations kept for backward (saved_context_rows(..) x 2I and
+  // T x 2I_s bf16), or null (recompute mode; the shared one null without a shared expert).
+  void* saved_gate_up = nullptr;
+  void* saved_shared_gate_up = nullptr;
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
 };
+
+// Rows of ForwardCall::saved_gate_up for this call (T * k at EP 1, R * T_max * k at EP > 1).
+int64_t saved_context_rows(int64_t workspace, const ForwardCall& call);
 
 // Enqueues the layer forward on `stream`, no host synchronisation. workspace 0: this device's
 // automatic EP = 1 workspace for the shape, which grows when a call brings more tokens (then,
@@ -136,14 +143,18 @@ struct BackwardCall {
   void* grad_shared_down = nullptr;
   bool bf16_gradients = false;
   bool accumulate = false;
+  // Save mode: what the forward of this call kept (ForwardCall's), or null: recompute mode.
+  const void* saved_gate_up = nullptr;
+  const void* saved_shared_gate_up = nullptr;
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
 };
 
-// Enqueues mok's GPU backward (recompute mode: the gate/up activations are computed again from
-// x) on `stream`, no host synchronisation. `workspace` as for forward; the backward's own buffers
-// are made on its first call (collectively, when num_ranks > 1: every rank calls backward).
+// Enqueues mok's GPU backward (save mode with the forward's saved context; recompute mode, which
+// computes the gate/up activations again from x, without) on `stream`, no host synchronisation.
+// `workspace` as for forward; the backward's own buffers are made on its first call (collectively,
+// when num_ranks > 1: every rank calls backward).
 void backward(int64_t workspace, const BackwardCall& call);
 
 // Waits for `stream` and throws CoreError naming rank, phase and cause of a device fault that a

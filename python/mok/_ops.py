@@ -1,7 +1,9 @@
-"""Loads the compiled torch ops (mok::forward, mok::backward and the workspace ops) and registers
-what is written in Python: the fake (meta) implementations, for torch.compile, and the autograd
-formula of mok::forward. Both ops run mok's own kernels: the CPU backend on CPU tensors, the GPU
-layer forward and backward on CUDA tensors (`mok._reference` is kept as a test oracle only)."""
+"""Loads the compiled torch ops (mok::forward, mok::forward_save, mok::backward and the workspace
+ops) and registers what is written in Python: the fake (meta) implementations, for torch.compile,
+and the autograd formulas of mok::forward (recompute mode: the backward computes the gate/up
+activations again) and mok::forward_save (save mode: the forward keeps them). The ops run mok's
+own kernels: the CPU backend on CPU tensors, the GPU layer forward and backward on CUDA tensors
+(`mok._reference` is kept as a test oracle only)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,16 @@ HAVE_GPU_LAYER: bool = bool(torch.ops.mok.have_gpu_layer())
 # The process group of each workspace handle (handle 0, the automatic EP = 1 workspace: none), for
 # the tests' reference backward (mok._reference). Written by mok.functional.create_workspace.
 WORKSPACE_GROUPS: dict = {}
+# (ep_size, max_tokens_per_rank) of each workspace handle, for the fake of mok::forward_save.
+# Written by mok.functional.create_workspace.
+WORKSPACE_SIZES: dict = {}
+
+
+def saved_context_rows(handle: int, num_tokens, top_k: int):
+    """Rows of forward_save's gate/up context: T * k at EP = 1, R * T_max * k at EP > 1 (the rows
+    are indexed by their source rank, token and slot)."""
+    ep_size, tokens_max = WORKSPACE_SIZES.get(handle, (1, None))
+    return num_tokens * top_k if ep_size == 1 else ep_size * tokens_max * top_k
 
 
 def _f32_like(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -48,9 +60,22 @@ def _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_sh
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("mok::forward_save")
+def _forward_save_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
+                       workspace=0):
+    y = _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace)
+    if x.device.type != "cuda":  # the CPU backend keeps no context
+        return y, x.new_empty((0,)), x.new_empty((0,))
+    rows = saved_context_rows(workspace, x.shape[0], topk_idx.shape[1])
+    gate_up = x.new_empty((rows, w_gate_up.shape[1]))
+    shared = (x.new_empty((x.shape[0], w_shared_gate_up.shape[0])) if w_shared_gate_up is not None
+              else x.new_empty((0,)))
+    return y, gate_up, shared
+
+
 @torch.library.register_fake("mok::backward")
 def _backward_fake(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
-                   workspace=0, bf16_grads=False):
+                   workspace=0, bf16_grads=False, saved_gate_up=None, saved_shared_gate_up=None):
     def grad(weight):
         fp32 = _f32_like(weight, x.device)
         return fp32.to(torch.bfloat16) if bf16_grads else fp32
@@ -66,20 +91,24 @@ def _backward_fake(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7])
+    # save mode (forward_save): output = (y, saved gate/up, saved shared gate/up), kept beside the
+    # inputs; recompute mode (forward): the inputs alone.
+    saved = tuple(output[1:]) if isinstance(output, (tuple, list)) else ()
+    ctx.save_for_backward(*inputs[:7], *saved)
     ctx.workspace = inputs[7] if len(inputs) > 7 else 0
     ctx.num_inputs = len(inputs)
     ctx.has_shared = inputs[5] is not None
 
 
-def _backward(ctx, grad_y):
-    x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down = ctx.saved_tensors
+def _backward(ctx, grad_y, *grad_saved):
+    x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, *saved = ctx.saved_tensors
     # bf16 parameters get bf16 gradients straight from the weight-gradient GEMMs' epilogues (the
     # fp32 sums rounded once), as autograd expects; mok.functional.backward keeps fp32.
     bf16_grads = w_gate_up.dtype == torch.bfloat16
+    saved_gate_up, saved_shared_gate_up = saved if saved else (None, None)
     dx, d_topk_w, grad_gate_up, grad_down, grad_sgu, grad_sd = torch.ops.mok.backward(
         grad_y.contiguous(), x, topk_idx, topk_w, w_gate_up, w_down,
-        w_shared_gate_up, w_shared_down, ctx.workspace, bf16_grads,
+        w_shared_gate_up, w_shared_down, ctx.workspace, bf16_grads, saved_gate_up, saved_shared_gate_up,
     )
     shared = ((grad_sgu.to(w_shared_gate_up.dtype), grad_sd.to(w_shared_down.dtype))
               if ctx.has_shared else (None, None))
@@ -89,3 +118,4 @@ def _backward(ctx, grad_y):
 
 
 torch.library.register_autograd("mok::forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("mok::forward_save", _backward, setup_context=_setup_context)

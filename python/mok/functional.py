@@ -21,8 +21,14 @@ What runs where:
     CUDA tensors  forward: mok's GPU layer (LayerForward) on the current CUDA stream, no host
                   synchronisation, EP over the workspace's process group, bitwise EP-invariant.
                   backward: mok's GPU backward (LayerBackward) on the current stream, no host
-                  synchronisation, EP over the same group; it recomputes the gate/up activations
-                  from x (the context is the forward's inputs alone).
+                  synchronisation, EP over the same group.
+
+The autograd context, two modes with the same bits (forward's `context`):
+    "save"       (default) the forward also keeps the routed and shared gate/up pre-activations
+                 (bf16, 2I values per routed row: T * k * 2I * 2 bytes at EP = 1), and the
+                 backward reads them instead of computing them again.
+    "recompute"  only the inputs are kept; the backward dispatches x again and recomputes them
+                 (less memory, one gate/up GEMM more: for activation checkpointing).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from . import _ops
 from ._reference import fuse_gate_up, split_gate_up
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
+CONTEXTS = ("save", "recompute")
 SUPPORTED_PRECISIONS = ("bf16",)
 
 __all__ = [
@@ -177,6 +184,7 @@ class Workspace:
         if self.handle:
             torch.ops.mok.destroy_workspace(self.handle)
             _ops.WORKSPACE_GROUPS.pop(self.handle, None)
+            _ops.WORKSPACE_SIZES.pop(self.handle, None)
             self.handle = 0
         for key in [key for key, value in _WORKSPACES.items() if value is self]:
             del _WORKSPACES[key]
@@ -234,6 +242,7 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
         shape.shared_intermediate, shape.num_experts, shape.top_k, max_tokens_per_rank,
         config.num_comm_sms or 0, (config.minibatch_tokens or 0) * shape.top_k, config.ring_rows or 0)
     _ops.WORKSPACE_GROUPS[handle] = group if ep_size > 1 else None
+    _ops.WORKSPACE_SIZES[handle] = (ep_size, max_tokens_per_rank)
     return Workspace(shape, max_tokens_per_rank, device, config, ep_size, ep_rank, group, handle)
 
 
@@ -299,17 +308,26 @@ def build_schedule(topk_idx: torch.Tensor, num_experts: int) -> Schedule:
 
 
 def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: AnyExpertWeights,
-            workspace: Optional[Workspace] = None) -> torch.Tensor:
+            workspace: Optional[Workspace] = None, context: str = "save") -> torch.Tensor:
     """y = S(x) + sum_j topk_w[:, j] * F_{topk_idx[:, j]}(x), (T, H) bf16. Differentiable: autograd
     runs mok::backward (CPU: mok's CPU backend; CUDA: mok's GPU backward).
 
     CUDA tensors run mok's GPU layer on the current stream without host synchronisation. EP > 1
     needs `workspace` (get_workspace with the group); without one a CUDA call is EP = 1 on an
-    automatic workspace. Device faults (an expert id out of range) surface at check_errors()."""
+    automatic workspace. Device faults (an expert id out of range) surface at check_errors().
+    context: what autograd keeps for the backward, "save" or "recompute" (module docstring); a
+    call that autograd does not record keeps nothing."""
+    if context not in CONTEXTS:
+        raise ValueError(f"context: one of {CONTEXTS}, got {context!r}")
     fused = _fused(weights)
     if workspace is not None:
         workspace.check(x, topk_idx, fused)
-    return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, workspace.handle if workspace is not None else 0)
+    handle = workspace.handle if workspace is not None else 0
+    records = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, topk_w, *fused))
+    if context == "save" and records:
+        return torch.ops.mok.forward_save(x, topk_idx, topk_w, *fused, handle)[0]
+    return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, handle)
 
 
 @dataclasses.dataclass
@@ -348,8 +366,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: 
 
 @dataclasses.dataclass
 class ForwardContext:
-    """What backward needs from a forward call. mok recomputes the expert activations inside
-    backward, so the context is the inputs alone: nothing else is kept per token."""
+    """What mok.functional.backward needs from a forward call: the inputs alone (it recomputes the
+    expert activations, as recompute mode does; autograd's save mode keeps the gate/up
+    pre-activations itself, see forward's `context`)."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor

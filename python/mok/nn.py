@@ -36,6 +36,9 @@ class MoE(nn.Module):
     the module once eagerly before compiling with fullgraph=True. The router and the shared expert
     are replicated: average their gradients over the group like data-parallel weights
     (examples/train_moe_block.py shows it).
+
+    context: what autograd keeps for the backward, "save" (the gate/up pre-activations, the
+    faster backward) or "recompute" (the inputs only; see mok.functional.forward).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
@@ -43,8 +46,11 @@ class MoE(nn.Module):
                  normalize_topk: bool = True, process_group=None,
                  config: Optional[functional.MoKConfig] = None,
                  max_tokens_per_rank: Optional[int] = None,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+                 dtype: torch.dtype = torch.bfloat16, device=None, context: str = "save"):
         super().__init__()
+        if context not in functional.CONTEXTS:
+            raise ValueError(f"context: one of {functional.CONTEXTS}, got {context!r}")
+        self.context = context
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func: 'softmax' or 'sigmoid', got {score_func!r}")
         if not 0 < top_k <= num_experts:
@@ -131,12 +137,12 @@ class MoE(nn.Module):
                 self._make_workspace(tokens.shape[0], tokens.device)
             handle = self._workspace.handle
         weights = self.expert_weights()
-        y = torch.ops.mok.forward(tokens.to(torch.bfloat16).contiguous(), topk_idx, topk_w.contiguous(),
-                                  *weights, handle)
+        y = functional.forward(tokens.to(torch.bfloat16).contiguous(), topk_idx, topk_w.contiguous(),
+                               weights, self._workspace if handle else None, self.context)
         return y.reshape(*leading, self.shape.hidden)
 
     def extra_repr(self) -> str:
         s = self.shape
         return (f"hidden={s.hidden}, intermediate={s.intermediate}, num_experts={s.num_experts}, "
                 f"top_k={s.top_k}, shared_intermediate={s.shared_intermediate}, score_func={self.score_func}, "
-                f"ep={self.ep_size}")
+                f"ep={self.ep_size}, context={self.context}")

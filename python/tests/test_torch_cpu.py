@@ -125,6 +125,26 @@ def test_opcheck_forward_and_backward():
     torch.library.opcheck(torch.ops.mok.backward.default, (dy, x.detach(), idx, w.detach(), *detached, 0))
 
 
+def test_context_modes_give_the_same_bits():
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    grads = {}
+    for context in ("save", "recompute"):
+        x, idx, w, weights = make_inputs(12, requires_grad=True)
+        mf.forward(x, idx, w, weights, context=context).backward(dy)
+        grads[context] = [x.grad, w.grad, *(t.grad for t in weights)]
+    for saved, recomputed in zip(grads["save"], grads["recompute"]):
+        assert torch.equal(saved, recomputed)
+    x, idx, w, weights = make_inputs(12)
+    with pytest.raises(ValueError, match="context"):
+        mf.forward(x, idx, w, weights, context="keep-everything")
+
+
+def test_opcheck_forward_save():
+    x, idx, w, weights = make_inputs(13, requires_grad=True)
+    fused = [t.detach().requires_grad_(True) for t in weights.fused()]
+    torch.library.opcheck(torch.ops.mok.forward_save.default, (x, idx, w, *fused, 0))
+
+
 def test_schedule_orders_rows_by_token():
     _, idx, _, _ = make_inputs(11)
     schedule = mf.build_schedule(idx, E)

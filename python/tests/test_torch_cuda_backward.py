@@ -1,7 +1,8 @@
 """mok's GPU forward and backward through the torch front end on one Hopper GPU (EP = 1), on
 shapes besides the presets (top-1 to top-6, odd token counts, I not a multiple of 128): y and every
 gradient against an fp64 autograd oracle, no worse than a bf16 PyTorch autograd layer measured against the
-same oracle; bitwise repeats; a CUDA graph of forward + backward replayed; main_grad accumulation;
+same oracle; bitwise repeats; save mode (the forward keeps the gate/up pre-activations) against
+recompute mode, bitwise; a CUDA graph of forward + backward replayed; main_grad accumulation;
 no host synchronisation. Run as
 
     python3 -m pytest python/tests/test_torch_cuda_backward.py
@@ -124,10 +125,31 @@ def test_output_and_gradients_no_worse_than_bf16_autograd(shape):
     assert mine["d_topk_w"][unused].item() == 0.0
 
 
-def run_step(x, idx, w, weights, dy):
+def run_step(x, idx, w, weights, dy, context="save"):
     mx, mw, mweights = leaves(x, w, weights)
-    mf.forward(mx, idx, mw, mweights).backward(dy)
+    mf.forward(mx, idx, mw, mweights, context=context).backward(dy)
     return gradients(mx, mw, mweights)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-I{}-Is{}-E{}-k{}-T{}".format(*s))
+def test_save_mode_equals_recompute_mode_bitwise(shape):
+    x, idx, w, weights, dy = problem(shape, seed=6)
+    saved = run_step(x, idx, w, weights, dy, "save")
+    recomputed = run_step(x, idx, w, weights, dy, "recompute")
+    assert saved.keys() == recomputed.keys()
+    for name, value in saved.items():
+        assert torch.equal(value.view(torch.uint8), recomputed[name].view(torch.uint8)), name
+
+
+def test_save_mode_context_shapes():
+    x, idx, w, weights, dy = problem(SHAPES[0], seed=7)
+    y, gate_up, shared_gate_up = torch.ops.mok.forward_save(x, idx, w, *weights, 0)
+    tokens, top_k = idx.shape
+    assert gate_up.shape == (tokens * top_k, weights.w_gate_up.shape[1]) and gate_up.dtype == torch.bfloat16
+    assert shared_gate_up.shape == (tokens, weights.w_shared_gate_up.shape[0])
+    assert torch.equal(y.view(torch.int16), mf.forward(x, idx, w, weights).view(torch.int16))
+    with pytest.raises(ValueError, match="saved_gate_up"):  # a context of another call's size
+        torch.ops.mok.backward(dy, x, idx, w, *weights, 0, False, gate_up[:-1], shared_gate_up)
 
 
 def test_backward_repeats_bitwise():
@@ -170,6 +192,34 @@ def test_cuda_graph_of_a_training_step_replays_bitwise():
     for mine, expected in zip(captured.weights, eager[0].weights):
         if mine is not None:
             assert torch.equal(mine, expected)
+
+
+def test_cuda_graph_of_a_save_mode_training_step_replays_bitwise():
+    x, idx, w, weights, dy = problem(SHAPES[1], seed=8)
+    eager = run_step(x, idx, w, weights, dy)
+    mx, mw, mweights = leaves(x, w, weights)
+
+    def step():
+        for t in (mx, mw, *mweights):
+            if t is not None:
+                t.grad = None
+        mf.forward(mx, idx, mw, mweights).backward(dy)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for t in (mx, mw, *mweights):
+        if t is not None and t.grad is not None:
+            t.grad.fill_(float("nan"))  # poisoned: the replay must write every gradient
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, value in gradients(mx, mw, mweights).items():
+        assert torch.equal(value.view(torch.uint8), eager[name].view(torch.uint8)), name
 
 
 def test_main_grads_accumulate():

@@ -104,6 +104,7 @@ std::vector<uint8_t> nccl_unique_id() { no_gpu_layer(); }
 int64_t create_workspace(const WorkspaceSpec&) { no_gpu_layer(); }
 void destroy_workspace(int64_t) { no_gpu_layer(); }
 void forward(int64_t, const ForwardCall&) { no_gpu_layer(); }
+int64_t saved_context_rows(int64_t, const ForwardCall&) { no_gpu_layer(); }
 void backward(int64_t, const BackwardCall&) { no_gpu_layer(); }
 void check(int64_t, int, void*) { no_gpu_layer(); }
 void reset_after_error(int64_t, int) { no_gpu_layer(); }

@@ -298,11 +298,28 @@ void forward(int64_t handle, const ForwardCall& call) {
         handle == 0 ? automatic_workspace(call) : find_workspace(handle);
     check_call(*workspace, call);
     MOK_CUDA_CHECK(cudaSetDevice(call.device));
+    const SavedContext save{static_cast<bf16*>(call.saved_gate_up),
+                            static_cast<bf16*>(call.saved_shared_gate_up)};
     workspace->layer->forward(device_weights(*workspace->layer, call.weights),
                               static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
                               static_cast<bf16*>(call.y), call.num_tokens,
-                              static_cast<cudaStream_t>(call.stream));
+                              static_cast<cudaStream_t>(call.stream), nullptr,
+                              call.saved_gate_up != nullptr ? &save : nullptr);
   });
+}
+
+int64_t saved_context_rows(int64_t handle, const ForwardCall& call) {
+  int64_t rows = 0;
+  translating_errors([&] {
+    if (handle == 0) {  // the automatic workspace: EP = 1
+      rows = mok::saved_context_rows(1, call.num_tokens, call.local_shape.top_k, call.num_tokens);
+      return;
+    }
+    const std::shared_ptr<Workspace> workspace = find_workspace(handle);
+    rows = mok::saved_context_rows(workspace->num_ranks, workspace->tokens_max,
+                                   call.local_shape.top_k, call.num_tokens);
+  });
+  return rows;
 }
 
 void backward(int64_t handle, const BackwardCall& call) {
@@ -324,10 +341,15 @@ void backward(int64_t handle, const BackwardCall& call) {
                                      call.accumulate       ? gemm::WgradOutput::kAccumulateFp32
                                      : call.bf16_gradients ? gemm::WgradOutput::kBf16
                                                            : gemm::WgradOutput::kFp32};
+    // (const only in the call: the backward reads the context)
+    const SavedContext saved{
+        const_cast<bf16*>(static_cast<const bf16*>(call.saved_gate_up)),
+        const_cast<bf16*>(static_cast<const bf16*>(call.saved_shared_gate_up))};
     workspace->backward->backward(
         device_weights(*workspace->layer, call.weights), static_cast<const bf16*>(call.x),
         call.topk_idx, call.topk_w, static_cast<const bf16*>(call.dy), static_cast<bf16*>(call.dx),
-        call.d_topk_w, grads, call.num_tokens, static_cast<cudaStream_t>(call.stream));
+        call.d_topk_w, grads, call.num_tokens, static_cast<cudaStream_t>(call.stream), nullptr,
+        call.saved_gate_up != nullptr ? &saved : nullptr);
   });
 }
 

@@ -108,6 +108,9 @@ void fused_forward(CommWorkspace& ws, const LayerShape& shape, const FusedForwar
   params.view = ws.view();
   params.x = reinterpret_cast<const __nv_bfloat16*>(x);
   params.topk_idx = topk_idx;
+  params.saved_gate_up = reinterpret_cast<__nv_bfloat16*>(buffers.saved_gate_up);
+  params.saved_shared_gate_up =
+      has_shared ? reinterpret_cast<__nv_bfloat16*>(buffers.saved_shared_gate_up) : nullptr;
   params.num_tokens = static_cast<int>(num_tokens);
   params.num_comm_ctas = config.comm_ctas;
   params.minibatch_mblocks = config.minibatch_mblocks;

@@ -23,6 +23,9 @@ struct FusedForwardBuffers {
   bf16* routed_hidden = nullptr;         // (expert_rows, I): the ring, as expert_x
   bf16* shared_hidden = nullptr;         // (T_max, I_s)
   float* shared_output = nullptr;        // (T_max, H)
+  // Save mode: the gate/up pre-activations kept for the backward (SavedContext), or null.
+  bf16* saved_gate_up = nullptr;         // (R * T_max * k, 2I), by the rows' sources
+  bf16* saved_shared_gate_up = nullptr;  // (T, 2I_s)
 };
 
 struct FusedForwardConfig {

@@ -21,6 +21,10 @@ LayerForwardOptions forward_options(const GpuLayerOptions& options) {
 
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+SavedContext as_saved(const GpuSavedContext& context) {
+  return {context.gate_up, context.shared_gate_up};
+}
+
 }  // namespace
 
 struct GpuLayer::Impl {
@@ -57,17 +61,32 @@ GpuLayer::~GpuLayer() = default;
 const GpuLayerWeights& GpuLayer::weights() const { return impl_->weights; }
 
 void GpuLayer::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
-                       int64_t num_tokens, void* stream) {
-  impl_->forward.forward(x, topk_idx, topk_w, y, num_tokens, as_stream(stream));
+                       int64_t num_tokens, void* stream, const GpuSavedContext* save) {
+  const SavedContext context = save != nullptr ? as_saved(*save) : SavedContext{};
+  impl_->forward.forward(x, topk_idx, topk_w, y, num_tokens, as_stream(stream), nullptr,
+                         save != nullptr ? &context : nullptr);
 }
 
 void GpuLayer::backward(const bf16* x, const int32_t* topk_idx, const float* topk_w, const bf16* dy,
                         bf16* dx, float* d_topk_w, const GpuLayerGradients& grads,
-                        int64_t num_tokens, void* stream) {
+                        int64_t num_tokens, void* stream, const GpuSavedContext* saved) {
   const DeviceLayerGradients device_grads{grads.gate_up, grads.down, grads.shared_gate_up,
                                           grads.shared_down, grads.output};
+  const SavedContext context = saved != nullptr ? as_saved(*saved) : SavedContext{};
   impl_->backward.backward(impl_->forward.device_weights(), x, topk_idx, topk_w, dy, dx, d_topk_w,
-                           device_grads, num_tokens, as_stream(stream));
+                           device_grads, num_tokens, as_stream(stream), nullptr,
+                           saved != nullptr ? &context : nullptr);
+}
+
+int64_t GpuLayer::saved_context_elements(int64_t num_tokens) const {
+  const LayerShape& shape = impl_->forward.shape();
+  return saved_context_rows(impl_->forward.workspace().num_ranks(), impl_->forward.tokens_max(),
+                            shape.top_k, num_tokens) *
+         2 * shape.intermediate;
+}
+
+int64_t GpuLayer::shared_saved_context_elements(int64_t num_tokens) const {
+  return num_tokens * 2 * impl_->forward.shape().shared_intermediate;
 }
 
 void GpuLayer::check(void* stream) const {

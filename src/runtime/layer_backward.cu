@@ -135,22 +135,30 @@ int64_t LayerBackward::buffer_bytes() const {
 }
 
 void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
-                                      const bf16* dy, const DeviceLayerGradients& grads, int tokens,
+                                      const bf16* dy, const bf16* saved_gate_up,
+                                      const DeviceLayerGradients& grads, int tokens,
                                       cudaStream_t stream,
                                       const gemm::LaunchOptions& gemm_options) {
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.shared_intermediate);
   write_single_group_offsets(shared_offsets_, tokens, stream);
-  // (T, H) -> (T, 2I_s) bf16: the gate/up pre-activations again.
-  gemm::grouped_forward({1, tokens, 2 * inter, hidden}, x, weights.shared_gate_up, shared_offsets_,
-                        shared_gate_up_, gemm::ForwardOutput::kBf16, stream, gemm_options);
+  if (saved_gate_up == nullptr) {
+    // (T, H) -> (T, 2I_s) bf16: the gate/up pre-activations again.
+    gemm::grouped_forward({1, tokens, 2 * inter, hidden}, x, weights.shared_gate_up,
+                          shared_offsets_, shared_gate_up_, gemm::ForwardOutput::kBf16, stream,
+                          gemm_options);
+  }
   // g = dy · W_sd: (T, H) -> (T, I_s) fp32.
   gemm::grouped_dgrad({1, tokens, hidden, inter}, dy, weights.shared_down, shared_offsets_,
                       shared_grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
   const megakernel::SwiGluBackwardRows rows{
-      reinterpret_cast<const __nv_bfloat16*>(shared_gate_up_), shared_grad_hidden_,
+      reinterpret_cast<const __nv_bfloat16*>(saved_gate_up != nullptr ? saved_gate_up
+                                                                      : shared_gate_up_),
+      /*saved_by_source=*/false,
+      shared_grad_hidden_,
       reinterpret_cast<__nv_bfloat16*>(shared_d_gate_up_),
-      reinterpret_cast<__nv_bfloat16*>(shared_hidden_), inter};
+      reinterpret_cast<__nv_bfloat16*>(shared_hidden_),
+      inter};
   const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
   const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
   const int ctas = static_cast<int>(
@@ -169,7 +177,7 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
 }
 
 template <class Mark>
-void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
+void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const bf16* saved_gate_up,
                                        const DeviceLayerGradients& grads, cudaStream_t stream,
                                        const Mark& mark) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
@@ -186,18 +194,24 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
   if (recompute_options.engine == gemm::GemmEngine::kAuto) {
     recompute_options.engine = gemm::GemmEngine::kPingpong;
   }
-  gemm::grouped_forward({experts, rows, 2 * inter, hidden, counts}, workspace_.expert_x(),
-                        weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kBf16, stream,
-                        recompute_options);
+  if (saved_gate_up == nullptr) {
+    gemm::grouped_forward({experts, rows, 2 * inter, hidden, counts}, workspace_.expert_x(),
+                          weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kBf16, stream,
+                          recompute_options);
+  }
   mark();
   // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
   mark();
+  const bool saved = saved_gate_up != nullptr;
   const megakernel::SwiGluBackwardRows swiglu_rows{
-      reinterpret_cast<const __nv_bfloat16*>(gate_up_), grad_hidden_,
+      reinterpret_cast<const __nv_bfloat16*>(saved ? saved_gate_up : gate_up_),
+      saved,
+      grad_hidden_,
       reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
-      reinterpret_cast<__nv_bfloat16*>(weighted_hidden_), inter};
+      reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
+      inter};
   swiglu_backward_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
       workspace_.view(), swiglu_rows);
   MOK_CUDA_CHECK_LAUNCH();
@@ -221,7 +235,8 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights,
 void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
                              const int32_t* topk_idx, const float* topk_w, const bf16* dy, bf16* dx,
                              float* d_topk_w, const DeviceLayerGradients& grads, int64_t num_tokens,
-                             cudaStream_t stream, const cudaEvent_t* phase_events) {
+                             cudaStream_t stream, const cudaEvent_t* phase_events,
+                             const SavedContext* saved) {
   MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
                 " out of range [0, ", tokens_max_, "]");
   MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
@@ -237,6 +252,13 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     MOK_CHECK_ARG(grads.shared_gate_up != nullptr && grads.shared_down != nullptr, "grads",
                   "null shared expert gradients (I_s = ", shape_.shared_intermediate, ")");
   }
+  if (saved != nullptr && num_tokens > 0) {
+    MOK_CHECK_ARG(saved->gate_up != nullptr, "saved.gate_up", "null pre-activation buffer");
+    MOK_CHECK_ARG(!shape_.has_shared() || saved->shared_gate_up != nullptr, "saved.shared_gate_up",
+                  "null shared pre-activation buffer (I_s = ", shape_.shared_intermediate, ")");
+  }
+  const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
+  const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);
   const int64_t num_slots = num_tokens * shape_.top_k;
   int phase = 0;
@@ -266,18 +288,20 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
     gemm::LaunchOptions beside_copy = options_.gemm;
     beside_copy.num_sms = shared_sms;
-    run_shared_expert(weights, x, dy, grads, tokens, stream, beside_copy);
+    run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, beside_copy);
     mark();
     MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
     mark();
   } else {
-    if (shared) run_shared_expert(weights, x, dy, grads, tokens, stream, options_.gemm);
+    if (shared) {
+      run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, options_.gemm);
+    }
     mark();
     dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kX);
     dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kDy);
     mark();
   }
-  run_routed_experts(weights, grads, stream, mark);
+  run_routed_experts(weights, saved_gate_up, grads, stream, mark);
   if (shape_.has_shared() && tokens == 0 && grads.output != gemm::WgradOutput::kAccumulateFp32) {
     // No token: the shared expert's gradients are zero.
     const size_t element_bytes = grads.output == gemm::WgradOutput::kBf16 ? 2 : 4;

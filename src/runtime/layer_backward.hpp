@@ -1,15 +1,17 @@
 // The GPU backward of one MoE layer on one expert-parallel rank, composed from the tested engines
 // (the communication steps of comm_ops.hpp, the grouped GEMMs of mok/gemm.hpp) and one SwiGLU
-// backward kernel (kernels/megakernel/swiglu_backward.cuh). Recompute mode: the context is the
-// forward's inputs (x, topk_idx, topk_w) alone, and the routed and shared gate/up activations are
-// computed again here.
+// backward kernel (kernels/megakernel/swiglu_backward.cuh). Two modes with the same bits:
+// recompute (the context is the forward's inputs x, topk_idx, topk_w alone; the routed and shared
+// gate/up pre-activations are computed again here) and save (the forward kept them: SavedContext,
+// and both gate/up GEMMs below are skipped).
 //
 //   stage x, dy, topk_w   into the window, for the expert ranks to pull and read
 //   schedule              on-GPU all-gather of topk_idx, each local expert's rows in global order
 //   shared expert         gate/up (bf16) | down dgrad g (fp32) | SwiGLU backward | gate/up dgrad
 //                         (fp32 dx, added by the combine) | both wgrads
 //   dispatch x, dy        into expert_x and expert_dy (the same rows)
-//   routed gate/up        recomputed, rounded to bf16 as a saved context holds it (rows, 2I)
+//   routed gate/up        recomputed, rounded to bf16 as a saved context holds it (rows, 2I);
+//                         save mode: read from the context instead
 //   routed down dgrad     g = W_downᵀ dy, fp32 (rows, I)
 //   SwiGLU backward       d_topk_w = <g, h> into the owner's window; d_gate_up (bf16), w·h (bf16)
 //   routed gate/up dgrad  dx rows (bf16) into expert_y
@@ -66,7 +68,7 @@ enum class BackwardPhase : int {
                     // (with the overlap: beside the dispatch)
   kDispatch,        // x and dy rows to the experts (with the overlap: what it takes beyond
                     // the shared expert)
-  kGateUp,          // routed gate/up recomputed (bf16)
+  kGateUp,          // routed gate/up recomputed (bf16; nothing in save mode)
   kDownDgrad,       // g = W_downᵀ dy (fp32)
   kSwiGluBackward,  // d_topk_w, d_gate_up, w·h
   kGateUpDgrad,     // dx rows
@@ -90,11 +92,12 @@ class LayerBackward {
   // x, dy, dx (T, H) bf16; topk_idx (T, k) int32; topk_w, d_topk_w (T, k) fp32: device pointers
   // on this rank's GPU, T <= tokens_max, the same routing as the forward. Every rank calls it
   // with the same options. phase_events, when given: kNumBackwardPhases + 1 events, recorded on
-  // the stream before the first phase and after each one.
+  // the stream before the first phase and after each one. saved: the context the forward of
+  // these tokens kept (save mode), or null (recompute mode); the gate/up phase then takes no time.
   void backward(const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
                 const float* topk_w, const bf16* dy, bf16* dx, float* d_topk_w,
                 const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream,
-                const cudaEvent_t* phase_events = nullptr);
+                const cudaEvent_t* phase_events = nullptr, const SavedContext* saved = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
@@ -108,15 +111,17 @@ class LayerBackward {
                               const LayerBackwardOptions& options = {});
 
  private:
+  // saved_gate_up: the shared expert's saved pre-activations, or null (recompute them).
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
-                         const DeviceLayerGradients& grads, int tokens, cudaStream_t stream,
-                         const gemm::LaunchOptions& gemm_options);
+                         const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
+                         cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
   // The shared GEMMs' grid beside the copy CTAs; 0 = no overlap.
   int shared_gemm_sms_beside_copy() const;
   // mark(): the end of a phase (an event when the caller asked for them).
+  // saved_gate_up: the routed rows' saved pre-activations (by source), or null (recompute them).
   template <class Mark>
-  void run_routed_experts(const DeviceLayerWeights& weights, const DeviceLayerGradients& grads,
-                          cudaStream_t stream, const Mark& mark);
+  void run_routed_experts(const DeviceLayerWeights& weights, const bf16* saved_gate_up,
+                          const DeviceLayerGradients& grads, cudaStream_t stream, const Mark& mark);
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;

@@ -222,9 +222,18 @@ void LayerForward::run_shared_expert(const DeviceLayerWeights& weights, const bf
 
 void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
                            const int32_t* topk_idx, const float* topk_w, bf16* y,
-                           int64_t num_tokens, cudaStream_t stream,
-                           const cudaEvent_t* phase_events) {
+                           int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events,
+                           const SavedContext* save) {
   check_device_weights(weights);
+  if (save != nullptr) {
+    MOK_CHECK_ARG(options_.fused.enabled, "save",
+                  "save mode runs on the fused forward; the unfused composition keeps nothing");
+    MOK_CHECK_ARG(num_tokens == 0 || save->gate_up != nullptr, "save.gate_up",
+                  "null pre-activation buffer");
+    MOK_CHECK_ARG(num_tokens == 0 || !shape_.has_shared() || save->shared_gate_up != nullptr,
+                  "save.shared_gate_up",
+                  "null shared pre-activation buffer (I_s = ", shape_.shared_intermediate, ")");
+  }
   MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
                 " out of range [0, ", tokens_max_, "]");
   MOK_CHECK_ARG(
@@ -261,6 +270,10 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   buffers.routed_hidden = routed_hidden_;
   buffers.shared_hidden = shared_hidden_;
   buffers.shared_output = shared_output_;
+  if (save != nullptr) {
+    buffers.saved_gate_up = save->gate_up;
+    buffers.saved_shared_gate_up = save->shared_gate_up;
+  }
   fused_forward(workspace_, shape_, buffers, x, topk_idx, num_tokens, config, stream);
   phase_done();
   // kSharedExpert .. kCombinePush ran inside the fused kernel.
@@ -271,6 +284,10 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
   combine_reduce(workspace_, topk_w, has_shared ? shared_output_ : nullptr, y, num_tokens, stream);
   phase_done();
+}
+
+int64_t saved_context_rows(int num_ranks, int64_t tokens_max, int64_t top_k, int64_t num_tokens) {
+  return num_ranks == 1 ? num_tokens * top_k : num_ranks * tokens_max * top_k;
 }
 
 FusedForwardConfig LayerForward::fused_config() const {

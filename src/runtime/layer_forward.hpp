@@ -80,6 +80,21 @@ struct DeviceLayerWeights {
   int64_t shared_gate_up_elements = 0, shared_down_elements = 0;
 };
 
+// Save mode: what the forward keeps for the backward (DESIGN §3), in buffers the caller owns (a
+// torch context, say) until that backward has run: the gate/up pre-activations (the gate/up GEMM's
+// fp32 sums rounded to bf16, gate and up columns interleaved in blocks of 8), which the backward
+// would otherwise recompute. The same bits either way.
+struct SavedContext {
+  // (saved_context_rows, 2I): row (src_rank * T_max + t) * k + j holds the routed row of token t,
+  // slot j of rank src_rank that this rank's expert computed (rows of unused slots, and of slots
+  // other ranks served, are not written).
+  bf16* gate_up = nullptr;
+  bf16* shared_gate_up = nullptr;  // (T, 2I_s) by token; null without a shared expert
+};
+// Rows of SavedContext::gate_up for a call of num_tokens tokens on one of num_ranks ranks: at
+// EP 1, num_tokens * k (every row is this rank's own); at EP > 1, R * T_max * k.
+int64_t saved_context_rows(int num_ranks, int64_t tokens_max, int64_t top_k, int64_t num_tokens);
+
 // The steps of one forward, for a per-phase timing breakdown. The unfused path runs kSchedule to
 // kCombineReduce but kFused; the fused one kSchedule, kFused, kCombineReduce (the phases a path
 // does not run take no time).
@@ -114,17 +129,18 @@ class LayerForward {
   // x (T, H) bf16, topk_idx (T, k) int32, topk_w (T, k) fp32, y (T, H) bf16: device pointers on
   // this rank's GPU; T <= tokens_max. Every rank calls it with the same options.
   // phase_events, when given: kNumForwardPhases + 1 events, recorded on the stream before the
-  // first phase and after each one.
+  // first phase and after each one. save, when given: save mode (SavedContext; fused path only).
   void forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
-               int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events = nullptr) {
-    forward(weights_, x, topk_idx, topk_w, y, num_tokens, stream, phase_events);
+               int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events = nullptr,
+               const SavedContext* save = nullptr) {
+    forward(weights_, x, topk_idx, topk_w, y, num_tokens, stream, phase_events, save);
   }
   // The same with the caller's device weights in the layouts of DeviceLayerWeights (e.g. a torch
   // module's parameters) instead of the ones load_weights copied; they must stay unchanged until
   // the stream has run the forward. The element counts are checked against the shape.
   void forward(const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
                const float* topk_w, bf16* y, int64_t num_tokens, cudaStream_t stream,
-               const cudaEvent_t* phase_events = nullptr);
+               const cudaEvent_t* phase_events = nullptr, const SavedContext* save = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }

@@ -145,14 +145,22 @@ class WarmUp {
   std::atomic<bool> more_{true};
 };
 
+// What run_backward measures on one rank, per context mode.
+struct BackwardTiming {
+  double backward_ms = 0, pair_ms = 0;
+  std::vector<double> phase_ms;
+};
+
 // The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
-// a dy, warmed up and timed in forward + backward pairs; its outputs into `result` (keep_y).
+// a dy, warmed up and timed in forward + backward pairs, in recompute mode and (spec.save_context)
+// save mode, whose forwards keep the context; the last mode's outputs into `result` (keep_y).
+// forward(save): one forward, keeping its context in `save` unless null.
 template <class Forward>
 void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
                   const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
                   const float* topk_w, cudaStream_t stream, const Forward& forward, WarmUp& warm_up,
-                  LayerRunResult& result, double& backward_ms, double& pair_ms,
-                  std::vector<double>& phase_ms, int64_t& buffer_bytes) {
+                  LayerRunResult& result, BackwardTiming& recompute, BackwardTiming& save,
+                  int64_t& buffer_bytes, int64_t& context_bytes) {
   const LayerShape& shape = spec.shape;
   const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
   LayerBackwardOptions options;
@@ -164,6 +172,13 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   DeviceBuffer<float> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
   DeviceBuffer<float> grad_shared_gate_up(weights.shared_gate_up_elements);
   DeviceBuffer<float> grad_shared_down(weights.shared_down_elements);
+  const int64_t context_tokens = spec.save_context ? tokens : 0;
+  DeviceBuffer<bf16> saved_gate_up(saved_context_rows(spec.ep, tokens, top_k, context_tokens) * 2 *
+                                   shape.intermediate);
+  DeviceBuffer<bf16> saved_shared_gate_up(context_tokens * 2 * shape.shared_intermediate);
+  context_bytes = static_cast<int64_t>(saved_gate_up.bytes() + saved_shared_gate_up.bytes());
+  const SavedContext context{saved_gate_up.get(),
+                             shape.has_shared() ? saved_shared_gate_up.get() : nullptr};
   if (spec.problem != nullptr) {
     dy.upload(spec.problem->dy.data() + rank * tokens * hidden);
   } else {
@@ -175,44 +190,44 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
       grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
       shared ? grad_shared_down.get() : nullptr,
       spec.bf16_gradients ? gemm::WgradOutput::kBf16 : gemm::WgradOutput::kFp32};
-  auto backward = [&](const cudaEvent_t* events) {
-    layer.backward(weights, x, topk_idx, topk_w, dy.get(), dx.get(), d_topk_w.get(), grads, tokens,
-                   stream, events);
-  };
-  auto pair = [&] {
-    forward();
-    backward(nullptr);
-  };
-  warm_up.run(spec, rank, stream, pair);
-  layer.check(stream);
-  // (iterations, marks) events: before the forward, then the backward's phase marks.
-  constexpr int kMarks = kNumBackwardPhases + 2;
-  std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
-  for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
-  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-    cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
-    MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
-    forward();
-    backward(marks + 1);
-  }
-  layer.check(stream);
-  std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
-  std::vector<std::vector<float>> phase_times(kNumBackwardPhases, backward_times);
-  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-    const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
-    for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
-      MOK_CUDA_CHECK(
-          cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase], marks[2 + phase]));
+  // Timed pairs of one mode (saved: its context, or null for recompute mode).
+  const auto time_pairs = [&](const SavedContext* saved, BackwardTiming& timing) {
+    auto pair = [&](const cudaEvent_t* marks) {
+      if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+      forward(saved);
+      layer.backward(weights, x, topk_idx, topk_w, dy.get(), dx.get(), d_topk_w.get(), grads,
+                     tokens, stream, marks != nullptr ? marks + 1 : nullptr, saved);
+    };
+    warm_up.run(spec, rank, stream, [&] { pair(nullptr); });
+    layer.check(stream);
+    // (iterations, marks) events: before the forward, then the backward's phase marks.
+    constexpr int kMarks = kNumBackwardPhases + 2;
+    std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
+    for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+      pair(&events[static_cast<size_t>(iteration) * kMarks]);
     }
-  }
-  for (cudaEvent_t event : events) cudaEventDestroy(event);
-  backward_ms = median(backward_times);
-  pair_ms = median(pair_times);
-  phase_ms.resize(kNumBackwardPhases);
-  for (int phase = 0; phase < kNumBackwardPhases; ++phase)
-    phase_ms[phase] = median(phase_times[phase]);
+    layer.check(stream);
+    std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
+    std::vector<std::vector<float>> phase_times(kNumBackwardPhases, backward_times);
+    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+      const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
+      MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
+      MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
+      for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+        MOK_CUDA_CHECK(cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase],
+                                            marks[2 + phase]));
+      }
+    }
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
+    timing.backward_ms = median(backward_times);
+    timing.pair_ms = median(pair_times);
+    timing.phase_ms.resize(kNumBackwardPhases);
+    for (int phase = 0; phase < kNumBackwardPhases; ++phase)
+      timing.phase_ms[phase] = median(phase_times[phase]);
+  };
+  time_pairs(nullptr, recompute);
+  if (spec.save_context) time_pairs(&context, save);
   if (!spec.keep_y) return;
   const int64_t experts_local = shape.num_experts / spec.ep;
   dx.download(result.dx.data() + rank * tokens * hidden);
@@ -250,9 +265,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   std::vector<int64_t> buffer_bytes(spec.ep), weight_bytes(spec.ep);
   std::vector<std::vector<double>> rank_phase_ms(spec.ep, std::vector<double>(kNumForwardPhases));
   std::vector<std::string> trace_lines(spec.ep);
-  std::vector<double> rank_backward_ms(spec.ep), rank_pair_ms(spec.ep);
-  std::vector<std::vector<double>> rank_backward_phase_ms(spec.ep);
-  std::vector<int64_t> backward_bytes(spec.ep);
+  std::vector<BackwardTiming> rank_recompute(spec.ep), rank_save(spec.ep);
+  std::vector<int64_t> backward_bytes(spec.ep), context_bytes(spec.ep);
   if (spec.backward && spec.keep_y) {
     const int64_t experts = shape.num_experts, inter = shape.intermediate;
     const int64_t shared_inter = shape.shared_intermediate;
@@ -316,6 +330,9 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     auto forward = [&] {
       layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
     };
+    auto forward_saving = [&](const SavedContext* save) {
+      layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream, nullptr, save);
+    };
     if (spec.stale_rows) {
       std::vector<int32_t> shifted(spec.topk_idx->begin() + rank * tokens * top_k,
                                    spec.topk_idx->begin() + (rank + 1) * tokens * top_k);
@@ -367,22 +384,43 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     }
     if (spec.backward) {
       run_backward(spec, rank, comms[rank], weights, x.get(), topk_idx.get(), topk_w.get(), stream,
-                   forward, warm_up_pairs, result, rank_backward_ms[rank], rank_pair_ms[rank],
-                   rank_backward_phase_ms[rank], backward_bytes[rank]);
+                   forward_saving, warm_up_pairs, result, rank_recompute[rank], rank_save[rank],
+                   backward_bytes[rank], context_bytes[rank]);
     }
   });
   if (spec.backward) {
-    result.backward_ms = *std::max_element(rank_backward_ms.begin(), rank_backward_ms.end());
-    result.forward_backward_ms = *std::max_element(rank_pair_ms.begin(), rank_pair_ms.end());
+    // The slowest rank's of each figure.
+    const auto slowest = [&](const std::vector<BackwardTiming>& ranks, auto figure) {
+      double value = 0;
+      for (const BackwardTiming& timing : ranks) value = std::max(value, figure(timing));
+      return value;
+    };
+    const auto summarise = [&](const std::vector<BackwardTiming>& ranks, double& backward_ms,
+                               double& pair_ms, std::vector<double>& phase_ms) {
+      backward_ms = slowest(ranks, [](const BackwardTiming& t) { return t.backward_ms; });
+      pair_ms = slowest(ranks, [](const BackwardTiming& t) { return t.pair_ms; });
+      phase_ms.clear();
+      for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+        phase_ms.push_back(
+            slowest(ranks, [&](const BackwardTiming& t) { return t.phase_ms[phase]; }));
+      }
+    };
+    summarise(rank_recompute, result.backward_recompute_ms, result.forward_backward_recompute_ms,
+              result.backward_recompute_phase_ms);
+    if (spec.save_context) {
+      summarise(rank_save, result.backward_ms, result.forward_backward_ms,
+                result.backward_phase_ms);
+    } else {
+      result.backward_ms = result.backward_recompute_ms;
+      result.forward_backward_ms = result.forward_backward_recompute_ms;
+      result.backward_phase_ms = result.backward_recompute_phase_ms;
+    }
     result.backward_buffer_bytes_per_rank =
         *std::max_element(backward_bytes.begin(), backward_bytes.end());
+    result.saved_context_bytes_per_rank =
+        *std::max_element(context_bytes.begin(), context_bytes.end());
     for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
       result.backward_phase_names.push_back(phase_name(static_cast<BackwardPhase>(phase)));
-      double slowest = 0;
-      for (int rank = 0; rank < spec.ep; ++rank) {
-        slowest = std::max(slowest, rank_backward_phase_ms[rank][phase]);
-      }
-      result.backward_phase_ms.push_back(slowest);
     }
   }
   result.forward_ms = *std::max_element(result.rank_ms.begin(), result.rank_ms.end());

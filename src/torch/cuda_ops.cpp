@@ -35,16 +35,22 @@ Tensor int32_ids(const Tensor& topk_idx) {
   return topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
 }
 
-Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
-                    const Tensor& w_gate_up, const Tensor& w_down,
-                    const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
-                    int64_t workspace) {
+using SaveResult = std::tuple<Tensor, Tensor, Tensor>;
+
+// The forward; save: also the context a save-mode backward reads (y, saved gate/up pre-activations
+// (rows, 2I), the shared expert's (T, 2I_s) or (0,)); otherwise those two are empty.
+SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
+                       const Tensor& w_gate_up, const Tensor& w_down,
+                       const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
+                       int64_t workspace, bool save) {
   return core_errors_as_value_errors([&] {
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     const c10::cuda::CUDAGuard device_guard(x.device());
     const Tensor topk_idx32 = int32_ids(topk_idx);
     Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
+    Tensor saved_gate_up = at::empty({0}, x.options());
+    Tensor saved_shared_gate_up = at::empty({0}, x.options());
 
     bridge::ForwardCall call;
     call.local_shape = layer.shape;
@@ -56,9 +62,46 @@ Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
     call.num_tokens = x.size(0);
     call.device = x.device().index();
     call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    if (save) {
+      const int64_t rows = bridge::saved_context_rows(workspace, call);
+      saved_gate_up = at::empty({rows, 2 * layer.shape.intermediate}, x.options());
+      call.saved_gate_up = saved_gate_up.data_ptr();
+      if (layer.has_shared) {
+        saved_shared_gate_up =
+            at::empty({x.size(0), 2 * layer.shape.shared_intermediate}, x.options());
+        call.saved_shared_gate_up = saved_shared_gate_up.data_ptr();
+      }
+    }
     bridge::forward(workspace, call);
-    return y;
+    return SaveResult{y, saved_gate_up, saved_shared_gate_up};
   });
+}
+
+Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
+                    const Tensor& w_gate_up, const Tensor& w_down,
+                    const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
+                    int64_t workspace) {
+  return std::get<0>(run_forward(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
+                                 w_shared_down, workspace, /*save=*/false));
+}
+
+SaveResult forward_save_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
+                             const Tensor& w_gate_up, const Tensor& w_down,
+                             const OptionalTensor& w_shared_gate_up,
+                             const OptionalTensor& w_shared_down, int64_t workspace) {
+  return run_forward(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
+                     workspace, /*save=*/true);
+}
+
+// A saved context's tensor, checked against what this call's forward would have made; null when
+// not given (recompute mode).
+const void* saved_data(const OptionalTensor& saved, const char* name, const Tensor& x,
+                       std::vector<int64_t> sizes) {
+  if (!saved.has_value() || !saved->defined() || saved->numel() == 0) return nullptr;
+  check_tensor(*saved, name, at::kBFloat16, x.device());
+  MOK_TORCH_CHECK(saved->sizes() == at::IntArrayRef(sizes), name, ": shape ", saved->sizes(),
+                  ", the forward of this call saves ", at::IntArrayRef(sizes));
+  return saved->data_ptr();
 }
 
 using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
@@ -68,7 +111,8 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
                              const Tensor& topk_w, const Tensor& w_gate_up, const Tensor& w_down,
                              const OptionalTensor& w_shared_gate_up,
                              const OptionalTensor& w_shared_down, int64_t workspace,
-                             bool bf16_grads) {
+                             bool bf16_grads, const OptionalTensor& saved_gate_up,
+                             const OptionalTensor& saved_shared_gate_up) {
   return core_errors_as_value_errors([&] {
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
@@ -105,6 +149,19 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
     call.num_tokens = x.size(0);
     call.device = x.device().index();
     call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    bridge::ForwardCall forward_call;  // (what its forward saved: the context's rows)
+    forward_call.local_shape = layer.shape;
+    forward_call.num_tokens = x.size(0);
+    call.saved_gate_up = saved_data(
+        saved_gate_up, "saved_gate_up", x,
+        {bridge::saved_context_rows(workspace, forward_call), 2 * layer.shape.intermediate});
+    if (call.saved_gate_up != nullptr && shared) {
+      call.saved_shared_gate_up = saved_data(saved_shared_gate_up, "saved_shared_gate_up", x,
+                                             {x.size(0), 2 * layer.shape.shared_intermediate});
+      MOK_TORCH_CHECK(call.saved_shared_gate_up != nullptr || x.size(0) == 0,
+                      "saved_shared_gate_up: missing beside saved_gate_up (the layer has a shared "
+                      "expert)");
+    }
     bridge::backward(workspace, call);
     return BackwardResult{
         dx, d_topk_w, grad_gate_up, grad_down, grad_shared_gate_up, grad_shared_down};
@@ -136,6 +193,7 @@ void reset_after_error_op(int64_t workspace, int64_t device) {
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("forward", &forward_cuda);
+  m.impl("forward_save", &forward_save_cuda);
   m.impl("backward", &backward_cuda);
 }
 

@@ -108,13 +108,27 @@ Tensor forward_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
   });
 }
 
+// The CPU backend keeps no context: its backward recomputes (the same bits), so the saved tensors
+// are empty.
+std::tuple<Tensor, Tensor, Tensor> forward_save_cpu(const Tensor& x, const Tensor& topk_idx,
+                                                    const Tensor& topk_w, const Tensor& w_gate_up,
+                                                    const Tensor& w_down,
+                                                    const OptionalTensor& w_shared_gate_up,
+                                                    const OptionalTensor& w_shared_down,
+                                                    int64_t workspace) {
+  Tensor y = forward_cpu(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
+                         workspace);
+  return {y, at::empty({0}, x.options()), at::empty({0}, x.options())};
+}
+
 using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& topk_idx,
                             const Tensor& topk_w, const Tensor& w_gate_up, const Tensor& w_down,
                             const OptionalTensor& w_shared_gate_up,
-                            const OptionalTensor& w_shared_down, int64_t workspace,
-                            bool bf16_grads) {
+                            const OptionalTensor& w_shared_down, int64_t workspace, bool bf16_grads,
+                            const OptionalTensor& /*saved_gate_up*/,
+                            const OptionalTensor& /*saved_shared_gate_up*/) {
   return core_errors_as_value_errors([&] {
     CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
                             workspace);
@@ -220,10 +234,18 @@ TORCH_LIBRARY(mok, m) {
   m.def(
       "forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
       "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> Tensor");
+  // The forward that also returns what a save-mode backward reads: the gate/up pre-activations
+  // (rows, 2I) and the shared expert's (T, 2I_s) bf16 (empty on CPU: its backward recomputes).
+  m.def(
+      "forward_save(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
+      "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> "
+      "(Tensor, Tensor, Tensor)");
+  // saved_*: forward_save's context (save mode), or None (recompute mode): the same bits.
   m.def(
       "backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, "
       "Tensor w_down, Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
-      "bool bf16_grads=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool bf16_grads=False, Tensor? saved_gate_up=None, Tensor? saved_shared_gate_up=None) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("nccl_unique_id() -> Tensor", &nccl_unique_id_op);
   m.def(
       "create_workspace(Tensor unique_id, int rank, int num_ranks, int device, int hidden, "
@@ -239,6 +261,7 @@ TORCH_LIBRARY(mok, m) {
 
 TORCH_LIBRARY_IMPL(mok, CPU, m) {
   m.impl("forward", &forward_cpu);
+  m.impl("forward_save", &forward_save_cpu);
   m.impl("backward", &backward_cpu);
 }
 

@@ -1,12 +1,14 @@
 // The GPU layer backward (LayerBackward) against the CPU reference and the fp64 oracle, and its
 // determinism contracts bitwise: repeats, GEMM and copy SM counts, the dispatch beside the shared
-// expert or after it, a replayed CUDA graph, and
-// EP = 1 against EP = 2 (where two GPUs are present). Every output is NaN-poisoned before each run.
+// expert or after it, a replayed CUDA graph, save mode (the fused forward's saved context, with
+// and without ring rounds) against recompute mode, and EP = 1 against EP = 2 (where two GPUs are
+// present). Every output, and a saved context, is NaN-poisoned before each run.
 // Routings: uniform with unused slots and signed weights, skewed (most experts empty), all tokens
 // to one expert; token counts 1, odd, and not multiples of 128; top-k 1 to 6.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,6 +46,10 @@ struct BackwardRun {
   bool use_graph = false;
   GradMode mode = GradMode::kOverwrite;
   float main_grad_start = 0.0f;  // kAccumulate: every gradient starts from this value
+  // Save mode: each run is the fused forward (these options) keeping its context, then the
+  // backward reading it; otherwise the backward alone, recomputing.
+  bool save = false;
+  FusedForwardOptions forward;
 };
 
 BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardRun& run) {
@@ -91,6 +97,21 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
         run.mode == GradMode::kAccumulate ? gemm::WgradOutput::kAccumulateFp32
                                           : gemm::WgradOutput::kFp32};
     LayerBackward layer(comms[rank], shape, tokens, run.layer);
+    // Save mode: the forward that keeps the context, and the context (empty otherwise).
+    std::unique_ptr<LayerForward> forward;
+    if (run.save) {
+      LayerForwardOptions options;
+      options.allocate_weights = false;
+      options.fused = run.forward;
+      forward = std::make_unique<LayerForward>(comms[rank], shape, tokens, options);
+    }
+    const int64_t save_tokens = run.save ? tokens : 0;
+    DeviceBuffer<bf16> y(static_cast<size_t>(save_tokens * hidden));
+    DeviceBuffer<bf16> saved_gate_up(static_cast<size_t>(
+        saved_context_rows(ep, save_tokens, shape.top_k, save_tokens) * 2 * inter));
+    DeviceBuffer<bf16> saved_shared_gate_up(
+        static_cast<size_t>(shared ? save_tokens * 2 * shared_inter : 0));
+    const SavedContext saved{saved_gate_up.get(), shared ? saved_shared_gate_up.get() : nullptr};
     cudaStream_t stream = nullptr;
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     auto prepare = [&] {  // poison every output (accumulate: start every gradient from a value)
@@ -113,11 +134,19 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
           cudaMemset(ws.slots(), 0xff, ws.layout().tokens_max * ws.layout().top_k * row_bytes));
       MOK_CUDA_CHECK(
           cudaMemset(ws.d_topk_w(), 0xff, ws.layout().tokens_max * ws.layout().top_k * 4));
+      if (run.save) {
+        saved_gate_up.poison();
+        saved_shared_gate_up.poison();
+      }
       MOK_CUDA_CHECK(cudaDeviceSynchronize());
     };
     auto enqueue = [&] {
+      if (run.save) {
+        forward->forward(weights, x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream,
+                         nullptr, &saved);
+      }
       layer.backward(weights, x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(),
-                     d_topk_w.get(), grads, tokens, stream);
+                     d_topk_w.get(), grads, tokens, stream, nullptr, run.save ? &saved : nullptr);
     };
     auto collect = [&] {
       BackwardOutputs out;
@@ -135,6 +164,7 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
     };
     prepare();
     enqueue();
+    if (forward != nullptr) forward->check(stream);
     layer.check(stream);
     const BackwardOutputs first = collect();
     for (int repeat = 0; repeat < run.repeats; ++repeat) {
@@ -308,6 +338,88 @@ TEST(LayerBackwardEp1, GraphReplayEqualsEager) {
   expect_matches_reference(problem, 1, run_gpu_backward(problem, 1, run), run);
 }
 
+// Save mode reads what the fused forward kept instead of recomputing it: the same bits, whatever
+// the forward's ring (one round, or rounds through the smallest ring with carried tails).
+class LayerBackwardSaveMode : public ::testing::TestWithParam<Case> {};
+
+bool same_shared_bits(const BackwardOutputs& a, const BackwardOutputs& b) {
+  return same_bits(a.grad_shared_gate, b.grad_shared_gate) &&
+         same_bits(a.grad_shared_up, b.grad_shared_up) &&
+         same_bits(a.grad_shared_down, b.grad_shared_down);
+}
+
+TEST_P(LayerBackwardSaveMode, EqualsRecomputeBitwise) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  for (bool wider : {false, true}) {
+    SCOPED_TRACE(wider ? "H 512, I 192, I_s 64, top-6" : "H 256, I 128, top-4");
+    const Problem problem = layer_problem(GetParam(), 301, 43, wider);
+    const BackwardOutputs recompute = run_gpu_backward(problem, 1, BackwardRun{});
+    std::vector<BackwardRun> saves(3);
+    for (BackwardRun& save : saves) save.save = true;
+    saves[0].repeats = 1;
+    saves[1].forward.ring_rows = static_cast<int64_t>(kMinRingRows);  // rounds
+    saves[1].forward.minibatch_rows = 128;
+    saves[2].forward.comm_ctas = 4;
+    saves[2].forward.schedule_in_kernel = false;
+    for (size_t index = 0; index < saves.size(); ++index) {
+      const BackwardOutputs save = run_gpu_backward(problem, 1, saves[index]);
+      EXPECT_EQ(first_different_tensor(save, recompute), "") << "save setting " << index;
+      EXPECT_TRUE(same_shared_bits(save, recompute))
+          << "save setting " << index << ": shared expert gradients differ";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Routings, LayerBackwardSaveMode,
+                         ::testing::Values(Case{"uniform", 0.2, true, true},
+                                           Case{"skewed:4", 0.0, false, true},
+                                           Case{"single-expert", 0.0, true, false}),
+                         [](const auto& info) { return case_name(info.param); });
+
+TEST(LayerBackwardSaveModeShapes, OddShapesEqualRecompute) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  // top-1 with I not a multiple of 128 (a half column tile); many experts with a few rows each
+  // (carried tails), I_s not a multiple of 128; T = 1.
+  const std::vector<LayerShape> shapes = {{256, 136, 0, 8, 1}, {384, 72, 200, 64, 8}};
+  for (const LayerShape& shape : shapes) {
+    for (int64_t tokens : {int64_t{1}, int64_t{77}}) {
+      SCOPED_TRACE("I " + std::to_string(shape.intermediate) + " E " +
+                   std::to_string(shape.num_experts) + ", " + std::to_string(tokens) + " tokens");
+      const Problem problem = testing::make_problem({"uniform", 0.1, true, true}, tokens, 9, shape);
+      BackwardRun save;
+      save.save = true;
+      const BackwardOutputs saved = run_gpu_backward(problem, 1, save);
+      expect_matches_reference(problem, 1, saved, save);
+      const BackwardOutputs recompute = run_gpu_backward(problem, 1, BackwardRun{});
+      EXPECT_EQ(first_different_tensor(saved, recompute), "");
+      EXPECT_TRUE(same_shared_bits(saved, recompute));
+    }
+  }
+}
+
+TEST(LayerBackwardSaveMode, GraphOfForwardAndBackwardReplaysBitwise) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 200, 14, true);
+  BackwardRun run;
+  run.save = true;
+  run.use_graph = true;  // run_gpu_backward throws if a replay differs from the eager run
+  expect_matches_reference(problem, 1, run_gpu_backward(problem, 1, run), run);
+}
+
+TEST(LayerBackwardSaveMode, UnfusedForwardRefusesToSave) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  LayerForwardOptions options;
+  options.fused.enabled = false;
+  LayerForward forward(local_communicators(1)[0], find_preset("tiny").shape, 64, options);
+  SavedContext saved;
+  try {
+    forward.forward(nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr, &saved);
+    FAIL() << "the unfused forward accepted a context to save";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("save"), std::string::npos) << error.what();
+  }
+}
+
 TEST(LayerBackwardEp1, RejectsTooManyTokensNamingTheArgument) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   LayerBackward layer(local_communicators(1)[0], find_preset("tiny").shape, 64);
@@ -332,6 +444,10 @@ TEST_P(LayerBackwardEp2, MatchesReferenceAndEp1Bitwise) {
   expect_matches_reference(problem, 2, ep2, run);
   const BackwardOutputs ep1 = run_gpu_backward(problem, 1, run);
   EXPECT_EQ(first_different_tensor(ep1, ep2), "") << "EP=1 differs from EP=2";
+  BackwardRun save;
+  save.save = true;
+  EXPECT_EQ(first_different_tensor(run_gpu_backward(problem, 2, save), ep1), "")
+      << "EP=2 save mode differs from EP=1 recompute";
 }
 
 INSTANTIATE_TEST_SUITE_P(Routings, LayerBackwardEp2,

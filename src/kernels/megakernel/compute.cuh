@@ -15,6 +15,7 @@
 #include "kernels/megakernel/combine_store.cuh"
 #include "kernels/megakernel/communicate.cuh"
 #include "kernels/megakernel/forward_params.cuh"
+#include "kernels/megakernel/saved_context.cuh"
 #include "kernels/megakernel/sync.cuh"
 #include "kernels/megakernel/task_list.cuh"
 #include "kernels/megakernel/tickets.cuh"
@@ -98,15 +99,18 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& params, const T
 }
 
 // row_destination: where staged bf16 rows go (the epilogue's row-major default, or RowsToOwners;
-// its block(n) places the rows n blocks on: a carried tail's).
+// its block(n) places the rows n blocks on: a carried tail's). save (SwiGLU tiles, save mode):
+// where the pre-activations go too, or null.
 template <gemm::EpilogueKind kEpilogue, class RowDestination = typename gemm::Epilogue<
                                             gemm::GemmKind::kForward, kEpilogue>::RowMajorRows>
 __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, const Task& task,
                                 int consumer_idx, const Loop::Storage& smem,
                                 const uint8_t* tail_smem, Loop::State& state,
                                 float (&accum)[gemm::TileConfig::BLOCK_N / 2],
-                                const RowDestination& row_destination = {}) {
+                                const RowDestination& row_destination = {},
+                                const RowsToSavedContext* save = nullptr) {
   using Store = gemm::Epilogue<gemm::GemmKind::kForward, kEpilogue>;
+  constexpr bool kCanSave = kEpilogue == gemm::EpilogueKind::kSwiGluBf16;
   Store::init(gemm_params, task.tile, consumer_idx, accum);
   constexpr bool kCanCarry = kEpilogue != gemm::EpilogueKind::kStoreFp32;
   if (kCanCarry && task.tail_rows > 0) {
@@ -119,9 +123,20 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
   } else {
     Loop::mma(smem, gemm_params, task.tile, consumer_idx, state, accum);
   }
+  if constexpr (kCanSave) {
+    if (save != nullptr) {
+      save_pre_activations(gemm_params, task.tile, consumer_idx, accum, *save);
+    }
+  }
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
   if constexpr (kCanCarry) {
     if (task.tail_rows > 0) {
+      if constexpr (kCanSave) {
+        if (save != nullptr) {
+          store_tail<gemm::EpilogueKind::kStoreBf16>(gemm_params, task, consumer_idx,
+                                                     tail_stash(tail_smem), *save);
+        }
+      }
       store_tail<kEpilogue>(gemm_params, task, consumer_idx, tail_stash(tail_smem),
                             row_destination);
     }
@@ -296,8 +311,15 @@ __device__ __forceinline__ void consume_tasks(const FusedForwardParams& params,
     switch (task.kind) {
       case TaskKind::kSharedGateUp:
       case TaskKind::kGateUp: {
+        const bool routed = task.kind == TaskKind::kGateUp;
+        __nv_bfloat16* saved = routed ? params.saved_gate_up : params.saved_shared_gate_up;
+        const RowsToSavedContext save{
+            routed ? params.view.row_source() : nullptr, reinterpret_cast<char*>(saved),
+            static_cast<int64_t>(gemm_params.n) * 2,
+            static_cast<int64_t>(task.mblock) * gemm::TileConfig::BLOCK_M};
         run_tile<gemm::EpilogueKind::kSwiGluBf16>(gemm_params, task, consumer_idx, smem, tail_smem,
-                                                  state, accum);
+                                                  state, accum, {},
+                                                  saved != nullptr ? &save : nullptr);
         const uint64_t publish_start = spans.begin();
         publish_tile(params.view,
                      task.kind == TaskKind::kGateUp ? comm::TaskCounter::kHiddenReady

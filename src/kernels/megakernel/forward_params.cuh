@@ -25,8 +25,11 @@ struct FusedForwardMaps {
 
 struct FusedForwardParams {
   comm::WorkspaceView view;
-  const __nv_bfloat16* x;                       // (T, H), the caller's tokens
-  const int32_t* topk_idx;                      // (T, k)
+  const __nv_bfloat16* x;   // (T, H), the caller's tokens
+  const int32_t* topk_idx;  // (T, k)
+  // Save mode (saved_context.cuh): the gate/up pre-activations, or null (not kept).
+  __nv_bfloat16* saved_gate_up;                 // (R * T_max * k, 2I), by row_source
+  __nv_bfloat16* saved_shared_gate_up;          // (T, 2I_s), by token
   gemm::GroupedGemmParams gemm[kNumTaskKinds];  // n, k and output of each GEMM
   int num_tokens;                               // this rank's tokens this call
   int num_comm_ctas;      // blockIdx.x below this dispatches first, then computes like the rest;

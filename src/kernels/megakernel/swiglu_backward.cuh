@@ -26,19 +26,23 @@ inline constexpr int kSwiGluBackwardThreads = 256;
 inline constexpr int kSwiGluBlock = 8;  // the gate/up interleave: 8 gate columns, then 8 up
 
 struct SwiGluBackwardRows {
-  const __nv_bfloat16* gate_up;    // (rows, 2I) bf16, 8-interleaved
+  // (rows, 2I) bf16, 8-interleaved: by expert row (recomputed), or (save mode, saved_by_source)
+  // a saved context's, by the row's source (t, j) of its rank (row_source's value).
+  const __nv_bfloat16* gate_up;
+  bool saved_by_source;
   const float* grad_hidden;        // (rows, I) fp32: g = W_downᵀ dy
   __nv_bfloat16* d_gate_up;        // (rows, 2I) bf16, 8-interleaved
   __nv_bfloat16* weighted_hidden;  // (rows, I) bf16: w · h
   int intermediate;                // I, a multiple of 8
 };
 
-// One row: returns Σ_i g_i · h_i (every lane holds the same value).
+// One row: returns Σ_i g_i · h_i (every lane holds the same value). gate_up_row: the row's
+// index in rows.gate_up.
 __device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int64_t row,
-                                            float weight, int lane) {
+                                            int64_t gate_up_row, float weight, int lane) {
   const int64_t inter = rows.intermediate;
-  const __nv_bfloat16* gate_up = rows.gate_up + row * 2 * inter;  // (2I)
-  const float* grad_hidden = rows.grad_hidden + row * inter;      // (I)
+  const __nv_bfloat16* gate_up = rows.gate_up + gate_up_row * 2 * inter;  // (2I)
+  const float* grad_hidden = rows.grad_hidden + row * inter;              // (I)
   __nv_bfloat16* d_gate_up = rows.d_gate_up + row * 2 * inter;
   __nv_bfloat16* weighted_hidden = rows.weighted_hidden + row * inter;
   float dot = 0.0f;
@@ -98,7 +102,8 @@ __device__ inline void swiglu_backward_routed(const comm::WorkspaceView& view,
     const comm::RowSource source = comm::unpack_row_source(view.layout, packed);
     const int64_t slot = source.token * view.layout.top_k + source.slot;
     const float weight = view.topk_w(source.rank)[slot];
-    const float dot = swiglu_backward_row(rows, row, weight, lane);
+    const float dot =
+        swiglu_backward_row(rows, row, rows.saved_by_source ? packed : row, weight, lane);
     if (lane == 0) view.d_topk_w(source.rank)[slot] = dot;
   }
 }
@@ -109,7 +114,7 @@ __device__ inline void swiglu_backward_shared(const SwiGluBackwardRows& rows, in
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows;
        row += warps) {
-    swiglu_backward_row(rows, row, 1.0f, lane);
+    swiglu_backward_row(rows, row, row, 1.0f, lane);
   }
 }
 
