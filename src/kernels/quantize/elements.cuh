@@ -1,0 +1,134 @@
+// What every quantize kernel does per element: 16-byte input vectors widened to floats, block
+// maxima across the lanes of a block, and the scaled E4M3 encoding (the hardware conversion with
+// encode_e4m3's rule for NaN and +-Inf), four codes to a 32-bit word.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/ptx/fp8.cuh"
+#include "mok/detail/fp8_numerics.hpp"
+#include "mok/quantize.hpp"
+
+namespace mok::quantize {
+
+// Inputs by their storage type: bf16 as its 16-bit pattern, fp32 as float.
+template <class Input>
+struct InputVector;
+
+template <>
+struct InputVector<uint16_t> {
+  static constexpr int kElements = 8;  // per 16 bytes
+  __device__ __forceinline__ static void load(const uint16_t* address, float (&values)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(address);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      values[2 * i] = __uint_as_float(words[i] << 16);
+      values[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  }
+  __device__ __forceinline__ static float load_one(const uint16_t* address) {
+    return __uint_as_float(static_cast<uint32_t>(*address) << 16);
+  }
+};
+
+template <>
+struct InputVector<float> {
+  static constexpr int kElements = 4;
+  __device__ __forceinline__ static void load(const float* address, float (&values)[4]) {
+    const float4 raw = *reinterpret_cast<const float4*>(address);
+    values[0] = raw.x;
+    values[1] = raw.y;
+    values[2] = raw.z;
+    values[3] = raw.w;
+  }
+  __device__ __forceinline__ static float load_one(const float* address) { return *address; }
+};
+
+// The largest finite magnitude of `values`, as float bits (fp8::finite_magnitude_bits).
+template <int N>
+__device__ __forceinline__ uint32_t finite_amax_bits(const float (&values)[N]) {
+  uint32_t amax_bits = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax_bits = max(amax_bits, fp8::finite_magnitude_bits(values[i]));
+  return amax_bits;
+}
+
+// The maximum over the `kLanes` consecutive lanes (a power of two, aligned) this lane belongs to.
+template <int kLanes>
+__device__ __forceinline__ uint32_t lanes_max(uint32_t value) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+    value = max(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  }
+  return value;
+}
+
+// What a block's elements are multiplied by, from the block's amax; the scale itself is stored by
+// store_scale.
+template <Format kFormat>
+__device__ __forceinline__ float block_inverse(float amax) {
+  if constexpr (kFormat == Format::kFp8) {
+    return fp8::fp8_block_scale(amax).inverse;
+  } else {
+    return fp8::e8m0_inverse(fp8::e8m0_scale_code(amax));
+  }
+}
+
+template <Format kFormat>
+__device__ __forceinline__ void store_scale(void* scales, int64_t index, float amax) {
+  if constexpr (kFormat == Format::kFp8) {
+    static_cast<float*>(scales)[index] = fp8::fp8_block_scale(amax).scale;
+  } else {
+    static_cast<uint8_t*>(scales)[index] = fp8::e8m0_scale_code(amax);
+  }
+}
+
+// values[i] * inverse as E4M3, value i in byte i % 4 of word i / 4 (little-endian: the bytes in
+// memory order). Equal to fp8::encode_e4m3(mul_rn(values[i], inverse)) for every float (checked
+// exhaustively by tests/gpu/test_quantize.cu): the hardware rounds and saturates the same way,
+// and NaN or +-Inf inputs (which it would turn into NaN and +-448) are patched to sign | 0x7f.
+// Finite inputs never scale to a non-finite value: |x| <= amax keeps |x * inverse| near 448.
+template <int N>
+__device__ __forceinline__ void encode_scaled(const float (&values)[N], float inverse,
+                                              uint32_t (&words)[N / 4]) {
+  static_assert(N % 4 == 0, "whole 32-bit words of codes");
+#pragma unroll
+  for (int w = 0; w < N / 4; ++w) {
+    float scaled[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) scaled[j] = __fmul_rn(values[4 * w + j], inverse);
+    uint32_t word = static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[0], scaled[1])) |
+                    (static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[2], scaled[3])) << 16);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t bits = __float_as_uint(values[4 * w + j]);
+      if ((bits & fp8::kFloatExponentMask) == fp8::kFloatExponentMask) {
+        const uint32_t code = ((bits >> 24) & fp8::kSignBit) | fp8::kE4M3NanCode;
+        word = (word & ~(0xffu << (8 * j))) | (code << (8 * j));
+      }
+    }
+    words[w] = word;
+  }
+}
+
+// N codes (4 per word) to `address`, which is aligned to N bytes.
+template <int N>
+__device__ __forceinline__ void store_codes(uint8_t* address, const uint32_t (&words)[N / 4]) {
+  if constexpr (N == 4) {
+    *reinterpret_cast<uint32_t*>(address) = words[0];
+  } else if constexpr (N == 8) {
+    *reinterpret_cast<uint2*>(address) = make_uint2(words[0], words[1]);
+  } else {
+    static_assert(N % 16 == 0, "4, 8 or a multiple of 16 codes");
+#pragma unroll
+    for (int i = 0; i < N / 16; ++i) {
+      reinterpret_cast<uint4*>(address)[i] =
+          make_uint4(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3]);
+    }
+  }
+}
+
+}  // namespace mok::quantize
