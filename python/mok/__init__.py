@@ -10,6 +10,7 @@ from . import (
     _ops,  # noqa: F401  (loads the ops before anything uses them)
     functional,
     nn,
+    ops,  # noqa: F401  (mok.ops: the FP8 quantizers)
 )
 from .functional import ExpertWeights, FusedExpertWeights, MoKConfig
 
