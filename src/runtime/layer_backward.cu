@@ -297,8 +297,10 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, options_.gemm);
     }
     mark();
-    dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kX);
-    dispatch(workspace_, options_.copy, stream, comm::DispatchTensor::kDy);
+    CopyConfig copy = options_.copy;
+    if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) copy.num_ctas = 0;
+    dispatch(workspace_, copy, stream, comm::DispatchTensor::kX);
+    dispatch(workspace_, copy, stream, comm::DispatchTensor::kDy);
     mark();
   }
   run_routed_experts(weights, saved_gate_up, grads, stream, mark);

@@ -303,12 +303,14 @@ TEST(LayerBackwardEp1Shapes, OddShapesMatchReference) {
 TEST(LayerBackwardEp1Settings, GemmAndCopySmCountsDoNotChangeABit) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 300, 21, true);
-  std::vector<BackwardRun> settings(4);
+  std::vector<BackwardRun> settings(5);
   settings[1].layer.gemm.num_sms = 37;
   settings[1].layer.copy = {5, 256};
   settings[2].layer.gemm.num_sms = 8;
   settings[2].layer.copy = {64, 512};
   settings[3].layer.overlap_shared_with_dispatch = false;  // shared expert, then dispatch
+  settings[3].layer.local_dispatch_on_every_sm = false;    // ... on copy.num_ctas CTAs
+  settings[4].layer.overlap_shared_with_dispatch = false;  // ... on every SM
   const BackwardOutputs expected = run_gpu_backward(problem, 1, settings[0]);
   expect_matches_reference(problem, 1, expected, settings[0]);
   for (size_t index = 1; index < settings.size(); ++index) {
