@@ -104,11 +104,11 @@ class Run:
         self.monitor = GpuMonitor(self.device.index or 0) if self.on_gpu else None
 
     def time(self, fn):
-        """(median ms, {clock_mhz, power_w} over the timed steps)."""
+        """(median ms, {clock_mhz, power_w} over the timed steps; None where none was sampled)."""
         ms = median_ms(fn, self.args.steps, warmup=3, warmup_ms=self.args.warmup_ms if self.on_gpu else 0,
                        monitor=self.monitor, device=self.device.type)
-        sample = self.monitor.window() if self.monitor else {"clock_mhz": None, "power_w": None}
-        return ms, sample
+        sample = (self.monitor.window() if self.monitor else None) or {}
+        return ms, {"clock_mhz": sample.get("clock_mhz"), "power_w": sample.get("power_w")}
 
     def synchronize(self):
         if self.on_gpu:
