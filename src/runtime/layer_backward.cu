@@ -67,7 +67,6 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   checked_int(rows, "rows capacity");
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
   const int64_t shared_inter = shape.shared_intermediate;
-  gate_up_ = device_alloc<bf16>(rows * 2 * inter);
   grad_hidden_ = device_alloc<float>(rows * inter);
   d_gate_up_ = device_alloc<bf16>(rows * 2 * inter);
   weighted_hidden_ = device_alloc<bf16>(rows * inter);
@@ -79,7 +78,6 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   MOK_CUDA_CHECK_LAUNCH();
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   if (shape.has_shared()) {
-    shared_gate_up_ = device_alloc<bf16>(tokens_max * 2 * shared_inter);
     shared_grad_hidden_ = device_alloc<float>(tokens_max * shared_inter);
     shared_d_gate_up_ = device_alloc<bf16>(tokens_max * 2 * shared_inter);
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
@@ -114,7 +112,7 @@ int LayerBackward::shared_gemm_sms_beside_copy() const {
 }
 
 int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
-                                    const LayerBackwardOptions& options) {
+                                    const LayerBackwardOptions& options, bool recompute) {
   const WorkspaceOptions workspace = backward_workspace(options);
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
       num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, workspace.block_m,
@@ -122,16 +120,31 @@ int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int6
   const int64_t rows = layout.rows_capacity();
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
-  bytes += rows * inter * (2 * 2 + 4 + 2 * 2 + 2);  // gate_up, g, d_gate_up, w·h
-  bytes += tokens_max * shape.top_k * 4;            // ones
+  bytes += rows * inter * (4 + 2 * 2 + 2);  // g, d_gate_up, w·h
+  bytes += tokens_max * shape.top_k * 4;    // ones
   if (shape.has_shared()) {
-    bytes += tokens_max * shared_inter * (2 * 2 + 4 + 2 * 2 + 2) + tokens_max * shape.hidden * 4;
+    bytes += tokens_max * shared_inter * (4 + 2 * 2 + 2) + tokens_max * shape.hidden * 4;
   }
+  if (recompute) bytes += recompute_bytes(shape, rows, tokens_max);
   return bytes;
 }
 
+int64_t LayerBackward::recompute_bytes(const LayerShape& shape, int64_t rows, int64_t tokens_max) {
+  return (rows * shape.intermediate + tokens_max * shape.shared_intermediate) * 2 * 2;
+}
+
 int64_t LayerBackward::buffer_bytes() const {
-  return buffer_bytes(shape_, workspace_.num_ranks(), tokens_max_, options_);
+  return buffer_bytes(shape_, workspace_.num_ranks(), tokens_max_, options_,
+                      /*recompute=*/gate_up_ != nullptr);
+}
+
+void LayerBackward::allocate_recompute_buffers() {
+  if (gate_up_ != nullptr) return;
+  const int64_t rows = workspace_.layout().rows_capacity();
+  gate_up_ = device_alloc<bf16>(rows * 2 * shape_.intermediate);
+  if (shape_.has_shared()) {
+    shared_gate_up_ = device_alloc<bf16>(tokens_max_ * 2 * shape_.shared_intermediate);
+  }
 }
 
 void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
@@ -257,6 +270,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     MOK_CHECK_ARG(!shape_.has_shared() || saved->shared_gate_up != nullptr, "saved.shared_gate_up",
                   "null shared pre-activation buffer (I_s = ", shape_.shared_intermediate, ")");
   }
+  if (saved == nullptr) allocate_recompute_buffers();
   const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
   const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);

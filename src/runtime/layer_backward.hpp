@@ -97,6 +97,8 @@ class LayerBackward {
   // with the same options. phase_events, when given: kNumBackwardPhases + 1 events, recorded on
   // the stream before the first phase and after each one. saved: the context the forward of
   // these tokens kept (save mode), or null (recompute mode); the gate/up phase then takes no time.
+  // The first recompute-mode call allocates that mode's buffers (recompute_bytes; the device
+  // synchronises once, so make it before capturing a graph); save mode never needs them.
   void backward(const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
                 const float* topk_w, const bf16* dy, bf16* dx, float* d_topk_w,
                 const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream,
@@ -107,17 +109,23 @@ class LayerBackward {
   CommWorkspace& workspace() { return workspace_; }
   const LayerShape& shape() const { return shape_; }
   int64_t tokens_max() const { return tokens_max_; }
-  // Device bytes this object holds (workspace and intermediates).
+  // Device bytes this object holds (workspace and intermediates; recompute mode's buffers once
+  // a recompute-mode call made them).
   int64_t buffer_bytes() const;
-  // The same for a layer of `shape` on one of `num_ranks` ranks, before making one.
+  // The same for a layer of `shape` on one of `num_ranks` ranks, before making one; recompute:
+  // with recompute mode's buffers.
   static int64_t buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
-                              const LayerBackwardOptions& options = {});
+                              const LayerBackwardOptions& options = {}, bool recompute = true);
+  // Recompute mode's own buffers (the gate/up pre-activations of `rows` routed rows and of
+  // tokens_max tokens of the shared expert, bf16).
+  static int64_t recompute_bytes(const LayerShape& shape, int64_t rows, int64_t tokens_max);
 
  private:
   // saved_gate_up: the shared expert's saved pre-activations, or null (recompute them).
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
+  void allocate_recompute_buffers();
   // The shared GEMMs' grid beside the copy CTAs; 0 = no overlap.
   int shared_gemm_sms_beside_copy() const;
   // mark(): the end of a phase (an event when the caller asked for them).
@@ -134,13 +142,13 @@ class LayerBackward {
   cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // Routed rows (rows_capacity of the workspace):
-  bf16* gate_up_ = nullptr;          // (rows, 2I) bf16, recomputed, interleaved
+  bf16* gate_up_ = nullptr;          // (rows, 2I) bf16, recomputed, interleaved (recompute mode)
   float* grad_hidden_ = nullptr;     // (rows, I) fp32, g = W_downᵀ dy
   bf16* d_gate_up_ = nullptr;        // (rows, 2I) bf16, interleaved
   bf16* weighted_hidden_ = nullptr;  // (rows, I) bf16, w · h
   float* ones_ = nullptr;            // (T_max, k) 1.0f: the reduce's weights for dx
   // Shared expert (T_max rows; null without one):
-  bf16* shared_gate_up_ = nullptr;       // (T_max, 2I_s) bf16
+  bf16* shared_gate_up_ = nullptr;       // (T_max, 2I_s) bf16 (recompute mode)
   float* shared_grad_hidden_ = nullptr;  // (T_max, I_s) fp32
   bf16* shared_d_gate_up_ = nullptr;     // (T_max, 2I_s) bf16
   bf16* shared_hidden_ = nullptr;        // (T_max, I_s) bf16

@@ -124,8 +124,7 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
     const size_t row_bytes = static_cast<size_t>(ws.layout().row_bytes());
     auto poison = [&] {
       MOK_CUDA_CHECK(cudaMemsetAsync(y.get(), 0xff, y.size() * sizeof(bf16), stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(
-          ws.slots(), 0xff, ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.slots(), 0xff, ws.layout().slot_rows * row_bytes, stream));
       MOK_CUDA_CHECK(
           cudaMemsetAsync(ws.expert_x(), 0xff, ws.layout().expert_rows * row_bytes, stream));
       MOK_CUDA_CHECK(

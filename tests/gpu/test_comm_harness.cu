@@ -163,8 +163,7 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
     auto poison = [&] {
       const size_t row_bytes = static_cast<size_t>(ws.layout().row_bytes());
       MOK_CUDA_CHECK(cudaMemsetAsync(y.get(), 0xff, y.size() * sizeof(bf16), stream));
-      MOK_CUDA_CHECK(cudaMemsetAsync(
-          ws.slots(), 0xff, ws.layout().tokens_max * ws.layout().top_k * row_bytes, stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.slots(), 0xff, ws.layout().slot_rows * row_bytes, stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_x(), 0xff, capacity * row_bytes, stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(ws.expert_y(), 0xff, capacity * row_bytes, stream));
       MOK_CUDA_CHECK(cudaMemsetAsync(shared_output.get(), 0xff, shared_output.size() * 4, stream));

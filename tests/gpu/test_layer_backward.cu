@@ -130,8 +130,7 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
       MOK_CUDA_CHECK(cudaMemset(ws.expert_y(), 0xff, ws.layout().expert_y_rows * row_bytes));
       MOK_CUDA_CHECK(cudaMemset(ws.expert_x(), 0xff, ws.layout().expert_rows * row_bytes));
       MOK_CUDA_CHECK(cudaMemset(ws.expert_dy(), 0xff, ws.layout().rows_capacity() * row_bytes));
-      MOK_CUDA_CHECK(
-          cudaMemset(ws.slots(), 0xff, ws.layout().tokens_max * ws.layout().top_k * row_bytes));
+      MOK_CUDA_CHECK(cudaMemset(ws.slots(), 0xff, ws.layout().slot_rows * row_bytes));
       MOK_CUDA_CHECK(
           cudaMemset(ws.d_topk_w(), 0xff, ws.layout().tokens_max * ws.layout().top_k * 4));
       if (run.save) {

@@ -47,13 +47,19 @@ TEST_P(Layout, RegionsAreDisjointAlignedAndLargeEnough) {
   // Worst case: every token of every rank sends all k rows here, and each expert pads its last
   // tile.
   EXPECT_EQ(layout.rows_capacity(), ranks * tokens * top_k + local_experts * (block_m - 1));
+  // Every (t, j) has a slot, except at EP 1 with expert_y, where the reduce reads the rows there.
+  EXPECT_EQ(layout.slot_rows, ranks == 1 ? 0 : tokens * top_k);  // (make's default: expert_y)
+  EXPECT_EQ(WorkspaceLayout::make(static_cast<int32_t>(ranks), tokens, hidden, top_k, p[4], block_m,
+                                  0, /*with_expert_y=*/false)
+                .slot_rows,
+            tokens * top_k);
 
   expect_disjoint_and_aligned(
       {{"flags", layout.flags_offset, int64_t{kNumFlagKinds} * kMaxRanks * 4},
        {"token_counts", layout.token_counts_offset, int64_t{kMaxRanks} * 4},
        {"topk", layout.topk_offset, ranks * tokens * top_k * 4},
        {"x", layout.x_offset, tokens * 2 * hidden},
-       {"slots", layout.slots_offset, tokens * top_k * 2 * hidden}},
+       {"slots", layout.slots_offset, layout.slot_rows * 2 * hidden}},
       layout.window_bytes);
   expect_disjoint_and_aligned(
       {{"state", layout.state_offset, static_cast<int64_t>(sizeof(DeviceState))},

@@ -7,7 +7,9 @@
 //   token_counts  (kMaxRanks) int32                   tokens each source rank holds this call
 //   topk          (R, T_max, k) int32                 all-gathered expert ids, source rank major
 //   x             (T_max, H) bf16                     this rank's tokens, pulled by expert ranks
-//   slots         (T_max, k, H) bf16                  combine slots, pushed by expert ranks
+//   slots         (slot_rows, H) bf16                 combine slots (t, j), pushed by expert
+//                                                     ranks; none (0 rows) at EP 1 with expert_y,
+//                                                     where the reduce reads every row there
 //   dy            (T_max, H) bf16                     backward: this rank's dy, pulled like x
 //   topk_w        (T_max, k) fp32                     backward: this rank's router weights, read
 //                                                     by the expert ranks for d_h = w · g
@@ -100,6 +102,7 @@ struct WorkspaceLayout {
   int64_t block_m = 0;        // tile height: each expert's rows start at a multiple of it
   int64_t expert_rows = 0;    // rows of expert_x (rows_capacity unless a ring is smaller)
   int64_t expert_y_rows = 0;  // rows of expert_y: rows_capacity or 0
+  int64_t slot_rows = 0;      // rows of the combine slots: T_max * k, or 0 (see slots above)
   bool backward = false;      // the backward's regions (dy, topk_w, d_topk_w, expert_dy)
 
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
@@ -149,6 +152,8 @@ struct WorkspaceLayout {
                              ? expert_rows
                              : layout.rows_capacity();
     layout.expert_y_rows = with_expert_y ? layout.rows_capacity() : 0;
+    // With expert_y and one rank every row is this rank's own: the reduce reads it in expert_y.
+    layout.slot_rows = num_ranks == 1 && with_expert_y ? 0 : tokens_max * top_k;
     layout.backward = with_backward;
     const int64_t backward_rows = with_backward ? 1 : 0;
 
@@ -162,7 +167,7 @@ struct WorkspaceLayout {
     layout.token_counts_offset = take(int64_t{kMaxRanks} * 4);
     layout.topk_offset = take(int64_t{num_ranks} * tokens_max * top_k * 4);
     layout.x_offset = take(tokens_max * layout.row_bytes());
-    layout.slots_offset = take(tokens_max * top_k * layout.row_bytes());
+    layout.slots_offset = take(layout.slot_rows * layout.row_bytes());
     layout.dy_offset = take(backward_rows * tokens_max * layout.row_bytes());
     layout.topk_w_offset = take(backward_rows * tokens_max * top_k * 4);
     layout.d_topk_w_offset = take(backward_rows * tokens_max * top_k * 4);
