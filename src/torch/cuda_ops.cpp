@@ -99,8 +99,8 @@ const void* saved_data(const OptionalTensor& saved, const char* name, const Tens
                        std::vector<int64_t> sizes) {
   if (!saved.has_value() || !saved->defined() || saved->numel() == 0) return nullptr;
   check_tensor(*saved, name, at::kBFloat16, x.device());
-  MOK_TORCH_CHECK(saved->sizes() == at::IntArrayRef(sizes), name, ": shape ", saved->sizes(),
-                  ", the forward of this call saves ", at::IntArrayRef(sizes));
+  MOK_TORCH_CHECK(saved->sizes().equals(sizes), name, ": shape ", shape_text(saved->sizes()),
+                  ", the forward of this call saves ", shape_text(at::IntArrayRef(sizes)));
   return saved->data_ptr();
 }
 
