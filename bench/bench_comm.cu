@@ -17,18 +17,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "bench_options.hpp"
+#include "mok/comm.hpp"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "mok/gpu.hpp"
 #include "mok/shape.hpp"
-#include "runtime/comm.hpp"
-#include "runtime/comm_ops.hpp"
-#include "runtime/workspace.hpp"
 
 namespace {
 
@@ -78,9 +77,9 @@ bool parse(int argc, char** argv, Args& args) {
               throw mok::bench::UsageError(key, "unknown method '" + method + "' (vector:THREADS)");
             }
             const long long threads = mok::bench::integer_option(key, method.substr(7));
-            if (threads < 32 || threads > mok::comm::kVectorMaxThreads || threads % 32 != 0) {
+            if (threads < 32 || threads > mok::kVectorMaxThreads || threads % 32 != 0) {
               throw mok::bench::UsageError(key, "vector:THREADS needs a multiple of 32 in [32, " +
-                                                    std::to_string(mok::comm::kVectorMaxThreads) +
+                                                    std::to_string(mok::kVectorMaxThreads) +
                                                     "], got " + method.substr(7));
             }
           }
@@ -131,7 +130,7 @@ double median(std::vector<float> values) {
 // One measured configuration: a copy method and a number of SMs; both phases per iteration.
 struct Config {
   std::string method;  // "vector-1024"
-  mok::CopyConfig copy;
+  mok::CommCopyConfig copy;
   int num_sms;
   std::vector<float> dispatch_ms[2], combine_ms[2], reduce_ms[2],
       schedule_ms[2];  // [rank][iteration]
@@ -222,12 +221,13 @@ int run(int argc, char** argv) {
     std::fclose(file);
   }
 
-  std::vector<mok::Communicator> comms = mok::Communicator::create_local({0, 1});
+  const std::vector<std::unique_ptr<mok::CommEngine>> engines =
+      mok::CommEngine::create_local({0, 1}, shape, tokens);
   cudaDeviceProp prop{};
   MOK_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::vector<Config> configs;
   for (const std::string& method : args.methods) {
-    mok::CopyConfig copy;
+    mok::CommCopyConfig copy;
     std::string label = method;
     // vector:THREADS, checked by parse()
     copy.threads_per_cta =
@@ -239,9 +239,9 @@ int run(int argc, char** argv) {
     }
   }
 
-  mok::for_each_rank(ep, [&](int rank) {
-    MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
-    mok::CommWorkspace ws(comms[rank], shape, tokens);
+  mok::CommEngine::for_each_rank(ep, [&](int rank) {
+    mok::CommEngine& engine = *engines[rank];
+    MOK_CUDA_CHECK(cudaSetDevice(engine.device()));
     int32_t* topk_idx = nullptr;
     float* topk_w = nullptr;
     mok::bf16* y = nullptr;
@@ -252,10 +252,10 @@ int run(int argc, char** argv) {
     MOK_CUDA_CHECK(cudaMalloc(&topk_w, weights.size() * 4));
     MOK_CUDA_CHECK(cudaMemcpy(topk_w, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
     MOK_CUDA_CHECK(cudaMalloc(&y, tokens * row_bytes));
-    fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(ws.x()), tokens * shape.hidden,
-                                      7u + rank);
-    fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(ws.expert_y()),
-                                      ws.layout().rows_capacity() * shape.hidden, 99u + rank);
+    fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(engine.x()),
+                                      tokens * shape.hidden, 7u + rank);
+    fill_pseudo_random<<<1024, 256>>>(reinterpret_cast<uint16_t*>(engine.expert_y()),
+                                      engine.rows_capacity() * shape.hidden, 99u + rank);
     MOK_CUDA_CHECK_LAUNCH();
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     cudaStream_t stream;
@@ -263,22 +263,22 @@ int run(int argc, char** argv) {
     cudaEvent_t marks[7];
     for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
     for (Config& config : configs) {
-      const mok::CopyConfig& copy = config.copy;
+      const mok::CommCopyConfig& copy = config.copy;
       for (int iteration = 0; iteration < args.warmup + args.iters; ++iteration) {
         MOK_CUDA_CHECK(cudaEventRecord(marks[5], stream));
-        mok::schedule(ws, topk_idx, tokens, stream);  // includes waiting for the peer's ids
+        engine.schedule(topk_idx, tokens, stream);  // includes waiting for the peer's ids
         MOK_CUDA_CHECK(cudaEventRecord(marks[6], stream));
-        mok::rank_barrier(ws, stream);  // both ranks start the pull together
+        engine.rank_barrier(stream);  // both ranks start the pull together
         MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
-        mok::dispatch(ws, copy, stream);
+        engine.dispatch(copy, stream);
         MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
-        mok::rank_barrier(ws, stream);
+        engine.rank_barrier(stream);
         MOK_CUDA_CHECK(cudaEventRecord(marks[2], stream));
-        mok::combine_push(ws, copy, stream);
+        engine.combine_push(copy, stream);
         MOK_CUDA_CHECK(cudaEventRecord(marks[3], stream));
-        mok::combine_reduce(ws, topk_w, nullptr, y, tokens, stream);
+        engine.combine_reduce(topk_w, y, tokens, stream);
         MOK_CUDA_CHECK(cudaEventRecord(marks[4], stream));
-        ws.check(stream);
+        engine.check(stream);
         if (iteration < args.warmup) continue;
         float elapsed[4];
         MOK_CUDA_CHECK(cudaEventElapsedTime(&elapsed[3], marks[5], marks[6]));

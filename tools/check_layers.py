@@ -36,10 +36,7 @@ LAYERS = [
 ]
 CLIENTS = {"tools", "bench", "src/torch"}
 # Clients' files allowed below include/mok, each with its reason.
-EXCEPTIONS = {
-    "bench/bench_comm.cu": "measures the communication engine (runtime/comm_ops.hpp) below the "
-                           "public API, as its tests do",
-}
+EXCEPTIONS: dict[str, str] = {}
 PUBLIC = {"include/mok", "include/mok/detail"}
 
 
