@@ -14,6 +14,8 @@
 #                                       to $MOK_RESULTS_DIR (default /tmp): python-pip-install.log,
 #                                       python-pytest-cpu.log, python-pytest-cuda.log,
 #                                       python-pytest-cuda-backward.log,
+#                                       python-pytest-integrations.log (transformers, quantizers),
+#                                       transformers-train.{json,log} (the transformers benchmark),
 #                                       python-example-cuda.log (EP 1, then EP 2), and
 #                                       python-example-cpu.log where there is no GPU.
 set -euo pipefail
@@ -68,7 +70,14 @@ wait $cpu_suite || cpu_status=$?
 backward_status=0
 timeout 170 python3 -m pytest -q python/tests/test_torch_cuda_backward.py \
   >"$results/python-pytest-cuda-backward.log" 2>&1 || backward_status=$?
+# The Hugging Face transformers integration (CPU and CUDA variants) and the FP8 quantizer ops.
+integrations_status=0
+timeout 240 python3 -m pytest -q -rs python/tests/test_transformers_experts.py \
+  python/tests/test_quantize_ops.py >"$results/python-pytest-integrations.log" 2>&1 ||
+  integrations_status=$?
 echo "== pytest CPU suite (exit $cpu_status)"; tail -n 25 "$results/python-pytest-cpu.log"
+echo "== pytest transformers integration and quantizer ops (exit $integrations_status)"
+tail -n 25 "$results/python-pytest-integrations.log"
 echo "== pytest GPU backward suite, one GPU (exit $backward_status)"
 tail -n 25 "$results/python-pytest-cuda-backward.log"
 echo "== pytest CUDA suite, torchrun 2 ranks (exit $cuda_status)"; tail -n 40 "$results/python-pytest-cuda.log"
@@ -88,4 +97,13 @@ fi
 if ((gpus == 0)); then
   python3 examples/train_moe_block.py --steps 200 2>&1 | tee "$results/python-example-cpu.log" || example_status=1
 fi
-exit $((cpu_status || cuda_status || backward_status || example_status))
+# Transformers models' training step, "mok" against "grouped_mm" (MOK_TRANSFORMERS_BENCH=0: not).
+bench_status=0
+if ((gpus >= 1)) && [[ ${MOK_TRANSFORMERS_BENCH:-1} == 1 ]]; then
+  echo "== benchmark: transformers training step"
+  (cd bench/baselines && timeout 300 python3 transformers_train.py \
+    --out "$results/transformers-train.json") >"$results/transformers-train.log" 2>&1 || bench_status=$?
+  tail -n 20 "$results/transformers-train.log"
+fi
+exit $((cpu_status || cuda_status || backward_status || example_status || integrations_status || \
+  bench_status))
