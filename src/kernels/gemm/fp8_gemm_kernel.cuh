@@ -1,0 +1,71 @@
+// The persistent FP8 blockwise-scaled grouped GEMM (forward): one CTA per SM, one producer
+// warpgroup (one warp issues TMA and the scales' cp.async) and two consumer warpgroups (wgmma on
+// E4M3, per-k-block promotion), tiles from the grouped tile scheduler in the bf16 engine's order.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/gemm/fp8_epilogue.cuh"
+#include "kernels/gemm/fp8_gemm_types.cuh"
+#include "kernels/gemm/fp8_mainloop.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
+#include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/tma.cuh"
+
+namespace mok::gemm {
+
+// Register split: the consumers hold 64 accumulators and 64 partial sums each.
+constexpr uint32_t kFp8ProducerRegisters = 40;
+constexpr uint32_t kFp8ConsumerRegisters = 232;
+static_assert(register_split_fits(kFp8ProducerRegisters, kFp8ConsumerRegisters,
+                                  Fp8TileConfig::kNumConsumerWarpgroups),
+              "the FP8 kernel's register split exceeds the SM's register file");
+
+template <EpilogueKind kEpilogue>
+__global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
+    fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                            const __grid_constant__ CUtensorMap map_b, const Fp8GemmParams params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Layout = Fp8SharedLayout<kEpilogue>;
+  using Loop = Fp8Mainloop<kEpilogue>;
+  using Store = Fp8Epilogue<kEpilogue>;
+  extern __shared__ __align__(1024) uint8_t dynamic_smem[];
+  // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
+  // buffers start on that boundary.
+  const uint32_t base_address = ptx::smem_address(dynamic_smem);
+  uint8_t* aligned_base = dynamic_smem + ((Layout::kAlignment - base_address % Layout::kAlignment) %
+                                          Layout::kAlignment);
+  const typename Loop::Storage smem = Loop::Storage::carve(aligned_base);
+
+  if (threadIdx.x == 0) {
+    ptx::prefetch_tensor_map(&map_a);
+    ptx::prefetch_tensor_map(&map_b);
+    Loop::init_barriers(smem);
+  }
+  __syncthreads();
+
+  GroupedTileScheduler<GemmKind::kForward, Fp8TileConfig> scheduler(params.grouped);
+  GroupedTile tile;
+  typename Loop::State state;
+  if (warpgroup_role() == WarpgroupRole::kProducer) {
+    ptx::setmaxnreg_decrease<kFp8ProducerRegisters>();
+    if (threadIdx.x / 32 == 0) {
+      while (scheduler.next_tile(tile)) Loop::load(&map_a, &map_b, smem, params, tile, state);
+      Loop::drain_loads();
+    }
+  } else {
+    ptx::setmaxnreg_increase<kFp8ConsumerRegisters>();
+    const int consumer_idx = warpgroup_index() - 1;
+    float accum[Loop::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup, promoted
+    while (scheduler.next_tile(tile)) {
+#pragma unroll
+      for (int i = 0; i < Loop::kNumAccumulators; ++i) accum[i] = 0.0f;
+      Loop::mma(smem, params, tile, consumer_idx, state, accum);
+      Store::store(params.grouped, tile, consumer_idx, smem.staging, accum);
+    }
+  }
+#endif
+}
+
+}  // namespace mok::gemm

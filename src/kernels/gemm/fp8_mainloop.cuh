@@ -1,0 +1,183 @@
+// The FP8 mainloop: a producer warp streams each tile's (A, B) k-blocks into the stage ring with
+// TMA and the k-block's scales beside them with cp.async (the A scales of the tile's 128 rows, one
+// B scale); each consumer warpgroup sums one k-block's E4M3 products with wgmma into a fresh
+// register set and promotes it into its fp32 accumulators with the two scales.
+//
+// full[s] completes when the stage's tiles (TMA bytes) and scales (one cp.async arrival per
+// producer lane) have landed; empty[s] when all consumer warps have read the stage. K-blocks run
+// in natural order and each is promoted once, so each output's sum has one fixed order.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/gemm/fp8_gemm_types.cuh"
+#include "kernels/gemm/mainloop.cuh"
+#include "kernels/gemm/tile_scheduler.cuh"
+#include "kernels/ptx/barrier.cuh"
+#include "kernels/ptx/cp_async.cuh"
+#include "kernels/ptx/tma.cuh"
+#include "kernels/ptx/wgmma.cuh"
+#include "kernels/ptx/wgmma_fp8.cuh"
+
+namespace mok::gemm {
+
+template <EpilogueKind kEpilogue>
+struct Fp8Mainloop {
+  using Layout = Fp8SharedLayout<kEpilogue>;
+  using Config = Fp8TileConfig;
+  using State = PipelineState<Layout::kNumStages>;
+  static constexpr int kNumAccumulators = Config::BLOCK_N / 2;  // (64, BLOCK_N) per consumer
+  // Arrivals on full[s]: the TMA issuer's expect_tx, and every producer lane's cp.async arrival.
+  static constexpr uint32_t kFullArrivals = 1 + 32;
+  static constexpr uint32_t kEmptyArrivals = Config::kNumConsumerWarpgroups * 4;
+
+  struct Storage {
+    uint8_t* a;        // (kNumStages, BLOCK_M, BLOCK_K) E4M3, swizzled
+    uint8_t* b;        // (kNumStages, BLOCK_N, BLOCK_K) E4M3, swizzled
+    uint8_t* staging;  // the bf16 output rows on their way out
+    float* scale_a;    // (kNumStages, BLOCK_M)
+    float* scale_b;    // (kNumStages, 4), element 0 used
+    uint64_t* full;    // (kNumStages)
+    uint64_t* empty;   // (kNumStages)
+
+    __device__ static Storage carve(uint8_t* aligned_base) {
+      auto* barriers = reinterpret_cast<uint64_t*>(aligned_base + Layout::kBarrierOffset);
+      return {aligned_base + Layout::kAOffset,
+              aligned_base + Layout::kBOffset,
+              aligned_base + Layout::kStagingOffset,
+              reinterpret_cast<float*>(aligned_base + Layout::kScaleAOffset),
+              reinterpret_cast<float*>(aligned_base + Layout::kScaleBOffset),
+              barriers,
+              barriers + Layout::kNumStages};
+    }
+    __device__ uint8_t* a_stage(int stage) const { return a + stage * Config::kABytes; }
+    __device__ uint8_t* b_stage(int stage) const { return b + stage * Config::kBBytes; }
+    __device__ float* scale_a_stage(int stage) const { return scale_a + stage * Config::BLOCK_M; }
+    __device__ float* scale_b_stage(int stage) const {
+      return scale_b + stage * (Layout::kScaleBStride / 4);
+    }
+  };
+
+  __device__ static void init_barriers(const Storage& smem) {
+    for (int stage = 0; stage < Layout::kNumStages; ++stage) {
+      ptx::mbarrier_init(&smem.full[stage], kFullArrivals);
+      ptx::mbarrier_init(&smem.empty[stage], kEmptyArrivals);
+    }
+    ptx::fence_barrier_init();
+  }
+
+  // Producer side, all 32 lanes of one warp (lane 0 issues the TMA copies). The maps read the
+  // E4M3 bytes as bf16 pairs (runtime/gemm_fp8.cu), so element coordinates along K are bytes / 2.
+  __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
+                              const Storage& smem, const Fp8GemmParams& params,
+                              const GroupedTile& tile, State& state) {
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const int num_k_blocks = params.grouped.k / Config::BLOCK_K;
+    const int tile_first_row = tile.mblock * Config::BLOCK_M;  // in the group
+    const int rows_valid = tile.row_count - tile_first_row;
+    const int64_t first_row = static_cast<int64_t>(tile.row_begin) + tile_first_row;
+    const int num_n_scales = ceil_div(params.grouped.n, Config::kScaleBlock);
+    const float* b_scales =
+        params.b_scales +
+        (static_cast<int64_t>(tile.group) * num_n_scales + tile.n_block) * num_k_blocks;
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
+      uint64_t* full = &smem.full[state.index];
+      if (lane_idx == 0) {
+        ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes);
+        const int k_pairs = k_block * Config::BLOCK_K / 2;
+        ptx::tma_load_2d(smem.a_stage(state.index), map_a, full, k_pairs,
+                         static_cast<int32_t>(first_row));
+        ptx::tma_load_3d(smem.b_stage(state.index), map_b, full, k_pairs,
+                         tile.n_block * Config::BLOCK_N, tile.group);
+      }
+      // Rows past the group's end get scale 0 (never read: their outputs are not stored, and
+      // rows past the tensor would be out of bounds).
+      float* scale_a = smem.scale_a_stage(state.index);
+#pragma unroll
+      for (int i = 0; i < Config::BLOCK_M / 32; ++i) {
+        const int row = lane_idx + 32 * i;
+        const bool valid = row < rows_valid;
+        const float* source =
+            valid ? params.a_scales + (first_row + row) * num_k_blocks + k_block : params.a_scales;
+        ptx::cp_async_4(scale_a + row, source, valid);
+      }
+      if (lane_idx == 0) ptx::cp_async_4(smem.scale_b_stage(state.index), b_scales + k_block, true);
+      ptx::cp_async_mbarrier_arrive(full);
+      state.advance();
+    }
+  }
+
+  // The producer lanes' last copies have landed (before the warp exits).
+  __device__ static void drain_loads() { ptx::cp_async_wait_all(); }
+
+  // Consumer side: adds this warpgroup's (64, BLOCK_N) slice of the tile to `accum`; in a half
+  // tile (is_half_tile), rows 0-63 of column half consumer_idx into accum[0, 32).
+  __device__ static void mma(const Storage& smem, const Fp8GemmParams& params,
+                             const GroupedTile& tile, int consumer_idx, State& state,
+                             float (&accum)[kNumAccumulators]) {
+    if (is_half_tile<GemmKind::kForward>(tile)) {
+      // NOTE: m64n64's fragment is the first 32 accumulators of m64n128's (fragment.cuh).
+      mma_k_blocks<ptx::WgmmaFp8<Config::BLOCK_N / 2>>(
+          smem, params, 0, consumer_idx * (Config::kBBytes / 2), 0, state,
+          reinterpret_cast<float(&)[kNumAccumulators / 2]>(accum));
+    } else {
+      mma_k_blocks<ptx::WgmmaFp8<Config::BLOCK_N>>(
+          smem, params, consumer_idx * (Config::kABytes / 2), 0, consumer_idx * 64, state, accum);
+    }
+  }
+
+ private:
+  // The k-loop of one tile with wgmma shape Mma; A and B read from the given byte offsets into
+  // each stage, this warpgroup's rows starting at tile row first_row.
+  template <class Mma>
+  __device__ static void mma_k_blocks(const Storage& smem, const Fp8GemmParams& params,
+                                      uint32_t a_offset, uint32_t b_offset, int first_row,
+                                      State& state, float (&accum)[Mma::kNumAccumulators]) {
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
+    const int row = first_row + warp_in_group * 16 + lane_idx / 4;  // and row + 8
+    const int num_k_blocks = params.grouped.k / Config::BLOCK_K;
+    float partial[Mma::kNumAccumulators];  // one k-block's sums, (64, kN) fragment
+#pragma unroll
+    for (int i = 0; i < Mma::kNumAccumulators; ++i) partial[i] = 0.0f;
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      ptx::mbarrier_wait(&smem.full[state.index], state.phase);
+      const float b_scale = smem.scale_b_stage(state.index)[0];
+      const float a_scale_low = smem.scale_a_stage(state.index)[row];
+      const float a_scale_high = smem.scale_a_stage(state.index)[row + 8];
+      const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
+      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) + b_offset;
+#pragma unroll
+      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(partial[i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k32 = 0; k32 < Config::BLOCK_K / 32; ++k32) {
+        // K-major: +32 B per 32 k inside the swizzle row.
+        const uint64_t desc_a = ptx::make_smem_descriptor(a_base + k32 * 32, 0, 1024);
+        const uint64_t desc_b = ptx::make_smem_descriptor(b_base + k32 * 32, 0, 1024);
+        Mma::mma(desc_a, desc_b, k32 > 0 ? 1u : 0u, partial);
+      }
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<0>();
+#pragma unroll
+      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(partial[i]);
+      // The stage's tiles and scales have been read: hand it back before promoting. NOTE: the
+      // warp sync orders every lane's scale loads before lane 0's arrival.
+      __syncwarp();
+      if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
+      const float scale_low = a_scale_low * b_scale;
+      const float scale_high = a_scale_high * b_scale;
+#pragma unroll
+      for (int j = 0; j < Mma::kNumAccumulators / 4; ++j) {
+        accum[4 * j + 0] = __fmaf_rn(partial[4 * j + 0], scale_low, accum[4 * j + 0]);
+        accum[4 * j + 1] = __fmaf_rn(partial[4 * j + 1], scale_low, accum[4 * j + 1]);
+        accum[4 * j + 2] = __fmaf_rn(partial[4 * j + 2], scale_high, accum[4 * j + 2]);
+        accum[4 * j + 3] = __fmaf_rn(partial[4 * j + 3], scale_high, accum[4 * j + 3]);
+      }
+      state.advance();
+    }
+  }
+};
+
+}  // namespace mok::gemm
