@@ -89,6 +89,66 @@ std::vector<Communicator> Communicator::create_local(const std::vector<int>& dev
 #endif
 }
 
+// The emulated ranks' host rendezvous: each rank's window base, and a reusable barrier.
+struct Communicator::EmulatedGroup {
+  explicit EmulatedGroup(int ranks) : num_ranks(ranks), windows(static_cast<size_t>(ranks)) {}
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mutex);
+    const uint64_t generation = generations;
+    if (++arrived == num_ranks) {
+      arrived = 0;
+      ++generations;
+      turned.notify_all();
+      return;
+    }
+    turned.wait(lock, [&] { return generations != generation; });
+  }
+  const int num_ranks;
+  std::mutex mutex;
+  std::condition_variable turned;
+  int arrived = 0;
+  uint64_t generations = 0;
+  std::vector<char*> windows;
+};
+
+std::vector<Communicator> Communicator::emulate(int device, int num_ranks) {
+  int num_devices = 0;
+  MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+  MOK_CHECK_ARG(device >= 0 && device < num_devices, "device", "device ", device,
+                " out of range [0, ", num_devices, ")");
+  MOK_CHECK_ARG(num_ranks >= 1 && num_ranks <= 8, "num_ranks", "must be in [1, 8], got ",
+                num_ranks);
+  auto group = std::make_shared<EmulatedGroup>(num_ranks);
+  std::vector<Communicator> result(static_cast<size_t>(num_ranks));
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    result[rank].state_ = std::make_shared<State>();
+    State& state = *result[rank].state_;
+    state.rank = rank;
+    state.num_ranks = num_ranks;
+    state.device = device;
+    state.group = group;
+  }
+  return result;
+}
+
+void Communicator::exchange_windows(char* own, char** all) const {
+  EmulatedGroup& group = *state_->group;
+  {
+    std::lock_guard<std::mutex> lock(group.mutex);
+    group.windows[static_cast<size_t>(state_->rank)] = own;
+  }
+  group.barrier();  // every rank has written its base
+  {
+    std::lock_guard<std::mutex> lock(group.mutex);
+    for (int peer = 0; peer < group.num_ranks; ++peer) all[peer] = group.windows[peer];
+  }
+  group.barrier();  // every rank has read them (the next exchange may overwrite)
+}
+
+void Communicator::host_barrier() const {
+  if (state_->group != nullptr) state_->group->barrier();
+}
+
 Communicator Communicator::wrap(ncclComm_t comm) {
 #if defined(MOK_WITH_NCCL)
   MOK_CHECK_ARG(comm != nullptr, "comm", "null NCCL communicator");
@@ -125,6 +185,18 @@ const std::vector<Communicator>& local_communicators(int ep) {
     comms = Communicator::create_local(devices);
   }
   return made->emplace(ep, std::move(comms)).first->second;
+}
+
+const std::vector<Communicator>& emulated_communicators(int ep) {
+  static std::mutex mutex;
+  static auto* made = new std::map<int, std::vector<Communicator>>();  // kept until exit
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = made->find(ep);
+  if (found != made->end()) return found->second;
+  return made
+      ->emplace(ep, ep == 1 ? std::vector<Communicator>{Communicator::single(0)}
+                            : Communicator::emulate(0, ep))
+      .first->second;
 }
 
 void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn) {

@@ -5,10 +5,18 @@
 // One process can drive every local GPU: `create_local` makes one communicator per device
 // (ncclCommInitAll), and `for_each_rank` runs the collective calls that follow (workspace
 // creation, teardown) on one host thread per GPU.
+//
+// Where GPUs are scarce, `emulate` puts several ranks on one GPU: each rank's window is plain
+// device memory of that GPU, which the peers' kernels address directly (no NCCL), and each rank
+// takes its share of the SMs for the kernels that wait on peers (CommWorkspace::num_sms), so the
+// ranks' kernels, launched from their own host threads and streams, run side by side. The very
+// same kernels run as across GPUs, so EP invariance can be tested on one GPU.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,17 +37,28 @@ class Communicator {
   static std::vector<Communicator> create_local(const std::vector<int>& devices);
   // The caller's communicator (e.g. made from a unique id); mok never destroys it.
   static Communicator wrap(ncclComm_t comm);
+  // num_ranks ranks emulated on `device` (see above); no NCCL needed.
+  static std::vector<Communicator> emulate(int device, int num_ranks);
 
   int rank() const { return state_->rank; }
   int num_ranks() const { return state_->num_ranks; }
   int device() const { return state_->device; }
-  ncclComm_t nccl() const { return state_->comm; }  // null for `single`
+  ncclComm_t nccl() const { return state_->comm; }  // null for `single` and `emulate`
+  // Ranks that share this rank's GPU: 1, or num_ranks when emulated.
+  int ranks_on_device() const { return state_->group != nullptr ? state_->num_ranks : 1; }
+
+  // Emulated ranks only: the window bases of every rank, once each rank has given its own (a
+  // host barrier across the ranks' threads); and a plain barrier, before windows are freed.
+  void exchange_windows(char* own, char** all) const;  // all: room for num_ranks()
+  void host_barrier() const;
 
  private:
+  struct EmulatedGroup;
   struct State {
     ncclComm_t comm = nullptr;
     bool owned = false;
     int rank = 0, num_ranks = 1, device = 0;
+    std::shared_ptr<EmulatedGroup> group;  // emulated ranks: shared by all of them
     ~State();
   };
   std::shared_ptr<State> state_;
@@ -50,6 +69,8 @@ class Communicator {
 // process (the CLI, a test binary) may run EP = 2 and then EP = 1. Throws mok::Error("--ep", ...)
 // when fewer GPUs are visible.
 const std::vector<Communicator>& local_communicators(int ep);
+// The same, `ep` ranks emulated on GPU 0 (Communicator::emulate), made on first use and kept.
+const std::vector<Communicator>& emulated_communicators(int ep);
 
 // Runs fn(rank) for rank = 0..num_ranks-1 on one host thread each, joins them, and rethrows the
 // first exception (in rank order).

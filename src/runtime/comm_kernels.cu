@@ -153,8 +153,11 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
                                                                  comm::kReduceThreads, 0));
     return std::max(resident, 1);
   }();
+  // (ranks emulated on one GPU: one CTA per SM of the rank's share, so that waiting CTAs leave
+  // the other ranks' SMs free)
+  const int per_sm = ws.shares_device() ? 1 : resident_per_sm;
   const int ctas = static_cast<int>(std::clamp<int64_t>(ceil_div(items, comm::kReduceThreads), 1,
-                                                        int64_t{ws.num_sms()} * resident_per_sm));
+                                                        int64_t{ws.num_sms()} * per_sm));
   combine_reduce_kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(
       ws.view(), topk_w, shared_output, reinterpret_cast<__nv_bfloat16*>(y),
       static_cast<int32_t>(num_tokens));

@@ -112,8 +112,10 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   routed_hidden_ = device_alloc<bf16>(workspace_.layout().expert_rows * inter);
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
-  if (options.fused.enabled && options.fused.l2_partition_tickets) {
+  num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
+  // (emulated ranks' CTAs sit on any SMs: one ticket pool, or a partition none of them is on
+  // would keep its tickets)
+  if (options.fused.enabled && options.fused.l2_partition_tickets && !workspace_.shares_device()) {
     MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
     sm_partition_ = runtime::l2_partition_map().device_table;  // probed once per device
   }

@@ -1,5 +1,6 @@
 #include "runtime/workspace.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "mok/cuda_check.hpp"
@@ -74,6 +75,8 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
 
   MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
+  // Ranks emulated on one GPU: each takes its share of the SMs for the kernels that wait on peers.
+  num_sms_ = std::max(1, num_sms_ / comm.ranks_on_device());
   view_.layout = layout;
   view_.rank = comm.rank();
   view_.timeout_ns = static_cast<uint64_t>(options.timeout_ms) * 1000000ull;
@@ -88,6 +91,15 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
     MOK_CUDA_CHECK(cudaMemset(window_memory_, 0, static_cast<size_t>(window_bytes)));
     view_.windows[0] = static_cast<char*>(window_memory_);
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    return;
+  }
+  if (comm.ranks_on_device() > 1) {
+    // Emulated ranks: plain device memory, zeroed before any peer can reach it (the exchange is
+    // a host barrier of every rank); the peers' kernels address it directly, on the same GPU.
+    MOK_CUDA_CHECK(cudaMalloc(&window_memory_, static_cast<size_t>(window_bytes)));
+    MOK_CUDA_CHECK(cudaMemset(window_memory_, 0, static_cast<size_t>(window_bytes)));
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    comm.exchange_windows(static_cast<char*>(window_memory_), view_.windows);
     return;
   }
 #if defined(MOK_WITH_NCCL)
@@ -133,8 +145,11 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
 CommWorkspace::~CommWorkspace() {
   cudaSetDevice(comm_.device());
   cudaDeviceSynchronize();
+  // Emulated ranks: no rank frees its window while a peer's kernels may still reach it (their
+  // teardown is collective too).
+  if (comm_.ranks_on_device() > 1) comm_.host_barrier();
 #if defined(MOK_WITH_NCCL)
-  if (comm_.num_ranks() > 1) {
+  if (comm_.num_ranks() > 1 && comm_.ranks_on_device() == 1) {  // (NCCL's window)
     ncclComm_t nccl = comm_.nccl();
     if (dev_comm_ != nullptr) {
       auto* dev_comm = static_cast<ncclDevComm*>(dev_comm_);

@@ -45,7 +45,10 @@ class CommWorkspace {
   int rank() const { return comm_.rank(); }
   int num_ranks() const { return comm_.num_ranks(); }
   int device() const { return comm_.device(); }
+  // SMs of this rank's share of its GPU: all of them, or (ranks emulated on one GPU,
+  // Communicator::emulate) 1 / ranks_on_device of them, for the kernels that wait on peers.
   int num_sms() const { return num_sms_; }
+  bool shares_device() const { return comm_.ranks_on_device() > 1; }
 
   // (T_max, H): this rank's tokens, in its window. Write x here before `schedule`.
   // NOTE: host-facing pointers use the allocation's own address; kernels reach the same memory

@@ -32,6 +32,14 @@ namespace mok::comm_test {
 using testing::Case;
 using testing::case_name;
 
+// The communicators of an EP-`ep` test: one GPU per rank where there are enough Hopper GPUs, else
+// `ep` ranks emulated on GPU 0 (Communicator::emulate: the same kernels, each rank on its share
+// of the SMs), so that EP invariance is tested wherever one GPU is.
+inline const std::vector<Communicator>& test_communicators(int ep) {
+  if (ep == 1 || query_gpus().num_hopper_gpus >= ep) return local_communicators(ep);
+  return emulated_communicators(ep);
+}
+
 // The tiny preset's shape, or H 512 and I 192: several K blocks and N tiles, a partial N tile.
 inline Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t seed,
                              bool wider = false) {
@@ -75,7 +83,7 @@ inline void expect_sane_trace(const std::vector<uint64_t>& trace, int fields) {
 }
 
 inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const GpuRun& run) {
-  const std::vector<Communicator>& comms = local_communicators(ep);
+  const std::vector<Communicator>& comms = test_communicators(ep);
   const int64_t tokens = problem.num_tokens / ep, hidden = problem.shape.hidden;
   std::vector<bf16> y_all(static_cast<size_t>(problem.num_tokens * hidden));
   for_each_rank(ep, [&](int rank) {

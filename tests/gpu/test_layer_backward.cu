@@ -53,7 +53,7 @@ struct BackwardRun {
 };
 
 BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardRun& run) {
-  const std::vector<Communicator>& comms = local_communicators(ep);
+  const std::vector<Communicator>& comms = test_communicators(ep);
   const LayerShape& shape = problem.shape;
   const int64_t tokens = problem.num_tokens / ep, hidden = shape.hidden;
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
@@ -437,7 +437,7 @@ TEST(LayerBackwardEp1, RejectsTooManyTokensNamingTheArgument) {
 class LayerBackwardEp2 : public ::testing::TestWithParam<Case> {};
 
 TEST_P(LayerBackwardEp2, MatchesReferenceAndEp1Bitwise) {
-  MOK_REQUIRE_HOPPER_GPUS(2);
+  MOK_REQUIRE_HOPPER_GPUS(1);  // (EP 2 emulated on one GPU where there is one)
   const Problem problem = layer_problem(GetParam(), 2 * 173, 5, true);
   BackwardRun run;
   run.repeats = 1;
@@ -449,6 +449,34 @@ TEST_P(LayerBackwardEp2, MatchesReferenceAndEp1Bitwise) {
   save.save = true;
   EXPECT_EQ(first_different_tensor(run_gpu_backward(problem, 2, save), ep1), "")
       << "EP=2 save mode differs from EP=1 recompute";
+}
+
+// EP 4 and 8 (emulated on one GPU where there are fewer): the fused forward's y, and the save-mode
+// backward's outputs, bitwise those of EP 1, with ring rounds and without.
+TEST(LayerEpInvariance, Ep4And8EqualEp1Bitwise) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  for (const Case& routing :
+       {Case{"skewed:3", 0.1, true, true}, Case{"uniform", 0.0, false, true}}) {
+    SCOPED_TRACE(case_name(routing));
+    const Problem problem = layer_problem(routing, 8 * 37, 17);
+    GpuRun fused;
+    fused.layer.fused.enabled = true;
+    const std::vector<bf16> y1 = run_gpu_layer(problem, 1, fused);
+    BackwardRun save;
+    save.save = true;
+    const BackwardOutputs ep1 = run_gpu_backward(problem, 1, save);
+    expect_matches_reference(problem, 1, ep1, save);
+    for (int ep : {4, 8}) {
+      SCOPED_TRACE("EP " + std::to_string(ep));
+      GpuRun rounds = fused;
+      rounds.layer.fused.ring_rows = static_cast<int64_t>(kMinRingRows);
+      rounds.layer.fused.minibatch_rows = 128;
+      EXPECT_EQ(first_difference(run_gpu_layer(problem, ep, fused), y1), -1) << "y, one round";
+      EXPECT_EQ(first_difference(run_gpu_layer(problem, ep, rounds), y1), -1) << "y, ring rounds";
+      EXPECT_EQ(first_different_tensor(run_gpu_backward(problem, ep, save), ep1), "")
+          << "the backward";
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Routings, LayerBackwardEp2,
