@@ -1,5 +1,6 @@
 #include "runtime/comm.hpp"
 
+#include <chrono>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -92,7 +93,9 @@ std::vector<Communicator> Communicator::create_local(const std::vector<int>& dev
 // The emulated ranks' host rendezvous: each rank's window base, and a reusable barrier.
 struct Communicator::EmulatedGroup {
   explicit EmulatedGroup(int ranks) : num_ranks(ranks), windows(static_cast<size_t>(ranks)) {}
-  void barrier() {
+  // Throws after a minute without every rank: a rank that failed (and so never arrives) must not
+  // hang the others.
+  void barrier(int rank) {
     std::unique_lock<std::mutex> lock(mutex);
     const uint64_t generation = generations;
     if (++arrived == num_ranks) {
@@ -101,7 +104,12 @@ struct Communicator::EmulatedGroup {
       turned.notify_all();
       return;
     }
-    turned.wait(lock, [&] { return generations != generation; });
+    if (!turned.wait_for(lock, std::chrono::seconds(60),
+                         [&] { return generations != generation; })) {
+      throw Error("comm", detail::concat("rank ", rank, " of ", num_ranks,
+                                         " emulated ranks waited a minute in a host barrier for "
+                                         "the others (did one fail?)"));
+    }
   }
   const int num_ranks;
   std::mutex mutex;
@@ -137,16 +145,16 @@ void Communicator::exchange_windows(char* own, char** all) const {
     std::lock_guard<std::mutex> lock(group.mutex);
     group.windows[static_cast<size_t>(state_->rank)] = own;
   }
-  group.barrier();  // every rank has written its base
+  group.barrier(state_->rank);  // every rank has written its base
   {
     std::lock_guard<std::mutex> lock(group.mutex);
     for (int peer = 0; peer < group.num_ranks; ++peer) all[peer] = group.windows[peer];
   }
-  group.barrier();  // every rank has read them (the next exchange may overwrite)
+  group.barrier(state_->rank);  // every rank has read them (the next exchange may overwrite)
 }
 
 void Communicator::host_barrier() const {
-  if (state_->group != nullptr) state_->group->barrier();
+  if (state_->group != nullptr) state_->group->barrier(state_->rank);
 }
 
 Communicator Communicator::wrap(ncclComm_t comm) {

@@ -8,9 +8,11 @@
 //
 // Where GPUs are scarce, `emulate` puts several ranks on one GPU: each rank's window is plain
 // device memory of that GPU, which the peers' kernels address directly (no NCCL), and each rank
-// takes its share of the SMs for the kernels that wait on peers (CommWorkspace::num_sms), so the
+// takes a share of the SMs for the kernels that wait on peers (CommWorkspace::num_sms), so the
 // ranks' kernels, launched from their own host threads and streams, run side by side. The very
-// same kernels run as across GPUs, so EP invariance can be tested on one GPU.
+// same kernels run as across GPUs, so EP invariance can be tested on one GPU. The callers must
+// not synchronise the device (cudaDeviceSynchronize, synchronous copies) while another rank's
+// kernels may wait on them: the ranks meet at host_barrier() first.
 #pragma once
 
 #include <condition_variable>
@@ -48,7 +50,8 @@ class Communicator {
   int ranks_on_device() const { return state_->group != nullptr ? state_->num_ranks : 1; }
 
   // Emulated ranks only: the window bases of every rank, once each rank has given its own (a
-  // host barrier across the ranks' threads); and a plain barrier, before windows are freed.
+  // host barrier across the ranks' threads); and a plain barrier (a no-op for other ranks).
+  // Both throw mok::Error after a minute without every rank.
   void exchange_windows(char* own, char** all) const;  // all: room for num_ranks()
   void host_barrier() const;
 

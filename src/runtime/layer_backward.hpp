@@ -104,6 +104,10 @@ class LayerBackward {
                 const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream,
                 const cudaEvent_t* phase_events = nullptr, const SavedContext* saved = nullptr);
 
+  // Makes recompute mode's buffers now (synchronous), which the first recompute-mode call does
+  // otherwise; a no-op once made.
+  void allocate_recompute_buffers();
+
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
   CommWorkspace& workspace() { return workspace_; }
@@ -125,7 +129,6 @@ class LayerBackward {
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
-  void allocate_recompute_buffers();
   // The shared GEMMs' grid beside the copy CTAs; 0 = no overlap.
   int shared_gemm_sms_beside_copy() const;
   // mark(): the end of a phase (an event when the caller asked for them).

@@ -75,8 +75,10 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
 
   MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, comm.device()));
-  // Ranks emulated on one GPU: each takes its share of the SMs for the kernels that wait on peers.
-  num_sms_ = std::max(1, num_sms_ / comm.ranks_on_device());
+  // Ranks emulated on one GPU: each takes a share of the SMs for the kernels that wait on peers,
+  // 1 / (R + 1), so that with every rank's waiting CTAs resident a share is still free for the
+  // kernels they wait for (with 1 / R, EP 4 deadlocked until the timeout).
+  if (comm.ranks_on_device() > 1) num_sms_ = std::max(1, num_sms_ / (comm.ranks_on_device() + 1));
   view_.layout = layout;
   view_.rank = comm.rank();
   view_.timeout_ns = static_cast<uint64_t>(options.timeout_ms) * 1000000ull;

@@ -155,6 +155,10 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
     };
 
     if (run.trace) layer.enable_trace();
+    // Ranks emulated on one GPU: no rank enqueues while another still synchronises the device
+    // (setting up, or in after_first_run), which would wait for the first one's waiting kernels.
+    const Communicator& comm = comms[rank];
+    comm.host_barrier();
     poison();
     enqueue();
     layer.check(stream);
@@ -162,12 +166,14 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
     if (run.trace) expect_sane_trace(layer.trace(stream), LayerForward::trace_fields());
     if (run.after_first_run) run.after_first_run(rank, layer, stream, topk_idx.get(), tokens);
     for (int repeat = 0; repeat < run.repeats; ++repeat) {
+      comm.host_barrier();
       poison();
       enqueue();
       layer.check(stream);
       expect_same("repeat", repeat, first);
     }
     if (run.use_graph) {
+      comm.host_barrier();
       replay_in_graph(stream, enqueue, 2, poison, [&](int replay) {
         layer.check(stream);
         expect_same("graph replay", replay, first);

@@ -86,9 +86,10 @@ TEST(FusedForwardEp2Settings, CommCtasMinibatchAndComputeCtasDoNotChangeABit) {
   };
   // One row block per minibatch with a single communication CTA and 2 compute CTAs: the longest
   // task list and the most waiting; then wider settings up to the defaults (0 communication
-  // CTAs: the producer warpgroups' spare warps dispatch), also on 3 CTAs only.
+  // CTAs: the producer warpgroups' spare warps dispatch), also on 3 CTAs only. (40: within the
+  // 44 SMs of a rank's share when two ranks are emulated on one H200.)
   for (const Setting setting : {Setting{1, 128, 2}, Setting{5, 384, 37}, Setting{20, 4096, 0},
-                                Setting{64, 100000, 0}, Setting{0, 128, 3}, Setting{0, 0, 0}}) {
+                                Setting{40, 100000, 0}, Setting{0, 128, 3}, Setting{0, 0, 0}}) {
     const GpuRun run = fused_run(setting.comm_ctas, setting.minibatch_rows, setting.compute_sms);
     EXPECT_EQ(first_difference(run_gpu_layer(problem, 2, run), expected), -1)
         << "comm CTAs " << setting.comm_ctas << ", minibatch rows " << setting.minibatch_rows

@@ -97,6 +97,7 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
         run.mode == GradMode::kAccumulate ? gemm::WgradOutput::kAccumulateFp32
                                           : gemm::WgradOutput::kFp32};
     LayerBackward layer(comms[rank], shape, tokens, run.layer);
+    if (!run.save) layer.allocate_recompute_buffers();  // (not while a peer's kernels wait)
     // Save mode: the forward that keeps the context, and the context (empty otherwise).
     std::unique_ptr<LayerForward> forward;
     if (run.save) {
@@ -138,6 +139,8 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
         saved_shared_gate_up.poison();
       }
       MOK_CUDA_CHECK(cudaDeviceSynchronize());
+      // Ranks emulated on one GPU: none enqueues while another still synchronises the device.
+      comms[rank].host_barrier();
     };
     auto enqueue = [&] {
       if (run.save) {
