@@ -251,7 +251,8 @@ class GroupedGemmFp8 : public ::testing::Test {
   std::unique_ptr<DeviceBuffer<int>> offsets_, counts_;
 };
 
-// N = 272: two full 128-column tiles and a 16-column one; K = 384: three k-blocks.
+// N = 272: a full 256-column tile and a 16-column one (its second 128-column piece past N);
+// K = 384: three k-blocks.
 TEST_F(GroupedGemmFp8, ExactDataBitwiseOracle) {
   expect_exact(exact_problem(272, 384, 0, 1), false, "exact 272 x 384");
 }

@@ -18,8 +18,8 @@ struct Fp8Epilogue {
   static_assert(kEpilogue != EpilogueKind::kAccumulateFp32, "the FP8 GEMM is forward only");
 
   // A consumer covers rows 64 c .. 64 c + 63 and all columns of a full tile, rows 0-63 and
-  // columns 64 c .. 64 c + 63 of a half tile (is_half_tile). Rows past the group's end and
-  // columns past N are never written.
+  // columns 128 c .. 128 c + 127 (piece c) of a half tile (is_half_tile). Rows past the group's end
+  // and columns past N are never written.
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging,
                                float (&accum)[kNumAccumulators]) {
@@ -28,12 +28,12 @@ struct Fp8Epilogue {
     const bool half = is_half_tile<GemmKind::kForward>(tile);
     const TileInC place = tile_in_c<GemmKind::kForward, kEpilogue, Config>(params, tile);
     const int warp_first_row = (half ? 0 : consumer_idx * 64) + warp_in_group * 16;
-    const int first_column = half ? consumer_idx * (Config::BLOCK_N / 2) : 0;
+    const int first_column = half ? consumer_idx * Config::kPiece : 0;
     uint8_t* warp_staging =
         staging + (consumer_idx * 64 + warp_in_group * 16) * static_cast<int>(kStagingRowBytes);
     if (half) {
-      store_columns<Config::BLOCK_N / 2>(place, warp_first_row, first_column, lane_idx,
-                                         warp_staging, accum);
+      store_columns<Config::kPiece>(place, warp_first_row, first_column, lane_idx, warp_staging,
+                                    accum);
     } else {
       store_columns<Config::BLOCK_N>(place, warp_first_row, first_column, lane_idx, warp_staging,
                                      accum);

@@ -16,22 +16,27 @@
 
 namespace mok::gemm {
 
-// A (128, 128) output tile, k-blocks of 128 (one scale block, one 128-byte swizzle row of E4M3),
-// a producer warpgroup and two consumer warpgroups of 64 rows each. 128 columns keep one B scale
-// per tile and k-block, and the accumulators plus one k-block's partial sums (64 + 64 registers)
-// within a consumer's budget.
+// A (128, 256) output tile, k-blocks of 128 (one scale block, one 128-byte swizzle row of E4M3),
+// a producer warpgroup and two consumer warpgroups of 64 rows each. A consumer sums a k-block in
+// two pieces of 128 columns (one B scale each), so that its fp32 accumulators (128 registers) and
+// one piece's partial sums (64) fit its register budget, while the CTA still reads each A k-block
+// once per 256 columns.
 struct Fp8TileConfig {
   static constexpr int BLOCK_M = static_cast<int>(kRowBlock);
-  static constexpr int BLOCK_N = 128;
+  static constexpr int BLOCK_N = 256;
   static constexpr int BLOCK_K = 128;      // E4M3 elements = bytes
   static constexpr int kScaleBlock = 128;  // K (and weight N) length of one scale
+  static constexpr int kPiece = 128;       // columns a consumer sums into one partial set
+  static constexpr int kNumPieces = BLOCK_N / kPiece;
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
-  static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K;  // (BLOCK_M, BLOCK_K) E4M3
-  static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K;  // (BLOCK_N, BLOCK_K) E4M3
+  static constexpr uint32_t kABytes = BLOCK_M * BLOCK_K;     // (BLOCK_M, BLOCK_K) E4M3
+  static constexpr uint32_t kBBytes = BLOCK_N * BLOCK_K;     // (BLOCK_N, BLOCK_K) E4M3
+  static constexpr uint32_t kPieceBytes = kPiece * BLOCK_K;  // (kPiece, BLOCK_K) of B
   static constexpr uint32_t kStageBytes = kABytes + kBBytes;
-  static_assert(BLOCK_M == 128 && BLOCK_K == kScaleBlock && BLOCK_N == kScaleBlock,
-                "one A scale per tile row and one B scale per tile and k-block");
+  static_assert(BLOCK_M == 128 && BLOCK_K == kScaleBlock && kPiece == kScaleBlock &&
+                    BLOCK_N % kPiece == 0,
+                "one A scale per tile row and one B scale per piece and k-block");
 };
 
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the bf16
@@ -40,8 +45,8 @@ template <EpilogueKind kEpilogue>
 struct Fp8SharedLayout {
   using Config = Fp8TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
-  // As many stages as fit beside the staging rows (a 6th does not, by 200 bytes).
-  static constexpr int kNumStages = kStagedStore ? 5 : 6;
+  // As many stages as fit beside the staging rows (a 4th does not, by 128 bytes).
+  static constexpr int kNumStages = kStagedStore ? 3 : 4;
   static constexpr uint32_t kAlignment = 1024;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * Config::kABytes;
@@ -50,9 +55,10 @@ struct Fp8SharedLayout {
       kStagedStore ? Config::kNumConsumerWarpgroups * 4 * kWarpStagingBytes : 0;
   // (kNumStages, BLOCK_M) fp32: the A scales of the tile's rows for the stage's k-block.
   static constexpr uint32_t kScaleAOffset = kStagingOffset + kStagingBytes;
-  // (kNumStages, 4) fp32: the stage's B scale, 16 bytes apart.
+  // (kNumStages, 4) fp32: the stage's B scales (one per piece), 16 bytes apart.
   static constexpr uint32_t kScaleBOffset = kScaleAOffset + kNumStages * Config::BLOCK_M * 4;
   static constexpr uint32_t kScaleBStride = 16;
+  static_assert(Config::kNumPieces * 4 <= kScaleBStride, "a stage's B scales fit their slot");
   static constexpr uint32_t kBarrierOffset = kScaleBOffset + kNumStages * kScaleBStride;
   static constexpr int kNumBarriers = 2 * kNumStages;  // full[kNumStages], empty[kNumStages]
   static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;

@@ -1,7 +1,8 @@
 // The FP8 mainloop: a producer warp streams each tile's (A, B) k-blocks into the stage ring with
-// TMA and the k-block's scales beside them with cp.async (the A scales of the tile's 128 rows, one
-// B scale); each consumer warpgroup sums one k-block's E4M3 products with wgmma into a fresh
-// register set and promotes it into its fp32 accumulators with the two scales.
+// TMA and the k-block's scales beside them with cp.async (the A scales of the tile's 128 rows, a B
+// scale per 128 columns); each consumer warpgroup sums one k-block's E4M3 products, 128 columns at
+// a time, with wgmma into a fresh register set and promotes it into its fp32 accumulators with
+// the two scales.
 //
 // full[s] completes when the stage's tiles (TMA bytes) and scales (one cp.async arrival per
 // producer lane) have landed; empty[s] when all consumer warps have read the stage. K-blocks run
@@ -21,6 +22,19 @@
 
 namespace mok::gemm {
 
+// A pipeline wait with ptx::mbarrier_wait's timeout (a lost arrival traps after ~2^30 polls
+// instead of hanging), its trap out of line. NOTE: with the trap inline, ptxas held the consumer
+// warpgroups to the launch bound's 168 registers instead of their setmaxnreg budget, and the
+// 128 + 64 live accumulators spilled (docs/perf-notes/fp8.md).
+inline __device__ __noinline__ void fp8_pipeline_wait_timed_out() { __trap(); }
+
+__device__ __forceinline__ void fp8_pipeline_wait(uint64_t* barrier, uint32_t parity) {
+  uint32_t polls = 0;
+  while (!ptx::mbarrier_try_wait(barrier, parity)) {
+    if (++polls == (1u << 30)) fp8_pipeline_wait_timed_out();
+  }
+}
+
 template <EpilogueKind kEpilogue>
 struct Fp8Mainloop {
   using Layout = Fp8SharedLayout<kEpilogue>;
@@ -36,7 +50,7 @@ struct Fp8Mainloop {
     uint8_t* b;        // (kNumStages, BLOCK_N, BLOCK_K) E4M3, swizzled
     uint8_t* staging;  // the bf16 output rows on their way out
     float* scale_a;    // (kNumStages, BLOCK_M)
-    float* scale_b;    // (kNumStages, 4), element 0 used
+    float* scale_b;    // (kNumStages, 4), elements [0, kNumPieces) used
     uint64_t* full;    // (kNumStages)
     uint64_t* empty;   // (kNumStages)
 
@@ -77,11 +91,11 @@ struct Fp8Mainloop {
     const int rows_valid = tile.row_count - tile_first_row;
     const int64_t first_row = static_cast<int64_t>(tile.row_begin) + tile_first_row;
     const int num_n_scales = ceil_div(params.grouped.n, Config::kScaleBlock);
-    const float* b_scales =
-        params.b_scales +
-        (static_cast<int64_t>(tile.group) * num_n_scales + tile.n_block) * num_k_blocks;
+    const float* b_scales = params.b_scales + (static_cast<int64_t>(tile.group) * num_n_scales +
+                                               tile.n_block * Config::kNumPieces) *
+                                                  num_k_blocks;
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
+      fp8_pipeline_wait(&smem.empty[state.index], state.phase ^ 1u);
       uint64_t* full = &smem.full[state.index];
       if (lane_idx == 0) {
         ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes);
@@ -102,7 +116,12 @@ struct Fp8Mainloop {
             valid ? params.a_scales + (first_row + row) * num_k_blocks + k_block : params.a_scales;
         ptx::cp_async_4(scale_a + row, source, valid);
       }
-      if (lane_idx == 0) ptx::cp_async_4(smem.scale_b_stage(state.index), b_scales + k_block, true);
+      if (lane_idx < Config::kNumPieces) {
+        // A piece past N (the last tile of an N not a multiple of 256) gets scale 0.
+        const bool valid = tile.n_block * Config::kNumPieces + lane_idx < num_n_scales;
+        ptx::cp_async_4(smem.scale_b_stage(state.index) + lane_idx,
+                        valid ? b_scales + lane_idx * num_k_blocks + k_block : b_scales, valid);
+      }
       ptx::cp_async_mbarrier_arrive(full);
       state.advance();
     }
@@ -112,68 +131,78 @@ struct Fp8Mainloop {
   __device__ static void drain_loads() { ptx::cp_async_wait_all(); }
 
   // Consumer side: adds this warpgroup's (64, BLOCK_N) slice of the tile to `accum`; in a half
-  // tile (is_half_tile), rows 0-63 of column half consumer_idx into accum[0, 32).
+  // tile (is_half_tile), rows 0-63 of column piece consumer_idx into accum[0, 64).
   __device__ static void mma(const Storage& smem, const Fp8GemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
                              float (&accum)[kNumAccumulators]) {
     if (is_half_tile<GemmKind::kForward>(tile)) {
-      // NOTE: m64n64's fragment is the first 32 accumulators of m64n128's (fragment.cuh).
-      mma_k_blocks<ptx::WgmmaFp8<Config::BLOCK_N / 2>>(
-          smem, params, 0, consumer_idx * (Config::kBBytes / 2), 0, state,
-          reinterpret_cast<float(&)[kNumAccumulators / 2]>(accum));
+      // NOTE: the first piece's fragment is the first 64 accumulators of the whole slice's
+      // (fragment.cuh), whichever piece of B it multiplies.
+      mma_k_blocks<1>(smem, params, 0, consumer_idx, 0, state,
+                      reinterpret_cast<float(&)[kPieceAccumulators]>(accum));
     } else {
-      mma_k_blocks<ptx::WgmmaFp8<Config::BLOCK_N>>(
-          smem, params, consumer_idx * (Config::kABytes / 2), 0, consumer_idx * 64, state, accum);
+      mma_k_blocks<Config::kNumPieces>(smem, params, consumer_idx * (Config::kABytes / 2), 0,
+                                       consumer_idx * 64, state, accum);
     }
   }
 
  private:
-  // The k-loop of one tile with wgmma shape Mma; A and B read from the given byte offsets into
-  // each stage, this warpgroup's rows starting at tile row first_row.
-  template <class Mma>
+  using Mma = ptx::WgmmaFp8<Config::kPiece>;
+  static constexpr int kPieceAccumulators = Mma::kNumAccumulators;  // (64, kPiece) fragment
+
+  // The k-loop of one tile over kPieces pieces of 128 columns, from piece first_piece of B on: A
+  // read from a_offset into each stage, this warpgroup's rows starting at tile row first_row.
+  template <int kPieces>
   __device__ static void mma_k_blocks(const Storage& smem, const Fp8GemmParams& params,
-                                      uint32_t a_offset, uint32_t b_offset, int first_row,
-                                      State& state, float (&accum)[Mma::kNumAccumulators]) {
+                                      uint32_t a_offset, int first_piece, int first_row,
+                                      State& state, float (&accum)[kPieces * kPieceAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int row = first_row + warp_in_group * 16 + lane_idx / 4;  // and row + 8
     const int num_k_blocks = params.grouped.k / Config::BLOCK_K;
-    float partial[Mma::kNumAccumulators];  // one k-block's sums, (64, kN) fragment
+    float partial[kPieceAccumulators];  // one piece's k-block sums, (64, kPiece) fragment
 #pragma unroll
-    for (int i = 0; i < Mma::kNumAccumulators; ++i) partial[i] = 0.0f;
+    for (int i = 0; i < kPieceAccumulators; ++i) partial[i] = 0.0f;
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      ptx::mbarrier_wait(&smem.full[state.index], state.phase);
-      const float b_scale = smem.scale_b_stage(state.index)[0];
+      fp8_pipeline_wait(&smem.full[state.index], state.phase);
       const float a_scale_low = smem.scale_a_stage(state.index)[row];
       const float a_scale_high = smem.scale_a_stage(state.index)[row + 8];
       const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
-      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) + b_offset;
 #pragma unroll
-      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(partial[i]);
-      ptx::wgmma_fence();
+      for (int piece = 0; piece < kPieces; ++piece) {
+        const float b_scale = smem.scale_b_stage(state.index)[first_piece + piece];
+        const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) +
+                                (first_piece + piece) * Config::kPieceBytes;
 #pragma unroll
-      for (int k32 = 0; k32 < Config::BLOCK_K / 32; ++k32) {
-        // K-major: +32 B per 32 k inside the swizzle row.
-        const uint64_t desc_a = ptx::make_smem_descriptor(a_base + k32 * 32, 0, 1024);
-        const uint64_t desc_b = ptx::make_smem_descriptor(b_base + k32 * 32, 0, 1024);
-        Mma::mma(desc_a, desc_b, k32 > 0 ? 1u : 0u, partial);
-      }
-      ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<0>();
+        for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
+        ptx::wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < Mma::kNumAccumulators; ++i) ptx::fence_operand(partial[i]);
-      // The stage's tiles and scales have been read: hand it back before promoting. NOTE: the
-      // warp sync orders every lane's scale loads before lane 0's arrival.
-      __syncwarp();
-      if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
-      const float scale_low = a_scale_low * b_scale;
-      const float scale_high = a_scale_high * b_scale;
+        for (int k32 = 0; k32 < Config::BLOCK_K / 32; ++k32) {
+          // K-major: +32 B per 32 k inside the swizzle row.
+          const uint64_t desc_a = ptx::make_smem_descriptor(a_base + k32 * 32, 0, 1024);
+          const uint64_t desc_b = ptx::make_smem_descriptor(b_base + k32 * 32, 0, 1024);
+          Mma::mma(desc_a, desc_b, k32 > 0 ? 1u : 0u, partial);
+        }
+        ptx::wgmma_commit_group();
+        ptx::wgmma_wait_group<0>();
 #pragma unroll
-      for (int j = 0; j < Mma::kNumAccumulators / 4; ++j) {
-        accum[4 * j + 0] = __fmaf_rn(partial[4 * j + 0], scale_low, accum[4 * j + 0]);
-        accum[4 * j + 1] = __fmaf_rn(partial[4 * j + 1], scale_low, accum[4 * j + 1]);
-        accum[4 * j + 2] = __fmaf_rn(partial[4 * j + 2], scale_high, accum[4 * j + 2]);
-        accum[4 * j + 3] = __fmaf_rn(partial[4 * j + 3], scale_high, accum[4 * j + 3]);
+        for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
+        if (piece == kPieces - 1) {
+          // The stage's tiles and scales have been read: hand it back before promoting. NOTE:
+          // the warp sync orders every lane's scale loads before lane 0's arrival.
+          __syncwarp();
+          if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
+        }
+        const float scale_low = a_scale_low * b_scale;
+        const float scale_high = a_scale_high * b_scale;
+#pragma unroll
+        for (int j = 0; j < kPieceAccumulators / 4; ++j) {
+          const int base = piece * kPieceAccumulators + 4 * j;
+          accum[base + 0] = __fmaf_rn(partial[4 * j + 0], scale_low, accum[base + 0]);
+          accum[base + 1] = __fmaf_rn(partial[4 * j + 1], scale_low, accum[base + 1]);
+          accum[base + 2] = __fmaf_rn(partial[4 * j + 2], scale_high, accum[base + 2]);
+          accum[base + 3] = __fmaf_rn(partial[4 * j + 3], scale_high, accum[base + 3]);
+        }
       }
       state.advance();
     }

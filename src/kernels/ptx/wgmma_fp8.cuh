@@ -52,31 +52,6 @@ struct WgmmaFp8<128> {
   }
 };
 
-// D(64, 64) (+)= A(64, 32) · B(32, 64), E4M3 operands (K-major, both), fp32 accumulators,
-// 32 registers per thread; accumulate = 0 overwrites D instead of adding to it.
-template <>
-struct WgmmaFp8<64> {
-  static constexpr int kN = 64;
-  static constexpr int kNumAccumulators = 32;
-  __device__ __forceinline__ static void mma(uint64_t descriptor_a, uint64_t descriptor_b,
-                                             uint32_t accumulate, float (&d)[32]) {
-    asm volatile(
-        "{\n"
-        ".reg .pred accumulate;\n"
-        "setp.ne.b32 accumulate, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},\n"
-        " %32, %33, accumulate, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(descriptor_a), "l"(descriptor_b), "r"(accumulate));
-  }
-};
 // clang-format on
 
 }  // namespace mok::ptx
