@@ -28,7 +28,7 @@ LAYERS = [
     ("src/runtime", 5), ("src/bridge", 5),
     ("src/kernels/megakernel", 4),
     ("src/kernels/gemm", 3),
-    ("src/kernels/comm", 2),
+    ("src/kernels/comm", 2), ("src/kernels/quantize", 2),
     ("src/kernels/ptx", 1),
     ("src/reference", 1),
     ("src/core", 0),

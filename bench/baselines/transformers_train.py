@@ -89,6 +89,9 @@ def no_experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def git_commit():
+    """MOK_COMMIT (the device check names the commit its binaries were built from), else git's."""
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()

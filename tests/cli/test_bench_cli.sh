@@ -10,7 +10,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work" || exit 1
 
-for program in bench_gemm bench_layer bench_comm bench_soak; do
+for program in bench_gemm bench_gemm_fp8 bench_layer bench_comm bench_soak; do
   expect 0 "^usage: $program " -- "$bin/$program" --help
   expect 0 "^usage: $program " -- "$bin/$program" -h
   expect 2 "^$program: error: --bogus: unknown option \(see --help\)$" -- "$bin/$program" --bogus 1
