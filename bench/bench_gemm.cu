@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_device.cuh"
 #include "bench_options.hpp"
 #include "mok/cuda_check.hpp"
 #include "mok/gemm.hpp"
@@ -29,29 +30,8 @@ namespace {
 
 using namespace mok::gemm;
 
-// Uniform values in [-scale, scale) from a hash of the index: random, reproducible, never zero
-// over a whole row.
-__global__ void fill_random(__nv_bfloat16* data, size_t count, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u ^ seed ^ static_cast<uint32_t>(i >> 32);
-    h ^= h >> 16;
-    h *= 0x85ebca6bu;
-    h ^= h >> 13;
-    h *= 0xc2b2ae35u;
-    h ^= h >> 16;
-    const float unit = static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
-    data[i] = __float2bfloat16_rn((2.0f * unit - 1.0f) * scale);
-  }
-}
-
-struct Buffer {
-  void* data = nullptr;
-  explicit Buffer(size_t bytes) { MOK_CUDA_CHECK(cudaMalloc(&data, bytes)); }
-  Buffer(const Buffer&) = delete;
-  ~Buffer() { cudaFree(data); }
-  mok::bf16* bf16() const { return static_cast<mok::bf16*>(data); }
-};
+using Buffer = mok::bench::DeviceBytes;
+using mok::bench::fill_random;
 
 void fill(const Buffer& buffer, size_t count, uint32_t seed, float scale) {
   fill_random<<<1024, 256>>>(static_cast<__nv_bfloat16*>(buffer.data), count, seed, scale);

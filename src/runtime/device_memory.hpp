@@ -29,6 +29,9 @@ inline int checked_int(int64_t value, const char* argument) {
   return static_cast<int>(value);
 }
 
+// SMs of the current CUDA device (a grid of one CTA per SM).
+int current_device_sm_count();
+
 // The offsets {0, rows} of a group of one expert (the shared expert over a call's tokens),
 // written on `stream` itself, so that the count may change between calls without a host sync.
 void write_single_group_offsets(int32_t* offsets, int32_t rows, cudaStream_t stream);

@@ -10,6 +10,7 @@
 #include "kernels/gemm/pingpong_gemm_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "runtime/device_memory.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
 namespace mok::gemm {
@@ -23,14 +24,6 @@ struct LaunchConfig {
     return pingpong_block_m > 0 ? 128 * 128 / pingpong_block_m : TileConfig::BLOCK_N;
   }
 };
-
-int device_sm_count() {
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  int count = 0;
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
 
 // The engine for a case; returns the ping-pong tile's BLOCK_M, or 0 for the cooperative kernel.
 // kAuto follows runs 5 and 6 of docs/perf-notes/gemm.md: the ping-pong mainloop runs at ~92 % of
@@ -68,7 +61,7 @@ LaunchConfig pick_config(const LaunchOptions& options, int pingpong_block_m,
                          KnownTiles known_tiles) {
   MOK_CHECK_ARG(options.num_sms >= 0, "options.num_sms", "must be >= 0, got ", options.num_sms);
   LaunchConfig config{0, pingpong_block_m};
-  long long num_ctas = options.num_sms > 0 ? options.num_sms : device_sm_count();
+  long long num_ctas = options.num_sms > 0 ? options.num_sms : current_device_sm_count();
   const long long tiles = known_tiles(config.block_m(), config.block_n());
   if (tiles >= 0) num_ctas = std::min(num_ctas, std::max(tiles, 1LL));
   config.num_ctas = static_cast<int>(num_ctas);

@@ -9,6 +9,7 @@
 #include "kernels/gemm/fp8_gemm_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "runtime/device_memory.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
 namespace mok::gemm {
@@ -43,14 +44,6 @@ void check_arguments(const GroupedShape& shape, const uint8_t* x, const float* x
                   operand.name, "must be ", operand.alignment, "-byte aligned, got address ",
                   operand.pointer);
   }
-}
-
-int device_sm_count() {
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  int count = 0;
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
 }
 
 template <EpilogueKind kEpilogue>
@@ -89,7 +82,7 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
   params.a_scales = x_scales;
   params.b_scales = w_scales;
   // One CTA per SM (the tile count is on the device).
-  const int num_ctas = options.num_sms > 0 ? options.num_sms : device_sm_count();
+  const int num_ctas = options.num_sms > 0 ? options.num_sms : current_device_sm_count();
   switch (output) {
     case ForwardOutput::kBf16:
       launch<EpilogueKind::kStoreBf16>(map_a, map_b, params, num_ctas, stream);
