@@ -1,12 +1,16 @@
-// Device data of the GEMM benchmarks (bench_gemm, bench_gemm_fp8): reproducible uniform bf16
-// values and a plain device allocation.
+// What the GEMM benchmarks (bench_gemm, bench_gemm_fp8) share: reproducible uniform bf16 values, a
+// plain device allocation, and the warmed-up median of event-timed launches.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include "mok/bf16.hpp"
 #include "mok/cuda_check.hpp"
@@ -42,5 +46,42 @@ struct DeviceBytes {
     return static_cast<T*>(data);
   }
 };
+
+// Before a case is timed it runs for warmup_ms (at least 4 launches): under the power cap the
+// clock follows the power drawn over the last fraction of a second, so after a few launches of
+// warm-up a case still ran at the clock its predecessor left (docs/perf-notes/gemm.md v19).
+inline void warm_up(const std::function<void()>& launch, double warmup_ms) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0;; ++i) {
+    launch();
+    if (i % 4 != 3) continue;
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::chrono::duration<double, std::milli> elapsed =
+        std::chrono::steady_clock::now() - start;
+    if (elapsed.count() >= warmup_ms) break;
+  }
+}
+
+// The median of `iterations` event-timed launches, after warm_up.
+inline double median_ms(const std::function<void()>& launch, int iterations, double warmup_ms) {
+  warm_up(launch, warmup_ms);
+  cudaEvent_t start, stop;
+  MOK_CUDA_CHECK(cudaEventCreate(&start));
+  MOK_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int i = 0; i < iterations; ++i) {
+    MOK_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    MOK_CUDA_CHECK(cudaEventRecord(stop));
+    MOK_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  MOK_CUDA_CHECK(cudaEventDestroy(start));
+  MOK_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
 
 }  // namespace mok::bench

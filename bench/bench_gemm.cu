@@ -38,41 +38,8 @@ void fill(const Buffer& buffer, size_t count, uint32_t seed, float scale) {
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-// Before a case is timed it runs for warmup_ms (at least 4 launches): under the power cap the
-// clock follows the power drawn over the last fraction of a second, so after a few launches of
-// warm-up a case still ran at the clock its predecessor left (docs/perf-notes/gemm.md v19).
-void warm_up(const std::function<void()>& launch, double warmup_ms) {
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0;; ++i) {
-    launch();
-    if (i % 4 != 3) continue;
-    MOK_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::chrono::duration<double, std::milli> elapsed =
-        std::chrono::steady_clock::now() - start;
-    if (elapsed.count() >= warmup_ms) break;
-  }
-}
-
-double median_ms(const std::function<void()>& launch, int iterations, double warmup_ms) {
-  warm_up(launch, warmup_ms);
-  cudaEvent_t start, stop;
-  MOK_CUDA_CHECK(cudaEventCreate(&start));
-  MOK_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int i = 0; i < iterations; ++i) {
-    MOK_CUDA_CHECK(cudaEventRecord(start));
-    launch();
-    MOK_CUDA_CHECK(cudaEventRecord(stop));
-    MOK_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  MOK_CUDA_CHECK(cudaEventDestroy(start));
-  MOK_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using mok::bench::median_ms;
+using mok::bench::warm_up;
 
 // The SwiGLU epilogue's cost: the plain and the SwiGLU-fused gate/up launched alternately (AB BA
 // AB ...), each launch (or block of `block` launches) timed on its own, so that both see the same

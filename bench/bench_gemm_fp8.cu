@@ -48,36 +48,7 @@ struct Operand {
   }
 };
 
-// Runs `launch` for warmup_ms (at least 4 launches) so that the case is timed at the clock its own
-// power draw sets, then returns the median of `iterations` event-timed launches.
-double median_ms(const std::function<void()>& launch, int iterations, double warmup_ms) {
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0;; ++i) {
-    launch();
-    if (i % 4 != 3) continue;
-    MOK_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::chrono::duration<double, std::milli> elapsed =
-        std::chrono::steady_clock::now() - start;
-    if (elapsed.count() >= warmup_ms) break;
-  }
-  cudaEvent_t begin, end;
-  MOK_CUDA_CHECK(cudaEventCreate(&begin));
-  MOK_CUDA_CHECK(cudaEventCreate(&end));
-  std::vector<float> times;
-  for (int i = 0; i < iterations; ++i) {
-    MOK_CUDA_CHECK(cudaEventRecord(begin));
-    launch();
-    MOK_CUDA_CHECK(cudaEventRecord(end));
-    MOK_CUDA_CHECK(cudaEventSynchronize(end));
-    float ms = 0.0f;
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
-    times.push_back(ms);
-  }
-  MOK_CUDA_CHECK(cudaEventDestroy(begin));
-  MOK_CUDA_CHECK(cudaEventDestroy(end));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using mok::bench::median_ms;
 
 constexpr const char* kPhases[] = {"gemm-gateup", "gemm-gateup-swiglu", "gemm-down"};
 
