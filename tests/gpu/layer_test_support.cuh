@@ -47,6 +47,46 @@ inline Problem layer_problem(const Case& which, int64_t num_tokens, uint64_t see
                                wider ? LayerShape{512, 192, 64, 16, 6} : find_preset("tiny").shape);
 }
 
+// A host copy of a tensor view's elements.
+template <class View>
+auto host_vector(const View& view) {
+  return std::vector(view.data, view.data + view.numel());
+}
+
+// One rank's weights in the test's own device buffers, in the layouts of DeviceLayerWeights (gate
+// and up interleaved in blocks of 8 rows): what a forward or backward given the caller's weights
+// (the torch path) reads. upload false: empty buffers.
+struct RankDeviceWeights {
+  RankDeviceWeights(const LayerWeights& w, const LayerShape& shape, bool upload = true)
+      : shared(upload && shape.has_shared()),
+        gate_up(upload
+                    ? gemm::interleave_gate_up(
+                          host_vector(w.gate), host_vector(w.up), static_cast<int>(w.gate.shape[0]),
+                          static_cast<int>(shape.intermediate), static_cast<int>(shape.hidden))
+                    : std::vector<bf16>{}),
+        down(upload ? host_vector(w.down) : std::vector<bf16>{}),
+        shared_gate_up(
+            shared ? gemm::interleave_gate_up(host_vector(w.shared_gate), host_vector(w.shared_up),
+                                              1, static_cast<int>(shape.shared_intermediate),
+                                              static_cast<int>(shape.hidden))
+                   : std::vector<bf16>{}),
+        shared_down(shared ? host_vector(w.shared_down) : std::vector<bf16>{}) {}
+
+  DeviceLayerWeights view() const {
+    return {gate_up.get(),
+            down.get(),
+            shared ? shared_gate_up.get() : nullptr,
+            shared ? shared_down.get() : nullptr,
+            static_cast<int64_t>(gate_up.size()),
+            static_cast<int64_t>(down.size()),
+            shared ? static_cast<int64_t>(shared_gate_up.size()) : 0,
+            shared ? static_cast<int64_t>(shared_down.size()) : 0};
+  }
+
+  bool shared;  // (first: the buffers' initialisers read it)
+  DeviceBuffer<bf16> gate_up, down, shared_gate_up, shared_down;
+};
+
 struct GpuRun {
   GpuRun() { layer.fused.enabled = false; }  // the unfused composition unless a test asks
   LayerForwardOptions layer;
@@ -92,40 +132,17 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
     LayerForwardOptions options = run.layer;
     options.allocate_weights = !run.callers_weights;
     LayerForward layer(comms[rank], problem.shape, tokens + run.extra_capacity, options);
-    auto host = [](const auto& view) { return std::vector(view.data, view.data + view.numel()); };
-    const LayerWeights& w = inputs.weights;
-    const LayerShape& shape = problem.shape;
-    const int local_experts = static_cast<int>(w.gate.shape[0]);
-    DeviceBuffer<bf16> gate_up(
-        run.callers_weights ? gemm::interleave_gate_up(host(w.gate), host(w.up), local_experts,
-                                                       static_cast<int>(shape.intermediate),
-                                                       static_cast<int>(shape.hidden))
-                            : std::vector<bf16>{});
-    DeviceBuffer<bf16> down(run.callers_weights ? host(w.down) : std::vector<bf16>{});
-    const bool shared = run.callers_weights && shape.has_shared();
-    DeviceBuffer<bf16> shared_gate_up(
-        shared ? gemm::interleave_gate_up(host(w.shared_gate), host(w.shared_up), 1,
-                                          static_cast<int>(shape.shared_intermediate),
-                                          static_cast<int>(shape.hidden))
-               : std::vector<bf16>{});
-    DeviceBuffer<bf16> shared_down(shared ? host(w.shared_down) : std::vector<bf16>{});
+    const RankDeviceWeights callers_weights(inputs.weights, problem.shape, run.callers_weights);
     DeviceLayerWeights callers;
     if (run.callers_weights) {
-      callers = {gate_up.get(),
-                 down.get(),
-                 shared ? shared_gate_up.get() : nullptr,
-                 shared ? shared_down.get() : nullptr,
-                 static_cast<int64_t>(gate_up.size()),
-                 static_cast<int64_t>(down.size()),
-                 shared ? static_cast<int64_t>(shared_gate_up.size()) : 0,
-                 shared ? static_cast<int64_t>(shared_down.size()) : 0};
+      callers = callers_weights.view();
     } else {
       layer.load_weights(inputs.weights);
     }
-    DeviceBuffer<bf16> x(host(inputs.tokens.x));                   // (T, H)
-    DeviceBuffer<int32_t> topk_idx(host(inputs.tokens.topk_idx));  // (T, k)
-    DeviceBuffer<float> topk_w(host(inputs.tokens.topk_w));        // (T, k)
-    DeviceBuffer<bf16> y(static_cast<size_t>(tokens * hidden));    // (T, H)
+    DeviceBuffer<bf16> x(host_vector(inputs.tokens.x));                   // (T, H)
+    DeviceBuffer<int32_t> topk_idx(host_vector(inputs.tokens.topk_idx));  // (T, k)
+    DeviceBuffer<float> topk_w(host_vector(inputs.tokens.topk_w));        // (T, k)
+    DeviceBuffer<bf16> y(static_cast<size_t>(tokens * hidden));           // (T, H)
     cudaStream_t stream = nullptr;
     MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     CommWorkspace& ws = layer.workspace();

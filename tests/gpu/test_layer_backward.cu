@@ -62,35 +62,19 @@ BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const BackwardR
   for_each_rank(ep, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
     const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
-    auto host = [](const auto& view) { return std::vector(view.data, view.data + view.numel()); };
-    const LayerWeights& w = inputs.weights;
-    DeviceBuffer<bf16> gate_up(
-        gemm::interleave_gate_up(host(w.gate), host(w.up), static_cast<int>(local_experts),
-                                 static_cast<int>(inter), static_cast<int>(hidden)));
-    DeviceBuffer<bf16> down(host(w.down));
     const bool shared = shape.has_shared();
-    DeviceBuffer<bf16> shared_gate_up(
-        shared ? gemm::interleave_gate_up(host(w.shared_gate), host(w.shared_up), 1,
-                                          static_cast<int>(shared_inter), static_cast<int>(hidden))
-               : std::vector<bf16>{});
-    DeviceBuffer<bf16> shared_down(shared ? host(w.shared_down) : std::vector<bf16>{});
-    DeviceLayerWeights weights{gate_up.get(),
-                               down.get(),
-                               shared ? shared_gate_up.get() : nullptr,
-                               shared ? shared_down.get() : nullptr,
-                               static_cast<int64_t>(gate_up.size()),
-                               static_cast<int64_t>(down.size()),
-                               shared ? static_cast<int64_t>(shared_gate_up.size()) : 0,
-                               shared ? static_cast<int64_t>(shared_down.size()) : 0};
-    DeviceBuffer<bf16> x(host(inputs.tokens.x));
-    DeviceBuffer<int32_t> topk_idx(host(inputs.tokens.topk_idx));
-    DeviceBuffer<float> topk_w(host(inputs.tokens.topk_w));
-    DeviceBuffer<bf16> dy(host(inputs.dy));
+    const RankDeviceWeights device_weights(inputs.weights, shape);
+    const DeviceLayerWeights weights = device_weights.view();
+    DeviceBuffer<bf16> x(host_vector(inputs.tokens.x));
+    DeviceBuffer<int32_t> topk_idx(host_vector(inputs.tokens.topk_idx));
+    DeviceBuffer<float> topk_w(host_vector(inputs.tokens.topk_w));
+    DeviceBuffer<bf16> dy(host_vector(inputs.dy));
     DeviceBuffer<bf16> dx(static_cast<size_t>(tokens * hidden));
     DeviceBuffer<float> d_topk_w(static_cast<size_t>(tokens * shape.top_k));
-    DeviceBuffer<float> grad_gate_up(gate_up.size()), grad_down(down.size());
-    DeviceBuffer<float> grad_shared_gate_up(shared_gate_up.size()),
-        grad_shared_down(shared_down.size());
+    DeviceBuffer<float> grad_gate_up(device_weights.gate_up.size()),
+        grad_down(device_weights.down.size());
+    DeviceBuffer<float> grad_shared_gate_up(device_weights.shared_gate_up.size()),
+        grad_shared_down(device_weights.shared_down.size());
     DeviceLayerGradients grads{
         grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
         shared ? grad_shared_down.get() : nullptr,
