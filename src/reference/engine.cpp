@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "reference/combine.hpp"
+
 namespace mok::reference {
 
 template <class Real>
@@ -133,21 +135,8 @@ std::vector<RankResult<Real>> LayerEngine<Real>::forward() {
   const std::vector<std::vector<Real>> shared = shared_forward();
   std::vector<RankResult<Real>> results(ranks_.size());
   for (int64_t rank = 0; rank < num_ranks(); ++rank) {
-    const TokenBatch& tokens = ranks_[rank].tokens;
-    std::vector<Real>& y = results[rank].y;
-    y.resize(static_cast<size_t>(num_tokens(rank) * hidden));
-    parallel_for(num_tokens(rank), num_threads_, [&](int64_t token, int) {
-      for (int64_t n = 0; n < hidden; ++n) {
-        Real sum = 0;
-        for (int64_t slot = 0; slot < top_k; ++slot) {
-          if (tokens.topk_idx.data[token * top_k + slot] < 0) continue;
-          const Real weight = tokens.topk_w.data[token * top_k + slot];
-          sum = sum + weight * slots[rank][(token * top_k + slot) * hidden + n];
-        }
-        sum = sum + shared[rank][token * hidden + n];
-        y[token * hidden + n] = Store::store(sum);
-      }
-    });
+    results[rank].y = combine_slots<Real, Store>(ranks_[rank].tokens, top_k, hidden, slots[rank],
+                                                 shared[rank], /*weighted=*/true, num_threads_);
   }
   return results;
 }
@@ -294,19 +283,8 @@ std::vector<RankResult<Real>> LayerEngine<Real>::backward(
       });
     }
 
-    std::vector<Real>& dx = results[rank].dx;
-    dx.resize(static_cast<size_t>(tokens * hidden));
-    parallel_for(tokens, num_threads_, [&](int64_t token, int) {
-      for (int64_t n = 0; n < hidden; ++n) {
-        Real sum = 0;
-        for (int64_t slot = 0; slot < top_k; ++slot) {
-          if (inputs.tokens.topk_idx.data[token * top_k + slot] < 0) continue;
-          sum = sum + dx_slots[rank][(token * top_k + slot) * hidden + n];
-        }
-        sum = sum + shared_dx[token * hidden + n];
-        dx[token * hidden + n] = Store::store(sum);
-      }
-    });
+    results[rank].dx = combine_slots<Real, Store>(inputs.tokens, top_k, hidden, dx_slots[rank],
+                                                  shared_dx, /*weighted=*/false, num_threads_);
   }
   return results;
 }
