@@ -61,12 +61,7 @@ class LayerEngine {
     std::vector<TokenBatch> batches;
     for (const RankInputs& rank : ranks) batches.push_back(rank.tokens);
     schedule_ = build_schedule(shape, batches);
-    expert_of_row_.resize(schedule_.rows.size());
-    for (int64_t expert = 0; expert < shape.num_experts; ++expert) {
-      for (int64_t row = schedule_.offsets[expert]; row < schedule_.offsets[expert + 1]; ++row) {
-        expert_of_row_[row] = static_cast<int32_t>(expert);
-      }
-    }
+    expert_of_row_ = schedule_.expert_of_rows();
   }
 
   std::vector<RankResult<Real>> forward();

@@ -24,12 +24,7 @@ QuantizedEngine<Real>::QuantizedEngine(const LayerShape& shape, std::span<const 
   std::vector<TokenBatch> batches;
   for (const RankInputs& rank : ranks) batches.push_back(rank.tokens);
   schedule_ = build_schedule(shape, batches);
-  expert_of_row_.resize(schedule_.rows.size());
-  for (int64_t expert = 0; expert < shape.num_experts; ++expert) {
-    for (int64_t row = schedule_.offsets[expert]; row < schedule_.offsets[expert + 1]; ++row) {
-      expert_of_row_[row] = static_cast<int32_t>(expert);
-    }
-  }
+  expert_of_row_ = schedule_.expert_of_rows();
   // Each rank quantizes its own tokens before they travel: every expert row of a token, on any
   // rank, reads the same bytes.
   for (const RankInputs& rank : ranks) quantized_x_.push_back(quantize_tokens(rank.tokens.x));

@@ -32,4 +32,14 @@ ExpertSchedule build_schedule(const LayerShape& shape, std::span<const TokenBatc
   return schedule;
 }
 
+std::vector<int32_t> ExpertSchedule::expert_of_rows() const {
+  std::vector<int32_t> experts(rows.size());
+  for (size_t expert = 0; expert + 1 < offsets.size(); ++expert) {
+    for (int64_t row = offsets[expert]; row < offsets[expert + 1]; ++row) {
+      experts[static_cast<size_t>(row)] = static_cast<int32_t>(expert);
+    }
+  }
+  return experts;
+}
+
 }  // namespace mok::reference

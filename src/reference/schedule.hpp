@@ -22,6 +22,8 @@ struct ExpertSchedule {
   std::vector<RowRef> rows;      // (sum of counts)
 
   int64_t num_rows(int64_t expert) const { return offsets[expert + 1] - offsets[expert]; }
+  // The expert of each row (rows).
+  std::vector<int32_t> expert_of_rows() const;
 };
 
 ExpertSchedule build_schedule(const LayerShape& shape, std::span<const TokenBatch> ranks);
