@@ -87,7 +87,8 @@ struct DeviceLayerWeights {
 struct SavedContext {
   // (saved_context_rows, 2I): row (src_rank * T_max + t) * k + j holds the routed row of token t,
   // slot j of rank src_rank that this rank's expert computed (rows of unused slots, and of slots
-  // other ranks served, are not written).
+  // other ranks served, are not written). At EP > 1 the backward that reads it must have the
+  // forward's T_max (tokens_max), as GpuLayer and the torch workspaces do.
   bf16* gate_up = nullptr;
   bf16* shared_gate_up = nullptr;  // (T, 2I_s) by token; null without a shared expert
 };
