@@ -9,6 +9,10 @@ namespace mok {
 
 namespace {
 
+double as_double(bf16 value) { return static_cast<double>(static_cast<float>(value)); }
+double as_double(float value) { return static_cast<double>(value); }
+double as_double(double value) { return value; }
+
 template <class T>
 ErrorStats compare_impl(std::span<const T> value, std::span<const double> oracle) {
   MOK_CHECK_ARG(value.size() == oracle.size(), "compare", value.size(), " values against ",
@@ -17,7 +21,7 @@ ErrorStats compare_impl(std::span<const T> value, std::span<const double> oracle
   stats.count = static_cast<int64_t>(value.size());
   double error_sq = 0, oracle_sq = 0, abs_sum = 0;
   for (size_t index = 0; index < value.size(); ++index) {
-    const double actual = static_cast<double>(static_cast<float>(value[index]));
+    const double actual = as_double(value[index]);
     if (!std::isfinite(actual)) {
       ++stats.non_finite;
       continue;
@@ -40,6 +44,10 @@ ErrorStats compare(std::span<const bf16> value, std::span<const double> oracle) 
 }
 
 ErrorStats compare(std::span<const float> value, std::span<const double> oracle) {
+  return compare_impl(value, oracle);
+}
+
+ErrorStats compare(std::span<const double> value, std::span<const double> oracle) {
   return compare_impl(value, oracle);
 }
 

@@ -267,7 +267,8 @@ TEST_P(Fp8Accuracy, WithinTheRecipesOwnErrorOfTheOracle) {
               << ": rel-L2 " << stats.relative_l2 << " (quantize-then-fp64 " << yardstick_error
               << ")\n";
     EXPECT_EQ(stats.non_finite, 0) << name;
-    EXPECT_LE(std::fabs(stats.relative_l2 - yardstick_error), 0.05 * yardstick_error)
+    EXPECT_LE(std::fabs(stats.relative_l2 - yardstick_error),
+              kFp8YardstickTolerance * yardstick_error)
         << name << ": " << stats.describe() << "; quantize-then-fp64 " << yardstick_error;
     EXPECT_LE(yardstick_error, recipe_bound) << name;
     EXPECT_GT(yardstick_error, 0x1p-7) << name << ": no quantization error at all?";
