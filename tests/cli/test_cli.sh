@@ -60,10 +60,27 @@ expect_error '^mok run: error: --seed: must be in \[0, 9223372036854775807\], go
 expect_error '^mok run: error: --ep: E = 16 experts do not divide over 3 ranks$' -- "$mok" run --ep 3
 expect_error "^mok run: error: --routing: unknown routing 'zipf'" -- "$mok" run --routing zipf
 expect_error "^mok run: error: --routing: skewed:ALPHA needs ALPHA in \[0, 10\], got 'x'$" -- "$mok" run --routing skewed:x
-expect_error '^mok run: error: --precision: fp8 is not implemented in this version' -- "$mok" run --precision fp8
+expect_error "^mok run: error: --precision: unknown precision 'fp4' \\(bf16, fp8, mxfp8\\)$" -- "$mok" run --precision fp4
 expect_error "^mok run: error: --preset: unknown preset 'nope'" -- "$mok" run --preset nope
 expect_error "^mok run: error: --backend: unknown backend 'tpu'" -- "$mok" run --backend tpu
 expect_error "^mok run: error: MOK_PROGRESS: expected auto, always or never, got 'x'$" -- env MOK_PROGRESS=x "$mok" run
+
+# --- FP8 modes: the CPU reference, checked against the quantize-then-fp64 yardstick ------------
+for precision in fp8 mxfp8; do
+  expect 0 "^  grad_down +rel-L2 .* \\(yardstick .*\\)  ok$" -- "$mok" run --backend cpu --precision "$precision" --tokens 128
+  expect 0 "EP 2 vs EP 1: .* bitwise equal" -- "$mok" run --backend cpu --precision "$precision" --ep 2 --tokens 96 --routing skewed:1.5
+  expect 0 "^mok run: .*, EP 1, $precision, routing uniform" -- "$mok" run --backend cpu --precision "$precision" --tokens 8 --no-check
+done
+expect 0 '^  --precision P +bf16 \(default\), fp8 .* or mxfp8' -- "$mok" run --help
+expect 0 '^PASS$' -- "$mok" run --backend cpu --precision mxfp8 --hidden 96 --intermediate 32 --shared-intermediate 0 --tokens 40
+expect_error '^mok run: error: --backend: cuda cannot run --precision fp8: the GPU layer computes bf16 only so far \(--backend cpu runs fp8 on the CPU reference\)$' -- \
+  "$mok" run --backend cuda --precision fp8
+expect_error '^mok run: error: --backend: cuda cannot run --precision mxfp8: the GPU layer computes bf16 only so far' -- \
+  "$mok" run --backend cuda --precision mxfp8 --ep 2
+expect_error '^mok run: error: --hidden: fp8 needs a multiple of 128, got 96$' -- "$mok" run --precision fp8 --hidden 96
+expect_error '^mok run: error: --intermediate: mxfp8 needs a multiple of 32, got 48$' -- "$mok" run --precision mxfp8 --intermediate 48
+expect_error '^mok run: error: --shared-intermediate: fp8 needs a multiple of 128, got 64$' -- \
+  "$mok" run --precision fp8 --shared-intermediate 64
 
 # --- any shape: the preset gives defaults, flags override --------------------------------------
 expect 0 'preset tiny with --hidden 64 --intermediate 40 --shared-intermediate 0 --experts 6 --top-k 3 \(H 64, I 40, E 6, top-3, I_s 0\)' -- \
@@ -138,7 +155,7 @@ fi
 # --- JSON: the path checked before any work, write errors reported, - is standard output -------
 expect 0 '^PASS$' -- "$mok" run --backend cpu --tokens 32 --json "$work/run.json"
 if grep -q '"schema": "mok-bench/1"' "$work/run.json" && grep -q '"phase": "fwdbwd"' "$work/run.json" &&
-   grep -q '"preset": "tiny"' "$work/run.json"; then
+   grep -q '"preset": "tiny"' "$work/run.json" && grep -q '"precision": "bf16"' "$work/run.json"; then
   pass "--json writes a mok-bench/1 record"
 else
   fail "--json record:"; cat "$work/run.json"
@@ -148,6 +165,12 @@ if grep -q '"name": "custom-ep1-fwd", "preset": "custom"' "$work/custom.json"; t
   pass "--json names a shape changed by flags 'custom'"
 else
   fail "--json record of a custom shape:"; cat "$work/custom.json"
+fi
+expect 0 '^done' -- "$mok" run --backend cpu --tokens 8 --precision mxfp8 --no-check --json "$work/mxfp8.json"
+if grep -q '"precision": "mxfp8"' "$work/mxfp8.json" && ! grep -q '"precision": "bf16"' "$work/mxfp8.json"; then
+  pass "--json reports the precision run"
+else
+  fail "--json record of an mxfp8 run:"; cat "$work/mxfp8.json"
 fi
 # Refused at once: nothing on standard output means nothing ran.
 expect_error '^mok run: error: --json: empty path \(a file name, or - for standard output\)$' -- "$mok" run --json ''

@@ -36,6 +36,22 @@ double engine_bytes(const LayerShape& shape, double tokens, double ranks, double
   return schedule + std::max(forward, backward);
 }
 
+// What an FP8 mode adds to a pass of engine_bytes (src/reference/quantized_engine.cpp): every
+// quantized operand keeps its E4M3 bytes and their decoded fp32 values (5 bytes an element): the
+// weights twice (forward and dgrad layouts) and x and dy; and each thread's expert being reduced
+// into weight gradients holds its rows' operands transposed (at most all rows at once).
+double quantized_bytes(const LayerShape& shape, double tokens, double real_bytes, double threads) {
+  const double hidden = static_cast<double>(shape.hidden);
+  const double inter = static_cast<double>(shape.intermediate);
+  const double shared = static_cast<double>(shape.shared_intermediate);
+  const double weights =
+      3.0 * static_cast<double>(shape.num_experts) * inter * hidden + 3.0 * shared * hidden;
+  const double rows = tokens * static_cast<double>(shape.top_k);
+  const double transposed_rows = std::min(threads * tokens, rows);
+  return 5 * (2 * weights + 2 * tokens * hidden) +
+         transposed_rows * (3 * std::max(inter, shared) * real_bytes + 8 * hidden);
+}
+
 }  // namespace
 
 double CpuMemory::peak() const {
@@ -63,7 +79,7 @@ std::string CpuMemory::describe() const {
 }
 
 CpuMemory cpu_memory(const LayerShape& shape, int64_t tokens_per_rank, int64_t ep, bool check,
-                     int num_threads) {
+                     int num_threads, Precision precision) {
   const double hidden = static_cast<double>(shape.hidden), top_k = static_cast<double>(shape.top_k);
   const double tokens = static_cast<double>(tokens_per_rank) * static_cast<double>(ep);
   const double ranks = static_cast<double>(ep), threads = std::max(num_threads, 1);
@@ -78,16 +94,24 @@ CpuMemory cpu_memory(const LayerShape& shape, int64_t tokens_per_rank, int64_t e
   // experts and of each rank's shared expert.
   const double token_outputs = 4 * tokens * hidden + 4 * tokens * top_k;
   memory.outputs = token_outputs + 4 * (routed + ranks * shared);
-  memory.run = engine_bytes(shape, tokens, ranks, 4, threads);
+  const bool quantized = precision != Precision::kBf16;
+  const double quantized_run = quantized ? quantized_bytes(shape, tokens, 4, threads) : 0;
+  memory.run = engine_bytes(shape, tokens, ranks, 4, threads) + quantized_run;
   if (!check) return memory;
   if (ep > 1) {
-    memory.ep1_run =
-        token_outputs + 4 * (routed + shared) + engine_bytes(shape, tokens, 1, 4, threads);
+    memory.ep1_run = token_outputs + 4 * (routed + shared) +
+                     engine_bytes(shape, tokens, 1, 4, threads) + quantized_run;
   }
   // The oracle (one rank): fp64 gradients, and y while its backward runs (the engine's buffers
   // count dx and d_topk_w); then the comparison's fp32 sums of the shared gradients over ranks.
-  memory.oracle = 8 * (routed + shared) + 8 * tokens * hidden +
-                  engine_bytes(shape, tokens, 1, 8, threads) + 4 * shared;
+  const double oracle_result = 8 * (routed + shared) + 8 * tokens * hidden;
+  memory.oracle = oracle_result + engine_bytes(shape, tokens, 1, 8, threads) + 4 * shared;
+  // An FP8 mode's yardstick, the quantized oracle, runs while the exact one's result (with dx
+  // and d_topk_w) is kept for the comparison.
+  if (quantized) {
+    memory.oracle +=
+        oracle_result + 8 * tokens * (hidden + top_k) + quantized_bytes(shape, tokens, 8, threads);
+  }
   return memory;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "mok/precision.hpp"
 #include "mok/shape.hpp"
 
 namespace mok::cli {
@@ -16,14 +17,15 @@ struct CpuMemory {
   double outputs = 0;  // y, dx, d_topk_w and the fp32 weight gradients of every rank
   double run = 0;      // the forward's or the backward's per-row buffers, whichever is larger
   double ep1_run = 0;  // --check, EP > 1: an EP=1 run's outputs and buffers, compared bitwise
-  double oracle = 0;   // --check: the fp64 oracle's gradients, outputs and per-row buffers
+  double oracle = 0;   // --check: the fp64 oracle's gradients, outputs and per-row buffers (and
+                       // in an FP8 mode the quantized yardstick's, beside the oracle's results)
 
   double peak() const;
   std::string describe() const;  // "weights 1.1 GiB, gradients and outputs 2.3 GiB, ..."
 };
 
 CpuMemory cpu_memory(const LayerShape& shape, int64_t tokens_per_rank, int64_t ep, bool check,
-                     int num_threads);
+                     int num_threads, Precision precision);
 
 // "7.9 GiB", or "12 MiB" below one GiB (rounded up).
 std::string format_bytes(double bytes);

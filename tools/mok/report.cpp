@@ -1,5 +1,6 @@
 #include "report.hpp"
 
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <utility>
@@ -44,6 +45,20 @@ std::vector<float> sum_over_ranks(const std::vector<float>& per_rank, int64_t ep
   return total;
 }
 
+// The oracle's tensors in the order of OracleCheck::lines.
+using OracleField = std::vector<double> reference::OracleResult::*;
+constexpr OracleField kOracleFields[] = {
+    &reference::OracleResult::y,
+    &reference::OracleResult::dx,
+    &reference::OracleResult::d_topk_w,
+    &reference::OracleResult::grad_gate,
+    &reference::OracleResult::grad_up,
+    &reference::OracleResult::grad_down,
+    &reference::OracleResult::grad_shared_gate,
+    &reference::OracleResult::grad_shared_up,
+    &reference::OracleResult::grad_shared_down,
+};
+
 }  // namespace
 
 void print_timings(const RunConfig& config, const RunResult& result) {
@@ -57,9 +72,16 @@ void print_timings(const RunConfig& config, const RunResult& result) {
   std::printf("checksum %016llx\n", static_cast<unsigned long long>(checksum(result.outputs)));
 }
 
+bool OracleCheck::Line::passed(Precision precision) const {
+  if (precision == Precision::kBf16) return stats.within(kBf16Tolerance);
+  return stats.non_finite == 0 &&
+         std::fabs(stats.relative_l2 - yardstick) <= kFp8YardstickTolerance * yardstick;
+}
+
 OracleCheck check_against_oracle(const RunConfig& config, const Problem& problem,
                                  const RunResult& result, const reference::Options& ep1_options,
-                                 const reference::Options& oracle_options) {
+                                 const reference::Options& oracle_options,
+                                 const reference::Options& yardstick_options) {
   const std::vector<reference::RankInputs> whole = problem.all_rank_inputs(1);
   OracleCheck check;
   if (config.ep > 1) {
@@ -73,8 +95,10 @@ OracleCheck check_against_oracle(const RunConfig& config, const Problem& problem
                      single.y.size() == result.outputs.y.size();
   }
 
+  reference::Options exact_options = oracle_options;
+  exact_options.precision = Precision::kBf16;  // bf16's oracle: no quantization at all
   const reference::OracleResult oracle =
-      std::move(reference::oracle(problem.shape, whole, true, oracle_options)[0]);
+      std::move(reference::oracle(problem.shape, whole, true, exact_options)[0]);
   const ProblemOutputs& out = result.outputs;
   auto add = [&check](const char* name, ErrorStats stats) { check.lines.push_back({name, stats}); };
   add("y", compare(std::span<const bf16>(out.y), oracle.y));
@@ -91,17 +115,39 @@ OracleCheck check_against_oracle(const RunConfig& config, const Problem& problem
     add("grad_shared_up", compare(std::span<const float>(up), oracle.grad_shared_up));
     add("grad_shared_down", compare(std::span<const float>(down), oracle.grad_shared_down));
   }
+  if (config.precision == Precision::kBf16) return check;
+
+  reference::Options quantized_options = yardstick_options;
+  quantized_options.precision = config.precision;
+  const reference::OracleResult yardstick =
+      std::move(reference::oracle(problem.shape, whole, true, quantized_options)[0]);
+  for (size_t index = 0; index < check.lines.size(); ++index) {
+    const auto field = kOracleFields[index];
+    check.lines[index].yardstick = compare(yardstick.*field, oracle.*field).relative_l2;
+  }
   return check;
 }
 
 bool print_check(const RunConfig& config, const OracleCheck& check) {
-  std::printf("check against the fp64 oracle (pass: rel-L2 <= %.0e, every element written):\n",
-              kBf16Tolerance);
+  if (config.precision == Precision::kBf16) {
+    std::printf("check against the fp64 oracle (pass: rel-L2 <= %.0e, every element written):\n",
+                kBf16Tolerance);
+  } else {
+    std::printf(
+        "check against the fp64 oracle (pass: rel-L2 within %.0f %% of the quantize-then-fp64 "
+        "yardstick's, every element written):\n",
+        kFp8YardstickTolerance * 100);
+  }
   bool passed = true;
   for (const OracleCheck::Line& line : check.lines) {
-    const bool line_passed = line.stats.within(kBf16Tolerance);
-    std::printf("  %-18s %s  %s\n", line.name, line.stats.describe().c_str(),
-                line_passed ? "ok" : "FAIL");
+    const bool line_passed = line.passed(config.precision);
+    if (config.precision == Precision::kBf16) {
+      std::printf("  %-18s %s  %s\n", line.name, line.stats.describe().c_str(),
+                  line_passed ? "ok" : "FAIL");
+    } else {
+      std::printf("  %-18s %s (yardstick %.2e)  %s\n", line.name, line.stats.describe().c_str(),
+                  line.yardstick, line_passed ? "ok" : "FAIL");
+    }
     passed &= line_passed;
   }
   if (check.ep_compared) {
@@ -128,13 +174,14 @@ std::string json_record(const RunConfig& config, const RunResult& result) {
     char line[640];
     std::snprintf(line, sizeof(line),
                   "    {\"name\": \"%s-ep%lld-%s\", \"preset\": \"%s\", \"ep\": %lld, "
-                  "\"tokens_per_rank\": %lld, \"precision\": \"bf16\", \"phase\": \"%s\", "
+                  "\"tokens_per_rank\": %lld, \"precision\": \"%s\", \"phase\": \"%s\", "
                   "\"backend\": \"%s\", \"routing\": \"%s\", \"mok_ms\": %.4f, \"baseline\": null, "
                   "\"baseline_ms\": null, \"speedup\": null, \"useful_tflops\": %.6f, "
                   "\"gbps\": null, \"dense_gemm_tflops\": null, \"checksum\": \"%016llx\"}%s\n",
                   preset.c_str(), static_cast<long long>(config.ep), phase.name, preset.c_str(),
                   static_cast<long long>(config.ep), static_cast<long long>(config.tokens_per_rank),
-                  phase.name, config.backend.c_str(), config.routing.name().c_str(), per_rank_ms,
+                  std::string(precision_name(config.precision)).c_str(), phase.name,
+                  config.backend.c_str(), config.routing.name().c_str(), per_rank_ms,
                   useful_tflops(phase.flops, per_rank_ms),
                   static_cast<unsigned long long>(checksum(result.outputs)),
                   index + 1 < all.size() ? "," : "");

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "mok/compare.hpp"
+#include "mok/precision.hpp"
 #include "mok/synthetic.hpp"
 
 namespace mok::cli {
@@ -14,6 +15,7 @@ struct RunConfig {
   std::string preset;       // the preset that gave the shape's defaults
   std::string shape_flags;  // the shape flags that overrode them ("--hidden 512 --top-k 2"), or ""
   LayerShape shape;
+  Precision precision = Precision::kBf16;
   int64_t tokens_per_rank = 0;
   int64_t ep = 1;
   Routing routing;
@@ -36,11 +38,16 @@ struct RunResult {
 void print_timings(const RunConfig& config, const RunResult& result);
 
 // The CPU run's check: every output against the fp64 oracle and, when EP > 1, bitwise against an
-// EP=1 run. Computed first, printed after, so that nothing is printed while a progress line shows.
+// EP=1 run. In an FP8 mode each output's error is judged against the yardstick's, the error of the
+// same quantized operands computed in fp64 (reference::oracle with the precision). Computed first,
+// printed after, so that nothing is printed while a progress line shows.
 struct OracleCheck {
   struct Line {
     const char* name;
     ErrorStats stats;
+    double yardstick = 0;  // FP8 modes: the yardstick's rel-L2 against the fp64 oracle
+
+    bool passed(Precision precision) const;
   };
   std::vector<Line> lines;
   bool ep_compared = false;  // EP > 1: the EP=1 run was made
@@ -49,10 +56,12 @@ struct OracleCheck {
 };
 
 // The EP=1 run (its outputs freed once fingerprinted) comes before the oracle, so that the two
-// never take memory at once; each reports progress through its own options.
+// never take memory at once; each reports progress through its own options (the oracles'
+// precision is set here: the exact oracle is bf16's, the yardstick config.precision's).
 OracleCheck check_against_oracle(const RunConfig& config, const Problem& problem,
                                  const RunResult& result, const reference::Options& ep1_options,
-                                 const reference::Options& oracle_options);
+                                 const reference::Options& oracle_options,
+                                 const reference::Options& yardstick_options);
 // One line per tensor; returns whether all passed.
 bool print_check(const RunConfig& config, const OracleCheck& check);
 

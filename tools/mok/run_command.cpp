@@ -28,7 +28,8 @@ prints the time of each phase, useful TFLOP/s, tokens/s and a checksum of every 
 output, and checks the result.
 
 backends:
-  cpu    the reference: forward and backward, EP virtual ranks one after another
+  cpu    the reference: forward and backward, EP virtual ranks one after another, in any
+         --precision
   cuda   the GPU layer, one GPU per rank (EP GPUs in this process): the fused forward and the
          GPU backward. --check compares y, dx and d_topk_w on a sample of tokens covering every
          expert that received tokens with the CPU reference (the weight gradients too where the
@@ -49,7 +50,12 @@ options:
   --ep R               expert-parallel ranks (default 1; must divide the number of experts)
   --backend B          auto | cpu | cuda (default auto: cuda when EP Hopper GPUs are present and
                        the layer fits them, else cpu)
-  --precision P        bf16 (default; fp8 and mxfp8 come later)
+  --precision P        bf16 (default), fp8 (E4M3, DeepSeek-V3 blocks of 128: H, I and I_S
+                       multiples of 128) or mxfp8 (E4M3, OCP MX blocks of 32: multiples of 32).
+                       fp8 and mxfp8 run on the cpu backend only (the GPU layer computes bf16
+                       only so far); their --check passes an output whose error against the fp64
+                       oracle is within 5 % of the error the quantization alone causes (the same
+                       quantized operands, everything else in fp64)
   --routing R          uniform | skewed:ALPHA | single-expert (default uniform)
   --seed S             seed of the synthetic data (default 0)
   --threads N          CPU threads (default: all; results do not depend on it)
@@ -100,6 +106,7 @@ void naming_flags(Step&& step) {
       {"tokens", "--tokens"},
       {"preset", "--preset"},
       {"routing", "--routing"},
+      {"precision", "--precision"},
   };
   try {
     step();
@@ -117,7 +124,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Every option but --backend, --precision and --json into a run configuration, checked.
+// Every option but --backend and --json into a run configuration, checked.
 RunConfig read_config(const Args& args) {
   RunConfig config;
   naming_flags([&] {
@@ -137,6 +144,8 @@ RunConfig read_config(const Args& args) {
   naming_flags([&] {
     config.shape.validate(config.ep);
     config.routing = Routing::parse(args.text("routing", "uniform"));
+    config.precision = parse_precision(args.text("precision", "bf16"));
+    validate_precision(config.shape, config.precision);
   });
   config.seed = static_cast<uint64_t>(args.integer("seed", 0, 0, INT64_MAX));
   config.num_threads = static_cast<int>(args.integer("threads", 0, 0, 1024));
@@ -148,7 +157,7 @@ RunConfig read_config(const Args& args) {
 // tokens when fewer fit (and how many), else the shape.
 CpuMemory check_cpu_memory(const RunConfig& config, int threads, const Args& args) {
   auto need = [&](int64_t tokens_per_rank, bool check) {
-    return cpu_memory(config.shape, tokens_per_rank, config.ep, check, threads);
+    return cpu_memory(config.shape, tokens_per_rank, config.ep, check, threads, config.precision);
   };
   const CpuMemory needed = need(config.tokens_per_rank, config.check);
   const double available = available_memory_bytes();
@@ -238,6 +247,7 @@ int run_cpu(const RunConfig& config, int threads, const CpuMemory& memory,
   ProgressLine progress_line(progress_mode);
   reference::Options options;
   options.num_threads = config.num_threads;
+  options.precision = config.precision;
   options.progress = progress_line.labelled("");
 
   RunResult result;
@@ -256,11 +266,12 @@ int run_cpu(const RunConfig& config, int threads, const CpuMemory& memory,
 
   bool passed = true;
   if (config.check) {
-    reference::Options ep1_options = options, oracle_options = options;
+    reference::Options ep1_options = options, oracle_options = options, yardstick_options = options;
     ep1_options.progress = progress_line.labelled("check (EP 1 run)");
     oracle_options.progress = progress_line.labelled("check (fp64 oracle)");
-    const OracleCheck check =
-        check_against_oracle(config, problem, result, ep1_options, oracle_options);
+    yardstick_options.progress = progress_line.labelled("check (quantize-then-fp64 yardstick)");
+    const OracleCheck check = check_against_oracle(config, problem, result, ep1_options,
+                                                   oracle_options, yardstick_options);
     progress_line.clear();
     passed = print_check(config, check);
   }
@@ -286,14 +297,14 @@ int run_command(const std::vector<std::string>& words) {
   args.forbid_together("check", "no-check");
   RunConfig config = read_config(args);
 
-  const std::string precision = args.text("precision", "bf16");
-  MOK_CHECK_ARG(precision == "bf16" || precision == "fp8" || precision == "mxfp8", "--precision",
-                "unknown precision '", precision, "' (bf16, fp8, mxfp8)");
-  MOK_CHECK_ARG(precision == "bf16", "--precision", precision,
-                " is not implemented in this version; use bf16");
+  const std::string precision(precision_name(config.precision));
   const std::string backend = args.text("backend", "auto");
   MOK_CHECK_ARG(backend == "auto" || backend == "cpu" || backend == "cuda", "--backend",
                 "unknown backend '", backend, "' (auto, cpu, cuda)");
+  const bool gpu_precision = config.precision == Precision::kBf16;
+  MOK_CHECK_ARG(backend != "cuda" || gpu_precision, "--backend", "cuda cannot run --precision ",
+                precision, ": the GPU layer computes bf16 only so far (--backend cpu runs ",
+                precision, " on the CPU reference)");
   const ProgressLine::Mode progress_mode = ProgressLine::mode_from_environment();
   // Checked (and, for "-", standard output set aside) before any work.
   std::unique_ptr<JsonOutput> json;
@@ -303,6 +314,9 @@ int run_command(const std::vector<std::string>& words) {
       backend == "cpu" ? "not asked for" : cuda_backend_unfit_reason(config);
   MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend",
                 "cuda cannot run here: ", cuda_unfit);
+  MOK_CHECK_ARG(!cuda_unfit.empty() || gpu_precision, "--precision", precision,
+                " runs on the CPU backend only: the GPU layer computes bf16 only so far (add "
+                "--backend cpu)");
   config.backend = cuda_unfit.empty() ? "cuda" : "cpu";
   if (config.backend == "cuda") return run_gpu(config, precision, json.get());
 
