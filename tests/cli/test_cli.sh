@@ -71,7 +71,7 @@ for precision in fp8 mxfp8; do
   expect 0 "EP 2 vs EP 1: .* bitwise equal" -- "$mok" run --backend cpu --precision "$precision" --ep 2 --tokens 96 --routing skewed:1.5
   expect 0 "^mok run: .*, EP 1, $precision, routing uniform" -- "$mok" run --backend cpu --precision "$precision" --tokens 8 --no-check
 done
-expect 0 '^  --precision P +bf16 \(default\), fp8 .* or mxfp8' -- "$mok" run --help
+expect 0 '^  --precision P +bf16 \(default\), fp8 \(E4M3, DeepSeek-V3 blocks of 128' -- "$mok" run --help
 expect 0 '^PASS$' -- "$mok" run --backend cpu --precision mxfp8 --hidden 96 --intermediate 32 --shared-intermediate 0 --tokens 40
 expect_error '^mok run: error: --backend: cuda cannot run --precision fp8: the GPU layer computes bf16 only so far \(--backend cpu runs fp8 on the CPU reference\)$' -- \
   "$mok" run --backend cuda --precision fp8
