@@ -45,6 +45,9 @@ struct CpuLayerInputs {
   HostTensor gate, up, down;                       // (E, I, H), (E, I, H), (E, H, I) bf16
   HostTensor shared_gate, shared_up, shared_down;  // (I_s, H), (I_s, H), (H, I_s); empty = none
   HostTensor dy;                                   // (T, H) bf16, backward only
+  // The precision mode: "bf16", "fp8" or "mxfp8" (mok/precision.hpp; the FP8 modes need H, I and
+  // I_s multiples of their block). Checked by the core.
+  std::string precision = "bf16";
 };
 
 // Fresh fp32 weight gradients in the separate layouts; shared ones null when there is none.

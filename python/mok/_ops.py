@@ -54,7 +54,8 @@ def _f32_like(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor
 
 
 @torch.library.register_fake("mok::forward")
-def _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace=0):
+def _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace=0,
+                  precision="bf16"):
     torch._check(x.dim() == 2, lambda: f"x: expected (T, H), got {x.dim()} dimensions")
     torch._check(topk_idx.shape == topk_w.shape, lambda: "topk_idx and topk_w: shapes differ")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -62,8 +63,9 @@ def _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_sh
 
 @torch.library.register_fake("mok::forward_save")
 def _forward_save_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
-                       workspace=0):
-    y = _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace)
+                       workspace=0, precision="bf16"):
+    y = _forward_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down, workspace,
+                      precision)
     if x.device.type != "cuda":  # the CPU backend keeps no context
         return y, x.new_empty((0,)), x.new_empty((0,))
     rows = saved_context_rows(workspace, x.shape[0], topk_idx.shape[1])
@@ -75,7 +77,8 @@ def _forward_save_fake(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
 
 @torch.library.register_fake("mok::backward")
 def _backward_fake(dy, x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
-                   workspace=0, bf16_grads=False, saved_gate_up=None, saved_shared_gate_up=None):
+                   workspace=0, bf16_grads=False, saved_gate_up=None, saved_shared_gate_up=None,
+                   precision="bf16"):
     def grad(weight):
         fp32 = _f32_like(weight, x.device)
         return fp32.to(torch.bfloat16) if bf16_grads else fp32
@@ -96,6 +99,7 @@ def _setup_context(ctx, inputs, output):
     saved = tuple(output[1:]) if isinstance(output, (tuple, list)) else ()
     ctx.save_for_backward(*inputs[:7], *saved)
     ctx.workspace = inputs[7] if len(inputs) > 7 else 0
+    ctx.precision = inputs[8] if len(inputs) > 8 else "bf16"
     ctx.num_inputs = len(inputs)
     ctx.has_shared = inputs[5] is not None
 
@@ -109,11 +113,12 @@ def _backward(ctx, grad_y, *grad_saved):
     dx, d_topk_w, grad_gate_up, grad_down, grad_sgu, grad_sd = torch.ops.mok.backward(
         grad_y.contiguous(), x, topk_idx, topk_w, w_gate_up, w_down,
         w_shared_gate_up, w_shared_down, ctx.workspace, bf16_grads, saved_gate_up, saved_shared_gate_up,
+        ctx.precision,
     )
     shared = ((grad_sgu.to(w_shared_gate_up.dtype), grad_sd.to(w_shared_down.dtype))
               if ctx.has_shared else (None, None))
     grads = (dx, None, d_topk_w.to(topk_w.dtype), grad_gate_up.to(w_gate_up.dtype),
-             grad_down.to(w_down.dtype), *shared, None)
+             grad_down.to(w_down.dtype), *shared, None, None)
     return grads[:ctx.num_inputs]
 
 

@@ -17,11 +17,19 @@ intermediate, E experts in all, E_l = E / R of them on this rank of R):
 
 What runs where:
     CPU tensors   forward and backward: mok's CPU backend (the reference, the GPU's rounding
-                  points), one rank.
+                  points), one rank, in any MoKConfig.precision.
     CUDA tensors  forward: mok's GPU layer (LayerForward) on the current CUDA stream, no host
                   synchronisation, EP over the workspace's process group, bitwise EP-invariant.
                   backward: mok's GPU backward (LayerBackward) on the current stream, no host
-                  synchronisation, EP over the same group.
+                  synchronisation, EP over the same group. bf16 only so far.
+
+Precision (MoKConfig.precision, from the workspace's config or forward's and backward's `config`):
+    "bf16"   bf16 operands, fp32 accumulation.
+    "fp8"    E4M3 GEMM operands, DeepSeek-V3 blocks (activations 1 x 128, weights 128 x 128);
+             H, I and I_s multiples of 128. CPU tensors only so far.
+    "mxfp8"  E4M3 with E8M0 scales per 1 x 32 (OCP MX); H, I and I_s multiples of 32. CPU only.
+    The quantization points are listed in docs/quantize.md; inputs, outputs and gradients keep the
+    dtypes above.
 
 The autograd context, two modes with the same bits (forward's `context`):
     "save"       (default) the forward also keeps the routed and shared gate/up pre-activations
@@ -43,7 +51,7 @@ from ._reference import fuse_gate_up, split_gate_up
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 CONTEXTS = ("save", "recompute")
-SUPPORTED_PRECISIONS = ("bf16",)
+GPU_PRECISIONS = ("bf16",)  # what the GPU layer computes so far; the CPU backend runs every one
 
 __all__ = [
     "ExpertWeights", "FusedExpertWeights", "MoKConfig", "LayerShape", "Workspace", "create_workspace",
@@ -114,7 +122,9 @@ class MoKConfig:
     ring_rows: rows of the ring that holds the rows this rank receives (and their hidden rows),
         at least 256. None sizes it for every row a call can route here (one round); fewer bound
         the memory, and any routing still runs, in further rounds through the ring (no token is
-        dropped). The CPU backend has no ring and ignores it."""
+        dropped). The CPU backend has no ring and ignores it.
+    precision: "bf16", "fp8" or "mxfp8" (the module docstring); the FP8 modes run on CPU tensors
+        only so far (the GPU layer computes bf16)."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -132,8 +142,12 @@ class MoKConfig:
                              f"blocks), got {self.ring_rows}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
-        if self.precision not in SUPPORTED_PRECISIONS:
-            raise ValueError(f"MoKConfig.precision: {self.precision} is not implemented in this version; use bf16")
+
+    def check_device(self, device) -> None:
+        """Raises NotImplementedError when the layer cannot compute this precision on `device`."""
+        if torch.device(device).type == "cuda" and self.precision not in GPU_PRECISIONS:
+            raise NotImplementedError(f"MoKConfig.precision: {self.precision} runs on CPU tensors only so far: "
+                                      "the GPU layer computes bf16 only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +235,7 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
     id, the group broadcasts it, and every rank makes its NCCL communicator and window from it."""
     device = torch.device(device)
     config = config or MoKConfig()
+    config.check_device(device)
     if max_tokens_per_rank <= 0:
         raise ValueError(f"max_tokens_per_rank: must be positive, got {max_tokens_per_rank}")
     if shape.top_k > shape.num_experts:
@@ -307,8 +322,19 @@ def build_schedule(topk_idx: torch.Tensor, num_experts: int) -> Schedule:
     return Schedule(counts, offsets, rows // k, rows % k)
 
 
+def _precision(x: torch.Tensor, workspace: Optional[Workspace], config: Optional[MoKConfig]) -> str:
+    """The call's precision: the workspace's config, else `config`, else bf16; checked for x's device."""
+    if workspace is not None and config is not None and config != workspace.config:
+        raise ValueError("config: differs from workspace.config (a call with a workspace computes with "
+                         "the workspace's config; pass one of the two)")
+    config = workspace.config if workspace is not None else config or MoKConfig()
+    config.check_device(x.device)
+    return config.precision
+
+
 def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weights: AnyExpertWeights,
-            workspace: Optional[Workspace] = None, context: str = "save") -> torch.Tensor:
+            workspace: Optional[Workspace] = None, context: str = "save",
+            config: Optional[MoKConfig] = None) -> torch.Tensor:
     """y = S(x) + sum_j topk_w[:, j] * F_{topk_idx[:, j]}(x), (T, H) bf16. Differentiable: autograd
     runs mok::backward (CPU: mok's CPU backend; CUDA: mok's GPU backward).
 
@@ -316,9 +342,12 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     needs `workspace` (get_workspace with the group); without one a CUDA call is EP = 1 on an
     automatic workspace. Device faults (an expert id out of range) surface at check_errors().
     context: what autograd keeps for the backward, "save" or "recompute" (module docstring); a
-    call that autograd does not record keeps nothing."""
+    call that autograd does not record keeps nothing. config: the MoKConfig of a call without a
+    workspace (its precision; a workspace brings its own). A precision other than bf16 on CUDA
+    tensors raises NotImplementedError: the GPU layer computes bf16 only so far."""
     if context not in CONTEXTS:
         raise ValueError(f"context: one of {CONTEXTS}, got {context!r}")
+    precision = _precision(x, workspace, config)
     fused = _fused(weights)
     if workspace is not None:
         workspace.check(x, topk_idx, fused)
@@ -326,8 +355,8 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     records = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_w, *fused))
     if context == "save" and records:
-        return torch.ops.mok.forward_save(x, topk_idx, topk_w, *fused, handle)[0]
-    return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, handle)
+        return torch.ops.mok.forward_save(x, topk_idx, topk_w, *fused, handle, precision)[0]
+    return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, handle, precision)
 
 
 @dataclasses.dataclass
@@ -339,16 +368,19 @@ class Gradients:
 
 def backward(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
              weights: AnyExpertWeights, main_grads: Optional[AnyExpertWeights] = None,
-             workspace: Optional[Workspace] = None) -> Gradients:
+             workspace: Optional[Workspace] = None, config: Optional[MoKConfig] = None) -> Gradients:
     """Gradients of the layer for upstream gradient dy, all weight gradients in fp32 and in the
     layout of `weights`. With `main_grads` (fp32 buffers of that layout), each gradient is also
     added to its buffer in place. Recomputes the forward internally: nothing is saved between the
-    calls. CUDA tensors: mok's GPU backward on the current stream (module docstring)."""
+    calls. CUDA tensors: mok's GPU backward on the current stream (module docstring). config: as
+    forward's."""
+    precision = _precision(x, workspace, config)
     fused = _fused(weights)
     if workspace is not None:
         workspace.check(x, topk_idx, fused)
     dx, d_topk_w, *grads = torch.ops.mok.backward(dy, x, topk_idx, topk_w, *fused,
-                                                  workspace.handle if workspace is not None else 0)
+                                                  workspace.handle if workspace is not None else 0,
+                                                  False, None, None, precision)
     has_shared = fused.w_shared_gate_up is not None
     grads = FusedExpertWeights(*grads[:2], *(grads[2:] if has_shared else (None, None)))
     if isinstance(weights, ExpertWeights):

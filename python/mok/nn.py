@@ -26,7 +26,9 @@ class MoE(nn.Module):
     of 8. Other dtypes are kept as given and cast to bf16 on every call.
 
     Input (..., H) of any float dtype (computed in bf16); output (..., H) bf16. CPU tensors run
-    mok's CPU backend, forward and backward. CUDA tensors run mok's GPU layer forward and backward.
+    mok's CPU backend, forward and backward, in `config.precision` (bf16, fp8 or mxfp8). CUDA
+    tensors run mok's GPU layer forward and backward (bf16 only so far: another precision raises
+    NotImplementedError).
 
     Expert parallelism: with `process_group` of R ranks, rank r holds experts r*E/R .. and the
     first CUDA call makes the workspace collectively (every rank calls the module). Its capacity is
@@ -138,7 +140,8 @@ class MoE(nn.Module):
             handle = self._workspace.handle
         weights = self.expert_weights()
         y = functional.forward(tokens.to(torch.bfloat16).contiguous(), topk_idx, topk_w.contiguous(),
-                               weights, self._workspace if handle else None, self.context)
+                               weights, self._workspace if handle else None, self.context,
+                               None if handle else self.config)
         return y.reshape(*leading, self.shape.hidden)
 
     def extra_repr(self) -> str:

@@ -11,20 +11,23 @@ from mok import functional as mf
 H, I, I_S, E, K, T = 64, 32, 48, 8, 2, 40  # noqa: E741  (I: the intermediate size, as in the shapes)
 
 
-def make_inputs(seed=0, shared=True, requires_grad=False):
+def make_inputs(seed=0, shared=True, requires_grad=False, sizes=(H, I, I_S, E, K, T)):
+    hidden, inter, shared_inter, experts, top_k, tokens = sizes
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
 
-    x = randn(T, H)
-    scores = torch.randn(T, E, generator=gen)
-    topk_w, topk_idx = scores.softmax(-1).topk(K, dim=-1)
+    x = randn(tokens, hidden)
+    scores = torch.randn(tokens, experts, generator=gen)
+    topk_w, topk_idx = scores.softmax(-1).topk(top_k, dim=-1)
     topk_idx = topk_idx.to(torch.int32)
     topk_idx[3, 1] = -1  # an unused slot
     weights = mf.ExpertWeights(
-        randn(E, I, H, scale=H ** -0.5), randn(E, I, H, scale=H ** -0.5), randn(E, H, I, scale=I ** -0.5),
-        *((randn(I_S, H, scale=H ** -0.5), randn(I_S, H, scale=H ** -0.5), randn(H, I_S, scale=I_S ** -0.5))
+        randn(experts, inter, hidden, scale=hidden ** -0.5), randn(experts, inter, hidden, scale=hidden ** -0.5),
+        randn(experts, hidden, inter, scale=inter ** -0.5),
+        *((randn(shared_inter, hidden, scale=hidden ** -0.5), randn(shared_inter, hidden, scale=hidden ** -0.5),
+           randn(hidden, shared_inter, scale=shared_inter ** -0.5))
           if shared else (None, None, None)))
     if requires_grad:
         x.requires_grad_(True)
@@ -37,20 +40,20 @@ def swiglu_ffn(x, gate, up, down):
     return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
 
 
-def torch_layer(x, topk_idx, topk_w, weights):
-    """The same layer in plain PyTorch, fp32 math on the bf16 values."""
-    xf = x.float()
+def torch_layer(x, topk_idx, topk_w, weights, dtype=torch.float32):
+    """The same layer in plain PyTorch, fp32 (or `dtype`) math on the bf16 values."""
+    xf = x.to(dtype)
     y = torch.zeros_like(xf)
     if weights.w_shared_gate is not None:
-        y = y + swiglu_ffn(xf, weights.w_shared_gate.float(), weights.w_shared_up.float(),
-                           weights.w_shared_down.float())
+        y = y + swiglu_ffn(xf, weights.w_shared_gate.to(dtype), weights.w_shared_up.to(dtype),
+                           weights.w_shared_down.to(dtype))
     for j in range(topk_idx.shape[1]):
         for expert in range(weights.w_gate.shape[0]):
             rows = (topk_idx[:, j] == expert).nonzero().flatten()
             if rows.numel() == 0:
                 continue
-            out = swiglu_ffn(xf[rows], weights.w_gate[expert].float(), weights.w_up[expert].float(),
-                             weights.w_down[expert].float())
+            out = swiglu_ffn(xf[rows], weights.w_gate[expert].to(dtype), weights.w_up[expert].to(dtype),
+                             weights.w_down[expert].to(dtype))
             y = y.index_add(0, rows, topk_w[rows, j, None] * out)
     return y
 
@@ -200,8 +203,8 @@ def test_errors_carry_the_core_message():
         mf.forward(x, idx, nan_w, weights)
     with pytest.raises(ValueError, match="give all three or none"):
         mf.forward(x, idx, w, weights._replace(w_shared_up=None))
-    with pytest.raises(ValueError, match="precision: fp8 is not implemented"):
-        mf.MoKConfig(precision="fp8")
+    with pytest.raises(ValueError, match="precision: unknown precision 'fp4'"):
+        mf.MoKConfig(precision="fp4")
     with pytest.raises(ValueError, match="num_comm_sms"):
         mf.MoKConfig(num_comm_sms=0)
     with pytest.raises(ValueError, match="ring_rows: the ring needs at least 256 rows"):
@@ -237,3 +240,146 @@ def test_cuda_forward_matches_the_cpu_backend():
     mf.check_errors(device="cuda")
     assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.bfloat16
     assert rel_l2(on_gpu.cpu(), mf.forward(x, idx, w, fused)) < 1e-2
+
+
+# ---- the FP8 precision modes on the CPU backend (MoKConfig.precision) -------------------------------
+
+# H, I, I_s multiples of 128 (fp8's blocks; mxfp8's 32 divide them), T not a multiple of any block.
+FP8_SIZES = (256, 128, 128, 8, 2, 72)
+# The quantization's own error: one E4M3 rounding is within 2^-4 relative and no output depends on
+# more than six rounded operands in a chain (x, W_gate / W_up, h, W_down; dy; d_gate / d_up), so
+# at most sqrt(6) * 2^-4 in the L2 sense (tests/cpu/test_reference_fp8.cpp). At least 2^-7: the
+# operands were quantized at all (bf16's own error is near 1e-3).
+FP8_ERROR_BOUND = 6 ** 0.5 * 2 ** -4
+FP8_ERROR_FLOOR = 2 ** -7
+
+
+def fp64_layer_grads(x, idx, w, weights, dy):
+    """The layer and its gradients in fp64 plain PyTorch from the same bf16 values."""
+    leaves = [x.detach().double().requires_grad_(), w.detach().double().requires_grad_()]
+    weight_leaves = [t.detach().double().requires_grad_() for t in weights]
+    y = torch_layer(leaves[0], idx, leaves[1], mf.ExpertWeights(*weight_leaves), torch.float64)
+    (y * dy.double()).sum().backward()
+    return y.detach(), leaves[0].grad, leaves[1].grad, [t.grad for t in weight_leaves]
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_fp8_modes_against_fp64_torch(precision):
+    config = mf.MoKConfig(precision=precision)
+    x, idx, w, weights = make_inputs(20, sizes=FP8_SIZES)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
+    y_exact, dx_exact, dw_exact, grads_exact = fp64_layer_grads(x, idx, w, weights, dy)
+    y = mf.forward(x, idx, w, weights, config=config)
+    grads = mf.backward(dy, x, idx, w, weights, config=config)
+    assert y.dtype == torch.bfloat16 and grads.dx.dtype == torch.bfloat16
+    errors = {"y": rel_l2(y, y_exact), "dx": rel_l2(grads.dx, dx_exact),
+              "d_topk_w": rel_l2(grads.d_topk_w, dw_exact)}
+    errors.update({name: rel_l2(mine, exact)
+                   for name, mine, exact in zip(weights._fields, grads.weights, grads_exact)})
+    for name, error in errors.items():
+        assert FP8_ERROR_FLOOR < error < FP8_ERROR_BOUND, f"{precision} {name}: rel-L2 {error:.3e}"
+    assert grads.d_topk_w[3, 1] == 0  # the unused slot
+    # bf16 on the same data: the quantization is what the FP8 errors measure.
+    assert rel_l2(mf.forward(x, idx, w, weights), y_exact) < 1e-2
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_fp8_modes_are_bitwise_repeatable_and_distinct(precision):
+    x, idx, w, weights = make_inputs(22, sizes=FP8_SIZES)
+    config = mf.MoKConfig(precision=precision)
+    first = mf.forward(x, idx, w, weights, config=config)
+    assert torch.equal(first.view(torch.int16), mf.forward(x, idx, w, weights, config=config).view(torch.int16))
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16)
+    grads = mf.backward(dy, x, idx, w, weights, config=config)
+    again = mf.backward(dy, x, idx, w, weights, config=config)
+    assert torch.equal(grads.dx.view(torch.int16), again.dx.view(torch.int16))
+    assert torch.equal(grads.d_topk_w, again.d_topk_w)
+    for mine, theirs in zip(grads.weights, again.weights):
+        assert torch.equal(mine, theirs)
+    others = [p for p in mf.PRECISIONS if p != precision]
+    for other in others:
+        assert not torch.equal(first, mf.forward(x, idx, w, weights, config=mf.MoKConfig(precision=other)))
+    # A workspace brings its config: the same bits as the config alone.
+    workspace = mf.create_workspace(mf.LayerShape(256, 128, 8, 2, 128), x.shape[0], "cpu", config=config)
+    assert torch.equal(first, mf.forward(x, idx, w, weights, workspace=workspace))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+@pytest.mark.parametrize("context", ["save", "recompute"])
+def test_fp8_autograd_through_forward_equals_functional_backward(precision, context):
+    config = mf.MoKConfig(precision=precision)
+    x, idx, w, weights = make_inputs(24, requires_grad=True, sizes=FP8_SIZES)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(25)).to(torch.bfloat16)
+    mf.forward(x, idx, w, weights, context=context, config=config).backward(dy)
+    grads = mf.backward(dy, x.detach(), idx, w.detach(), mf.ExpertWeights(*(t.detach() for t in weights)),
+                        config=config)
+    assert torch.equal(x.grad, grads.dx)
+    assert torch.equal(w.grad, grads.d_topk_w)
+    for name, weight, grad in zip(weights._fields, weights, grads.weights):
+        assert torch.equal(weight.grad, grad.to(torch.bfloat16)), name
+    # The bf16 backward of the same call differs: autograd ran the precision's backward.
+    bf16 = mf.backward(dy, x.detach(), idx, w.detach(), mf.ExpertWeights(*(t.detach() for t in weights)))
+    assert not torch.equal(bf16.dx, grads.dx)
+
+
+def test_fp8_opcheck_forward_and_backward():
+    x, idx, w, weights = make_inputs(26, requires_grad=True, sizes=FP8_SIZES)
+    fused = [t.detach().requires_grad_(True) for t in weights.fused()]
+    torch.library.opcheck(torch.ops.mok.forward.default, (x, idx, w, *fused, 0, "fp8"))
+    torch.library.opcheck(torch.ops.mok.forward_save.default, (x, idx, w, *fused, 0, "mxfp8"))
+    dy = torch.randn(x.shape).to(torch.bfloat16)
+    detached = [t.detach() for t in fused]
+    torch.library.opcheck(torch.ops.mok.backward.default,
+                          (dy, x.detach(), idx, w.detach(), *detached, 0, False, None, None, "fp8"))
+
+
+def test_module_in_an_fp8_mode():
+    torch.manual_seed(2)
+    hidden, inter, num_experts, top_k, shared_inter = 256, 128, 8, 2, 128
+    layer = mok.nn.MoE(hidden, inter, num_experts, top_k, shared_intermediate=shared_inter,
+                       config=mf.MoKConfig(precision="mxfp8"))
+    x = torch.randn(2, 20, hidden)
+    y = layer(x)
+    tokens = x.reshape(-1, hidden)
+    idx, w = layer.route(tokens)
+    expected = mf.forward(tokens.to(torch.bfloat16), idx, w, layer.expert_weights(),
+                          config=mf.MoKConfig(precision="mxfp8"))
+    assert torch.equal(y.reshape(-1, hidden), expected)
+    assert not torch.equal(expected, mf.forward(tokens.to(torch.bfloat16), idx, w, layer.expert_weights()))
+    y.float().square().mean().backward()
+    assert layer.w_gate_up.grad is not None and layer.w_gate_up.grad.abs().sum() > 0
+
+
+def test_fp8_errors():
+    x, idx, w, weights = make_inputs(27)  # H 64, I 32, I_s 48
+    with pytest.raises(ValueError, match="hidden: fp8 needs a multiple of 128, got 64"):
+        mf.forward(x, idx, w, weights, config=mf.MoKConfig(precision="fp8"))
+    with pytest.raises(ValueError, match="shared_intermediate: mxfp8 needs a multiple of 32, got 48"):
+        mf.backward(torch.zeros_like(x), x, idx, w, weights, config=mf.MoKConfig(precision="mxfp8"))
+    with pytest.raises(ValueError, match="precision: unknown precision 'fp4'"):
+        torch.ops.mok.forward(x, idx, w, *weights.fused(), 0, "fp4")
+    workspace = mf.create_workspace(mf.LayerShape(H, I, E, K, I_S), T, "cpu")
+    with pytest.raises(ValueError, match="config: differs from workspace.config"):
+        mf.forward(x, idx, w, weights, workspace=workspace, config=mf.MoKConfig(precision="fp8"))
+    # The GPU layer computes bf16 only so far: refused before any CUDA call.
+    for precision in ("fp8", "mxfp8"):
+        with pytest.raises(NotImplementedError, match=f"precision: {precision} runs on CPU tensors only so far: "
+                                                      "the GPU layer computes bf16 only"):
+            mf.create_workspace(mf.LayerShape(256, 128, 8, 2), 64, "cuda", config=mf.MoKConfig(precision=precision))
+    with pytest.raises(NotImplementedError, match="the GPU layer computes bf16 only"):
+        mf.MoKConfig(precision="fp8").check_device("cuda:1")
+    mf.MoKConfig(precision="fp8").check_device("cpu")
+    mf.MoKConfig().check_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_refuse_fp8_modes():
+    x, idx, w, weights = make_inputs(28, sizes=FP8_SIZES)
+    fused = mf.FusedExpertWeights(*(t.cuda() for t in weights.fused()))
+    config = mf.MoKConfig(precision="fp8")
+    with pytest.raises(NotImplementedError, match="the GPU layer computes bf16 only"):
+        mf.forward(x.cuda(), idx.cuda(), w.cuda(), fused, config=config)
+    with pytest.raises(NotImplementedError, match="the GPU layer computes bf16 only"):
+        mf.backward(x.cuda(), x.cuda(), idx.cuda(), w.cuda(), fused, config=config)
+    with pytest.raises(ValueError, match="precision: mxfp8 runs on CPU tensors only so far"):
+        torch.ops.mok.forward(x.cuda(), idx.cuda(), w.cuda(), *fused, 0, "mxfp8")

@@ -2,6 +2,7 @@
 #include <utility>
 
 #include "mok/error.hpp"
+#include "mok/precision.hpp"
 #include "mok/reference.hpp"
 #include "mok/shape.hpp"
 #include "mok/torch_bridge.hpp"
@@ -41,6 +42,12 @@ reference::RankInputs rank_inputs(const CpuLayerInputs& inputs, bool has_shared)
   return rank;
 }
 
+reference::Options options_of(const CpuLayerInputs& inputs) {
+  reference::Options options;
+  options.precision = parse_precision(inputs.precision);
+  return options;
+}
+
 // Runs `body`, turning the core's mok::Error into the bridge's CoreError (same message).
 template <class Body>
 void translating_errors(Body&& body) {
@@ -61,7 +68,7 @@ void cpu_forward(const Shape& shape, const CpuLayerInputs& inputs, void* y) {
     const reference::RankInputs rank = rank_inputs(inputs, layer.has_shared());
     reference::RankOutputs outputs;
     outputs.y = mutable_view<bf16>(y, inputs.x.sizes);
-    reference::forward(layer, {&rank, 1}, {&outputs, 1});
+    reference::forward(layer, {&rank, 1}, {&outputs, 1}, options_of(inputs));
   });
 }
 
@@ -81,7 +88,7 @@ void cpu_backward(const Shape& shape, const CpuLayerInputs& inputs,
       outputs.grads.shared_up = mutable_view<float>(grads.shared_up, inputs.shared_up.sizes);
       outputs.grads.shared_down = mutable_view<float>(grads.shared_down, inputs.shared_down.sizes);
     }
-    reference::backward(layer, {&rank, 1}, {&outputs, 1}, GradMode::kOverwrite);
+    reference::backward(layer, {&rank, 1}, {&outputs, 1}, GradMode::kOverwrite, options_of(inputs));
   });
 }
 

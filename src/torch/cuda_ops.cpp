@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "mok/torch_bridge.hpp"
 #include "torch_args.hpp"
 
@@ -35,6 +37,13 @@ Tensor int32_ids(const Tensor& topk_idx) {
   return topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
 }
 
+// The GPU layer computes bf16 only so far; the FP8 modes run on CPU tensors (the CPU backend).
+void check_gpu_precision(c10::string_view precision) {
+  MOK_TORCH_CHECK(precision == "bf16",
+                  "precision: ", std::string(precision.data(), precision.size()),
+                  " runs on CPU tensors only so far: the GPU layer computes bf16 only");
+}
+
 using SaveResult = std::tuple<Tensor, Tensor, Tensor>;
 
 // The forward; save: also the context a save-mode backward reads (y, saved gate/up pre-activations
@@ -42,8 +51,9 @@ using SaveResult = std::tuple<Tensor, Tensor, Tensor>;
 SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                        const Tensor& w_gate_up, const Tensor& w_down,
                        const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
-                       int64_t workspace, bool save) {
+                       int64_t workspace, c10::string_view precision, bool save) {
   return core_errors_as_value_errors([&] {
+    check_gpu_precision(precision);
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     const c10::cuda::CUDAGuard device_guard(x.device());
@@ -80,17 +90,18 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
 Tensor forward_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                     const Tensor& w_gate_up, const Tensor& w_down,
                     const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
-                    int64_t workspace) {
+                    int64_t workspace, c10::string_view precision) {
   return std::get<0>(run_forward(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up,
-                                 w_shared_down, workspace, /*save=*/false));
+                                 w_shared_down, workspace, precision, /*save=*/false));
 }
 
 SaveResult forward_save_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                              const Tensor& w_gate_up, const Tensor& w_down,
                              const OptionalTensor& w_shared_gate_up,
-                             const OptionalTensor& w_shared_down, int64_t workspace) {
+                             const OptionalTensor& w_shared_down, int64_t workspace,
+                             c10::string_view precision) {
   return run_forward(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
-                     workspace, /*save=*/true);
+                     workspace, precision, /*save=*/true);
 }
 
 // A saved context's tensor, checked against what this call's forward would have made; null when
@@ -112,8 +123,10 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
                              const OptionalTensor& w_shared_gate_up,
                              const OptionalTensor& w_shared_down, int64_t workspace,
                              bool bf16_grads, const OptionalTensor& saved_gate_up,
-                             const OptionalTensor& saved_shared_gate_up) {
+                             const OptionalTensor& saved_shared_gate_up,
+                             c10::string_view precision) {
   return core_errors_as_value_errors([&] {
+    check_gpu_precision(precision);
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     check_tensor(dy, "dy", at::kBFloat16, x.device());

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -63,7 +64,7 @@ struct CpuCall {
 CpuCall cpu_call(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                  const Tensor& w_gate_up, const Tensor& w_down,
                  const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
-                 int64_t workspace) {
+                 int64_t workspace, c10::string_view precision) {
   CpuCall call;
   call.layer =
       read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
@@ -85,6 +86,7 @@ CpuCall cpu_call(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
   call.inputs.gate = host_tensor(call.gate);
   call.inputs.up = host_tensor(call.up);
   call.inputs.down = host_tensor(w_down);
+  call.inputs.precision = std::string(precision.data(), precision.size());
   if (call.layer.has_shared) {
     call.shared_gate = deinterleave(*w_shared_gate_up, 0);
     call.shared_up = deinterleave(*w_shared_gate_up, 1);
@@ -98,10 +100,10 @@ CpuCall cpu_call(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
 Tensor forward_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                    const Tensor& w_gate_up, const Tensor& w_down,
                    const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
-                   int64_t workspace) {
+                   int64_t workspace, c10::string_view precision) {
   return core_errors_as_value_errors([&] {
     CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
-                            workspace);
+                            workspace, precision);
     Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
     bridge::cpu_forward(call.layer.shape, call.inputs, y.data_ptr());
     return y;
@@ -115,9 +117,9 @@ std::tuple<Tensor, Tensor, Tensor> forward_save_cpu(const Tensor& x, const Tenso
                                                     const Tensor& w_down,
                                                     const OptionalTensor& w_shared_gate_up,
                                                     const OptionalTensor& w_shared_down,
-                                                    int64_t workspace) {
+                                                    int64_t workspace, c10::string_view precision) {
   Tensor y = forward_cpu(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
-                         workspace);
+                         workspace, precision);
   return {y, at::empty({0}, x.options()), at::empty({0}, x.options())};
 }
 
@@ -128,10 +130,11 @@ BackwardResult backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& top
                             const OptionalTensor& w_shared_gate_up,
                             const OptionalTensor& w_shared_down, int64_t workspace, bool bf16_grads,
                             const OptionalTensor& /*saved_gate_up*/,
-                            const OptionalTensor& /*saved_shared_gate_up*/) {
+                            const OptionalTensor& /*saved_shared_gate_up*/,
+                            c10::string_view precision) {
   return core_errors_as_value_errors([&] {
     CpuCall call = cpu_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down,
-                            workspace);
+                            workspace, precision);
     check_tensor(dy, "dy", at::kBFloat16, x.device());
     check_sizes(dy, "dy", {x.size(0), x.size(1)}, "(T, H)");
     call.inputs.dy = host_tensor(dy);
@@ -230,22 +233,24 @@ void reset_after_error_op(int64_t, int64_t) {
 
 TORCH_LIBRARY(mok, m) {
   // workspace: a handle from create_workspace; 0 = none (CPU) or the automatic EP = 1 workspace
-  // of the tensors' GPU.
+  // of the tensors' GPU. precision: "bf16", "fp8" or "mxfp8" (MoKConfig.precision); the FP8 modes
+  // run on CPU tensors only so far (the GPU layer computes bf16).
   m.def(
       "forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
-      "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> Tensor");
+      "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
+      "str precision=\"bf16\") -> Tensor");
   // The forward that also returns what a save-mode backward reads: the gate/up pre-activations
   // (rows, 2I) and the shared expert's (T, 2I_s) bf16 (empty on CPU: its backward recomputes).
   m.def(
       "forward_save(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
-      "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0) -> "
-      "(Tensor, Tensor, Tensor)");
+      "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
+      "str precision=\"bf16\") -> (Tensor, Tensor, Tensor)");
   // saved_*: forward_save's context (save mode), or None (recompute mode): the same bits.
   m.def(
       "backward(Tensor dy, Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, "
       "Tensor w_down, Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
-      "bool bf16_grads=False, Tensor? saved_gate_up=None, Tensor? saved_shared_gate_up=None) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool bf16_grads=False, Tensor? saved_gate_up=None, Tensor? saved_shared_gate_up=None, "
+      "str precision=\"bf16\") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("nccl_unique_id() -> Tensor", &nccl_unique_id_op);
   m.def(
       "create_workspace(Tensor unique_id, int rank, int num_ranks, int device, int hidden, "
