@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
@@ -174,37 +175,40 @@ Communicator Communicator::wrap(ncclComm_t comm) {
 #endif
 }
 
-const std::vector<Communicator>& local_communicators(int ep) {
+namespace {
+
+// The communicators of `ep` ranks (emulated on one GPU or not), made by make() on first use and
+// kept until the process ends: NCCL communicators are costly to make.
+const std::vector<Communicator>& kept_communicators(
+    bool emulated, int ep, const std::function<std::vector<Communicator>()>& make) {
   static std::mutex mutex;
-  static auto* made = new std::map<int, std::vector<Communicator>>();  // kept until exit
+  static auto* made = new std::map<std::pair<bool, int>, std::vector<Communicator>>();
   std::lock_guard<std::mutex> lock(mutex);
-  auto found = made->find(ep);
+  auto found = made->find({emulated, ep});
   if (found != made->end()) return found->second;
-  int num_devices = 0;
-  MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
-  MOK_CHECK_ARG(ep >= 1 && ep <= num_devices, "--ep", "EP ", ep, " needs ", ep,
-                " GPUs in this process, ", num_devices, " visible");
-  std::vector<Communicator> comms;
-  if (ep == 1) {
-    comms.push_back(Communicator::single(0));
-  } else {
+  return made->emplace(std::make_pair(emulated, ep), make()).first->second;
+}
+
+}  // namespace
+
+const std::vector<Communicator>& local_communicators(int ep) {
+  return kept_communicators(/*emulated=*/false, ep, [ep] {
+    int num_devices = 0;
+    MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
+    MOK_CHECK_ARG(ep >= 1 && ep <= num_devices, "--ep", "EP ", ep, " needs ", ep,
+                  " GPUs in this process, ", num_devices, " visible");
+    if (ep == 1) return std::vector<Communicator>{Communicator::single(0)};
     std::vector<int> devices;
     for (int device = 0; device < ep; ++device) devices.push_back(device);
-    comms = Communicator::create_local(devices);
-  }
-  return made->emplace(ep, std::move(comms)).first->second;
+    return Communicator::create_local(devices);
+  });
 }
 
 const std::vector<Communicator>& emulated_communicators(int ep) {
-  static std::mutex mutex;
-  static auto* made = new std::map<int, std::vector<Communicator>>();  // kept until exit
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = made->find(ep);
-  if (found != made->end()) return found->second;
-  return made
-      ->emplace(ep, ep == 1 ? std::vector<Communicator>{Communicator::single(0)}
-                            : Communicator::emulate(0, ep))
-      .first->second;
+  return kept_communicators(/*emulated=*/true, ep, [ep] {
+    return ep == 1 ? std::vector<Communicator>{Communicator::single(0)}
+                   : Communicator::emulate(0, ep);
+  });
 }
 
 void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn) {
