@@ -156,9 +156,14 @@ MOK_HOST_DEVICE float one_plus_exp(float t) {
 
 MOK_HOST_DEVICE float sigmoid(float x) { return div_rn(1.0f, one_plus_exp(-x)); }
 
+// h = silu(g) * u from s = sigmoid(g): the one formula for every caller that has s already.
+MOK_HOST_DEVICE float swiglu_from_sigmoid(float gate, float up, float s) {
+  return mul_rn(mul_rn(gate, s), up);
+}
+
 // h = silu(g) * u, in fp32 from the GEMM's fp32 accumulators (the caller rounds h for storage).
 MOK_HOST_DEVICE float swiglu(float gate, float up) {
-  return mul_rn(mul_rn(gate, sigmoid(gate)), up);
+  return swiglu_from_sigmoid(gate, up, sigmoid(gate));
 }
 
 struct SwiGluGrad {
@@ -168,11 +173,14 @@ struct SwiGluGrad {
 
 // Given d_h, the gradient of h = silu(g) * u:
 //   d_up = d_h * silu(g),  d_gate = d_h * u * s * (1 + g * (1 - s)),  s = sigmoid(g).
-MOK_HOST_DEVICE SwiGluGrad swiglu_backward(float gate, float up, float d_h) {
-  const float s = sigmoid(gate);
+// s = sigmoid(g), computed by the caller.
+MOK_HOST_DEVICE SwiGluGrad swiglu_backward_from_sigmoid(float gate, float up, float d_h, float s) {
   const float silu = mul_rn(gate, s);
   const float d_silu = add_rn(1.0f, mul_rn(gate, add_rn(1.0f, -s)));
   return {mul_rn(mul_rn(mul_rn(d_h, up), s), d_silu), mul_rn(d_h, silu)};
+}
+MOK_HOST_DEVICE SwiGluGrad swiglu_backward(float gate, float up, float d_h) {
+  return swiglu_backward_from_sigmoid(gate, up, d_h, sigmoid(gate));
 }
 
 #if !defined(__CUDA_ARCH__)

@@ -53,10 +53,15 @@ __device__ __forceinline__ float reciprocal_rn(float d) {
   return __fmaf_rn(error, approximate, approximate);
 }
 
+// numerics::sigmoid for |g| < kFastSwiGluGateLimit: the same bits (1 + exp(-g) lies in
+// [1, 2^126) there, where reciprocal_rn is the correctly rounded 1 / d).
+__device__ __forceinline__ float sigmoid_fast(float gate) {
+  return reciprocal_rn(one_plus_exp_fast(-gate));
+}
+
 // numerics::swiglu for |g| < kFastSwiGluGateLimit, with the same rounding points.
 __device__ __forceinline__ float swiglu_fast(float gate, float up) {
-  const float denominator = one_plus_exp_fast(-gate);
-  return numerics::mul_rn(numerics::mul_rn(gate, reciprocal_rn(denominator)), up);
+  return numerics::swiglu_from_sigmoid(gate, up, sigmoid_fast(gate));
 }
 
 // In the (64, N) accumulator fragment of an 8-interleaved gate/up tile, accum[0, kNumAccumulators)

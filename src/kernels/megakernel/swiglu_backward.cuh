@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/swiglu.cuh"
 #include "mok/detail/numerics.hpp"
 
 namespace mok::megakernel {
@@ -77,14 +78,34 @@ __device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int6
       const float* grad = reinterpret_cast<const float*>(&grad_vector[u][0]);
       __align__(16) __nv_bfloat16 d_gate[kSwiGluBlock], d_up[kSwiGluBlock],
           hidden_out[kSwiGluBlock];
+      // sigmoid(a) once per element, branch-free when the block's gates allow it (the same bits
+      // as numerics::sigmoid: gemm/swiglu.cuh); it was the kernel's cost (perf-notes/backward.md).
+      float sigmoids[kSwiGluBlock];
+      bool all_fast = true;
+#pragma unroll
+      for (int i = 0; i < kSwiGluBlock; ++i) {
+        all_fast &= gemm::swiglu_gate_is_fast(__bfloat162float(gate_values[i]));
+      }
+      if (all_fast) {
+#pragma unroll
+        for (int i = 0; i < kSwiGluBlock; ++i) {
+          sigmoids[i] = gemm::sigmoid_fast(__bfloat162float(gate_values[i]));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kSwiGluBlock; ++i) {
+          sigmoids[i] = numerics::sigmoid(__bfloat162float(gate_values[i]));
+        }
+      }
 #pragma unroll
       for (int i = 0; i < kSwiGluBlock; ++i) {
         const float gate = __bfloat162float(gate_values[i]);
         const float up = __bfloat162float(up_values[i]);
-        const float hidden = __bfloat162float(__float2bfloat16_rn(numerics::swiglu(gate, up)));
+        const float hidden = __bfloat162float(
+            __float2bfloat16_rn(numerics::swiglu_from_sigmoid(gate, up, sigmoids[i])));
         dot = numerics::add_rn(dot, numerics::mul_rn(grad[i], hidden));
-        const numerics::SwiGluGrad d =
-            numerics::swiglu_backward(gate, up, numerics::mul_rn(weight, grad[i]));
+        const numerics::SwiGluGrad d = numerics::swiglu_backward_from_sigmoid(
+            gate, up, numerics::mul_rn(weight, grad[i]), sigmoids[i]);
         d_gate[i] = __float2bfloat16_rn(d.d_gate);
         d_up[i] = __float2bfloat16_rn(d.d_up);
         hidden_out[i] = __float2bfloat16_rn(numerics::mul_rn(weight, hidden));
