@@ -132,7 +132,10 @@ void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stre
   MOK_CHECK_ARG(ws.layout().has_expert_y(), "workspace",
                 "the standalone combine push needs expert_y; this workspace (a fused forward's) "
                 "has none");
-  launch_copy(ws, config, stream, combine_push_kernel);
+  // One rank: no row to push (combine.cuh), one CTA raises the flag.
+  CopyConfig one_cta = config;
+  if (ws.layout().num_ranks == 1 && config.num_ctas >= 0) one_cta.num_ctas = 1;
+  launch_copy(ws, one_cta, stream, combine_push_kernel);
 }
 
 void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_output, bf16* y,
