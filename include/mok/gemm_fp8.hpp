@@ -1,5 +1,6 @@
-// The FP8 grouped expert GEMM on Hopper (sm_90a), forward: the DeepSeek-V3 recipe (DESIGN.md §3,
-// precision mode `fp8`), over the same grouped layout as mok/gemm.hpp's grouped_forward.
+// The FP8 grouped expert GEMMs on Hopper (sm_90a), forward, dgrad and wgrad: the DeepSeek-V3
+// recipe (DESIGN.md §3, precision mode `fp8`), over the same grouped layout as mok/gemm.hpp's
+// grouped_forward / grouped_dgrad / grouped_wgrad.
 //
 //   y[m, n] = sum over k-blocks kb of (x_scales[m, kb] · w_scales[e, n / 128, kb]) · P[m, n, kb]
 //   P[m, n, kb] = sum over k in kb of x[m, k] · w[e, n, k]   (E4M3 values, 128 of K)
@@ -7,6 +8,9 @@
 // x and w are E4M3 (fn) bytes with fp32 scales in exactly the layouts mok/quantize.hpp's kFp8
 // quantizers produce: x (capacity_rows, k) per 1 x 128 block (x_scales (capacity_rows, k / 128)),
 // w (E, n, k) per 128 x 128 block (w_scales (E, ceil(n / 128), k / 128)).
+//
+// FP8 wgmma takes K-major operands only, so every operand is passed with the GEMM's K contiguous:
+// the dgrad reads the transposed weight and the wgrad the transposed activations (below).
 //
 // Each P is summed by the tensor cores (whose FP8 accumulation keeps fewer bits than fp32, so P
 // carries a small error of its own, bounded in tests/gpu/test_gemm_fp8.cu) and promoted into fp32
@@ -32,5 +36,60 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
                          const uint8_t* w, const float* w_scales, const int* expert_offsets,
                          void* y, ForwardOutput output, cudaStream_t stream,
                          const LaunchOptions& options = {});
+
+// dx_e = dy_e · W_e from FP8 operands: the forward kernel with K = n, N = k, on the transposed
+// weight (E, k, n):
+//
+//   dx[m, j] = sum over n-blocks nb of (dy_scales[m, nb] · w_t_scales[e, j / 128, nb]) · P,
+//   P = sum over n in nb of dy[m, n] · w_t[e, j, n]
+//
+// dy (capacity_rows, n) E4M3, dy_scales (capacity_rows, n / 128): quantize::describe(kFp8, 1,
+// capacity_rows, n, 1, 128, false), i.e. 1 x 128 along n. w_t (E, k, n) E4M3, w_t_scales (E,
+// ceil(k / 128), n / 128): the 128 x 128 quantization of the transposed weight W_eᵀ (k, n),
+// quantize::describe(kFp8, E, k, n, 128, 128, false) on it. (A 128 x 128 block's scale is its
+// amax, which transposing does not change, so this is exactly the forward weight's quantization
+// (E, n, k) with each block's bytes transposed and the scale matrix transposed per expert:
+// w_t[e, j, i] = w[e, i, j], w_t_scales[e, jb, ib] = w_scales[e, ib, jb] — for k a multiple of
+// 128, as the forward needs.) shape is the forward's: shape.n a positive multiple of 128 (the
+// dgrad's K), shape.k a positive multiple of 8; rows as in grouped_forward; dy, w_t, dx 16-byte
+// aligned. dx (capacity_rows, k), bf16 or fp32; rows outside the experts' are not written.
+void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float* dy_scales,
+                       const uint8_t* w_t, const float* w_t_scales, const int* expert_offsets,
+                       void* dx, DgradOutput output, cudaStream_t stream,
+                       const LaunchOptions& options = {});
+
+// dw_e = dy_eᵀ · x_e from FP8 operands quantized along the tokens, summed over the expert's rows
+// in row order, 128 rows per promotion:
+//
+//   dw[e, i, j] = sum over the expert's row blocks rb of
+//                 (dy_t_scales[i, rb] · x_t_scales[j, rb]) · P,
+//   P = sum over rows r in rb of dy_t[i, r] · x_t[j, r]
+//
+// dy_t (n, capacity_rows) E4M3 with dy_t_scales (n, capacity_rows / 128), and x_t (k,
+// capacity_rows) with x_t_scales (k, capacity_rows / 128): the transposed kFp8 quantizations of
+// dy (capacity_rows, n) and x (capacity_rows, k), quantize::describe(kFp8, 1, capacity_rows,
+// n (or k), 1, 128, /*transposed=*/true) — one scale per (feature, block of 128 rows), blocks of
+// 128 rows from row 0 of the tensor.
+//
+// Rows: shape.capacity_rows a positive multiple of 128 (the quantizer's blocks); every expert
+// with rows must start on a 128-row boundary (expert_offsets[e] % 128 == 0: the layer's
+// tile-padded layout, mok/shape.hpp kRowBlock; the kernel traps otherwise, as the host never
+// reads the offsets), so that its row blocks are its own. Its rows are expert_offsets[e] ..
+// + expert_counts[e] (or .. expert_offsets[e + 1]); in its last, partial block the rows past the
+// count are zeroed on chip, never summed, whatever they hold (padding or the next expert's rows).
+// That block's scales are the quantizer's over all of its 128 rows: they equal a quantization
+// of the expert's rows alone (src/reference/quantized_engine.cpp's weight_grads) when the padding
+// rows are zero before quantizing — as they are in the layer's padded layout; otherwise
+// their amax may only coarsen the block's scale.
+//
+// shape.n, shape.k positive multiples of 8; dy_t, x_t 16-byte aligned, dw 16-byte aligned.
+// output: kFp32 / kBf16 write dw (E, n, k) (zeros for an expert without rows); kAccumulateFp32
+// starts every element's sum from main_grad (E, n, k) fp32, dw, and adds the blocks in order
+// (an expert without rows leaves it unchanged). No split-K, no atomics: every element is summed
+// by one CTA, so results are bitwise identical across runs and LaunchOptions::num_sms.
+void grouped_wgrad_fp8(const GroupedShape& shape, const uint8_t* dy_t, const float* dy_t_scales,
+                       const uint8_t* x_t, const float* x_t_scales, const int* expert_offsets,
+                       void* dw, WgradOutput output, cudaStream_t stream,
+                       const LaunchOptions& options = {});
 
 }  // namespace mok::gemm

@@ -1,10 +1,12 @@
-// Launcher of the FP8 grouped forward GEMM: checked arguments -> tensor maps and kernel arguments
-// -> one launch on the caller's stream. No host synchronisation, no read of the expert offsets.
+// Launchers of the FP8 grouped GEMMs (forward, dgrad, wgrad): checked arguments -> tensor maps
+// and kernel arguments -> one launch on the caller's stream. No host synchronisation, no read of
+// the expert offsets.
 #include "mok/gemm_fp8.hpp"
 
 #include <cuda.h>
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "kernels/gemm/fp8_gemm_kernel.cuh"
 #include "mok/cuda_check.hpp"
@@ -15,42 +17,40 @@
 namespace mok::gemm {
 namespace {
 
-void check_arguments(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
-                     const uint8_t* w, const float* w_scales, const int* expert_offsets,
-                     ForwardOutput output, const LaunchOptions& options) {
+struct Operand {
+  const void* pointer;
+  const char* name;
+  uintptr_t alignment;
+};
+
+void check_common(const GroupedShape& shape, const int* expert_offsets,
+                  std::initializer_list<Operand> operands, const void* output,
+                  const char* output_name, const LaunchOptions& options) {
   MOK_CHECK_ARG(shape.num_experts >= 0, "shape.num_experts", "must be >= 0, got ",
                 shape.num_experts);
   MOK_CHECK_ARG(shape.capacity_rows >= 1, "shape.capacity_rows", "must be >= 1, got ",
                 shape.capacity_rows);
-  MOK_CHECK_ARG(shape.k > 0 && shape.k % Fp8TileConfig::kScaleBlock == 0, "shape.k",
-                "must be a positive multiple of 128 (one FP8 scale block), got ", shape.k);
-  MOK_CHECK_ARG(shape.n > 0 && shape.n % 8 == 0, "shape.n",
-                "must be a positive multiple of 8, got ", shape.n);
-  MOK_CHECK_ARG(output != ForwardOutput::kSwiGluBf16 || shape.n % 16 == 0, "shape.n",
-                "SwiGLU needs gate/up blocks of 8: n must be a multiple of 16, got ", shape.n);
   MOK_CHECK_ARG(options.num_sms >= 0, "options.num_sms", "must be >= 0, got ", options.num_sms);
   MOK_CHECK_ARG(options.engine != GemmEngine::kPingpong, "options.engine",
                 "the FP8 GEMM has the cooperative engine only (kAuto or kCooperative)");
   if (shape.num_experts == 0) return;
   MOK_CHECK_ARG(expert_offsets != nullptr, "expert_offsets", "is null");
-  const struct {
-    const void* pointer;
-    const char* name;
-    uintptr_t alignment;
-  } operands[] = {{x, "x", 16}, {w, "w", 16}, {x_scales, "x_scales", 4}, {w_scales, "w_scales", 4}};
-  for (const auto& operand : operands) {
+  for (const Operand& operand : operands) {
     MOK_CHECK_ARG(operand.pointer != nullptr, operand.name, "is null");
     MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(operand.pointer) % operand.alignment == 0,
                   operand.name, "must be ", operand.alignment, "-byte aligned, got address ",
                   operand.pointer);
   }
+  MOK_CHECK_ARG(output != nullptr, output_name, "is null");
+  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(output) % 16 == 0, output_name,
+                "must be 16-byte aligned, got address ", output);
 }
 
-template <EpilogueKind kEpilogue>
+template <EpilogueKind kEpilogue, GemmKind kKind>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const Fp8GemmParams& params,
             int num_ctas, cudaStream_t stream) {
-  auto* kernel = &fp8_grouped_gemm_kernel<kEpilogue>;
-  constexpr uint32_t kSmemBytes = Fp8SharedLayout<kEpilogue>::kLaunchBytes;
+  auto* kernel = &fp8_grouped_gemm_kernel<kEpilogue, kKind>;
+  constexpr uint32_t kSmemBytes = Fp8SharedLayout<kEpilogue, kKind>::kLaunchBytes;
   // NOTE: the attribute belongs to the current device, and one process may drive several GPUs:
   // set it on every launch.
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -59,39 +59,136 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const Fp8GemmPar
   MOK_CUDA_CHECK_LAUNCH();
 }
 
+// One CTA per SM (the tile count is on the device).
+int grid_size(const LaunchOptions& options) {
+  return options.num_sms > 0 ? options.num_sms : current_device_sm_count();
+}
+
+// The forward kernel on checked arguments: C (rows, n) = A (rows, k) · B (E, n, k)ᵀ, the names
+// those of the caller's arguments.
+void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float* a_scales,
+                        const uint8_t* b, const float* b_scales, const int* expert_offsets, void* c,
+                        EpilogueKind epilogue, const char* a_name, const char* b_name,
+                        cudaStream_t stream, const LaunchOptions& options) {
+  // NOTE: the maps read the E4M3 bytes as bf16 pairs: a row of k bytes is k / 2 bf16, and a box
+  // 64 bf16 wide is one 128-byte swizzle row of 128 E4M3 values, the k-block. TMA moves and
+  // swizzles bytes whatever the element type, and its zero fill is zero bytes either way.
+  const CUtensorMap map_a =
+      make_tensor_map_2d(a, shape.capacity_rows, shape.k / 2, Fp8TileConfig::BLOCK_M, a_name);
+  const CUtensorMap map_b = make_tensor_map_3d(b, shape.num_experts, shape.n, shape.k / 2,
+                                               Fp8TileConfig::BLOCK_N, 64, b_name);
+  Fp8GemmParams params;
+  params.grouped = {expert_offsets, shape.num_experts, 0, shape.n, shape.k, c, shape.expert_counts};
+  params.a_scales = a_scales;
+  params.b_scales = b_scales;
+  const int num_ctas = grid_size(options);
+  switch (epilogue) {
+    case EpilogueKind::kStoreBf16:
+      launch<EpilogueKind::kStoreBf16, GemmKind::kForward>(map_a, map_b, params, num_ctas, stream);
+      break;
+    case EpilogueKind::kSwiGluBf16:
+      launch<EpilogueKind::kSwiGluBf16, GemmKind::kForward>(map_a, map_b, params, num_ctas, stream);
+      break;
+    case EpilogueKind::kStoreFp32:
+      launch<EpilogueKind::kStoreFp32, GemmKind::kForward>(map_a, map_b, params, num_ctas, stream);
+      break;
+    case EpilogueKind::kAccumulateFp32:
+      MOK_CHECK_ARG(false, "output", "the forward kernel does not accumulate");
+  }
+}
+
 }  // namespace
 
 void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
                          const uint8_t* w, const float* w_scales, const int* expert_offsets,
                          void* y, ForwardOutput output, cudaStream_t stream,
                          const LaunchOptions& options) {
-  check_arguments(shape, x, x_scales, w, w_scales, expert_offsets, output, options);
+  MOK_CHECK_ARG(shape.k > 0 && shape.k % Fp8TileConfig::kScaleBlock == 0, "shape.k",
+                "must be a positive multiple of 128 (one FP8 scale block), got ", shape.k);
+  MOK_CHECK_ARG(shape.n > 0 && shape.n % 8 == 0, "shape.n",
+                "must be a positive multiple of 8, got ", shape.n);
+  MOK_CHECK_ARG(output != ForwardOutput::kSwiGluBf16 || shape.n % 16 == 0, "shape.n",
+                "SwiGLU needs gate/up blocks of 8: n must be a multiple of 16, got ", shape.n);
+  check_common(shape, expert_offsets,
+               {{x, "x", 16}, {w, "w", 16}, {x_scales, "x_scales", 4}, {w_scales, "w_scales", 4}},
+               y, "y", options);
   if (shape.num_experts == 0) return;
-  MOK_CHECK_ARG(y != nullptr, "y", "is null");
-  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(y) % 16 == 0, "y",
-                "must be 16-byte aligned, got address ", y);
-  // NOTE: the maps read the E4M3 bytes as bf16 pairs: a row of k bytes is k / 2 bf16, and a box
-  // 64 bf16 wide is one 128-byte swizzle row of 128 E4M3 values, the k-block. TMA moves and
-  // swizzles bytes whatever the element type, and its zero fill is zero bytes either way.
+  const EpilogueKind epilogue = output == ForwardOutput::kBf16   ? EpilogueKind::kStoreBf16
+                                : output == ForwardOutput::kFp32 ? EpilogueKind::kStoreFp32
+                                                                 : EpilogueKind::kSwiGluBf16;
+  run_forward_kernel(shape, x, x_scales, w, w_scales, expert_offsets, y, epilogue, "x", "w", stream,
+                     options);
+}
+
+void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float* dy_scales,
+                       const uint8_t* w_t, const float* w_t_scales, const int* expert_offsets,
+                       void* dx, DgradOutput output, cudaStream_t stream,
+                       const LaunchOptions& options) {
+  MOK_CHECK_ARG(shape.n > 0 && shape.n % Fp8TileConfig::kScaleBlock == 0, "shape.n",
+                "must be a positive multiple of 128 (the dgrad sums over n in FP8 scale blocks), "
+                "got ",
+                shape.n);
+  MOK_CHECK_ARG(shape.k > 0 && shape.k % 8 == 0, "shape.k",
+                "must be a positive multiple of 8, got ", shape.k);
+  check_common(shape, expert_offsets,
+               {{dy, "dy", 16},
+                {w_t, "w_t", 16},
+                {dy_scales, "dy_scales", 4},
+                {w_t_scales, "w_t_scales", 4}},
+               dx, "dx", options);
+  if (shape.num_experts == 0) return;
+  // The forward kernel with the GEMM's N = the forward's k and K = its n.
+  GroupedShape transposed = shape;
+  transposed.n = shape.k;
+  transposed.k = shape.n;
+  run_forward_kernel(
+      transposed, dy, dy_scales, w_t, w_t_scales, expert_offsets, dx,
+      output == DgradOutput::kBf16 ? EpilogueKind::kStoreBf16 : EpilogueKind::kStoreFp32, "dy",
+      "w_t", stream, options);
+}
+
+void grouped_wgrad_fp8(const GroupedShape& shape, const uint8_t* dy_t, const float* dy_t_scales,
+                       const uint8_t* x_t, const float* x_t_scales, const int* expert_offsets,
+                       void* dw, WgradOutput output, cudaStream_t stream,
+                       const LaunchOptions& options) {
+  constexpr int kRowBlockBytes = Fp8TileConfig::BLOCK_K;
+  MOK_CHECK_ARG(shape.capacity_rows % kRowBlockBytes == 0, "shape.capacity_rows",
+                "must be a multiple of 128 (the transposed operands' scale blocks), got ",
+                shape.capacity_rows);
+  MOK_CHECK_ARG(shape.n > 0 && shape.n % 8 == 0, "shape.n",
+                "must be a positive multiple of 8, got ", shape.n);
+  MOK_CHECK_ARG(shape.k > 0 && shape.k % 8 == 0, "shape.k",
+                "must be a positive multiple of 8, got ", shape.k);
+  check_common(shape, expert_offsets,
+               {{dy_t, "dy_t", 16},
+                {x_t, "x_t", 16},
+                {dy_t_scales, "dy_t_scales", 4},
+                {x_t_scales, "x_t_scales", 4}},
+               dw, output == WgradOutput::kAccumulateFp32 ? "main_grad" : "dw", options);
+  if (shape.num_experts == 0) return;
+  // C (E, n, k) = A (n, rows) · B (k, rows)ᵀ per expert, K = the expert's rows. The maps read
+  // bytes as bf16 pairs, as in the forward.
   const CUtensorMap map_a =
-      make_tensor_map_2d(x, shape.capacity_rows, shape.k / 2, Fp8TileConfig::BLOCK_M, "x");
-  const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k / 2,
-                                               Fp8TileConfig::BLOCK_N, 64, "w");
+      make_tensor_map_2d(dy_t, shape.n, shape.capacity_rows / 2, Fp8TileConfig::BLOCK_M, "dy_t");
+  const CUtensorMap map_b =
+      make_tensor_map_2d(x_t, shape.k, shape.capacity_rows / 2, Fp8TileConfig::BLOCK_N, "x_t");
   Fp8GemmParams params;
-  params.grouped = {expert_offsets, shape.num_experts, 0, shape.n, shape.k, y, shape.expert_counts};
-  params.a_scales = x_scales;
-  params.b_scales = w_scales;
-  // One CTA per SM (the tile count is on the device).
-  const int num_ctas = options.num_sms > 0 ? options.num_sms : current_device_sm_count();
+  params.grouped = {expert_offsets,     shape.num_experts, shape.n, shape.k, 0, dw,
+                    shape.expert_counts};
+  params.a_scales = dy_t_scales;
+  params.b_scales = x_t_scales;
+  params.num_row_blocks = shape.capacity_rows / kRowBlockBytes;
+  const int num_ctas = grid_size(options);
   switch (output) {
-    case ForwardOutput::kBf16:
-      launch<EpilogueKind::kStoreBf16>(map_a, map_b, params, num_ctas, stream);
+    case WgradOutput::kFp32:
+      launch<EpilogueKind::kStoreFp32, GemmKind::kWgrad>(map_a, map_b, params, num_ctas, stream);
       break;
-    case ForwardOutput::kSwiGluBf16:
-      launch<EpilogueKind::kSwiGluBf16>(map_a, map_b, params, num_ctas, stream);
+    case WgradOutput::kBf16:
+      launch<EpilogueKind::kStoreBf16, GemmKind::kWgrad>(map_a, map_b, params, num_ctas, stream);
       break;
-    case ForwardOutput::kFp32:
-      launch<EpilogueKind::kStoreFp32>(map_a, map_b, params, num_ctas, stream);
+    case WgradOutput::kAccumulateFp32:
+      launch<EpilogueKind::kAccumulateFp32, GemmKind::kWgrad>(map_a, map_b, params, num_ctas,
+                                                              stream);
       break;
   }
 }

@@ -1,6 +1,7 @@
 // The FP8 GEMM's epilogues: a consumer warpgroup's promoted (64, BLOCK_N) fp32 accumulators,
 // walked as wgmma's fragment (fragment.cuh), stored as fp32 pairs from registers, or as bf16 (or
 // SwiGLU's h) through the warp's staging rows (warp_rows.cuh), as the bf16 engine stores them.
+// The wgrad's C is (groups, M, N); its accumulating epilogue starts the accumulators from C.
 #pragma once
 
 #include "kernels/gemm/fp8_gemm_types.cuh"
@@ -11,11 +12,28 @@
 
 namespace mok::gemm {
 
-template <EpilogueKind kEpilogue>
+template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
 struct Fp8Epilogue {
   using Config = Fp8TileConfig;
   static constexpr int kNumAccumulators = Config::BLOCK_N / 2;
-  static_assert(kEpilogue != EpilogueKind::kAccumulateFp32, "the FP8 GEMM is forward only");
+  static_assert(kEpilogue != EpilogueKind::kAccumulateFp32 || kKind == GemmKind::kWgrad,
+                "only the wgrad accumulates into its output (main_grad)");
+  static_assert(kEpilogue != EpilogueKind::kSwiGluBf16 || kKind == GemmKind::kForward,
+                "SwiGLU belongs to the forward");
+
+  // The accumulators a tile starts from: zero, or (kAccumulateFp32) the consumer's slice of C.
+  __device__ static void init(const GroupedGemmParams& params, const GroupedTile& tile,
+                              int consumer_idx, float (&accum)[kNumAccumulators]) {
+#pragma unroll
+    for (int i = 0; i < kNumAccumulators; ++i) accum[i] = 0.0f;
+    if constexpr (kEpilogue == EpilogueKind::kAccumulateFp32) {
+      const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
+      const int lane_idx = static_cast<int>(threadIdx.x % 32);
+      const TileInC place = tile_in_c<kKind, kEpilogue, Config>(params, tile);
+      load_fp32_fragment<Config::BLOCK_N>(
+          place, consumer_idx * 64 + warp_in_group * 16 + lane_idx / 4, 2 * (lane_idx % 4), accum);
+    }
+  }
 
   // A consumer covers rows 64 c .. 64 c + 63 and all columns of a full tile, rows 0-63 and
   // columns 128 c .. 128 c + 127 (piece c) of a half tile (is_half_tile). Rows past the group's end
@@ -25,8 +43,8 @@ struct Fp8Epilogue {
                                float (&accum)[kNumAccumulators]) {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
-    const bool half = is_half_tile<GemmKind::kForward>(tile);
-    const TileInC place = tile_in_c<GemmKind::kForward, kEpilogue, Config>(params, tile);
+    const bool half = is_half_tile<kKind>(tile);
+    const TileInC place = tile_in_c<kKind, kEpilogue, Config>(params, tile);
     const int warp_first_row = (half ? 0 : consumer_idx * 64) + warp_in_group * 16;
     const int first_column = half ? consumer_idx * Config::kPiece : 0;
     uint8_t* warp_staging =

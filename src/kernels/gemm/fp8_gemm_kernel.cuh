@@ -1,6 +1,7 @@
-// The persistent FP8 blockwise-scaled grouped GEMM (forward): one CTA per SM, one producer
-// warpgroup (one warp issues TMA and the scales' cp.async) and two consumer warpgroups (wgmma on
-// E4M3, per-k-block promotion), tiles from the grouped tile scheduler in the bf16 engine's order.
+// The persistent FP8 blockwise-scaled grouped GEMM (forward, which also runs the dgrad on the
+// transposed weight, and wgrad): one CTA per SM, one producer warpgroup (one warp issues TMA and
+// the scales' cp.async) and two consumer warpgroups (wgmma on E4M3, per-k-block promotion), tiles
+// from the grouped tile scheduler in the bf16 engine's order.
 #pragma once
 
 #include <cuda.h>
@@ -23,14 +24,14 @@ static_assert(register_split_fits(kFp8ProducerRegisters, kFp8ConsumerRegisters,
                                   Fp8TileConfig::kNumConsumerWarpgroups),
               "the FP8 kernel's register split exceeds the SM's register file");
 
-template <EpilogueKind kEpilogue>
+template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
 __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b, const Fp8GemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Layout = Fp8SharedLayout<kEpilogue>;
-  using Loop = Fp8Mainloop<kEpilogue>;
-  using Store = Fp8Epilogue<kEpilogue>;
+  using Layout = Fp8SharedLayout<kEpilogue, kKind>;
+  using Loop = Fp8Mainloop<kEpilogue, kKind>;
+  using Store = Fp8Epilogue<kEpilogue, kKind>;
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
   // buffers start on that boundary.
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
   }
   __syncthreads();
 
-  GroupedTileScheduler<GemmKind::kForward, Fp8TileConfig> scheduler(params.grouped);
+  GroupedTileScheduler<kKind, Fp8TileConfig> scheduler(params.grouped);
   GroupedTile tile;
   typename Loop::State state;
   if (warpgroup_role() == WarpgroupRole::kProducer) {
@@ -60,8 +61,7 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
     const int consumer_idx = warpgroup_index() - 1;
     float accum[Loop::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup, promoted
     while (scheduler.next_tile(tile)) {
-#pragma unroll
-      for (int i = 0; i < Loop::kNumAccumulators; ++i) accum[i] = 0.0f;
+      Store::init(params.grouped, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
       Store::store(params.grouped, tile, consumer_idx, smem.staging, accum);
     }

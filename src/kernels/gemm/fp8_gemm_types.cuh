@@ -1,11 +1,18 @@
 // The FP8 blockwise-scaled grouped GEMM (DeepSeek-V3 recipe): what it computes, its tile and its
 // shared-memory layout; one set of definitions for the host launcher and the device code.
 //
-// Forward only: C[m, n] = sum over k-blocks kb of (sa[m, kb] · sb[n / 128, kb]) · P[m, n, kb],
+// Both operands are E4M3 and K-major (the only layout FP8 wgmma takes), K in blocks of 128:
+//   C[m, n] = sum over k-blocks kb of (sa · sb) · P[m, n, kb],
 //   P[m, n, kb] = sum_{k in kb} a[m, k] · b[n, k]  (E4M3 values, one 128-wide block of K)
-// with A (rows, K) E4M3 scaled per 1 x 128 along K (fp32 sa, (rows, K / 128)) and B (E, N, K)
-// E4M3 scaled per 128 x 128 block (fp32 sb, (E, ceil(N / 128), K / 128)): the layouts of
-// mok::quantize's kFp8 rowwise and 128 x 128 quantizers. Each P is summed by wgmma in a fresh
+// GemmKind::kForward (the forward, and the dgrad on the transposed weight): A (rows, K) scaled
+//   per 1 x 128 along K (sa (rows, K / 128)), B (E, N, K) per 128 x 128 block (sb (E, ceil(N /
+//   128), K / 128)), the scale sa[m, kb] · sb[n / 128, kb]; K the same for every group.
+// GemmKind::kWgrad: K is the group's rows. A (M, capacity_rows) and B (N, capacity_rows) are the
+//   transposed copies of dY and X, scaled per 1 x 128 along the rows (sa (M, capacity_rows / 128),
+//   sb (N, capacity_rows / 128)), the scale sa[m, kb] · sb[n, kb] per element; a group's rows
+//   start on a 128-row boundary, and rows of its last block past its count are zeroed in shared
+//   memory before the MMAs (they may be padding or another group's).
+// The layouts are those of mok::quantize's kFp8 quantizers. Each P is summed by wgmma in a fresh
 // register set and promoted into the fp32 accumulators, accum = fma(P, fp32(sa · sb), accum), in
 // k-block order: one order per output element, whatever the grid.
 #pragma once
@@ -41,7 +48,7 @@ struct Fp8TileConfig {
 
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the bf16
 // output staging rows, each stage's scales, then the barriers.
-template <EpilogueKind kEpilogue>
+template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
 struct Fp8SharedLayout {
   using Config = Fp8TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
@@ -55,10 +62,13 @@ struct Fp8SharedLayout {
       kStagedStore ? Config::kNumConsumerWarpgroups * 4 * kWarpStagingBytes : 0;
   // (kNumStages, BLOCK_M) fp32: the A scales of the tile's rows for the stage's k-block.
   static constexpr uint32_t kScaleAOffset = kStagingOffset + kStagingBytes;
-  // (kNumStages, 4) fp32: the stage's B scales (one per piece), 16 bytes apart.
+  // The stage's B scales: forward (kNumStages, 4) fp32, one per piece, 16 bytes apart; wgrad
+  // (kNumStages, BLOCK_N) fp32, one per column of the tile.
   static constexpr uint32_t kScaleBOffset = kScaleAOffset + kNumStages * Config::BLOCK_M * 4;
-  static constexpr uint32_t kScaleBStride = 16;
-  static_assert(Config::kNumPieces * 4 <= kScaleBStride, "a stage's B scales fit their slot");
+  static constexpr uint32_t kScaleBStride = kKind == GemmKind::kWgrad ? Config::BLOCK_N * 4 : 16;
+  static_assert(Config::kNumPieces * 4 <= kScaleBStride &&
+                    (kKind != GemmKind::kWgrad || Config::BLOCK_N * 4 <= kScaleBStride),
+                "a stage's B scales fit their slot");
   static constexpr uint32_t kBarrierOffset = kScaleBOffset + kNumStages * kScaleBStride;
   static constexpr int kNumBarriers = 2 * kNumStages;  // full[kNumStages], empty[kNumStages]
   static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
@@ -67,9 +77,22 @@ struct Fp8SharedLayout {
 };
 
 struct Fp8GemmParams {
-  GroupedGemmParams grouped;  // offsets, counts, n, k (a multiple of 128), output
-  const float* a_scales;      // (capacity_rows, k / 128)
-  const float* b_scales;      // (num_groups, ceil(n / 128), k / 128)
+  GroupedGemmParams
+      grouped;            // offsets, counts, m (wgrad), n, k (forward: a multiple of 128), output
+  const float* a_scales;  // forward (capacity_rows, k / 128); wgrad (m, capacity_rows / 128)
+  const float*
+      b_scales;  // forward (num_groups, ceil(n / 128), k / 128); wgrad (n, capacity_rows / 128)
+  int num_row_blocks = 0;  // wgrad: capacity_rows / 128, the scales' row stride
 };
+
+// K-blocks of a tile: all of K (forward), or the group's rows in blocks of 128 (wgrad).
+template <GemmKind kKind>
+__host__ __device__ inline int fp8_num_k_blocks(const Fp8GemmParams& params, int group_rows) {
+  if constexpr (kKind == GemmKind::kWgrad) {
+    return ceil_div(group_rows, Fp8TileConfig::BLOCK_K);
+  } else {
+    return params.grouped.k / Fp8TileConfig::BLOCK_K;
+  }
+}
 
 }  // namespace mok::gemm

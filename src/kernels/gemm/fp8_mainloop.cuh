@@ -1,8 +1,8 @@
 // The FP8 mainloop: a producer warp streams each tile's (A, B) k-blocks into the stage ring with
-// TMA and the k-block's scales beside them with cp.async (the A scales of the tile's 128 rows, a B
-// scale per 128 columns); each consumer warpgroup sums one k-block's E4M3 products, 128 columns at
-// a time, with wgmma into a fresh register set and promotes it into its fp32 accumulators with
-// the two scales.
+// TMA and the k-block's scales beside them with cp.async (the A scales of the tile's 128 rows; a B
+// scale per 128 columns in the forward, per column in the wgrad); each consumer warpgroup sums
+// one k-block's E4M3 products, 128 columns at a time, with wgmma into a fresh register set and
+// promotes it into its fp32 accumulators with the two scales.
 //
 // full[s] completes when the stage's tiles (TMA bytes) and scales (one cp.async arrival per
 // producer lane) have landed; empty[s] when all consumer warps have read the stage. K-blocks run
@@ -12,10 +12,12 @@
 #include <cuda.h>
 
 #include "kernels/gemm/fp8_gemm_types.cuh"
+#include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
 #include "kernels/ptx/cp_async.cuh"
+#include "kernels/ptx/named_barrier.cuh"
 #include "kernels/ptx/tma.cuh"
 #include "kernels/ptx/wgmma.cuh"
 #include "kernels/ptx/wgmma_fp8.cuh"
@@ -28,6 +30,10 @@ namespace mok::gemm {
 // 128 + 64 live accumulators spilled (docs/perf-notes/fp8.md).
 inline __device__ __noinline__ void fp8_pipeline_wait_timed_out() { __trap(); }
 
+// A wgrad group whose rows do not start on a 128-row boundary: its k-blocks would straddle the
+// scale blocks of the transposed operands (the host never reads the offsets to check this).
+inline __device__ __noinline__ void fp8_wgrad_group_misaligned() { __trap(); }
+
 __device__ __forceinline__ void fp8_pipeline_wait(uint64_t* barrier, uint32_t parity) {
   uint32_t polls = 0;
   while (!ptx::mbarrier_try_wait(barrier, parity)) {
@@ -35,9 +41,12 @@ __device__ __forceinline__ void fp8_pipeline_wait(uint64_t* barrier, uint32_t pa
   }
 }
 
-template <EpilogueKind kEpilogue>
+template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
 struct Fp8Mainloop {
-  using Layout = Fp8SharedLayout<kEpilogue>;
+  static_assert(kKind == GemmKind::kForward || kKind == GemmKind::kWgrad,
+                "the dgrad is the forward on the transposed weight (both operands K-major)");
+  static constexpr bool kWgrad = kKind == GemmKind::kWgrad;
+  using Layout = Fp8SharedLayout<kEpilogue, kKind>;
   using Config = Fp8TileConfig;
   using State = PipelineState<Layout::kNumStages>;
   static constexpr int kNumAccumulators = Config::BLOCK_N / 2;  // (64, BLOCK_N) per consumer
@@ -50,7 +59,8 @@ struct Fp8Mainloop {
     uint8_t* b;        // (kNumStages, BLOCK_N, BLOCK_K) E4M3, swizzled
     uint8_t* staging;  // the bf16 output rows on their way out
     float* scale_a;    // (kNumStages, BLOCK_M)
-    float* scale_b;    // (kNumStages, 4), elements [0, kNumPieces) used
+    float* scale_b;    // forward (kNumStages, 4), elements [0, kNumPieces) used; wgrad
+                       // (kNumStages, BLOCK_N)
     uint64_t* full;    // (kNumStages)
     uint64_t* empty;   // (kNumStages)
 
@@ -85,42 +95,18 @@ struct Fp8Mainloop {
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const Fp8GemmParams& params,
                               const GroupedTile& tile, State& state) {
-    const int lane_idx = static_cast<int>(threadIdx.x % 32);
-    const int num_k_blocks = params.grouped.k / Config::BLOCK_K;
-    const int tile_first_row = tile.mblock * Config::BLOCK_M;  // in the group
-    const int rows_valid = tile.row_count - tile_first_row;
-    const int64_t first_row = static_cast<int64_t>(tile.row_begin) + tile_first_row;
-    const int num_n_scales = ceil_div(params.grouped.n, Config::kScaleBlock);
-    const float* b_scales = params.b_scales + (static_cast<int64_t>(tile.group) * num_n_scales +
-                                               tile.n_block * Config::kNumPieces) *
-                                                  num_k_blocks;
+    const int num_k_blocks = fp8_num_k_blocks<kKind>(params, tile.row_count);
+    if constexpr (kWgrad) {
+      if (num_k_blocks > 0 && tile.row_begin % Config::BLOCK_K != 0) fp8_wgrad_group_misaligned();
+    }
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
       fp8_pipeline_wait(&smem.empty[state.index], state.phase ^ 1u);
       uint64_t* full = &smem.full[state.index];
-      if (lane_idx == 0) {
-        ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes);
-        const int k_pairs = k_block * Config::BLOCK_K / 2;
-        ptx::tma_load_2d(smem.a_stage(state.index), map_a, full, k_pairs,
-                         static_cast<int32_t>(first_row));
-        ptx::tma_load_3d(smem.b_stage(state.index), map_b, full, k_pairs,
-                         tile.n_block * Config::BLOCK_N, tile.group);
-      }
-      // Rows past the group's end get scale 0 (never read: their outputs are not stored, and
-      // rows past the tensor would be out of bounds).
-      float* scale_a = smem.scale_a_stage(state.index);
-#pragma unroll
-      for (int i = 0; i < Config::BLOCK_M / 32; ++i) {
-        const int row = lane_idx + 32 * i;
-        const bool valid = row < rows_valid;
-        const float* source =
-            valid ? params.a_scales + (first_row + row) * num_k_blocks + k_block : params.a_scales;
-        ptx::cp_async_4(scale_a + row, source, valid);
-      }
-      if (lane_idx < Config::kNumPieces) {
-        // A piece past N (the last tile of an N not a multiple of 256) gets scale 0.
-        const bool valid = tile.n_block * Config::kNumPieces + lane_idx < num_n_scales;
-        ptx::cp_async_4(smem.scale_b_stage(state.index) + lane_idx,
-                        valid ? b_scales + lane_idx * num_k_blocks + k_block : b_scales, valid);
+      if constexpr (kWgrad) {
+        load_wgrad_stage(map_a, map_b, smem, params, tile, k_block, full, state.index);
+      } else {
+        load_forward_stage(map_a, map_b, smem, params, tile, k_block, num_k_blocks, full,
+                           state.index);
       }
       ptx::cp_async_mbarrier_arrive(full);
       state.advance();
@@ -131,17 +117,17 @@ struct Fp8Mainloop {
   __device__ static void drain_loads() { ptx::cp_async_wait_all(); }
 
   // Consumer side: adds this warpgroup's (64, BLOCK_N) slice of the tile to `accum`; in a half
-  // tile (is_half_tile), rows 0-63 of column piece consumer_idx into accum[0, 64).
+  // tile (is_half_tile, forward only), rows 0-63 of column piece consumer_idx into accum[0, 64).
   __device__ static void mma(const Storage& smem, const Fp8GemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
                              float (&accum)[kNumAccumulators]) {
-    if (is_half_tile<GemmKind::kForward>(tile)) {
+    if (is_half_tile<kKind>(tile)) {
       // NOTE: the first piece's fragment is the first 64 accumulators of the whole slice's
       // (fragment.cuh), whichever piece of B it multiplies.
-      mma_k_blocks<1>(smem, params, 0, consumer_idx, 0, state,
+      mma_k_blocks<1>(smem, params, tile, 0, consumer_idx, 0, state,
                       reinterpret_cast<float(&)[kPieceAccumulators]>(accum));
     } else {
-      mma_k_blocks<Config::kNumPieces>(smem, params, consumer_idx * (Config::kABytes / 2), 0,
+      mma_k_blocks<Config::kNumPieces>(smem, params, tile, consumer_idx * (Config::kABytes / 2), 0,
                                        consumer_idx * 64, state, accum);
     }
   }
@@ -149,28 +135,149 @@ struct Fp8Mainloop {
  private:
   using Mma = ptx::WgmmaFp8<Config::kPiece>;
   static constexpr int kPieceAccumulators = Mma::kNumAccumulators;  // (64, kPiece) fragment
+  static constexpr int kNumConsumerThreads = Config::kNumConsumerWarpgroups * kWarpgroupThreads;
+
+  // One forward stage: A rows of the tile (k-block along the in features), B rows of the group's
+  // weight, A's row scales and one B scale per 128-column piece.
+  __device__ static void load_forward_stage(const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                            const Storage& smem, const Fp8GemmParams& params,
+                                            const GroupedTile& tile, int k_block, int num_k_blocks,
+                                            uint64_t* full, int stage) {
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const int tile_first_row = tile.mblock * Config::BLOCK_M;  // in the group
+    const int rows_valid = tile.row_count - tile_first_row;
+    const int64_t first_row = static_cast<int64_t>(tile.row_begin) + tile_first_row;
+    const int num_n_scales = ceil_div(params.grouped.n, Config::kScaleBlock);
+    const float* b_scales = params.b_scales + (static_cast<int64_t>(tile.group) * num_n_scales +
+                                               tile.n_block * Config::kNumPieces) *
+                                                  num_k_blocks;
+    if (lane_idx == 0) {
+      ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes);
+      const int k_pairs = k_block * Config::BLOCK_K / 2;
+      ptx::tma_load_2d(smem.a_stage(stage), map_a, full, k_pairs, static_cast<int32_t>(first_row));
+      ptx::tma_load_3d(smem.b_stage(stage), map_b, full, k_pairs, tile.n_block * Config::BLOCK_N,
+                       tile.group);
+    }
+    // Rows past the group's end get scale 0 (never read: their outputs are not stored, and
+    // rows past the tensor would be out of bounds).
+    float* scale_a = smem.scale_a_stage(stage);
+#pragma unroll
+    for (int i = 0; i < Config::BLOCK_M / 32; ++i) {
+      const int row = lane_idx + 32 * i;
+      const bool valid = row < rows_valid;
+      const float* source =
+          valid ? params.a_scales + (first_row + row) * num_k_blocks + k_block : params.a_scales;
+      ptx::cp_async_4(scale_a + row, source, valid);
+    }
+    if (lane_idx < Config::kNumPieces) {
+      // A piece past N (the last tile of an N not a multiple of 256) gets scale 0.
+      const bool valid = tile.n_block * Config::kNumPieces + lane_idx < num_n_scales;
+      ptx::cp_async_4(smem.scale_b_stage(stage) + lane_idx,
+                      valid ? b_scales + lane_idx * num_k_blocks + k_block : b_scales, valid);
+    }
+  }
+
+  // One wgrad stage: 128 of the group's rows (the K of this GEMM) of the tile's A rows (out
+  // features, the transposed dY) and B rows (in features, the transposed X), and their scales,
+  // one per tile row and per tile column. Rows past the tensor are zero-filled by TMA; rows past
+  // the group's count inside the tensor are zeroed by the consumers (mask_group_tail).
+  __device__ static void load_wgrad_stage(const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                          const Storage& smem, const Fp8GemmParams& params,
+                                          const GroupedTile& tile, int k_block, uint64_t* full,
+                                          int stage) {
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const int first_m = tile.mblock * Config::BLOCK_M;
+    const int first_n = tile.n_block * Config::BLOCK_N;
+    const int row_block = tile.row_begin / Config::BLOCK_K + k_block;  // of the tensor
+    if (lane_idx == 0) {
+      ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes);
+      const int k_pairs = (tile.row_begin + k_block * Config::BLOCK_K) / 2;
+      ptx::tma_load_2d(smem.a_stage(stage), map_a, full, k_pairs, first_m);
+      ptx::tma_load_2d(smem.b_stage(stage), map_b, full, k_pairs, first_n);
+    }
+    // Rows of A past M and columns past N get scale 0 (their outputs are not stored). NOTE: the
+    // loops stay rolled: unrolled, their 12 addresses spilled the producer's 40 registers.
+    float* scale_a = smem.scale_a_stage(stage);
+#pragma unroll 1
+    for (int i = 0; i < Config::BLOCK_M / 32; ++i) {
+      const int m = first_m + lane_idx + 32 * i;
+      const bool valid = m < params.grouped.m;
+      const float* source =
+          valid ? params.a_scales + static_cast<int64_t>(m) * params.num_row_blocks + row_block
+                : params.a_scales;
+      ptx::cp_async_4(scale_a + lane_idx + 32 * i, source, valid);
+    }
+    float* scale_b = smem.scale_b_stage(stage);
+#pragma unroll 1
+    for (int i = 0; i < Config::BLOCK_N / 32; ++i) {
+      const int n = first_n + lane_idx + 32 * i;
+      const bool valid = n < params.grouped.n;
+      const float* source =
+          valid ? params.b_scales + static_cast<int64_t>(n) * params.num_row_blocks + row_block
+                : params.b_scales;
+      ptx::cp_async_4(scale_b + lane_idx + 32 * i, source, valid);
+    }
+  }
+
+  // Wgrad: zeroes the K positions (group rows) >= rows_valid of the stage's A (BLOCK_M) and B
+  // (BLOCK_N) rows, so that the group's last, partial block sums its own rows only (the rest of
+  // the block may be padding or the next group's rows, even E4M3 NaNs). All consumer threads take
+  // part; the stage is swizzled by 128 bytes (16-byte unit u of row r at u ^ (r % 8)).
+  __device__ static void mask_group_tail(const Storage& smem, int stage, int rows_valid) {
+    constexpr int kUnits = Config::BLOCK_K / 16;  // 16-byte units of a 128-byte row
+    constexpr int kRows = Config::BLOCK_M + Config::BLOCK_N;
+    const int first_unit = rows_valid / 16;  // units before it are wholly valid
+    const int units_to_mask = kUnits - first_unit;
+    const int consumer_thread = static_cast<int>(threadIdx.x) - kWarpgroupThreads;
+    for (int item = consumer_thread; item < kRows * units_to_mask; item += kNumConsumerThreads) {
+      const int row = item / units_to_mask;
+      const int unit = first_unit + item % units_to_mask;
+      uint8_t* row_base = row < Config::BLOCK_M
+                              ? smem.a_stage(stage) + row * Config::BLOCK_K
+                              : smem.b_stage(stage) + (row - Config::BLOCK_M) * Config::BLOCK_K;
+      auto* chunk = reinterpret_cast<uint4*>(row_base + ((unit ^ (row % 8)) * 16));
+      uint4 bytes = *chunk;
+      uint32_t* words = reinterpret_cast<uint32_t*>(&bytes);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int first_k = unit * 16 + 4 * w;  // K position of the word's first byte
+        const int keep = min(max(rows_valid - first_k, 0), 4);
+        words[w] = keep == 4 ? words[w] : (words[w] & ((1u << (8 * keep)) - 1u));
+      }
+      *chunk = bytes;
+    }
+    // NOTE: the zeros are generic-proxy stores that wgmma (async proxy) reads next.
+    ptx::fence_proxy_async_shared();
+    ptx::named_barrier_sync<static_cast<uint32_t>(NamedBarrier::kConsumers), kNumConsumerThreads>();
+  }
 
   // The k-loop of one tile over kPieces pieces of 128 columns, from piece first_piece of B on: A
   // read from a_offset into each stage, this warpgroup's rows starting at tile row first_row.
   template <int kPieces>
   __device__ static void mma_k_blocks(const Storage& smem, const Fp8GemmParams& params,
-                                      uint32_t a_offset, int first_piece, int first_row,
-                                      State& state, float (&accum)[kPieces * kPieceAccumulators]) {
+                                      const GroupedTile& tile, uint32_t a_offset, int first_piece,
+                                      int first_row, State& state,
+                                      float (&accum)[kPieces * kPieceAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int row = first_row + warp_in_group * 16 + lane_idx / 4;  // and row + 8
-    const int num_k_blocks = params.grouped.k / Config::BLOCK_K;
+    const int num_k_blocks = fp8_num_k_blocks<kKind>(params, tile.row_count);
     float partial[kPieceAccumulators];  // one piece's k-block sums, (64, kPiece) fragment
 #pragma unroll
     for (int i = 0; i < kPieceAccumulators; ++i) partial[i] = 0.0f;
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
       fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      if constexpr (kWgrad) {
+        const int rows_valid = tile.row_count - k_block * Config::BLOCK_K;
+        if (rows_valid < Config::BLOCK_K) mask_group_tail(smem, state.index, rows_valid);
+      }
       const float a_scale_low = smem.scale_a_stage(state.index)[row];
       const float a_scale_high = smem.scale_a_stage(state.index)[row + 8];
       const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
 #pragma unroll
       for (int piece = 0; piece < kPieces; ++piece) {
-        const float b_scale = smem.scale_b_stage(state.index)[first_piece + piece];
+        // Forward: one B scale per piece; the wgrad reads its column scales when promoting.
+        const float b_scale = kWgrad ? 0.0f : smem.scale_b_stage(state.index)[first_piece + piece];
         const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) +
                                 (first_piece + piece) * Config::kPieceBytes;
 #pragma unroll
@@ -187,24 +294,61 @@ struct Fp8Mainloop {
         ptx::wgmma_wait_group<0>();
 #pragma unroll
         for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
-        if (piece == kPieces - 1) {
-          // The stage's tiles and scales have been read: hand it back before promoting. NOTE:
-          // the warp sync orders every lane's scale loads before lane 0's arrival.
-          __syncwarp();
-          if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[state.index]);
-        }
-        const float scale_low = a_scale_low * b_scale;
-        const float scale_high = a_scale_high * b_scale;
-#pragma unroll
-        for (int j = 0; j < kPieceAccumulators / 4; ++j) {
-          const int base = piece * kPieceAccumulators + 4 * j;
-          accum[base + 0] = __fmaf_rn(partial[4 * j + 0], scale_low, accum[base + 0]);
-          accum[base + 1] = __fmaf_rn(partial[4 * j + 1], scale_low, accum[base + 1]);
-          accum[base + 2] = __fmaf_rn(partial[4 * j + 2], scale_high, accum[base + 2]);
-          accum[base + 3] = __fmaf_rn(partial[4 * j + 3], scale_high, accum[base + 3]);
+        float* piece_accum = accum + piece * kPieceAccumulators;
+        if constexpr (kWgrad) {
+          // One scale per element, read from the stage: the stage goes back after the last
+          // piece's promotion.
+          promote_per_column(
+              smem.scale_b_stage(state.index) + (first_piece + piece) * Config::kPiece, lane_idx,
+              a_scale_low, a_scale_high, partial, piece_accum);
+          if (piece == kPieces - 1) release_stage(smem, state.index, lane_idx);
+        } else {
+          // The stage's tiles and scales have been read: hand it back before promoting.
+          if (piece == kPieces - 1) release_stage(smem, state.index, lane_idx);
+          promote(__fmul_rn(a_scale_low, b_scale), __fmul_rn(a_scale_high, b_scale), partial,
+                  piece_accum);
         }
       }
       state.advance();
+    }
+  }
+
+  // NOTE: the warp sync orders every lane's shared loads of the stage before lane 0's arrival.
+  __device__ static void release_stage(const Storage& smem, int stage, int lane_idx) {
+    __syncwarp();
+    if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+  }
+
+  // accum = fma(P, scale, accum), the scale of the fragment's low (row) and high (row + 8) rows.
+  __device__ static void promote(float scale_low, float scale_high,
+                                 const float (&partial)[kPieceAccumulators], float* accum) {
+#pragma unroll
+    for (int j = 0; j < kPieceAccumulators / 4; ++j) {
+      accum[4 * j + 0] = __fmaf_rn(partial[4 * j + 0], scale_low, accum[4 * j + 0]);
+      accum[4 * j + 1] = __fmaf_rn(partial[4 * j + 1], scale_low, accum[4 * j + 1]);
+      accum[4 * j + 2] = __fmaf_rn(partial[4 * j + 2], scale_high, accum[4 * j + 2]);
+      accum[4 * j + 3] = __fmaf_rn(partial[4 * j + 3], scale_high, accum[4 * j + 3]);
+    }
+  }
+
+  // The same with a scale per element, fp32(sa[row] · sb[column]): the piece's column scales
+  // (kPiece) in shared memory, the thread's pair j at columns 8j + 2(lane % 4) + {0, 1}.
+  __device__ static void promote_per_column(const float* column_scales, int lane_idx,
+                                            float a_scale_low, float a_scale_high,
+                                            const float (&partial)[kPieceAccumulators],
+                                            float* accum) {
+#pragma unroll
+    for (int j = 0; j < kPieceAccumulators / 4; ++j) {
+      const float2 b_scale =
+          *reinterpret_cast<const float2*>(column_scales + 8 * j + 2 * (lane_idx % 4));
+      accum[4 * j + 0] =
+          __fmaf_rn(partial[4 * j + 0], __fmul_rn(a_scale_low, b_scale.x), accum[4 * j + 0]);
+      accum[4 * j + 1] =
+          __fmaf_rn(partial[4 * j + 1], __fmul_rn(a_scale_low, b_scale.y), accum[4 * j + 1]);
+      accum[4 * j + 2] =
+          __fmaf_rn(partial[4 * j + 2], __fmul_rn(a_scale_high, b_scale.x), accum[4 * j + 2]);
+      accum[4 * j + 3] =
+          __fmaf_rn(partial[4 * j + 3], __fmul_rn(a_scale_high, b_scale.y), accum[4 * j + 3]);
     }
   }
 };
