@@ -1,11 +1,12 @@
-// Benchmark of the FP8 blockwise-scaled grouped GEMM (mok/gemm_fp8.hpp) at one rank of EP2 with
+// Benchmark of the FP8 blockwise-scaled grouped GEMMs (mok/gemm_fp8.hpp) at one rank of EP2 with
 // balanced routing (2 ranks x 8192 tokens x top-8 = 65,536 rows over the rank's experts):
 // deepseek-v3 gate/up (128 experts x 512 rows, 7168 -> 4096), plain and SwiGLU-fused, and down
-// (2048 -> 7168), beside the bf16 engine on the same values (same device run, same clocks).
-// Operands are random bf16 quantized on the GPU by mok's own quantizers (1 x 128 activations,
-// 128 x 128 weights). Median of timed iterations with CUDA events after warm-up. Writes one JSON
-// object per case to --out; bench/baselines/torch_scaled_grouped_mm.py times torch's rowwise
-// FP8 grouped GEMM on the same shape.
+// (2048 -> 7168), forward, dgrad and wgrad, beside the bf16 engine on the same values (same
+// device run, same clocks). Operands are random bf16 quantized on the GPU by mok's own quantizers
+// (1 x 128 activations and gradients, 128 x 128 weights and transposed weights, 1 x 128 on the
+// transposed copies for the wgrad). Median of timed iterations with CUDA events after warm-up.
+// Writes one JSON object per case to --out; bench/baselines/torch_scaled_grouped_mm.py times
+// torch's rowwise FP8 grouped GEMM on the same shapes.
 //
 //   bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHASE]
 #include <cuda_bf16.h>
@@ -50,7 +51,15 @@ struct Operand {
 
 using mok::bench::median_ms;
 
-constexpr const char* kPhases[] = {"gemm-gateup", "gemm-gateup-swiglu", "gemm-down"};
+constexpr const char* kPhases[] = {"gemm-gateup",
+                                   "gemm-gateup-swiglu",
+                                   "gemm-down",
+                                   "gemm-gateup-dgrad",
+                                   "gemm-down-dgrad",
+                                   "gemm-gateup-wgrad",
+                                   "gemm-gateup-wgrad-accumulate",
+                                   "gemm-down-wgrad",
+                                   "gemm-down-wgrad-accumulate"};
 
 constexpr char kUsage[] =
     R"(bench_gemm_fp8: the FP8 blockwise-scaled grouped GEMM (DeepSeek-V3 recipe) at deepseek-v3,
@@ -63,7 +72,10 @@ usage: bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHA
   --iterations N   timed iterations per case, median reported (default 20)
   --warmup-ms MS   untimed launches of each case for MS ms first (default 300)
   --only PHASE     one phase: gemm-gateup (7168 -> 4096), gemm-gateup-swiglu (the same with
-                   SwiGLU fused, output 2048 wide) or gemm-down (2048 -> 7168)
+                   SwiGLU fused, output 2048 wide), gemm-down (2048 -> 7168); their backward:
+                   gemm-gateup-dgrad, gemm-down-dgrad (bf16 dx), gemm-gateup-wgrad,
+                   gemm-down-wgrad (bf16 dW) and gemm-gateup-wgrad-accumulate,
+                   gemm-down-wgrad-accumulate (fp32 main_grad += dW)
 )";
 
 struct CaseResult {
@@ -121,39 +133,96 @@ int run(int argc, char** argv) {
                           0.05f);
   const Operand h(describe(Format::kFp8, 1, rows_total, inter, 1, 128, false), 4, 1.0f);
   const Operand w_down(describe(Format::kFp8, experts, hidden, inter, 128, 128, false), 3, 0.05f);
-  Buffer out(static_cast<size_t>(rows_total) * std::max(2 * inter, hidden) * 2);
+  // Backward operands: the gradients 1 x 128 along their features (dgrad) and on their
+  // transposed copies (wgrad), the weights transposed (E, k, n) per 128 x 128 block.
+  const Operand d_gate_up(describe(Format::kFp8, 1, rows_total, 2 * inter, 1, 128, false), 5, 1.0f);
+  const Operand dy(describe(Format::kFp8, 1, rows_total, hidden, 1, 128, false), 6, 1.0f);
+  const Operand w_gate_up_t(describe(Format::kFp8, experts, hidden, 2 * inter, 128, 128, false), 7,
+                            0.05f);
+  const Operand w_down_t(describe(Format::kFp8, experts, inter, hidden, 128, 128, false), 8, 0.05f);
+  const Operand d_gate_up_t(describe(Format::kFp8, 1, rows_total, 2 * inter, 1, 128, true), 9,
+                            1.0f);
+  const Operand x_t(describe(Format::kFp8, 1, rows_total, hidden, 1, 128, true), 10, 1.0f);
+  const Operand dy_t(describe(Format::kFp8, 1, rows_total, hidden, 1, 128, true), 11, 1.0f);
+  const Operand h_t(describe(Format::kFp8, 1, rows_total, inter, 1, 128, true), 12, 1.0f);
+  const size_t out_bytes =
+      std::max(static_cast<size_t>(rows_total) * std::max(2 * inter, hidden) * 2,
+               static_cast<size_t>(experts) * 2 * inter * hidden * 4);
+  Buffer out(out_bytes);
+  void* const out_data = out.data;
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 
-  struct Case {
-    const char* phase;
-    const Operand& a;
-    const Operand& b;
-    GroupedShape shape;
-    ForwardOutput output;
-  };
   const GroupedShape gate_up{experts, rows_total, 2 * inter, hidden};
   const GroupedShape down{experts, rows_total, hidden, inter};
-  const Case cases[] = {{kPhases[0], x, w_gate_up, gate_up, ForwardOutput::kBf16},
-                        {kPhases[1], x, w_gate_up, gate_up, ForwardOutput::kSwiGluBf16},
-                        {kPhases[2], h, w_down, down, ForwardOutput::kBf16}};
+  const auto forward = [&](const Operand& a, const Operand& w, const GroupedShape& shape,
+                           ForwardOutput output) {
+    return std::pair<std::function<void()>, std::function<void()>>{
+        [a = &a, w = &w, shape, output, offs, out_data] {
+          grouped_forward_fp8(shape, a->data.as<uint8_t>(), a->scales.as<float>(),
+                              w->data.as<uint8_t>(), w->scales.as<float>(), offs, out_data, output,
+                              nullptr);
+        },
+        [a = &a, w = &w, shape, output, offs, out_data] {
+          grouped_forward(shape, a->values.as<mok::bf16>(), w->values.as<mok::bf16>(), offs,
+                          out_data, output, nullptr);
+        }};
+  };
+  // dgrad: the bf16 engine reads the forward weight (E, n, k), the FP8 kernel the transposed
+  // quantization (same shape of work, other random values).
+  const auto dgrad = [&](const Operand& grad, const Operand& w_t, const Operand& w,
+                         const GroupedShape& shape) {
+    return std::pair<std::function<void()>, std::function<void()>>{
+        [grad = &grad, w_t = &w_t, shape, offs, out_data] {
+          grouped_dgrad_fp8(shape, grad->data.as<uint8_t>(), grad->scales.as<float>(),
+                            w_t->data.as<uint8_t>(), w_t->scales.as<float>(), offs, out_data,
+                            DgradOutput::kBf16, nullptr);
+        },
+        [grad = &grad, w = &w, shape, offs, out_data] {
+          grouped_dgrad(shape, grad->values.as<mok::bf16>(), w->values.as<mok::bf16>(), offs,
+                        out_data, DgradOutput::kBf16, nullptr);
+        }};
+  };
+  const auto wgrad = [&](const Operand& grad_t, const Operand& input_t, const GroupedShape& shape,
+                         WgradOutput output) {
+    return std::pair<std::function<void()>, std::function<void()>>{
+        [grad_t = &grad_t, input_t = &input_t, shape, output, offs, out_data] {
+          grouped_wgrad_fp8(shape, grad_t->data.as<uint8_t>(), grad_t->scales.as<float>(),
+                            input_t->data.as<uint8_t>(), input_t->scales.as<float>(), offs,
+                            out_data, output, nullptr);
+        },
+        [grad_t = &grad_t, input_t = &input_t, shape, output, offs, out_data] {
+          grouped_wgrad(shape, grad_t->values.as<mok::bf16>(), input_t->values.as<mok::bf16>(),
+                        offs, out_data, output, nullptr);
+        }};
+  };
+  struct Case {
+    const char* phase;
+    GroupedShape shape;
+    std::pair<std::function<void()>, std::function<void()>> launches;  // fp8, bf16
+  };
+  const Case cases[] = {
+      {kPhases[0], gate_up, forward(x, w_gate_up, gate_up, ForwardOutput::kBf16)},
+      {kPhases[1], gate_up, forward(x, w_gate_up, gate_up, ForwardOutput::kSwiGluBf16)},
+      {kPhases[2], down, forward(h, w_down, down, ForwardOutput::kBf16)},
+      {kPhases[3], gate_up, dgrad(d_gate_up, w_gate_up_t, w_gate_up, gate_up)},
+      {kPhases[4], down, dgrad(dy, w_down_t, w_down, down)},
+      {kPhases[5], gate_up, wgrad(d_gate_up_t, x_t, gate_up, WgradOutput::kBf16)},
+      {kPhases[6], gate_up, wgrad(d_gate_up_t, x_t, gate_up, WgradOutput::kAccumulateFp32)},
+      {kPhases[7], down, wgrad(dy_t, h_t, down, WgradOutput::kBf16)},
+      {kPhases[8], down, wgrad(dy_t, h_t, down, WgradOutput::kAccumulateFp32)},
+  };
   std::vector<CaseResult> results;
   for (const Case& c : cases) {
     if (!only.empty() && only != c.phase) continue;
+    // main_grad starts from zeros (the accumulating cases add to whatever is there).
+    MOK_CUDA_CHECK(cudaMemset(out.data, 0, out_bytes));
     const double flops = 2.0 * rows_total * double(c.shape.n) * c.shape.k;
-    const std::function<void()> fp8 = [&] {
-      grouped_forward_fp8(c.shape, c.a.data.as<uint8_t>(), c.a.scales.as<float>(),
-                          c.b.data.as<uint8_t>(), c.b.scales.as<float>(), offs, out.data, c.output,
-                          nullptr);
-    };
-    const std::function<void()> bf16 = [&] {
-      grouped_forward(c.shape, c.a.values.as<mok::bf16>(), c.b.values.as<mok::bf16>(), offs,
-                      out.data, c.output, nullptr);
-    };
     for (const auto& [precision, launch] :
-         {std::pair<const char*, const std::function<void()>&>{"fp8", fp8}, {"bf16", bf16}}) {
+         {std::pair<const char*, const std::function<void()>&>{"fp8", c.launches.first},
+          {"bf16", c.launches.second}}) {
       const double ms = median_ms(launch, iterations, warmup_ms);
       results.push_back({c.phase, precision, c.shape.n, c.shape.k, ms, flops / ms / 1e9});
-      std::printf("deepseek-v3 %-20s %-5s E %3d rows %5d n %5d k %5d  %8.3f ms  %7.1f TFLOP/s\n",
+      std::printf("deepseek-v3 %-29s %-5s E %3d rows %5d n %5d k %5d  %8.3f ms  %7.1f TFLOP/s\n",
                   c.phase, precision, experts, rows, c.shape.n, c.shape.k, ms,
                   results.back().tflops);
       std::fflush(stdout);
