@@ -73,16 +73,21 @@ __host__ __device__ constexpr int output_tile_columns(EpilogueKind epilogue) {
 inline constexpr uint32_t kStagingRowBytes = 256;
 inline constexpr uint32_t kWarpStagingBytes = 16 * kStagingRowBytes;
 
+// Stages of the cooperative engine's ring. A 4th stage for bf16 outputs (it fits beside the 32 KB
+// staging tile) measured no faster, and slower on the qwen3-30b forward GEMMs (perf-notes/gemm.md
+// v10); wgrad's tiles, 4 k-blocks each at EP 1, take it (perf-notes/backward.md v7).
+__host__ __device__ constexpr int cooperative_stages(GemmKind kind, EpilogueKind epilogue) {
+  return kind == GemmKind::kWgrad || !uses_staged_store(epilogue) ? 4 : 3;
+}
+
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the output
 // staging tile, then the barriers. The same struct sizes the launch on the host and finds the
 // buffers on the device.
-template <EpilogueKind kEpilogue>
+template <EpilogueKind kEpilogue, int kStages = cooperative_stages(GemmKind::kForward, kEpilogue)>
 struct SharedLayout {
   using Config = TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
-  // A 4th stage for bf16 outputs (it fits beside the 32 KB staging tile) measured no faster, and
-  // slower on the qwen3-30b forward GEMMs (perf-notes/gemm.md v10).
-  static constexpr int kNumStages = kStagedStore ? 3 : 4;
+  static constexpr int kNumStages = kStages;
   static constexpr uint32_t kAlignment = 1024;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * TileConfig::kABytes;
