@@ -107,6 +107,9 @@ LayerBackward::~LayerBackward() {
 int LayerBackward::shared_gemm_sms_beside_copy() const {
   const int copy_ctas = options_.copy.num_ctas;
   if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
+  // One rank: the dispatch copies local rows on every SM in a fraction of the shared expert's
+  // time; beside it, its CTAs would hold SMs from the shared GEMMs for all of it.
+  if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) return 0;
   const int free_sms = num_sms_ - copy_ctas;
   return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
 }

@@ -48,8 +48,9 @@ struct LayerBackwardOptions {
   // Dispatch x and dy beside the shared expert's GEMMs (the copy CTAs on a side stream, the GEMMs
   // on the other SMs) instead of after them. Same bits either way; needs copy.num_ctas > 0.
   bool overlap_shared_with_dispatch = true;
-  // At EP 1, a dispatch that runs alone (no shared expert beside it) moves rows within this GPU's
-  // memory only: it copies on every SM instead of copy.num_ctas. Same bits either way.
+  // At EP 1 the dispatch moves rows within this GPU's memory only: it runs after the shared
+  // expert's GEMMs (not beside them, whatever overlap_shared_with_dispatch says) and copies on
+  // every SM instead of copy.num_ctas. Same bits either way.
   bool local_dispatch_on_every_sm = true;
 };
 
