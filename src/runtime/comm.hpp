@@ -39,7 +39,9 @@ class Communicator {
   static std::vector<Communicator> create_local(const std::vector<int>& devices);
   // The caller's communicator (e.g. made from a unique id); mok never destroys it.
   static Communicator wrap(ncclComm_t comm);
-  // num_ranks ranks emulated on `device` (see above); no NCCL needed.
+  // num_ranks ranks emulated on `device` (see above); no NCCL needed. The process should run with
+  // CUDA_MODULE_LOADING=EAGER: a lazily loaded kernel's first launch can wait for the kernels
+  // already running, among them a peer's that waits for this rank (docs/ARCHITECTURE.md).
   static std::vector<Communicator> emulate(int device, int num_ranks);
 
   int rank() const { return state_->rank; }
