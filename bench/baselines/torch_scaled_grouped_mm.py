@@ -58,6 +58,18 @@ def rowwise_fp8(values):
     return data, scale
 
 
+def errors_against_fp64(y, a, b):
+    """y (bf16 output as fp64) against a @ bᵀ in fp64 on the same dequantized operands: the
+    largest error relative to Σ|a·b|, and the same beyond the output's one bf16 rounding (at most
+    2^-8 relative, subtracted as the C++ test does)."""
+    oracle = a @ b.T
+    magnitude = (a.abs() @ b.abs().T).clamp(min=1e-300)
+    error = (y - oracle).abs()
+    rounding = 2.0**-8 * torch.maximum(oracle.abs(), y.abs())
+    return ((error / magnitude).max().item(),
+            ((error - rounding).clamp(min=0) / magnitude).max().item())
+
+
 def case(n, k, iterations):
     total = EXPERTS * ROWS
     offs = torch.arange(1, EXPERTS + 1, device="cuda", dtype=torch.int32) * ROWS
@@ -74,14 +86,7 @@ def case(n, k, iterations):
     y = fn()[:ROWS].double()
     a = x_data[:ROWS].double() * x_scale[:ROWS, None].double()
     b = w_data[0].double() * w_scale[0, :, None].double()
-    oracle = a @ b.T
-    magnitude = a.abs() @ b.abs().T
-    fp64_error = ((y - oracle).abs() / magnitude.clamp(min=1e-300)).max().item()
-    # bf16 output: subtract its one rounding (at most 2^-8 relative) as the C++ test does.
-    rounding = 2.0**-8 * torch.maximum(oracle.abs(), y.abs())
-    beyond_rounding = (((y - oracle).abs() - rounding).clamp(min=0) /
-                       magnitude.clamp(min=1e-300)).max().item()
-    return ms, 2.0 * total * n * k / ms / 1e9, fp64_error, beyond_rounding
+    return (ms, 2.0 * total * n * k / ms / 1e9) + errors_against_fp64(y, a, b)
 
 
 def per_expert_fp8(values_t):
@@ -110,13 +115,7 @@ def wgrad_case(m, n, iterations):
     y = fn()[0].double()
     a = dy_data[:, :ROWS].double() * dy_scale[:m, None].double()
     b = x_data[:, :ROWS].double() * x_scale[:n, None].double()
-    oracle = a @ b.T
-    magnitude = a.abs() @ b.abs().T
-    fp64_error = ((y - oracle).abs() / magnitude.clamp(min=1e-300)).max().item()
-    rounding = 2.0**-8 * torch.maximum(oracle.abs(), y.abs())
-    beyond_rounding = (((y - oracle).abs() - rounding).clamp(min=0) /
-                       magnitude.clamp(min=1e-300)).max().item()
-    return ms, 2.0 * total * m * n / ms / 1e9, fp64_error, beyond_rounding
+    return (ms, 2.0 * total * m * n / ms / 1e9) + errors_against_fp64(y, a, b)
 
 
 def main():

@@ -177,6 +177,23 @@ struct Fp8Mainloop {
     }
   }
 
+  // kCount scales of one 128-row block, of features first .. first + kCount - 1 (0 from `limit`
+  // on); scales (features, num_row_blocks). NOTE: the loop stays rolled: unrolled, its addresses
+  // (12 for both operands) spilled the producer's 40 registers.
+  template <int kCount>
+  __device__ static void load_wgrad_scales(float* destination, const float* scales, int first,
+                                           int limit, int num_row_blocks, int row_block,
+                                           int lane_idx) {
+#pragma unroll 1
+    for (int i = 0; i < kCount / 32; ++i) {
+      const int feature = first + lane_idx + 32 * i;
+      const bool valid = feature < limit;
+      const float* source =
+          valid ? scales + static_cast<int64_t>(feature) * num_row_blocks + row_block : scales;
+      ptx::cp_async_4(destination + lane_idx + 32 * i, source, valid);
+    }
+  }
+
   // One wgrad stage: 128 of the group's rows (the K of this GEMM) of the tile's A rows (out
   // features, the transposed dY) and B rows (in features, the transposed X), and their scales,
   // one per tile row and per tile column. Rows past the tensor are zero-filled by TMA; rows past
@@ -195,28 +212,13 @@ struct Fp8Mainloop {
       ptx::tma_load_2d(smem.a_stage(stage), map_a, full, k_pairs, first_m);
       ptx::tma_load_2d(smem.b_stage(stage), map_b, full, k_pairs, first_n);
     }
-    // Rows of A past M and columns past N get scale 0 (their outputs are not stored). NOTE: the
-    // loops stay rolled: unrolled, their 12 addresses spilled the producer's 40 registers.
-    float* scale_a = smem.scale_a_stage(stage);
-#pragma unroll 1
-    for (int i = 0; i < Config::BLOCK_M / 32; ++i) {
-      const int m = first_m + lane_idx + 32 * i;
-      const bool valid = m < params.grouped.m;
-      const float* source =
-          valid ? params.a_scales + static_cast<int64_t>(m) * params.num_row_blocks + row_block
-                : params.a_scales;
-      ptx::cp_async_4(scale_a + lane_idx + 32 * i, source, valid);
-    }
-    float* scale_b = smem.scale_b_stage(stage);
-#pragma unroll 1
-    for (int i = 0; i < Config::BLOCK_N / 32; ++i) {
-      const int n = first_n + lane_idx + 32 * i;
-      const bool valid = n < params.grouped.n;
-      const float* source =
-          valid ? params.b_scales + static_cast<int64_t>(n) * params.num_row_blocks + row_block
-                : params.b_scales;
-      ptx::cp_async_4(scale_b + lane_idx + 32 * i, source, valid);
-    }
+    // Rows of A past M and columns past N get scale 0 (their outputs are not stored).
+    load_wgrad_scales<Config::BLOCK_M>(smem.scale_a_stage(stage), params.a_scales, first_m,
+                                       params.grouped.m, params.num_row_blocks, row_block,
+                                       lane_idx);
+    load_wgrad_scales<Config::BLOCK_N>(smem.scale_b_stage(stage), params.b_scales, first_n,
+                                       params.grouped.n, params.num_row_blocks, row_block,
+                                       lane_idx);
   }
 
   // Wgrad: zeroes the K positions (group rows) >= rows_valid of the stage's A (BLOCK_M) and B
