@@ -2,6 +2,7 @@
 a plain-PyTorch MoE, on synthetic data (a fixed random teacher), and prints loss and tokens/s.
 
     python examples/train_moe_block.py [--steps 200] [--device cpu|cuda] [--batch 8] [--seq 64]
+    python examples/train_moe_block.py --precision fp8|mxfp8                  # CPU backend
     torchrun --nproc-per-node=2 examples/train_moe_block.py --device cuda     # EP = 2
 
 What runs where:
@@ -10,6 +11,10 @@ What runs where:
                  torchrun group when there is one); the MoE forward alone is also timed.
 Under torchrun the torch-native block is data-parallel with every expert on each rank (the same
 global model); mok's block holds E/R experts per rank. Replicated weights average their gradients.
+
+--precision fp8 or mxfp8 (CPU backend so far; the GPU layer computes bf16 only) trains mok's
+block in that precision and, from the same seed and starting weights, in bf16 beside it, and
+prints how far the FP8 loss ends from the bf16 one.
 """
 
 import argparse
@@ -134,12 +139,19 @@ def main():
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=None, help="default 64 (cpu), 512 (cuda)")
-    parser.add_argument("--hidden", type=int, default=None, help="default 64 (cpu), 1024 (cuda)")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="default 64 (cpu; 128 with --precision fp8 or mxfp8, whose blocks are 128 wide), "
+                             "1024 (cuda)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--precision", default="bf16", choices=mok.functional.PRECISIONS,
+                        help="mok's precision mode (fp8 / mxfp8: CPU backend only so far; default bf16)")
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
-    hidden = args.hidden or (1024 if on_gpu else 64)
+    if args.precision != "bf16" and on_gpu:
+        parser.error(f"--precision {args.precision} runs on the CPU backend only so far (--device cpu): "
+                     "the GPU layer computes bf16")
+    hidden = args.hidden or (1024 if on_gpu else 64 if args.precision == "bf16" else 128)
     seq = args.seq or (512 if on_gpu else 64)
 
     ranks, rank, group = 1, 0, None
@@ -166,7 +178,8 @@ def main():
                     shared_intermediate=hidden, dtype=dtype)
     torch.manual_seed(0)  # the same global model on every rank
     full = mok.nn.MoE(**moe_args).to(device)
-    moe = mok.nn.MoE(**moe_args, process_group=group).to(device)
+    config = mok.functional.MoKConfig(precision=args.precision)
+    moe = mok.nn.MoE(**moe_args, process_group=group, config=config).to(device)
     with torch.no_grad():  # this rank's share of the same experts
         local = slice(rank * args.experts // ranks, (rank + 1) * args.experts // ranks)
         for name, parameter in moe.named_parameters():
@@ -177,6 +190,10 @@ def main():
     torch_block = Block(hidden, heads, TorchMoE(full)).to(device)
     for name in ("norm1", "norm2", "attention"):  # the same starting point
         getattr(torch_block, name).load_state_dict(getattr(mok_block, name).state_dict())
+    bf16_block = None
+    if args.precision != "bf16":  # the same block and starting point in mok's bf16 mode
+        bf16_block = copy.deepcopy(mok_block)
+        bf16_block.moe.config = mok.functional.MoKConfig()
 
     torch.manual_seed(1)
     teacher = Block(hidden, heads,
@@ -190,8 +207,20 @@ def main():
         f"for {args.steps} steps, {args.batch}x{seq} tokens per step and rank on {device.type}, EP {ranks}")
     backend = "CPU backend: forward and backward" if not on_gpu else \
         "GPU forward and backward"
+    if args.precision != "bf16":
+        backend += f", {args.precision}"
     mok_loss, mok_rate = train(mok_block, data, target, args.steps, f"mok.nn.MoE ({backend})", group, ranks,
                                True, log)
+    if bf16_block is not None:
+        with torch.no_grad():
+            start_loss = F.mse_loss(bf16_block(data), target).item()
+        bf16_loss, _ = train(bf16_block, data, target, args.steps, "mok.nn.MoE (CPU backend, bf16)", group,
+                             ranks, True, log)
+        # NOTE: measured against the starting loss: bf16's own final loss can be near 0, where FP8
+        # stops at its quantization's noise floor.
+        log(f"final loss: mok {args.precision} {mok_loss:.5f}, mok bf16 {bf16_loss:.5f}; "
+            f"{args.precision} - bf16 = {mok_loss - bf16_loss:+.5f}, "
+            f"{abs(mok_loss - bf16_loss) / start_loss:.2%} of the starting loss {start_loss:.5f}")
     torch_loss, torch_rate = train(torch_block, data, target, args.steps, "torch-native MoE", group, ranks,
                                    False, log)
     log(f"final loss: mok {mok_loss:.5f}, torch-native {torch_loss:.5f}")

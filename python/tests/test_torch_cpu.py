@@ -1,6 +1,12 @@
 """The torch front end on the CPU backend: against a plain-PyTorch layer, opcheck, autograd,
 torch.compile, determinism and errors. Runs wherever torch and the built extension are."""
 
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -383,3 +389,21 @@ def test_cuda_tensors_refuse_fp8_modes():
         mf.backward(x.cuda(), x.cuda(), idx.cuda(), w.cuda(), fused, config=config)
     with pytest.raises(ValueError, match="precision: mxfp8 runs on CPU tensors only so far"):
         torch.ops.mok.forward(x.cuda(), idx.cuda(), w.cuda(), *fused, 0, "mxfp8")
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_example_trains_in_fp8_next_to_bf16(precision):
+    """examples/train_moe_block.py --precision: the block trains in the FP8 mode from the same seed
+    and starting weights as in bf16 and ends within 0.5 % of the starting loss of bf16's loss
+    (measured: 0.09 % here, 0.05 % after 300 steps of the default size; docs/quantize.md)."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_moe_block.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--steps", "40", "--batch", "2", "--seq", "32", "--precision", precision],
+        capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    match = re.search(rf"final loss: mok {precision} ([0-9.]+), mok bf16 ([0-9.]+); .* starting loss ([0-9.]+)",
+                      result.stdout)
+    assert match, result.stdout[-2000:]
+    low_precision, bf16, start = (float(value) for value in match.groups())
+    assert low_precision < start / 100, f"{precision} did not train: {start} -> {low_precision}"
+    assert abs(low_precision - bf16) < 0.005 * start, f"{precision} {low_precision} against bf16 {bf16}"
