@@ -114,8 +114,8 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGem
                   config.num_ctas, stream);
   } else {
     launch_kernel(&grouped_gemm_kernel<kKind, kEpilogue>, TileConfig::kNumThreads,
-                  SharedLayout<kEpilogue, cooperative_stages(kKind, kEpilogue)>::kLaunchBytes,
-                  map_a, map_b, map_c, params, config.num_ctas, stream);
+                  CooperativeLayout<kKind, kEpilogue>::kLaunchBytes, map_a, map_b, map_c, params,
+                  config.num_ctas, stream);
   }
 }
 

@@ -104,6 +104,10 @@ struct SharedLayout {
   static_assert(kLaunchBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
 };
 
+// The cooperative kernel's layout for a GEMM kind: what the kernel carves and its launch sizes.
+template <GemmKind kKind, EpilogueKind kEpilogue>
+using CooperativeLayout = SharedLayout<kEpilogue, cooperative_stages(kKind, kEpilogue)>;
+
 struct GroupedGemmParams {
   const int* group_offsets;  // [num_groups + 1], device memory
   int num_groups;

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_c, const GroupedGemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Layout = SharedLayout<kEpilogue, cooperative_stages(kKind, kEpilogue)>;
+  using Layout = CooperativeLayout<kKind, kEpilogue>;
   using Loop = Mainloop<kKind, Layout>;
   using Store = Epilogue<kKind, kEpilogue>;
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
