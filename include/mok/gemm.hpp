@@ -42,6 +42,10 @@ enum class GemmEngine {
 struct LaunchOptions {
   int num_sms = 0;  // CTAs of the persistent grid; 0 = every SM of the current device
   GemmEngine engine = GemmEngine::kAuto;
+  // wgrad on the cooperative engine: CTAs per cluster, each loading a share of the tiles' common
+  // x operand into all of them (TMA multicast); 0 = the default (2), 1 = no clusters. A grid of
+  // fewer than two CTAs runs without. Same bits either way.
+  int wgrad_cluster = 0;
 };
 
 enum class ForwardOutput {

@@ -61,6 +61,9 @@ struct LayerRunSpec {
   bool bf16_gradients = false;
   // The backward's GEMM engine, as gemm::GemmEngine's value (0 = kAuto; same bits whichever).
   int backward_engine = 0;
+  // CTAs per cluster of the backward's wgrad GEMMs (gemm::LaunchOptions::wgrad_cluster; 0 = the
+  // default; same bits whichever).
+  int wgrad_cluster = 0;
   int warmup = 3;  // untimed forwards first: at least this many, and
   // more until this many milliseconds have passed (every rank runs as many as rank 0): under the
   // power cap the clock follows the power of the last fraction of a second, so a few forwards of

@@ -5,6 +5,9 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "kernels/gemm/pingpong_gemm_kernel.cuh"
@@ -19,6 +22,7 @@ namespace {
 struct LaunchConfig {
   int num_ctas;
   int pingpong_block_m;  // ping-pong kernel, (BLOCK_M, 16384 / BLOCK_M) tiles; 0: cooperative
+  int cluster_size = 1;  // cooperative wgrad: CTAs per cluster (kWgradClusterSize) or 1
   int block_m() const { return pingpong_block_m > 0 ? pingpong_block_m : TileConfig::BLOCK_M; }
   int block_n() const {
     return pingpong_block_m > 0 ? 128 * 128 / pingpong_block_m : TileConfig::BLOCK_N;
@@ -92,14 +96,61 @@ void check_output(const void* output, const char* name) {
 
 using GemmKernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, GroupedGemmParams);
 
+cudaLaunchConfig_t launch_config(int num_ctas, int num_threads, uint32_t smem_bytes,
+                                 cudaStream_t stream, cudaLaunchAttribute* cluster_attribute,
+                                 int cluster_size) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(num_ctas));
+  config.blockDim = dim3(static_cast<unsigned>(num_threads));
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cluster_attribute->id = cudaLaunchAttributeClusterDimension;
+  cluster_attribute->val.clusterDim.x = static_cast<unsigned>(cluster_size);
+  cluster_attribute->val.clusterDim.y = 1;
+  cluster_attribute->val.clusterDim.z = 1;
+  config.attrs = cluster_attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Clusters of `cluster_size` CTAs of `kernel` that fit on the current device at once (one CTA
+// per SM; a cluster's CTAs share a GPC, so this can be fewer than SMs / cluster_size), asked once
+// per kernel and device.
+int max_active_clusters(GemmKernel kernel, int num_threads, uint32_t smem_bytes, int cluster_size) {
+  static std::mutex mutex;
+  static std::map<std::pair<GemmKernel, int>, int> known;
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find({kernel, device});
+  if (found != known.end()) return found->second;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem_bytes)));
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config =
+      launch_config(cluster_size, num_threads, smem_bytes, nullptr, &attribute, cluster_size);
+  int clusters = 0;
+  MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  known[{kernel, device}] = clusters;
+  return clusters;
+}
+
 void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
                    const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
-                   const GroupedGemmParams& params, int num_ctas, cudaStream_t stream) {
+                   const GroupedGemmParams& params, int num_ctas, cudaStream_t stream,
+                   int cluster_size = 1) {
   // NOTE: the attribute belongs to the current device, and one process may drive several GPUs
   // (one host thread per rank): set it on every launch (a host-side call of about a microsecond).
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem_bytes)));
-  kernel<<<num_ctas, num_threads, smem_bytes, stream>>>(map_a, map_b, map_c, params);
+  if (cluster_size == 1) {
+    kernel<<<num_ctas, num_threads, smem_bytes, stream>>>(map_a, map_b, map_c, params);
+  } else {
+    cudaLaunchAttribute attribute{};
+    const cudaLaunchConfig_t config =
+        launch_config(num_ctas, num_threads, smem_bytes, stream, &attribute, cluster_size);
+    MOK_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, params));
+  }
   MOK_CUDA_CHECK_LAUNCH();
 }
 
@@ -112,11 +163,29 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGem
     launch_kernel(&pingpong_gemm_kernel<kKind, kEpilogue, 128>, PingpongConfig<128>::kNumThreads,
                   PingpongSharedLayout<kEpilogue, 128>::kLaunchBytes, map_a, map_b, map_c, params,
                   config.num_ctas, stream);
-  } else {
-    launch_kernel(&grouped_gemm_kernel<kKind, kEpilogue>, TileConfig::kNumThreads,
-                  CooperativeLayout<kKind, kEpilogue>::kLaunchBytes, map_a, map_b, map_c, params,
-                  config.num_ctas, stream);
+    return;
   }
+  if constexpr (kKind == GemmKind::kWgrad) {
+    if (config.cluster_size == kWgradClusterSize) {
+      launch_kernel(&grouped_gemm_kernel<kKind, kEpilogue, kWgradClusterSize>,
+                    TileConfig::kNumThreads,
+                    CooperativeLayout<kKind, kEpilogue, kWgradClusterSize>::kLaunchBytes, map_a,
+                    map_b, map_c, params, config.num_ctas, stream, kWgradClusterSize);
+      return;
+    }
+  }
+  launch_kernel(&grouped_gemm_kernel<kKind, kEpilogue>, TileConfig::kNumThreads,
+                CooperativeLayout<kKind, kEpilogue>::kLaunchBytes, map_a, map_b, map_c, params,
+                config.num_ctas, stream);
+}
+
+// Clusters of the cooperative wgrad kernel with this epilogue that fit on the device at once.
+template <EpilogueKind kEpilogue>
+int wgrad_max_clusters() {
+  return max_active_clusters(
+      &grouped_gemm_kernel<GemmKind::kWgrad, kEpilogue, kWgradClusterSize>, TileConfig::kNumThreads,
+      CooperativeLayout<GemmKind::kWgrad, kEpilogue, kWgradClusterSize>::kLaunchBytes,
+      kWgradClusterSize);
 }
 
 EpilogueKind forward_epilogue(ForwardOutput output) {
@@ -211,8 +280,31 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
     return static_cast<long long>(shape.num_experts) * ceil_div(shape.n, block_m) *
            ceil_div(shape.k, block_n);
   };
-  const LaunchConfig config =
+  MOK_CHECK_ARG(options.wgrad_cluster == 0 || options.wgrad_cluster == 1 ||
+                    options.wgrad_cluster == kWgradClusterSize,
+                "options.wgrad_cluster", "must be 0, 1 or ", kWgradClusterSize, ", got ",
+                options.wgrad_cluster);
+  LaunchConfig config =
       pick_config(options, pick_engine(options, GemmKind::kWgrad, epilogue, -1), num_tiles);
+  if (config.pingpong_block_m == 0 && options.wgrad_cluster != 1) {
+    // Whole clusters: of the CTAs asked for, as many as fit at once, no more than have tiles.
+    const long long cluster_tiles =
+        static_cast<long long>(shape.num_experts) *
+        ceil_div(ceil_div(shape.n, TileConfig::BLOCK_M), kWgradClusterSize) *
+        ceil_div(shape.k, TileConfig::BLOCK_N);
+    const int asked = options.num_sms > 0 ? options.num_sms : current_device_sm_count();
+    const int fitting = epilogue == EpilogueKind::kStoreFp32
+                            ? wgrad_max_clusters<EpilogueKind::kStoreFp32>()
+                        : epilogue == EpilogueKind::kStoreBf16
+                            ? wgrad_max_clusters<EpilogueKind::kStoreBf16>()
+                            : wgrad_max_clusters<EpilogueKind::kAccumulateFp32>();
+    const long long clusters = std::min({static_cast<long long>(asked / kWgradClusterSize),
+                                         static_cast<long long>(fitting), cluster_tiles});
+    if (clusters >= 1) {
+      config.num_ctas = static_cast<int>(clusters) * kWgradClusterSize;
+      config.cluster_size = kWgradClusterSize;
+    }
+  }
   switch (output) {
     case WgradOutput::kFp32:
       launch<GemmKind::kWgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);

@@ -85,6 +85,12 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
+  // NOTE: ranks emulated on one GPU rely on every rank's kernels finding SMs while the others'
+  // wait on them; a CTA cluster needs SMs side by side in one GPC, which the waiting kernels can
+  // hold (EP 8 emulated hung so): single CTAs there, unless the caller chose.
+  if (comm.ranks_on_device() > 1 && options_.gemm.wgrad_cluster == 0) {
+    options_.gemm.wgrad_cluster = 1;
+  }
   MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));

@@ -165,6 +165,7 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
   LayerBackwardOptions options;
   options.gemm.engine = static_cast<gemm::GemmEngine>(spec.backward_engine);
+  options.gemm.wgrad_cluster = spec.wgrad_cluster;
   LayerBackward layer(comm, shape, tokens, options);
   buffer_bytes = layer.buffer_bytes();
   DeviceBuffer<bf16> dy(tokens * hidden), dx(tokens * hidden);

@@ -7,6 +7,7 @@
 
 #include "gemm_test_support.hpp"
 #include "mok/detail/numerics.hpp"
+#include "mok/error.hpp"
 #include "mok/gemm.hpp"
 
 namespace mok::gemm_test {
@@ -70,7 +71,7 @@ class GroupedGemmBackward : public ::testing::Test {
   // `initial` (fp32 main_grad) is uploaded for kAccumulateFp32; the output is poisoned otherwise.
   template <class T>
   std::vector<T> run_wgrad(WgradOutput output, int num_sms, const std::vector<float>* initial,
-                           GemmEngine engine = GemmEngine::kAuto) {
+                           GemmEngine engine = GemmEngine::kAuto, int cluster = 0) {
     DeviceBuffer<T> dw(static_cast<size_t>(p_->num_experts) * kOut * kIn);
     if constexpr (std::is_same_v<T, float>) {
       if (initial != nullptr)
@@ -81,7 +82,7 @@ class GroupedGemmBackward : public ::testing::Test {
       dw.poison();
     }
     grouped_wgrad(p_->shape(), dy_->get(), x_->get(), offsets_->get(), dw.get(), output, nullptr,
-                  LaunchOptions{num_sms, engine});
+                  LaunchOptions{num_sms, engine, cluster});
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     return dw.download();
   }
@@ -222,6 +223,35 @@ TEST_F(GroupedGemmBackward, PingpongEqualsCooperativeBitwise) {
                                                             &main_grad, kPingpong)))
         << "wgrad accumulate: ping-pong on " << num_sms << " CTAs differs from cooperative";
   }
+}
+
+// wgrad on clusters of two CTAs (each loading half of the shared x tile into both) sums every
+// element as a single CTA does: bitwise equal results for every output, on grids of one cluster
+// (all tiles in turn, so row tails follow each other in every stage: experts of 1 and 64 rows),
+// an odd grid (rounded down to whole clusters) and larger ones; M = 320 is 3 M blocks, so the
+// last cluster of each N block has a CTA past M.
+TEST_F(GroupedGemmBackward, WgradClustersEqualSingleCtasBitwise) {
+  constexpr GemmEngine kCooperative = GemmEngine::kCooperative;
+  const size_t count = static_cast<size_t>(p_->num_experts) * kOut * kIn;
+  std::vector<float> main_grad(count);
+  const auto seed_values = random_bf16(count, 26, 4.0f);
+  for (size_t i = 0; i < count; ++i) main_grad[i] = seed_values[i].to_float();
+  const auto fp32 = run_wgrad<float>(WgradOutput::kFp32, 0, nullptr, kCooperative, 1);
+  const auto bf16_result = run_wgrad<bf16>(WgradOutput::kBf16, 0, nullptr, kCooperative, 1);
+  const auto accumulated =
+      run_wgrad<float>(WgradOutput::kAccumulateFp32, 0, &main_grad, kCooperative, 1);
+  for (int num_sms : {0, 2, 7, 33}) {
+    EXPECT_TRUE(bitwise_equal(
+        fp32, run_wgrad<float>(WgradOutput::kFp32, num_sms, nullptr, kCooperative, 2)))
+        << "wgrad fp32: clusters on " << num_sms << " CTAs differ from single CTAs";
+    EXPECT_TRUE(bitwise_equal(
+        bf16_result, run_wgrad<bf16>(WgradOutput::kBf16, num_sms, nullptr, kCooperative, 2)))
+        << "wgrad bf16: clusters on " << num_sms << " CTAs differ from single CTAs";
+    EXPECT_TRUE(bitwise_equal(accumulated, run_wgrad<float>(WgradOutput::kAccumulateFp32, num_sms,
+                                                            &main_grad, kCooperative, 2)))
+        << "wgrad accumulate: clusters on " << num_sms << " CTAs differ from single CTAs";
+  }
+  EXPECT_THROW(run_wgrad<float>(WgradOutput::kFp32, 0, nullptr, kCooperative, 3), mok::Error);
 }
 
 }  // namespace

@@ -81,14 +81,27 @@ __host__ __device__ constexpr int cooperative_stages(GemmKind kind, EpilogueKind
   return kind == GemmKind::kWgrad || !uses_staged_store(epilogue) ? 4 : 3;
 }
 
+// wgrad on the cooperative engine runs on clusters of two CTAs: the pair computes the tiles of
+// M blocks 2p and 2p + 1 at one N block, and each CTA loads half of their common B tile by TMA
+// multicast into both. At EP 1 an expert's K is its ~256 rows, so a (128, 256) tile moves 384
+// bytes of operands per 256 FLOP; sharing B cuts the L2 reads by a third. Measured on H200
+// (perf-notes/backward.md v8): wgrad down -3 to -4 %, gate/up level; what limits these short
+// tiles is the ring's depth against the loads' latency, not the L2's bandwidth.
+inline constexpr int kWgradClusterSize = 2;
+
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the output
 // staging tile, then the barriers. The same struct sizes the launch on the host and finds the
-// buffers on the device.
-template <EpilogueKind kEpilogue, int kStages = cooperative_stages(GemmKind::kForward, kEpilogue)>
+// buffers on the device. kClusterSize > 1: a stage is also written by the other CTAs' multicasts,
+// so each stage has its own tail barrier (a peer may load the next tail into another stage while
+// this CTA still waits for the last one).
+template <EpilogueKind kEpilogue, int kStages = cooperative_stages(GemmKind::kForward, kEpilogue),
+          int kCluster = 1>
 struct SharedLayout {
   using Config = TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
   static constexpr int kNumStages = kStages;
+  static constexpr int kClusterSize = kCluster;
+  static constexpr int kNumTailBarriers = kCluster > 1 ? kStages : 1;
   static constexpr uint32_t kAlignment = 1024;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * TileConfig::kABytes;
@@ -97,16 +110,17 @@ struct SharedLayout {
   static constexpr uint32_t kStagingBytes =
       kStagedStore ? TileConfig::kNumConsumerWarpgroups * 4 * kWarpStagingBytes : 0;
   static constexpr uint32_t kBarrierOffset = kStagingOffset + kStagingBytes;
-  // full[kNumStages], empty[kNumStages], tail (the wgrad row-tail staging barrier)
-  static constexpr uint32_t kNumBarriers = 2 * kNumStages + 1;
+  // full[kNumStages], empty[kNumStages], tail[kNumTailBarriers] (the wgrad row tails' staging)
+  static constexpr uint32_t kNumBarriers = 2 * kNumStages + kNumTailBarriers;
   static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
   static constexpr uint32_t kLaunchBytes = kBytes + kAlignment;  // slack to align the base
   static_assert(kLaunchBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
 };
 
 // The cooperative kernel's layout for a GEMM kind: what the kernel carves and its launch sizes.
-template <GemmKind kKind, EpilogueKind kEpilogue>
-using CooperativeLayout = SharedLayout<kEpilogue, cooperative_stages(kKind, kEpilogue)>;
+template <GemmKind kKind, EpilogueKind kEpilogue, int kClusterSize = 1>
+using CooperativeLayout =
+    SharedLayout<kEpilogue, cooperative_stages(kKind, kEpilogue), kClusterSize>;
 
 struct GroupedGemmParams {
   const int* group_offsets;  // [num_groups + 1], device memory

@@ -23,14 +23,15 @@ static_assert(register_split_fits(kProducerRegisters, kConsumerRegisters,
               "the cooperative kernel's register split exceeds the SM's register file");
 
 // map_c: wgrad's bf16 output as a tensor map for the epilogue's tile stores (Epilogue::store);
-// unused by the other kinds.
-template <GemmKind kKind, EpilogueKind kEpilogue>
+// unused by the other kinds. kClusterSize > 1 (wgrad): launched on clusters of that many CTAs,
+// which share B's loads (kWgradClusterSize).
+template <GemmKind kKind, EpilogueKind kEpilogue, int kClusterSize = 1>
 __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_c, const GroupedGemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Layout = CooperativeLayout<kKind, kEpilogue>;
+  using Layout = CooperativeLayout<kKind, kEpilogue, kClusterSize>;
   using Loop = Mainloop<kKind, Layout>;
   using Store = Epilogue<kKind, kEpilogue>;
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
@@ -50,14 +51,23 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     if constexpr (Store::kBoxStores) ptx::prefetch_tensor_map(&map_c);
     for (int stage = 0; stage < Layout::kNumStages; ++stage) {
       ptx::mbarrier_init(&smem.full[stage], 1);
-      ptx::mbarrier_init(&smem.empty[stage], TileConfig::kNumConsumerWarpgroups * 4);
+      // Every consumer warp of every CTA whose multicast writes into the stage.
+      ptx::mbarrier_init(&smem.empty[stage], TileConfig::kNumConsumerWarpgroups * 4 * kClusterSize);
     }
-    ptx::mbarrier_init(smem.tail, 1);
+    for (int tail = 0; tail < Layout::kNumTailBarriers; ++tail) {
+      ptx::mbarrier_init(&smem.tail[tail], 1);
+    }
     ptx::fence_barrier_init();
   }
-  __syncthreads();
+  // NOTE: in a cluster, no CTA may multicast into (or arrive on) a peer's barriers before the
+  // peer has initialised them.
+  if constexpr (kClusterSize > 1) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
-  GroupedTileScheduler<kKind> scheduler(params);
+  GroupedTileScheduler<kKind, TileConfig, kClusterSize> scheduler(params);
   GroupedTile tile;
   typename Loop::State state;
   if (role == WarpgroupRole::kProducer) {
@@ -80,6 +90,8 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     }
     Store::drain();
   }
+  // NOTE: a CTA's shared memory must outlive the peers' last arrivals on its empty barriers.
+  if constexpr (kClusterSize > 1) ptx::cluster_sync();
 #endif
 }
 

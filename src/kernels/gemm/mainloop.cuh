@@ -33,18 +33,27 @@ struct PipelineState {
 template <class Layout>
 struct SharedStorage {
   using Config = typename Layout::Config;
+  static constexpr int kClusterSize = Layout::kClusterSize;
   uint8_t* a;        // (kNumStages, BLOCK_M, BLOCK_K) bf16, swizzled
   uint8_t* b;        // (kNumStages, BLOCK_N, BLOCK_K) bf16, swizzled
   uint8_t* staging;  // the bf16 output tile(s) on their way out
   uint64_t* full;    // (kNumStages)
   uint64_t* empty;   // (kNumStages)
-  uint64_t* tail;    // staging barrier of the wgrad row tail
+  uint64_t* tail;    // (Layout::kNumTailBarriers) staging barriers of the wgrad row tails
 
   __device__ static SharedStorage carve(uint8_t* aligned_base) {
     auto* barriers = reinterpret_cast<uint64_t*>(aligned_base + Layout::kBarrierOffset);
     return {aligned_base + Layout::kAOffset,       aligned_base + Layout::kBOffset,
             aligned_base + Layout::kStagingOffset, barriers,
             barriers + Layout::kNumStages,         barriers + 2 * Layout::kNumStages};
+  }
+  // The staging barrier of a row tail loaded into `stage`, and its bit in the producer's tail
+  // phases (one barrier per stage in a cluster, else one for all).
+  __device__ uint64_t* tail_barrier(int stage) const {
+    return Layout::kNumTailBarriers > 1 ? tail + stage : tail;
+  }
+  __device__ static uint32_t tail_phase_bit(int stage) {
+    return Layout::kNumTailBarriers > 1 ? 1u << stage : 1u;
   }
   __device__ uint8_t* a_stage(int stage) const { return a + stage * Config::kABytes; }
   __device__ uint8_t* b_stage(int stage) const { return b + stage * Config::kBBytes; }
@@ -166,7 +175,7 @@ struct Mainloop {
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
       beside.fence();
       const int done_stage = kGroupInFlight ? previous_stage : state.index;
-      if (lane_idx == 0 && done_stage >= 0) ptx::mbarrier_arrive(&smem.empty[done_stage]);
+      if (done_stage >= 0) release(smem, done_stage, lane_idx);
       previous_stage = state.index;
       state.advance();
     }
@@ -175,7 +184,19 @@ struct Mainloop {
 #pragma unroll
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
       beside.fence();
-      if (lane_idx == 0 && previous_stage >= 0) ptx::mbarrier_arrive(&smem.empty[previous_stage]);
+      if (previous_stage >= 0) release(smem, previous_stage, lane_idx);
+    }
+  }
+
+  // A consumer warp is done reading `stage`: lane 0 hands it back to the producer; in a cluster,
+  // lane r to CTA r's, whose multicast writes into this CTA's copy too.
+  __device__ static void release(const Storage& smem, int stage, int lane_idx) {
+    if constexpr (Layout::kClusterSize > 1) {
+      if (lane_idx < Layout::kClusterSize) {
+        ptx::mbarrier_arrive_cluster(&smem.empty[stage], static_cast<uint32_t>(lane_idx));
+      }
+    } else {
+      if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
     }
   }
 };

@@ -47,6 +47,8 @@ struct PingpongSharedLayout {
       227 * 1024 - kAlignment - 256 - Config::kNumConsumerWarpgroups * kStagingBytesPerConsumer;
   static constexpr int kFittingStages = static_cast<int>(kSpareBytes / Config::kStageBytes);
   static constexpr int kNumStages = kFittingStages < 6 ? kFittingStages : 6;
+  static constexpr int kClusterSize = 1;
+  static constexpr int kNumTailBarriers = 1;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * Config::kABytes;
   // (kNumConsumerWarpgroups, 4 warps, kWarpStagingBytes)

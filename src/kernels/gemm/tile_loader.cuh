@@ -4,7 +4,8 @@
 //
 // Stage s holds A (BLOCK_M, BLOCK_K) and B (BLOCK_N, BLOCK_K) in the layout TMA writes with the
 // 128-byte swizzle: K-major as (rows, 64 k), MN-major as 64-wide panels of (64 k, 64 mn).
-// full[s] completes when the stage's bytes have landed. K-blocks run in natural order.
+// full[s] completes when the stage's bytes have landed. K-blocks run in natural order. On a
+// cluster (wgrad, kWgradClusterSize), B's panels come by multicast, a share from each CTA.
 #pragma once
 
 #include <cuda.h>
@@ -45,10 +46,27 @@ struct TileLoader {
         ptx::tma_load_2d(a + panel * Config::kPanelBytes, map_a, barrier,
                          tile.mblock * Config::BLOCK_M + panel * Config::kPanel, row);
       }
+      constexpr int kBPanels = Config::BLOCK_N / Config::kPanel;
+      if constexpr (Storage::kClusterSize > 1) {
+        // The CTAs of a cluster share the N block (GroupedTileScheduler): each loads its share
+        // of B's panels into all of them.
+        constexpr int kPanelsPerCta = kBPanels / Storage::kClusterSize;
+        static_assert(kPanelsPerCta * Storage::kClusterSize == kBPanels, "whole panels per CTA");
+        constexpr uint16_t kAllCtas = (1u << Storage::kClusterSize) - 1;
+        const int first_panel = static_cast<int>(ptx::cluster_cta_rank()) * kPanelsPerCta;
 #pragma unroll
-      for (int panel = 0; panel < Config::BLOCK_N / Config::kPanel; ++panel) {
-        ptx::tma_load_2d(b + panel * Config::kPanelBytes, map_b, barrier,
-                         tile.n_block * Config::BLOCK_N + panel * Config::kPanel, row);
+        for (int i = 0; i < kPanelsPerCta; ++i) {
+          const int panel = first_panel + i;
+          ptx::tma_load_2d_multicast(b + panel * Config::kPanelBytes, map_b, barrier,
+                                     tile.n_block * Config::BLOCK_N + panel * Config::kPanel, row,
+                                     kAllCtas);
+        }
+      } else {
+#pragma unroll
+        for (int panel = 0; panel < kBPanels; ++panel) {
+          ptx::tma_load_2d(b + panel * Config::kPanelBytes, map_b, barrier,
+                           tile.n_block * Config::BLOCK_N + panel * Config::kPanel, row);
+        }
       }
     } else {
       ptx::tma_load_2d(a, map_a, barrier, k, tile.row_begin + tile.mblock * Config::BLOCK_M);
@@ -81,12 +99,15 @@ struct TileLoader {
       if (kKind == GemmKind::kWgrad && valid_rows < Config::BLOCK_K) {
         // NOTE: the rows past the group's end belong to the next group (TMA only zero-fills past
         // the tensor), so the tail block is staged, its extra rows zeroed, then published.
+        // In a cluster the stage's B arrives from every CTA of it, each zeroing its own copy.
+        uint64_t* tail = smem.tail_barrier(state.index);
+        const uint32_t tail_bit = Storage::tail_phase_bit(state.index);
         if (lane_idx == 0) {
-          ptx::mbarrier_arrive_expect_tx(smem.tail, Config::kStageBytes);
-          issue_loads(map_a, map_b, smem, state.index, smem.tail, tile, k_block);
+          ptx::mbarrier_arrive_expect_tx(tail, Config::kStageBytes);
+          issue_loads(map_a, map_b, smem, state.index, tail, tile, k_block);
         }
-        ptx::mbarrier_wait(smem.tail, tail_phase);
-        tail_phase ^= 1u;
+        ptx::mbarrier_wait(tail, (tail_phase & tail_bit) != 0 ? 1u : 0u);
+        tail_phase ^= tail_bit;
         zero_tail_rows(smem, state.index, valid_rows, lane_idx);
         ptx::fence_proxy_async_shared();
         __syncwarp();

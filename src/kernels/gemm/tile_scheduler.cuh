@@ -66,18 +66,24 @@ __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
   return place;
 }
 
-template <GemmKind kKind, class Config = TileConfig>
+// kClusterSize > 1 (wgrad only): the CTAs of a cluster walk the cluster's tiles together, CTA r
+// of cluster c taking M block kClusterSize * p + r of the cluster's p-th M group at one N block;
+// an M block past M (when the count is not a multiple) computes zeros that no store writes.
+template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
+  static_assert(kClusterSize == 1 || !kRowsAreM, "clusters share wgrad's B tile only");
 
   __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
       : offsets_(params.group_offsets),
         counts_(params.group_counts),
         num_groups_(params.num_groups),
         num_n_blocks_(ceil_div(params.n, Config::BLOCK_N)),
-        num_fixed_m_blocks_(kRowsAreM ? 0 : ceil_div(params.m, Config::BLOCK_M)),
-        tile_idx_(static_cast<int>(blockIdx.x)) {
+        num_fixed_m_blocks_(
+            kRowsAreM ? 0 : ceil_div(ceil_div(params.m, Config::BLOCK_M), kClusterSize)),
+        tile_idx_(static_cast<int>(blockIdx.x) / kClusterSize),
+        cluster_rank_(static_cast<int>(blockIdx.x) % kClusterSize) {
     load_group(0);
   }
 
@@ -99,9 +105,10 @@ class GroupedTileScheduler {
       const int num_m_blocks = ceil_div(row_count_, Config::BLOCK_M);
       tile = {group_, local_idx % num_m_blocks, local_idx / num_m_blocks, row_begin_, row_count_};
     } else {
-      tile = {group_, local_idx / num_n_blocks_, local_idx % num_n_blocks_, row_begin_, row_count_};
+      tile = {group_, (local_idx / num_n_blocks_) * kClusterSize + cluster_rank_,
+              local_idx % num_n_blocks_, row_begin_, row_count_};
     }
-    tile_idx_ += static_cast<int>(gridDim.x);
+    tile_idx_ += static_cast<int>(gridDim.x) / kClusterSize;
     return true;
   }
 
@@ -121,7 +128,8 @@ class GroupedTileScheduler {
   int num_groups_;
   int num_n_blocks_;
   int num_fixed_m_blocks_;
-  int tile_idx_;
+  int tile_idx_;      // of this CTA's cluster, among the clusters' tiles
+  int cluster_rank_;  // blockIdx.x % kClusterSize: a cluster's CTAs are consecutive blocks
   int group_ = 0;
   int group_first_tile_ = 0;
   int group_num_tiles_ = 0;

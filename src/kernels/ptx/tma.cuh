@@ -28,6 +28,20 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const CUtensorMap
       : "memory");
 }
 
+// tma_load_2d into the same shared-memory offset of every CTA of the cluster in `cta_mask` (bit r:
+// rank r), completing on the barrier at `barrier`'s offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(void* destination,
+                                                      const CUtensorMap* tensor_map,
+                                                      uint64_t* barrier, int32_t inner,
+                                                      int32_t outer, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_address(destination)),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(smem_address(barrier)), "r"(inner),
+      "r"(outer), "h"(cta_mask)
+      : "memory");
+}
+
 // Box at (inner, middle, outer) element coordinates.
 __device__ __forceinline__ void tma_load_3d(void* destination, const CUtensorMap* tensor_map,
                                             uint64_t* barrier, int32_t inner, int32_t middle,
