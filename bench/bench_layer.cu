@@ -52,6 +52,7 @@ struct Args {
   std::string out = "layer-mok.json", routing_dir;
   bool backward = true;
   mok::gemm::GemmEngine backward_engine = mok::gemm::GemmEngine::kAuto;
+  int wgrad_cluster = 0;
   // A case of any shape (--hidden and the rest): the preset's values where a flag is not given.
   bool custom = false;
   BenchCase custom_case{"custom", "deepseek-v3", "uniform", 1, 8192};
@@ -72,6 +73,8 @@ usage: bench_layer [options]
                             context) (default 1)
   --backward-engine E       the backward's GEMM engine: auto, cooperative or pingpong (same
                             bits; default auto)
+  --wgrad-cluster N         CTAs per cluster of the backward's weight-gradient GEMMs: 1 or 2
+                            (same bits; default 2)
   --preset NAME, --hidden H, --intermediate I, --shared-intermediate I_S, --experts E,
   --top-k K, --tokens T, --ep R, --routing uniform|skewed:ALPHA|single-expert
                             one case of any shape instead (named "custom"): the preset's values
@@ -130,6 +133,10 @@ bool parse(int argc, char** argv, Args& args) {
           else
             throw mok::bench::UsageError(
                 key, "expected auto, cooperative or pingpong, got '" + value + "'");
+        } else if (key == "--wgrad-cluster") {
+          args.wgrad_cluster = integer(key, value);
+          if (args.wgrad_cluster != 1 && args.wgrad_cluster != 2)
+            throw mok::bench::UsageError(key, "expected 1 or 2, got '" + value + "'");
         } else if (key == "--preset") {
           args.custom = true;
           args.custom_case.preset = value;
@@ -240,6 +247,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   // bf16 weight gradients, as autograd gives the baseline's bf16 parameters.
   spec.bf16_gradients = true;
   spec.backward_engine = static_cast<int>(args.backward_engine);
+  spec.wgrad_cluster = args.wgrad_cluster;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
