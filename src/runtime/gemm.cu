@@ -115,7 +115,8 @@ cudaLaunchConfig_t launch_config(int num_ctas, int num_threads, uint32_t smem_by
 
 // Clusters of `cluster_size` CTAs of `kernel` that fit on the current device at once (one CTA
 // per SM; a cluster's CTAs share a GPC, so this can be fewer than SMs / cluster_size), asked once
-// per kernel and device.
+// per kernel and device. 0 where the device or driver cannot say (a partitioned GPU, say): the
+// caller then runs single CTAs.
 int max_active_clusters(GemmKernel kernel, int num_threads, uint32_t smem_bytes, int cluster_size) {
   static std::mutex mutex;
   static std::map<std::pair<GemmKernel, int>, int> known;
@@ -130,7 +131,10 @@ int max_active_clusters(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
   const cudaLaunchConfig_t config =
       launch_config(cluster_size, num_threads, smem_bytes, nullptr, &attribute, cluster_size);
   int clusters = 0;
-  MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it, and go without clusters
+    clusters = 0;
+  }
   known[{kernel, device}] = clusters;
   return clusters;
 }
