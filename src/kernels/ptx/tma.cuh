@@ -54,6 +54,21 @@ __device__ __forceinline__ void tma_load_3d(void* destination, const CUtensorMap
       : "memory");
 }
 
+// tma_load_3d into the same shared-memory offset of every CTA of the cluster in `cta_mask`,
+// completing on the barrier at `barrier`'s offset in each of them (as tma_load_2d_multicast).
+__device__ __forceinline__ void tma_load_3d_multicast(void* destination,
+                                                      const CUtensorMap* tensor_map,
+                                                      uint64_t* barrier, int32_t inner,
+                                                      int32_t middle, int32_t outer,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_address(destination)),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(smem_address(barrier)), "r"(inner),
+      "r"(middle), "r"(outer), "h"(cta_mask)
+      : "memory");
+}
+
 // Shared -> global: the box at (inner, middle, outer) element coordinates, from `source` (laid out
 // as the map's box, with its swizzle), in this thread's current bulk async-group. The writes of
 // the generic proxy to `source` must be fenced (fence_proxy_async_shared) before.
