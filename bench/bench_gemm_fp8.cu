@@ -9,6 +9,7 @@
 // torch's rowwise FP8 grouped GEMM on the same shapes.
 //
 //   bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHASE]
+//                  [--variants LIST] [--rounds N]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -67,6 +68,7 @@ one rank of EP2 with balanced routing (65,536 rows over 128 experts), beside the
 the same values; one Hopper GPU.
 
 usage: bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHASE]
+                      [--variants LIST] [--rounds N]
 
   --out FILE       results, one JSON object per case and precision (default gemm-fp8-mok.json)
   --iterations N   timed iterations per case, median reported (default 20)
@@ -76,18 +78,33 @@ usage: bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHA
                    gemm-gateup-dgrad, gemm-down-dgrad (bf16 dx), gemm-gateup-wgrad,
                    gemm-down-wgrad (bf16 dW) and gemm-gateup-wgrad-accumulate,
                    gemm-down-wgrad-accumulate (fp32 main_grad += dW)
+  --variants LIST  forward kernel pipelines (mok::gemm::Fp8Pipeline) timed side by side on the
+                   forward and dgrad phases, comma-separated cCsS (C CTAs per cluster, S stages,
+                   0 = the default), e.g. c1s3,c2s4 (default c0s0)
+  --rounds N       time every case N times in turn, variants alternating (default 1)
 )";
 
+// "cCsS" -> the pipeline it names.
+Fp8Pipeline parse_variant(const std::string& text) {
+  Fp8Pipeline pipeline;
+  char tail = 0;
+  if (std::sscanf(text.c_str(), "c%ds%d%c", &pipeline.cluster, &pipeline.stages, &tail) != 2) {
+    throw mok::bench::UsageError("--variants", "'" + text + "' is not of the form cCsS");
+  }
+  return pipeline;
+}
+
 struct CaseResult {
-  std::string phase, precision;
-  int n, k;
+  std::string phase, precision, variant;
+  int round, n, k;
   double ms, tflops;
 };
 
 int run(int argc, char** argv) {
   std::string out_path = "gemm-fp8-mok.json", only;
-  int iterations = 20;
+  int iterations = 20, rounds = 1;
   double warmup_ms = 300;
+  std::vector<std::string> variants;
   const bool go = mok::bench::parse_options(
       argc, argv, kUsage, [&](const std::string& name, const std::string& value) {
         if (name == "--out")
@@ -98,12 +115,25 @@ int run(int argc, char** argv) {
           warmup_ms = static_cast<double>(mok::bench::integer_option(name, value));
         else if (name == "--only")
           only = value;
-        else
+        else if (name == "--rounds")
+          rounds = static_cast<int>(mok::bench::integer_option(name, value));
+        else if (name == "--variants") {
+          variants.clear();
+          for (size_t begin = 0; begin <= value.size();) {
+            const size_t end = std::min(value.find(',', begin), value.size());
+            variants.push_back(value.substr(begin, end - begin));
+            begin = end + 1;
+          }
+        } else
           return false;
         return true;
       });
   if (!go) return 0;
   if (iterations < 1) throw mok::bench::UsageError("--iterations", "must be >= 1");
+  if (rounds < 1) throw mok::bench::UsageError("--rounds", "must be >= 1");
+  if (variants.empty()) variants.push_back("c0s0");
+  std::vector<Fp8Pipeline> pipelines;
+  for (const std::string& variant : variants) pipelines.push_back(parse_variant(variant));
   if (warmup_ms < 0) throw mok::bench::UsageError("--warmup-ms", "must be >= 0");
   if (!only.empty() && std::find_if(std::begin(kPhases), std::end(kPhases), [&](const char* p) {
                          return only == p;
@@ -154,13 +184,15 @@ int run(int argc, char** argv) {
 
   const GroupedShape gate_up{experts, rows_total, 2 * inter, hidden};
   const GroupedShape down{experts, rows_total, hidden, inter};
+  // The FP8 launch of a case with a forward pipeline (which the wgrad does not use).
+  using Fp8Launch = std::function<void(const Fp8Pipeline&)>;
   const auto forward = [&](const Operand& a, const Operand& w, const GroupedShape& shape,
                            ForwardOutput output) {
-    return std::pair<std::function<void()>, std::function<void()>>{
-        [a = &a, w = &w, shape, output, offs, out_data] {
+    return std::pair<Fp8Launch, std::function<void()>>{
+        [a = &a, w = &w, shape, output, offs, out_data](const Fp8Pipeline& pipeline) {
           grouped_forward_fp8(shape, a->data.as<uint8_t>(), a->scales.as<float>(),
                               w->data.as<uint8_t>(), w->scales.as<float>(), offs, out_data, output,
-                              nullptr);
+                              nullptr, {}, pipeline);
         },
         [a = &a, w = &w, shape, output, offs, out_data] {
           grouped_forward(shape, a->values.as<mok::bf16>(), w->values.as<mok::bf16>(), offs,
@@ -171,11 +203,11 @@ int run(int argc, char** argv) {
   // quantization (same shape of work, other random values).
   const auto dgrad = [&](const Operand& grad, const Operand& w_t, const Operand& w,
                          const GroupedShape& shape) {
-    return std::pair<std::function<void()>, std::function<void()>>{
-        [grad = &grad, w_t = &w_t, shape, offs, out_data] {
+    return std::pair<Fp8Launch, std::function<void()>>{
+        [grad = &grad, w_t = &w_t, shape, offs, out_data](const Fp8Pipeline& pipeline) {
           grouped_dgrad_fp8(shape, grad->data.as<uint8_t>(), grad->scales.as<float>(),
                             w_t->data.as<uint8_t>(), w_t->scales.as<float>(), offs, out_data,
-                            DgradOutput::kBf16, nullptr);
+                            DgradOutput::kBf16, nullptr, {}, pipeline);
         },
         [grad = &grad, w = &w, shape, offs, out_data] {
           grouped_dgrad(shape, grad->values.as<mok::bf16>(), w->values.as<mok::bf16>(), offs,
@@ -184,8 +216,9 @@ int run(int argc, char** argv) {
   };
   const auto wgrad = [&](const Operand& grad_t, const Operand& input_t, const GroupedShape& shape,
                          WgradOutput output) {
-    return std::pair<std::function<void()>, std::function<void()>>{
-        [grad_t = &grad_t, input_t = &input_t, shape, output, offs, out_data] {
+    return std::pair<Fp8Launch, std::function<void()>>{
+        [grad_t = &grad_t, input_t = &input_t, shape, output, offs,
+         out_data](const Fp8Pipeline& /*pipeline*/) {
           grouped_wgrad_fp8(shape, grad_t->data.as<uint8_t>(), grad_t->scales.as<float>(),
                             input_t->data.as<uint8_t>(), input_t->scales.as<float>(), offs,
                             out_data, output, nullptr);
@@ -198,18 +231,19 @@ int run(int argc, char** argv) {
   struct Case {
     const char* phase;
     GroupedShape shape;
-    std::pair<std::function<void()>, std::function<void()>> launches;  // fp8, bf16
+    std::pair<Fp8Launch, std::function<void()>> launches;  // fp8, bf16
+    bool has_pipeline;                                     // forward and dgrad
   };
   const Case cases[] = {
-      {kPhases[0], gate_up, forward(x, w_gate_up, gate_up, ForwardOutput::kBf16)},
-      {kPhases[1], gate_up, forward(x, w_gate_up, gate_up, ForwardOutput::kSwiGluBf16)},
-      {kPhases[2], down, forward(h, w_down, down, ForwardOutput::kBf16)},
-      {kPhases[3], gate_up, dgrad(d_gate_up, w_gate_up_t, w_gate_up, gate_up)},
-      {kPhases[4], down, dgrad(dy, w_down_t, w_down, down)},
-      {kPhases[5], gate_up, wgrad(d_gate_up_t, x_t, gate_up, WgradOutput::kBf16)},
-      {kPhases[6], gate_up, wgrad(d_gate_up_t, x_t, gate_up, WgradOutput::kAccumulateFp32)},
-      {kPhases[7], down, wgrad(dy_t, h_t, down, WgradOutput::kBf16)},
-      {kPhases[8], down, wgrad(dy_t, h_t, down, WgradOutput::kAccumulateFp32)},
+      {kPhases[0], gate_up, forward(x, w_gate_up, gate_up, ForwardOutput::kBf16), true},
+      {kPhases[1], gate_up, forward(x, w_gate_up, gate_up, ForwardOutput::kSwiGluBf16), true},
+      {kPhases[2], down, forward(h, w_down, down, ForwardOutput::kBf16), true},
+      {kPhases[3], gate_up, dgrad(d_gate_up, w_gate_up_t, w_gate_up, gate_up), true},
+      {kPhases[4], down, dgrad(dy, w_down_t, w_down, down), true},
+      {kPhases[5], gate_up, wgrad(d_gate_up_t, x_t, gate_up, WgradOutput::kBf16), false},
+      {kPhases[6], gate_up, wgrad(d_gate_up_t, x_t, gate_up, WgradOutput::kAccumulateFp32), false},
+      {kPhases[7], down, wgrad(dy_t, h_t, down, WgradOutput::kBf16), false},
+      {kPhases[8], down, wgrad(dy_t, h_t, down, WgradOutput::kAccumulateFp32), false},
   };
   std::vector<CaseResult> results;
   for (const Case& c : cases) {
@@ -217,15 +251,26 @@ int run(int argc, char** argv) {
     // main_grad starts from zeros (the accumulating cases add to whatever is there).
     MOK_CUDA_CHECK(cudaMemset(out.data, 0, out_bytes));
     const double flops = 2.0 * rows_total * double(c.shape.n) * c.shape.k;
-    for (const auto& [precision, launch] :
-         {std::pair<const char*, const std::function<void()>&>{"fp8", c.launches.first},
-          {"bf16", c.launches.second}}) {
+    const auto time_case = [&](const char* precision, const std::string& variant, int round,
+                               const std::function<void()>& launch) {
       const double ms = median_ms(launch, iterations, warmup_ms);
-      results.push_back({c.phase, precision, c.shape.n, c.shape.k, ms, flops / ms / 1e9});
-      std::printf("deepseek-v3 %-29s %-5s E %3d rows %5d n %5d k %5d  %8.3f ms  %7.1f TFLOP/s\n",
-                  c.phase, precision, experts, rows, c.shape.n, c.shape.k, ms,
-                  results.back().tflops);
+      results.push_back(
+          {c.phase, precision, variant, round, c.shape.n, c.shape.k, ms, flops / ms / 1e9});
+      std::printf(
+          "deepseek-v3 %-29s %-5s %-5s r%d E %3d rows %5d n %5d k %5d  %8.3f ms  %7.1f "
+          "TFLOP/s\n",
+          c.phase, precision, variant.c_str(), round, experts, rows, c.shape.n, c.shape.k, ms,
+          results.back().tflops);
       std::fflush(stdout);
+    };
+    for (int round = 0; round < rounds; ++round) {
+      const size_t num_variants = c.has_pipeline ? pipelines.size() : 1;
+      for (size_t v = 0; v < num_variants; ++v) {
+        const Fp8Pipeline pipeline = c.has_pipeline ? pipelines[v] : Fp8Pipeline{};
+        time_case("fp8", c.has_pipeline ? variants[v] : "-", round,
+                  [&] { c.launches.first(pipeline); });
+      }
+      time_case("bf16", "-", round, c.launches.second);
     }
   }
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
@@ -235,7 +280,8 @@ int run(int argc, char** argv) {
   for (size_t i = 0; i < results.size(); ++i) {
     const CaseResult& r = results[i];
     file << "  {\"preset\": \"deepseek-v3\", \"phase\": \"" << r.phase << "\", \"precision\": \""
-         << r.precision << "\", \"num_experts\": " << experts << ", \"rows_per_expert\": " << rows
+         << r.precision << "\", \"variant\": \"" << r.variant << "\", \"round\": " << r.round
+         << ", \"num_experts\": " << experts << ", \"rows_per_expert\": " << rows
          << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"mok_ms\": " << r.ms
          << ", \"useful_tflops\": " << r.tflops << "}" << (i + 1 < results.size() ? ",\n" : "\n");
   }

@@ -27,6 +27,18 @@
 
 namespace mok::gemm {
 
+// The forward kernel's pipeline (grouped_forward_fp8, grouped_dgrad_fp8), for same-binary A/B
+// runs (bench_gemm_fp8 --variants); 0 picks the default (clusters of 2, 4 stages). Same bits
+// whatever is chosen.
+struct Fp8Pipeline {
+  // CTAs per cluster: 2 = pairs of CTAs computing two M blocks of one expert at one N block, each
+  // loading half of their common weight tile into both by TMA multicast; 1 = none. A grid of
+  // fewer than two CTAs runs without.
+  int cluster = 0;
+  // Stages of the ring of bf16 (and SwiGLU) outputs: 3 or 4 (fp32 outputs always take 4).
+  int stages = 0;
+};
+
 // y_e = x_e · W_eᵀ from FP8 operands. shape.k a positive multiple of 128, shape.n a positive
 // multiple of 8 (16 for kSwiGluBf16, whose W is gate/up-interleaved as interleave_gate_up makes
 // it); the rows of expert e as in grouped_forward (expert_offsets, optional expert_counts).
@@ -35,7 +47,7 @@ namespace mok::gemm {
 void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
                          const uint8_t* w, const float* w_scales, const int* expert_offsets,
                          void* y, ForwardOutput output, cudaStream_t stream,
-                         const LaunchOptions& options = {});
+                         const LaunchOptions& options = {}, const Fp8Pipeline& pipeline = {});
 
 // dx_e = dy_e · W_e from FP8 operands: the forward kernel with K = n, N = k, on the transposed
 // weight (E, k, n):
@@ -56,7 +68,7 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
 void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float* dy_scales,
                        const uint8_t* w_t, const float* w_t_scales, const int* expert_offsets,
                        void* dx, DgradOutput output, cudaStream_t stream,
-                       const LaunchOptions& options = {});
+                       const LaunchOptions& options = {}, const Fp8Pipeline& pipeline = {});
 
 // dw_e = dy_eᵀ · x_e from FP8 operands quantized along the tokens, summed over the expert's rows
 // in row order, 128 rows per promotion:

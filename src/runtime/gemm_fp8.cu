@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "kernels/gemm/fp8_gemm_kernel.cuh"
 #include "mok/cuda_check.hpp"
@@ -16,6 +19,10 @@
 
 namespace mok::gemm {
 namespace {
+
+// The forward's pipeline where Fp8Pipeline says 0 (docs/perf-notes/fp8.md has the measurements).
+constexpr int kFp8ForwardStages = 4;
+constexpr int kFp8ForwardCluster = kFp8ClusterSize;
 
 struct Operand {
   const void* pointer;
@@ -46,17 +53,116 @@ void check_common(const GroupedShape& shape, const int* expert_offsets,
                 "must be 16-byte aligned, got address ", output);
 }
 
+using Fp8Kernel = void (*)(CUtensorMap, CUtensorMap, Fp8GemmParams);
+
+// One instance of the kernel and what its launch needs.
+struct KernelLaunch {
+  Fp8Kernel kernel;
+  uint32_t smem_bytes;
+  int cluster_size;
+};
+
+template <EpilogueKind kEpilogue, GemmKind kKind, int kStages = fp8_stages(kKind, kEpilogue),
+          int kClusterSize = 1>
+KernelLaunch kernel_launch() {
+  return {&fp8_grouped_gemm_kernel<kEpilogue, kKind, kStages, kClusterSize>,
+          Fp8SharedLayout<kEpilogue, kKind, kStages, kClusterSize>::kLaunchBytes, kClusterSize};
+}
+
+cudaLaunchConfig_t launch_config(const KernelLaunch& launch, int num_ctas, cudaStream_t stream,
+                                 cudaLaunchAttribute* cluster_attribute) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(num_ctas));
+  config.blockDim = dim3(static_cast<unsigned>(Fp8TileConfig::kNumThreads));
+  config.dynamicSmemBytes = launch.smem_bytes;
+  config.stream = stream;
+  cluster_attribute->id = cudaLaunchAttributeClusterDimension;
+  cluster_attribute->val.clusterDim.x = static_cast<unsigned>(launch.cluster_size);
+  cluster_attribute->val.clusterDim.y = 1;
+  cluster_attribute->val.clusterDim.z = 1;
+  config.attrs = cluster_attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// NOTE: the attribute belongs to the current device, and one process may drive several GPUs:
+// set it on every launch.
+void set_smem_attribute(const KernelLaunch& launch) {
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(launch.smem_bytes)));
+}
+
+void launch(const KernelLaunch& launch, const CUtensorMap& map_a, const CUtensorMap& map_b,
+            const Fp8GemmParams& params, int num_ctas, cudaStream_t stream) {
+  set_smem_attribute(launch);
+  if (launch.cluster_size == 1) {
+    launch.kernel<<<num_ctas, Fp8TileConfig::kNumThreads, launch.smem_bytes, stream>>>(map_a, map_b,
+                                                                                       params);
+  } else {
+    cudaLaunchAttribute attribute{};
+    const cudaLaunchConfig_t config = launch_config(launch, num_ctas, stream, &attribute);
+    MOK_CUDA_CHECK(cudaLaunchKernelEx(&config, launch.kernel, map_a, map_b, params));
+  }
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
 template <EpilogueKind kEpilogue, GemmKind kKind>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const Fp8GemmParams& params,
             int num_ctas, cudaStream_t stream) {
-  auto* kernel = &fp8_grouped_gemm_kernel<kEpilogue, kKind>;
-  constexpr uint32_t kSmemBytes = Fp8SharedLayout<kEpilogue, kKind>::kLaunchBytes;
-  // NOTE: the attribute belongs to the current device, and one process may drive several GPUs:
-  // set it on every launch.
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kSmemBytes)));
-  kernel<<<num_ctas, Fp8TileConfig::kNumThreads, kSmemBytes, stream>>>(map_a, map_b, params);
-  MOK_CUDA_CHECK_LAUNCH();
+  launch(kernel_launch<kEpilogue, kKind>(), map_a, map_b, params, num_ctas, stream);
+}
+
+// Clusters of a clustered kernel that fit on the current device at once (one CTA per SM; a
+// cluster's CTAs share a GPC), asked once per kernel and device; 0 where the device or driver
+// cannot say (the caller then runs single CTAs).
+int max_active_clusters(const KernelLaunch& launch) {
+  static std::mutex mutex;
+  static std::map<std::pair<Fp8Kernel, int>, int> known;
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find({launch.kernel, device});
+  if (found != known.end()) return found->second;
+  set_smem_attribute(launch);
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config = launch_config(launch, launch.cluster_size, nullptr, &attribute);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, launch.kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it, and go without clusters
+    clusters = 0;
+  }
+  known[{launch.kernel, device}] = clusters;
+  return clusters;
+}
+
+// The forward kernel for an epilogue, a ring depth (bf16 outputs) and a cluster size.
+template <EpilogueKind kEpilogue>
+KernelLaunch forward_kernel(int stages, int cluster_size) {
+  constexpr GemmKind kForward = GemmKind::kForward;
+  if constexpr (uses_staged_store(kEpilogue)) {
+    if (stages == 3) {
+      return cluster_size == 1 ? kernel_launch<kEpilogue, kForward, 3>()
+                               : kernel_launch<kEpilogue, kForward, 3, kFp8ClusterSize>();
+    }
+  }
+  constexpr int kStages = fp8_stages(kForward, kEpilogue);
+  return cluster_size == 1 ? kernel_launch<kEpilogue, kForward>()
+                           : kernel_launch<kEpilogue, kForward, kStages, kFp8ClusterSize>();
+}
+
+KernelLaunch forward_kernel(EpilogueKind epilogue, int stages, int cluster_size) {
+  switch (epilogue) {
+    case EpilogueKind::kStoreBf16:
+      return forward_kernel<EpilogueKind::kStoreBf16>(stages, cluster_size);
+    case EpilogueKind::kSwiGluBf16:
+      return forward_kernel<EpilogueKind::kSwiGluBf16>(stages, cluster_size);
+    case EpilogueKind::kStoreFp32:
+      return forward_kernel<EpilogueKind::kStoreFp32>(stages, cluster_size);
+    case EpilogueKind::kAccumulateFp32:
+      break;
+  }
+  MOK_CHECK_ARG(false, "output", "the forward kernel does not accumulate");
+  return {};
 }
 
 // One CTA per SM (the tile count is on the device).
@@ -69,32 +175,39 @@ int grid_size(const LaunchOptions& options) {
 void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float* a_scales,
                         const uint8_t* b, const float* b_scales, const int* expert_offsets, void* c,
                         EpilogueKind epilogue, const char* a_name, const char* b_name,
-                        cudaStream_t stream, const LaunchOptions& options) {
+                        cudaStream_t stream, const LaunchOptions& options,
+                        const Fp8Pipeline& pipeline) {
+  MOK_CHECK_ARG(
+      pipeline.cluster == 0 || pipeline.cluster == 1 || pipeline.cluster == kFp8ClusterSize,
+      "pipeline.cluster", "must be 0, 1 or ", kFp8ClusterSize, ", got ", pipeline.cluster);
+  MOK_CHECK_ARG(pipeline.stages == 0 || pipeline.stages == 3 || pipeline.stages == 4,
+                "pipeline.stages", "must be 0, 3 or 4, got ", pipeline.stages);
+  const int stages = pipeline.stages == 0 ? kFp8ForwardStages : pipeline.stages;
+  int num_ctas = grid_size(options);
+  KernelLaunch kernel = forward_kernel(epilogue, stages, 1);
+  if ((pipeline.cluster == 0 ? kFp8ForwardCluster : pipeline.cluster) == kFp8ClusterSize) {
+    // Whole clusters: of the CTAs asked for, as many as fit at once.
+    const KernelLaunch clustered = forward_kernel(epilogue, stages, kFp8ClusterSize);
+    const int clusters = std::min(num_ctas / kFp8ClusterSize, max_active_clusters(clustered));
+    if (clusters >= 1) {
+      kernel = clustered;
+      num_ctas = clusters * kFp8ClusterSize;
+    }
+  }
   // NOTE: the maps read the E4M3 bytes as bf16 pairs: a row of k bytes is k / 2 bf16, and a box
   // 64 bf16 wide is one 128-byte swizzle row of 128 E4M3 values, the k-block. TMA moves and
-  // swizzles bytes whatever the element type, and its zero fill is zero bytes either way.
+  // swizzles bytes whatever the element type, and its zero fill is zero bytes either way. On a
+  // cluster each CTA loads one piece of the weight tile: B's box is BLOCK_N / cluster rows.
   const CUtensorMap map_a =
       make_tensor_map_2d(a, shape.capacity_rows, shape.k / 2, Fp8TileConfig::BLOCK_M, a_name);
-  const CUtensorMap map_b = make_tensor_map_3d(b, shape.num_experts, shape.n, shape.k / 2,
-                                               Fp8TileConfig::BLOCK_N, 64, b_name);
+  const CUtensorMap map_b =
+      make_tensor_map_3d(b, shape.num_experts, shape.n, shape.k / 2,
+                         Fp8TileConfig::BLOCK_N / kernel.cluster_size, 64, b_name);
   Fp8GemmParams params;
   params.grouped = {expert_offsets, shape.num_experts, 0, shape.n, shape.k, c, shape.expert_counts};
   params.a_scales = a_scales;
   params.b_scales = b_scales;
-  const int num_ctas = grid_size(options);
-  switch (epilogue) {
-    case EpilogueKind::kStoreBf16:
-      launch<EpilogueKind::kStoreBf16, GemmKind::kForward>(map_a, map_b, params, num_ctas, stream);
-      break;
-    case EpilogueKind::kSwiGluBf16:
-      launch<EpilogueKind::kSwiGluBf16, GemmKind::kForward>(map_a, map_b, params, num_ctas, stream);
-      break;
-    case EpilogueKind::kStoreFp32:
-      launch<EpilogueKind::kStoreFp32, GemmKind::kForward>(map_a, map_b, params, num_ctas, stream);
-      break;
-    case EpilogueKind::kAccumulateFp32:
-      MOK_CHECK_ARG(false, "output", "the forward kernel does not accumulate");
-  }
+  launch(kernel, map_a, map_b, params, num_ctas, stream);
 }
 
 }  // namespace
@@ -102,7 +215,7 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
 void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
                          const uint8_t* w, const float* w_scales, const int* expert_offsets,
                          void* y, ForwardOutput output, cudaStream_t stream,
-                         const LaunchOptions& options) {
+                         const LaunchOptions& options, const Fp8Pipeline& pipeline) {
   MOK_CHECK_ARG(shape.k > 0 && shape.k % Fp8TileConfig::kScaleBlock == 0, "shape.k",
                 "must be a positive multiple of 128 (one FP8 scale block), got ", shape.k);
   MOK_CHECK_ARG(shape.n > 0 && shape.n % 8 == 0, "shape.n",
@@ -117,13 +230,13 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
                                 : output == ForwardOutput::kFp32 ? EpilogueKind::kStoreFp32
                                                                  : EpilogueKind::kSwiGluBf16;
   run_forward_kernel(shape, x, x_scales, w, w_scales, expert_offsets, y, epilogue, "x", "w", stream,
-                     options);
+                     options, pipeline);
 }
 
 void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float* dy_scales,
                        const uint8_t* w_t, const float* w_t_scales, const int* expert_offsets,
                        void* dx, DgradOutput output, cudaStream_t stream,
-                       const LaunchOptions& options) {
+                       const LaunchOptions& options, const Fp8Pipeline& pipeline) {
   MOK_CHECK_ARG(shape.n > 0 && shape.n % Fp8TileConfig::kScaleBlock == 0, "shape.n",
                 "must be a positive multiple of 128 (the dgrad sums over n in FP8 scale blocks), "
                 "got ",
@@ -144,7 +257,7 @@ void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float
   run_forward_kernel(
       transposed, dy, dy_scales, w_t, w_t_scales, expert_offsets, dx,
       output == DgradOutput::kBf16 ? EpilogueKind::kStoreBf16 : EpilogueKind::kStoreFp32, "dy",
-      "w_t", stream, options);
+      "w_t", stream, options, pipeline);
 }
 
 void grouped_wgrad_fp8(const GroupedShape& shape, const uint8_t* dy_t, const float* dy_t_scales,

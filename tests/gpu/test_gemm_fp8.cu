@@ -1,7 +1,8 @@
 // FP8 blockwise-scaled grouped forward GEMM (mok/gemm_fp8.hpp) against an fp64 oracle computed
 // from the same E4M3 bytes and fp32 scales: experts with 0, 1, 63 ... 300 rows, a padded row
 // layout (expert_counts), K = 128 and K = 384 (not a multiple of 512), N not a multiple of 128,
-// every output poisoned before each run, repeated runs and other grids bitwise equal.
+// every output poisoned before each run, repeated runs, other grids and the kernel's pipelines
+// (clusters, stages) bitwise equal.
 //
 // Two kinds of data:
 //  - exact: E4M3 integers in [-4, 4] and power-of-two scales. Every block sum P is an integer of
@@ -185,14 +186,15 @@ class GroupedGemmFp8 : public ::testing::Test {
   // with_counts: pass expert_counts (a padded layout must; an unpadded one may).
   template <class T>
   std::vector<T> run(const Fp8Problem& problem, ForwardOutput output, bool with_counts,
-                     int num_sms = 0) {
+                     int num_sms = 0, const Fp8Pipeline& pipeline = {}) {
     const int width = output == ForwardOutput::kSwiGluBf16 ? problem.n / 2 : problem.n;
     DeviceBuffer<T> y(static_cast<size_t>(problem.capacity) * width);
     y.poison();
     GroupedShape shape{problem.num_experts, problem.capacity, problem.n, problem.k};
     if (with_counts) shape.expert_counts = counts_->get();
     grouped_forward_fp8(shape, x_->get(), x_scales_->get(), w_->get(), w_scales_->get(),
-                        offsets_->get(), y.get(), output, nullptr, LaunchOptions{num_sms});
+                        offsets_->get(), y.get(), output, nullptr, LaunchOptions{num_sms},
+                        pipeline);
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     return y.download();
   }
@@ -244,6 +246,24 @@ class GroupedGemmFp8 : public ::testing::Test {
     }
     EXPECT_EQ(mismatches, 0u) << what << ": SwiGLU epilogue differs from fp32 GEMM + swiglu";
     EXPECT_EQ(poison_errors, 0u) << what << ": SwiGLU elements written outside the rows";
+  }
+
+  // Every pipeline (clusters of 1 or 2, 3 or 4 stages) on grids of 1, 2, 3, 7 CTAs and the whole
+  // GPU bitwise equal to single CTAs with 3 stages on the whole GPU.
+  template <class T>
+  void expect_pipelines_equal(const Fp8Problem& problem, ForwardOutput output, bool with_counts,
+                              const std::string& what) {
+    const auto reference = run<T>(problem, output, with_counts, 0, Fp8Pipeline{1, 3});
+    for (int cluster : {1, 2}) {
+      for (int stages : {3, 4}) {
+        for (int num_sms : {0, 1, 2, 3, 7}) {
+          EXPECT_TRUE(bitwise_equal(
+              reference, run<T>(problem, output, with_counts, num_sms, {cluster, stages})))
+              << what << ": clusters of " << cluster << ", " << stages << " stages, a grid of "
+              << num_sms << " CTAs (0: the GPU) differ from single CTAs with 3 stages";
+        }
+      }
+    }
   }
 
   std::unique_ptr<DeviceBuffer<uint8_t>> x_, w_;
@@ -324,6 +344,22 @@ TEST_F(GroupedGemmFp8, RandomDataWithinBoundAndBitwiseRepeatable) {
       << "SwiGLU: a grid of 3 CTAs differs from the full grid";
 }
 
+// Clusters sharing the weight tile and the ring's depth change no bit: on the padded exact layout
+// (experts of 1 and 3 row blocks leave a cluster's second M block empty) and on quantized random
+// data, for every output.
+TEST_F(GroupedGemmFp8, PipelinesBitwiseEqual) {
+  const Fp8Problem padded = exact_problem(272, 640, 128, 3);
+  upload(padded);
+  expect_pipelines_equal<bf16>(padded, ForwardOutput::kBf16, true, "exact padded, bf16");
+  expect_pipelines_equal<float>(padded, ForwardOutput::kFp32, true, "exact padded, fp32");
+  expect_pipelines_equal<bf16>(padded, ForwardOutput::kSwiGluBf16, true, "exact padded, SwiGLU");
+  const Fp8Problem random = random_problem(272, 1920, 4);
+  upload(random);
+  expect_pipelines_equal<bf16>(random, ForwardOutput::kBf16, false, "random, bf16");
+  expect_pipelines_equal<float>(random, ForwardOutput::kFp32, false, "random, fp32");
+  expect_pipelines_equal<bf16>(random, ForwardOutput::kSwiGluBf16, false, "random, SwiGLU");
+}
+
 // Host stand-ins for the argument checks, which run before anything is launched (no GPU needed).
 alignas(16) uint8_t bytes[64];
 alignas(16) float scales[16];
@@ -333,8 +369,9 @@ const int offsets[2] = {0, 1};
 TEST(GroupedGemmFp8Arguments, RejectsBadShapesAndPointers) {
   const auto call = [](GroupedShape shape, ForwardOutput out = ForwardOutput::kBf16,
                        const uint8_t* x = bytes, const float* x_scales = scales,
-                       LaunchOptions options = {}) {
-    grouped_forward_fp8(shape, x, x_scales, bytes, scales, offsets, output, out, nullptr, options);
+                       LaunchOptions options = {}, Fp8Pipeline pipeline = {}) {
+    grouped_forward_fp8(shape, x, x_scales, bytes, scales, offsets, output, out, nullptr, options,
+                        pipeline);
   };
   EXPECT_THROW(call({1, 1, 128, 100}), Error);  // k not a multiple of 128
   EXPECT_THROW(call({1, 1, 128, 0}), Error);
@@ -348,6 +385,8 @@ TEST(GroupedGemmFp8Arguments, RejectsBadShapesAndPointers) {
                Error);
   EXPECT_THROW(call({1, 1, 128, 128}, ForwardOutput::kBf16, bytes, scales, LaunchOptions{-1}),
                Error);
+  EXPECT_THROW(call({1, 1, 128, 128}, ForwardOutput::kBf16, bytes, scales, {}, {3, 0}), Error);
+  EXPECT_THROW(call({1, 1, 128, 128}, ForwardOutput::kBf16, bytes, scales, {}, {0, 2}), Error);
   try {
     call({1, 1, 128, 100});
   } catch (const Error& error) {

@@ -1,14 +1,18 @@
 // The persistent FP8 blockwise-scaled grouped GEMM (forward, which also runs the dgrad on the
 // transposed weight, and wgrad): one CTA per SM, one producer warpgroup (one warp issues TMA and
 // the scales' cp.async) and two consumer warpgroups (wgmma on E4M3, per-k-block promotion), tiles
-// from the grouped tile scheduler in the bf16 engine's order.
+// from the grouped tile scheduler in the bf16 engine's order. The forward may run on clusters of
+// kFp8ClusterSize CTAs that share the weight tile (Fp8ClusterTileScheduler).
 #pragma once
 
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "kernels/gemm/fp8_epilogue.cuh"
 #include "kernels/gemm/fp8_gemm_types.cuh"
 #include "kernels/gemm/fp8_mainloop.cuh"
+#include "kernels/gemm/fp8_tile_scheduler.cuh"
 #include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/ptx/barrier.cuh"
@@ -24,43 +28,66 @@ static_assert(register_split_fits(kFp8ProducerRegisters, kFp8ConsumerRegisters,
                                   Fp8TileConfig::kNumConsumerWarpgroups),
               "the FP8 kernel's register split exceeds the SM's register file");
 
-template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
+// The dynamic shared memory's base needs more alignment padding than the layout's slack.
+inline __device__ __noinline__ void fp8_shared_base_misaligned() { __trap(); }
+
+template <GemmKind kKind, int kClusterSize>
+using Fp8Scheduler =
+    std::conditional_t<kClusterSize == 1, GroupedTileScheduler<kKind, Fp8TileConfig>,
+                       Fp8ClusterTileScheduler<kClusterSize>>;
+
+// kStages, kClusterSize: Fp8SharedLayout's; kClusterSize > 1 (forward only) is launched on
+// clusters of that many CTAs, with map_b's box one 128-column piece of the weight tile.
+template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward,
+          int kStages = fp8_stages(kKind, kEpilogue), int kClusterSize = 1>
 __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b, const Fp8GemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Layout = Fp8SharedLayout<kEpilogue, kKind>;
-  using Loop = Fp8Mainloop<kEpilogue, kKind>;
+  using Layout = Fp8SharedLayout<kEpilogue, kKind, kStages, kClusterSize>;
+  using Loop = Fp8Mainloop<Layout>;
   using Store = Fp8Epilogue<kEpilogue, kKind>;
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
-  // buffers start on that boundary.
+  // buffers start on that boundary. On a cluster the padding is the same in every CTA, so that
+  // the multicasts land at the same offsets.
   const uint32_t base_address = ptx::smem_address(dynamic_smem);
-  uint8_t* aligned_base = dynamic_smem + ((Layout::kAlignment - base_address % Layout::kAlignment) %
-                                          Layout::kAlignment);
-  const typename Loop::Storage smem = Loop::Storage::carve(aligned_base);
+  const uint32_t padding =
+      (Layout::kAlignment - base_address % Layout::kAlignment) % Layout::kAlignment;
+  if (padding > Layout::kAlignmentSlack) fp8_shared_base_misaligned();
+  const typename Loop::Storage smem = Loop::Storage::carve(dynamic_smem + padding);
 
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b);
     Loop::init_barriers(smem);
   }
-  __syncthreads();
+  // NOTE: on a cluster, no CTA may multicast into (or arrive on) a peer's barriers before the
+  // peer has initialised them.
+  if constexpr (kClusterSize > 1) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
-  GroupedTileScheduler<kKind, Fp8TileConfig> scheduler(params.grouped);
+  Fp8Scheduler<kKind, kClusterSize> scheduler(params.grouped);
   GroupedTile tile;
   typename Loop::State state;
   if (warpgroup_role() == WarpgroupRole::kProducer) {
     ptx::setmaxnreg_decrease<kFp8ProducerRegisters>();
     if (threadIdx.x / 32 == 0) {
       while (scheduler.next_tile(tile)) Loop::load(&map_a, &map_b, smem, params, tile, state);
-      Loop::drain_loads();
+      Loop::drain_loads(smem, state);
     }
   } else {
     ptx::setmaxnreg_increase<kFp8ConsumerRegisters>();
     const int consumer_idx = warpgroup_index() - 1;
     float accum[Loop::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup, promoted
     while (scheduler.next_tile(tile)) {
+      if (kClusterSize > 1 && fp8_is_empty_tile(tile)) {
+        Loop::skip(smem, params, tile, state);
+        continue;
+      }
       Store::init(params.grouped, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
       Store::store(params.grouped, tile, consumer_idx, smem.staging, accum);

@@ -46,14 +46,32 @@ struct Fp8TileConfig {
                 "one A scale per tile row and one B scale per piece and k-block");
 };
 
+// Stages of the ring: as many as fit, 4 (beside the forward's 32 KB bf16 staging rows too, with a
+// reduced alignment slack: Fp8SharedLayout::kAlignmentSlack); the wgrad's bf16 output, whose
+// stages carry 1 KB of column scales each, 3.
+__host__ __device__ constexpr int fp8_stages(GemmKind kind, EpilogueKind epilogue) {
+  return kind == GemmKind::kWgrad && uses_staged_store(epilogue) ? 3 : 4;
+}
+
+// The forward (and dgrad) on clusters of two CTAs: the pair computes M blocks 2p and 2p + 1 of one
+// group at one N block, and each CTA loads one 128-column piece of their common weight tile by TMA
+// multicast into both (Fp8ClusterTileScheduler).
+inline constexpr int kFp8ClusterSize = 2;
+
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the bf16
-// output staging rows, each stage's scales, then the barriers.
-template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
+// output staging rows, each stage's scales, then the barriers. kClusterSize > 1: B's pieces also
+// come from the peers' multicasts, at the same offsets.
+template <EpilogueKind kEpilogueKind, GemmKind kGemmKind = GemmKind::kForward,
+          int kStages = fp8_stages(kGemmKind, kEpilogueKind), int kCluster = 1>
 struct Fp8SharedLayout {
   using Config = Fp8TileConfig;
+  static constexpr EpilogueKind kEpilogue = kEpilogueKind;
+  static constexpr GemmKind kKind = kGemmKind;
+  static constexpr int kClusterSize = kCluster;
+  static_assert(kCluster == 1 || (kKind == GemmKind::kForward && kCluster == Config::kNumPieces),
+                "clusters: the forward's weight tile, one 128-column piece per CTA");
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
-  // As many stages as fit beside the staging rows (a 4th does not, by 128 bytes).
-  static constexpr int kNumStages = kStagedStore ? 3 : 4;
+  static constexpr int kNumStages = kStages;
   static constexpr uint32_t kAlignment = 1024;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * Config::kABytes;
@@ -72,8 +90,14 @@ struct Fp8SharedLayout {
   static constexpr uint32_t kBarrierOffset = kScaleBOffset + kNumStages * kScaleBStride;
   static constexpr int kNumBarriers = 2 * kNumStages;  // full[kNumStages], empty[kNumStages]
   static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
-  static constexpr uint32_t kLaunchBytes = kBytes + kAlignment;  // slack to align the base
-  static_assert(kLaunchBytes <= 227 * 1024, "shared memory layout exceeds the 227 KiB limit");
+  static constexpr uint32_t kSmemLimit = 227 * 1024;
+  static_assert(kBytes <= kSmemLimit, "shared memory layout exceeds the 227 KiB limit");
+  // Slack to align the base: a whole kAlignment where it fits, else what is left (4 stages beside
+  // the bf16 staging rows leave 896 bytes). NOTE: without static shared memory the dynamic base
+  // is 1024-aligned and takes none; the kernel traps if it ever needs more than the slack.
+  static constexpr uint32_t kAlignmentSlack =
+      kBytes + kAlignment <= kSmemLimit ? kAlignment : (kSmemLimit - kBytes) / 16 * 16;
+  static constexpr uint32_t kLaunchBytes = kBytes + kAlignmentSlack;
 };
 
 struct Fp8GemmParams {

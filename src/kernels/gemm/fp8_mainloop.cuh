@@ -5,13 +5,16 @@
 // promotes it into its fp32 accumulators with the two scales.
 //
 // full[s] completes when the stage's tiles (TMA bytes) and scales (one cp.async arrival per
-// producer lane) have landed; empty[s] when all consumer warps have read the stage. K-blocks run
-// in natural order and each is promoted once, so each output's sum has one fixed order.
+// producer lane) have landed; empty[s] when all consumer warps have read the stage — on a cluster
+// (the forward, kFp8ClusterSize), those of every CTA whose multicast writes B's pieces into it.
+// K-blocks run in natural order and each is promoted once, so each output's sum has one fixed
+// order.
 #pragma once
 
 #include <cuda.h>
 
 #include "kernels/gemm/fp8_gemm_types.cuh"
+#include "kernels/gemm/fp8_tile_scheduler.cuh"
 #include "kernels/gemm/kernel_roles.cuh"
 #include "kernels/gemm/mainloop.cuh"
 #include "kernels/gemm/tile_scheduler.cuh"
@@ -41,18 +44,21 @@ __device__ __forceinline__ void fp8_pipeline_wait(uint64_t* barrier, uint32_t pa
   }
 }
 
-template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
+// Layout: an Fp8SharedLayout (epilogue, kind, stages, cluster size).
+template <class Layout>
 struct Fp8Mainloop {
+  static constexpr GemmKind kKind = Layout::kKind;
   static_assert(kKind == GemmKind::kForward || kKind == GemmKind::kWgrad,
                 "the dgrad is the forward on the transposed weight (both operands K-major)");
   static constexpr bool kWgrad = kKind == GemmKind::kWgrad;
-  using Layout = Fp8SharedLayout<kEpilogue, kKind>;
+  static constexpr int kClusterSize = Layout::kClusterSize;
   using Config = Fp8TileConfig;
   using State = PipelineState<Layout::kNumStages>;
   static constexpr int kNumAccumulators = Config::BLOCK_N / 2;  // (64, BLOCK_N) per consumer
   // Arrivals on full[s]: the TMA issuer's expect_tx, and every producer lane's cp.async arrival.
   static constexpr uint32_t kFullArrivals = 1 + 32;
-  static constexpr uint32_t kEmptyArrivals = Config::kNumConsumerWarpgroups * 4;
+  // Arrivals on empty[s]: every consumer warp of every CTA whose multicast writes into the stage.
+  static constexpr uint32_t kEmptyArrivals = Config::kNumConsumerWarpgroups * 4 * kClusterSize;
 
   struct Storage {
     uint8_t* a;        // (kNumStages, BLOCK_M, BLOCK_K) E4M3, swizzled
@@ -113,8 +119,19 @@ struct Fp8Mainloop {
     }
   }
 
-  // The producer lanes' last copies have landed (before the warp exits).
-  __device__ static void drain_loads() { ptx::cp_async_wait_all(); }
+  // The producer lanes' last copies have landed (before the warp exits). On a cluster, also every
+  // consumer warp of every CTA has handed back the last stages: no peer arrives on this CTA's
+  // barriers after it exits (the peers' multicasts into it have landed before its own consumers'
+  // last waits). NOTE: a cluster_sync at the kernel's end instead made ptxas spill the producer.
+  __device__ static void drain_loads(const Storage& smem, State state) {
+    ptx::cp_async_wait_all();
+    if constexpr (kClusterSize > 1) {
+      for (int stage = 0; stage < Layout::kNumStages; ++stage) {
+        fp8_pipeline_wait(&smem.empty[state.index], state.phase ^ 1u);
+        state.advance();
+      }
+    }
+  }
 
   // Consumer side: adds this warpgroup's (64, BLOCK_N) slice of the tile to `accum`; in a half
   // tile (is_half_tile, forward only), rows 0-63 of column piece consumer_idx into accum[0, 64).
@@ -129,6 +146,19 @@ struct Fp8Mainloop {
     } else {
       mma_k_blocks<Config::kNumPieces>(smem, params, tile, consumer_idx * (Config::kABytes / 2), 0,
                                        consumer_idx * 64, state, accum);
+    }
+  }
+
+  // Consumer side of an empty tile (fp8_is_empty_tile, on a cluster): its stages hold the peers'
+  // shares of B and no A; each is handed back unread.
+  __device__ static void skip(const Storage& smem, const Fp8GemmParams& params,
+                              const GroupedTile& tile, State& state) {
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const int num_k_blocks = fp8_num_k_blocks<kKind>(params, tile.row_count);
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      release_stage(smem, state.index, lane_idx);
+      state.advance();
     }
   }
 
@@ -152,11 +182,25 @@ struct Fp8Mainloop {
                                                tile.n_block * Config::kNumPieces) *
                                                   num_k_blocks;
     if (lane_idx == 0) {
-      ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes);
+      // An empty tile (past the group's rows, on a cluster) loads only its share of B.
+      const bool has_rows = rows_valid > 0;
+      ptx::mbarrier_arrive_expect_tx(full, has_rows ? Config::kStageBytes : Config::kBBytes);
       const int k_pairs = k_block * Config::BLOCK_K / 2;
-      ptx::tma_load_2d(smem.a_stage(stage), map_a, full, k_pairs, static_cast<int32_t>(first_row));
-      ptx::tma_load_3d(smem.b_stage(stage), map_b, full, k_pairs, tile.n_block * Config::BLOCK_N,
-                       tile.group);
+      if (has_rows) {
+        ptx::tma_load_2d(smem.a_stage(stage), map_a, full, k_pairs,
+                         static_cast<int32_t>(first_row));
+      }
+      if constexpr (kClusterSize > 1) {
+        // CTA r loads piece r of the weight tile (map_b's box: one piece) into every CTA.
+        constexpr uint16_t kAllCtas = (1u << kClusterSize) - 1;
+        const int piece = static_cast<int>(ptx::cluster_cta_rank());
+        ptx::tma_load_3d_multicast(smem.b_stage(stage) + piece * Config::kPieceBytes, map_b, full,
+                                   k_pairs, tile.n_block * Config::BLOCK_N + piece * Config::kPiece,
+                                   tile.group, kAllCtas);
+      } else {
+        ptx::tma_load_3d(smem.b_stage(stage), map_b, full, k_pairs, tile.n_block * Config::BLOCK_N,
+                         tile.group);
+      }
     }
     // Rows past the group's end get scale 0 (never read: their outputs are not stored, and
     // rows past the tensor would be out of bounds).
@@ -316,9 +360,18 @@ struct Fp8Mainloop {
   }
 
   // NOTE: the warp sync orders every lane's shared loads of the stage before lane 0's arrival.
+  // On a cluster lane r arrives on CTA r's barrier (whose multicast writes into this CTA's
+  // stage), with the plain remote arrive: an explicit .release.cluster slowed the bf16 engine's
+  // clustered wgrad (perf-notes/backward.md v8).
   __device__ static void release_stage(const Storage& smem, int stage, int lane_idx) {
     __syncwarp();
-    if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+    if constexpr (kClusterSize > 1) {
+      if (lane_idx < kClusterSize) {
+        ptx::mbarrier_arrive_cluster(&smem.empty[stage], static_cast<uint32_t>(lane_idx));
+      }
+    } else {
+      if (lane_idx == 0) ptx::mbarrier_arrive(&smem.empty[stage]);
+    }
   }
 
   // accum = fma(P, scale, accum), the scale of the fragment's low (row) and high (row + 8) rows.
