@@ -2,12 +2,10 @@
 // transposed weight, and wgrad): one CTA per SM, one producer warpgroup (one warp issues TMA and
 // the scales' cp.async) and two consumer warpgroups (wgmma on E4M3, per-k-block promotion), tiles
 // from the grouped tile scheduler in the bf16 engine's order. The forward may run on clusters of
-// kFp8ClusterSize CTAs that share the weight tile (Fp8ClusterTileScheduler).
+// kFp8ClusterSize CTAs that share the weight tile (Fp8Scheduler).
 #pragma once
 
 #include <cuda.h>
-
-#include <type_traits>
 
 #include "kernels/gemm/fp8_epilogue.cuh"
 #include "kernels/gemm/fp8_gemm_types.cuh"
@@ -30,11 +28,6 @@ static_assert(register_split_fits(kFp8ProducerRegisters, kFp8ConsumerRegisters,
 
 // The dynamic shared memory's base needs more alignment padding than the layout's slack.
 inline __device__ __noinline__ void fp8_shared_base_misaligned() { __trap(); }
-
-template <GemmKind kKind, int kClusterSize>
-using Fp8Scheduler =
-    std::conditional_t<kClusterSize == 1, GroupedTileScheduler<kKind, Fp8TileConfig>,
-                       Fp8ClusterTileScheduler<kClusterSize>>;
 
 // kStages, kClusterSize: Fp8SharedLayout's; kClusterSize > 1 (forward only) is launched on
 // clusters of that many CTAs, with map_b's box one 128-column piece of the weight tile.

@@ -55,7 +55,7 @@ __host__ __device__ constexpr int fp8_stages(GemmKind kind, EpilogueKind epilogu
 
 // The forward (and dgrad) on clusters of two CTAs: the pair computes M blocks 2p and 2p + 1 of one
 // group at one N block, and each CTA loads one 128-column piece of their common weight tile by TMA
-// multicast into both (Fp8ClusterTileScheduler).
+// multicast into both (Fp8Scheduler).
 inline constexpr int kFp8ClusterSize = 2;
 
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the bf16

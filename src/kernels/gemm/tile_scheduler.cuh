@@ -66,14 +66,14 @@ __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
   return place;
 }
 
-// kClusterSize > 1 (wgrad only): the CTAs of a cluster walk the cluster's tiles together, CTA r
-// of cluster c taking M block kClusterSize * p + r of the cluster's p-th M group at one N block;
-// an M block past M (when the count is not a multiple) computes zeros that no store writes.
+// kClusterSize > 1: the CTAs of a cluster walk the cluster's tiles together, CTA r taking M block
+// kClusterSize * p + r of the tile's M group p at one N block, so that they share the group (hence
+// the k-blocks) and the B tile. An M block past M, or past the group's rows (a count that is not a
+// multiple), is computed or skipped by the kernel but never stored.
 template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
-  static_assert(kClusterSize == 1 || !kRowsAreM, "clusters share wgrad's B tile only");
 
   __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
       : offsets_(params.group_offsets),
@@ -102,8 +102,9 @@ class GroupedTileScheduler {
     const int local_idx = tile_idx_ - group_first_tile_;
     if constexpr (kRowsAreM) {
       // M blocks inner: the CTAs running side by side share one weight tile through L2.
-      const int num_m_blocks = ceil_div(row_count_, Config::BLOCK_M);
-      tile = {group_, local_idx % num_m_blocks, local_idx / num_m_blocks, row_begin_, row_count_};
+      const int num_m_groups = ceil_div(ceil_div(row_count_, Config::BLOCK_M), kClusterSize);
+      tile = {group_, (local_idx % num_m_groups) * kClusterSize + cluster_rank_,
+              local_idx / num_m_groups, row_begin_, row_count_};
     } else {
       tile = {group_, (local_idx / num_n_blocks_) * kClusterSize + cluster_rank_,
               local_idx % num_n_blocks_, row_begin_, row_count_};
@@ -118,18 +119,19 @@ class GroupedTileScheduler {
     if (group >= num_groups_) return;
     row_begin_ = offsets_[group];
     row_count_ = counts_ != nullptr ? counts_[group] : offsets_[group + 1] - row_begin_;
-    const int num_m_blocks =
-        kRowsAreM ? ceil_div(row_count_, Config::BLOCK_M) : num_fixed_m_blocks_;
-    group_num_tiles_ = num_m_blocks * num_n_blocks_;
+    const int num_m_groups = kRowsAreM
+                                 ? ceil_div(ceil_div(row_count_, Config::BLOCK_M), kClusterSize)
+                                 : num_fixed_m_blocks_;
+    group_num_tiles_ = num_m_groups * num_n_blocks_;
   }
 
   const int* offsets_;
   const int* counts_;
   int num_groups_;
   int num_n_blocks_;
-  int num_fixed_m_blocks_;
-  int tile_idx_;      // of this CTA's cluster, among the clusters' tiles
-  int cluster_rank_;  // blockIdx.x % kClusterSize: a cluster's CTAs are consecutive blocks
+  int num_fixed_m_blocks_;  // wgrad: M groups of kClusterSize M blocks (M is fixed)
+  int tile_idx_;            // of this CTA's cluster, among the clusters' tiles
+  int cluster_rank_;        // blockIdx.x % kClusterSize: a cluster's CTAs are consecutive blocks
   int group_ = 0;
   int group_first_tile_ = 0;
   int group_num_tiles_ = 0;
