@@ -5,14 +5,12 @@
 #include <cuda.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "kernels/gemm/pingpong_gemm_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "runtime/cluster_launch.hpp"
 #include "runtime/device_memory.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
@@ -96,49 +94,6 @@ void check_output(const void* output, const char* name) {
 
 using GemmKernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, GroupedGemmParams);
 
-cudaLaunchConfig_t launch_config(int num_ctas, int num_threads, uint32_t smem_bytes,
-                                 cudaStream_t stream, cudaLaunchAttribute* cluster_attribute,
-                                 int cluster_size) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(num_ctas));
-  config.blockDim = dim3(static_cast<unsigned>(num_threads));
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cluster_attribute->id = cudaLaunchAttributeClusterDimension;
-  cluster_attribute->val.clusterDim.x = static_cast<unsigned>(cluster_size);
-  cluster_attribute->val.clusterDim.y = 1;
-  cluster_attribute->val.clusterDim.z = 1;
-  config.attrs = cluster_attribute;
-  config.numAttrs = 1;
-  return config;
-}
-
-// Clusters of `cluster_size` CTAs of `kernel` that fit on the current device at once (one CTA
-// per SM; a cluster's CTAs share a GPC, so this can be fewer than SMs / cluster_size), asked once
-// per kernel and device. 0 where the device or driver cannot say (a partitioned GPU, say): the
-// caller then runs single CTAs.
-int max_active_clusters(GemmKernel kernel, int num_threads, uint32_t smem_bytes, int cluster_size) {
-  static std::mutex mutex;
-  static std::map<std::pair<GemmKernel, int>, int> known;
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({kernel, device});
-  if (found != known.end()) return found->second;
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem_bytes)));
-  cudaLaunchAttribute attribute{};
-  const cudaLaunchConfig_t config =
-      launch_config(cluster_size, num_threads, smem_bytes, nullptr, &attribute, cluster_size);
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky: clear it, and go without clusters
-    clusters = 0;
-  }
-  known[{kernel, device}] = clusters;
-  return clusters;
-}
-
 void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
                    const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
                    const GroupedGemmParams& params, int num_ctas, cudaStream_t stream,
@@ -150,10 +105,8 @@ void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
   if (cluster_size == 1) {
     kernel<<<num_ctas, num_threads, smem_bytes, stream>>>(map_a, map_b, map_c, params);
   } else {
-    cudaLaunchAttribute attribute{};
-    const cudaLaunchConfig_t config =
-        launch_config(num_ctas, num_threads, smem_bytes, stream, &attribute, cluster_size);
-    MOK_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, params));
+    runtime::launch_on_clusters(kernel, num_ctas, num_threads, smem_bytes, cluster_size, stream,
+                                map_a, map_b, map_c, params);
   }
   MOK_CUDA_CHECK_LAUNCH();
 }
@@ -186,8 +139,10 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGem
 // Clusters of the cooperative wgrad kernel with this epilogue that fit on the device at once.
 template <EpilogueKind kEpilogue>
 int wgrad_max_clusters() {
-  return max_active_clusters(
-      &grouped_gemm_kernel<GemmKind::kWgrad, kEpilogue, kWgradClusterSize>, TileConfig::kNumThreads,
+  return runtime::max_active_clusters(
+      reinterpret_cast<const void*>(
+          &grouped_gemm_kernel<GemmKind::kWgrad, kEpilogue, kWgradClusterSize>),
+      TileConfig::kNumThreads,
       CooperativeLayout<GemmKind::kWgrad, kEpilogue, kWgradClusterSize>::kLaunchBytes,
       kWgradClusterSize);
 }

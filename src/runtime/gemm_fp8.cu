@@ -7,13 +7,11 @@
 
 #include <algorithm>
 #include <initializer_list>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "kernels/gemm/fp8_gemm_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "runtime/cluster_launch.hpp"
 #include "runtime/device_memory.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
@@ -69,22 +67,6 @@ KernelLaunch kernel_launch() {
           Fp8SharedLayout<kEpilogue, kKind, kStages, kClusterSize>::kLaunchBytes, kClusterSize};
 }
 
-cudaLaunchConfig_t launch_config(const KernelLaunch& launch, int num_ctas, cudaStream_t stream,
-                                 cudaLaunchAttribute* cluster_attribute) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(num_ctas));
-  config.blockDim = dim3(static_cast<unsigned>(Fp8TileConfig::kNumThreads));
-  config.dynamicSmemBytes = launch.smem_bytes;
-  config.stream = stream;
-  cluster_attribute->id = cudaLaunchAttributeClusterDimension;
-  cluster_attribute->val.clusterDim.x = static_cast<unsigned>(launch.cluster_size);
-  cluster_attribute->val.clusterDim.y = 1;
-  cluster_attribute->val.clusterDim.z = 1;
-  config.attrs = cluster_attribute;
-  config.numAttrs = 1;
-  return config;
-}
-
 // NOTE: the attribute belongs to the current device, and one process may drive several GPUs:
 // set it on every launch.
 void set_smem_attribute(const KernelLaunch& launch) {
@@ -99,9 +81,9 @@ void launch(const KernelLaunch& launch, const CUtensorMap& map_a, const CUtensor
     launch.kernel<<<num_ctas, Fp8TileConfig::kNumThreads, launch.smem_bytes, stream>>>(map_a, map_b,
                                                                                        params);
   } else {
-    cudaLaunchAttribute attribute{};
-    const cudaLaunchConfig_t config = launch_config(launch, num_ctas, stream, &attribute);
-    MOK_CUDA_CHECK(cudaLaunchKernelEx(&config, launch.kernel, map_a, map_b, params));
+    runtime::launch_on_clusters(launch.kernel, num_ctas, Fp8TileConfig::kNumThreads,
+                                launch.smem_bytes, launch.cluster_size, stream, map_a, map_b,
+                                params);
   }
   MOK_CUDA_CHECK_LAUNCH();
 }
@@ -112,27 +94,11 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const Fp8GemmPar
   launch(kernel_launch<kEpilogue, kKind>(), map_a, map_b, params, num_ctas, stream);
 }
 
-// Clusters of a clustered kernel that fit on the current device at once (one CTA per SM; a
-// cluster's CTAs share a GPC), asked once per kernel and device; 0 where the device or driver
-// cannot say (the caller then runs single CTAs).
+// Clusters of a clustered kernel that fit on the current device at once (0: run single CTAs).
 int max_active_clusters(const KernelLaunch& launch) {
-  static std::mutex mutex;
-  static std::map<std::pair<Fp8Kernel, int>, int> known;
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({launch.kernel, device});
-  if (found != known.end()) return found->second;
-  set_smem_attribute(launch);
-  cudaLaunchAttribute attribute{};
-  const cudaLaunchConfig_t config = launch_config(launch, launch.cluster_size, nullptr, &attribute);
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, launch.kernel, &config) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky: clear it, and go without clusters
-    clusters = 0;
-  }
-  known[{launch.kernel, device}] = clusters;
-  return clusters;
+  return runtime::max_active_clusters(reinterpret_cast<const void*>(launch.kernel),
+                                      Fp8TileConfig::kNumThreads, launch.smem_bytes,
+                                      launch.cluster_size);
 }
 
 // The forward kernel for an epilogue, a ring depth (bf16 outputs) and a cluster size.
