@@ -1,9 +1,11 @@
 #include "runtime/comm.hpp"
 
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -120,7 +122,33 @@ struct Communicator::EmulatedGroup {
   std::vector<char*> windows;
 };
 
+namespace {
+
+// Ranks emulated on one GPU wait on each other's kernels, which two CUDA defaults can deadlock
+// (docs/ARCHITECTURE.md, "Expert parallelism emulated on one GPU"): refuse to start without the
+// environment that prevents it, naming what to set.
+void check_emulation_environment() {
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  MOK_CHECK_ARG(loading != nullptr && std::string_view(loading) == "EAGER", "CUDA_MODULE_LOADING",
+                "ranks emulated on one GPU need CUDA_MODULE_LOADING=EAGER in the environment "
+                "before CUDA starts (lazy loading can hold a kernel's first launch behind a "
+                "peer's waiting kernel); it is ",
+                loading != nullptr ? loading : "unset");
+  const char* queues = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  MOK_CHECK_ARG(
+      queues != nullptr && std::atoi(queues) >= kEmulationHardwareQueues,
+      "CUDA_DEVICE_MAX_CONNECTIONS",
+      "ranks emulated on one GPU need CUDA_DEVICE_MAX_CONNECTIONS=", kEmulationHardwareQueues,
+      " in the environment before CUDA starts (with the default 8 hardware queues two "
+      "ranks' streams can share one, where a kernel waits behind its peer's waiting "
+      "kernel); it is ",
+      queues != nullptr ? queues : "unset");
+}
+
+}  // namespace
+
 std::vector<Communicator> Communicator::emulate(int device, int num_ranks) {
+  if (num_ranks > 1) check_emulation_environment();
   int num_devices = 0;
   MOK_CUDA_CHECK(cudaGetDeviceCount(&num_devices));
   MOK_CHECK_ARG(device >= 0 && device < num_devices, "device", "device ", device,

@@ -30,6 +30,10 @@ typedef struct ncclComm* ncclComm_t;
 
 namespace mok {
 
+// The hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, CUDA's maximum) that ranks emulated on one GPU
+// need, so that no two ranks' streams share one (Communicator::emulate).
+inline constexpr int kEmulationHardwareQueues = 32;
+
 class Communicator {
  public:
   // A single rank on `device`: EP = 1, no NCCL.
@@ -39,9 +43,11 @@ class Communicator {
   static std::vector<Communicator> create_local(const std::vector<int>& devices);
   // The caller's communicator (e.g. made from a unique id); mok never destroys it.
   static Communicator wrap(ncclComm_t comm);
-  // num_ranks ranks emulated on `device` (see above); no NCCL needed. The process should run with
-  // CUDA_MODULE_LOADING=EAGER: a lazily loaded kernel's first launch can wait for the kernels
-  // already running, among them a peer's that waits for this rank (docs/ARCHITECTURE.md).
+  // num_ranks ranks emulated on `device` (see above); no NCCL needed. Throws mok::Error for
+  // num_ranks > 1 unless the process runs with CUDA_MODULE_LOADING=EAGER and
+  // CUDA_DEVICE_MAX_CONNECTIONS >= kEmulationHardwareQueues, set before CUDA starts: a lazily
+  // loaded kernel's first launch, or a kernel in a hardware queue it shares with another rank's
+  // stream, can wait for a peer's kernel that waits for this rank (docs/ARCHITECTURE.md).
   static std::vector<Communicator> emulate(int device, int num_ranks);
 
   int rank() const { return state_->rank; }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <barrier>
+#include <cstdlib>
 #include <functional>
 #include <string>
 
@@ -151,6 +152,31 @@ TEST(CommErrors, MissingPeerTimesOutThenRecovers) {
                          "gather flag to reach epoch 1"),
             std::string::npos)
       << "got: '" << message << "'";
+}
+
+// Emulated ranks refuse to start, naming the setting, without the environment that keeps their
+// waits from blocking each other (tests/gpu/cuda_environment.cpp sets it; the check runs before
+// any CUDA call, so this needs no GPU).
+TEST(CommErrors, EmulationNamesAMissingEnvironmentSetting) {
+  for (const char* name : {"CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING"}) {
+    SCOPED_TRACE(name);
+    const char* before = std::getenv(name);
+    const std::string kept = before != nullptr ? before : "";
+    setenv(name, "8", /*overwrite=*/1);
+    std::string message;
+    try {
+      Communicator::emulate(0, 2);
+    } catch (const Error& error) {
+      message = error.what();
+    }
+    if (before != nullptr) {
+      setenv(name, kept.c_str(), 1);
+    } else {
+      unsetenv(name);
+    }
+    EXPECT_NE(message.find(name), std::string::npos) << "got: '" << message << "'";
+    EXPECT_NE(message.find("it is 8"), std::string::npos) << "got: '" << message << "'";
+  }
 }
 
 }  // namespace

@@ -441,7 +441,7 @@ TEST_P(LayerBackwardEp2, MatchesReferenceAndEp1Bitwise) {
 // EP 4 and 8 (emulated on one GPU where there are fewer): the fused forward's y, and the
 // save-mode backward's outputs, bitwise those of EP 1, with ring rounds and without. (EP 8
 // emulated on one H200, 14 SMs a rank, had timed out before the tests loaded kernels eagerly:
-// module_loading.cpp.)
+// cuda_environment.cpp.)
 TEST(LayerEpInvariance, Ep4And8EqualEp1Bitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   for (const Case& routing :
