@@ -51,6 +51,7 @@ struct Args {
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
   bool backward = true;
+  bool fp8 = false;  // --precision fp8
   mok::gemm::GemmEngine backward_engine = mok::gemm::GemmEngine::kAuto;
   int wgrad_cluster = 0;
   // A case of any shape (--hidden and the rest): the preset's values where a flag is not given.
@@ -71,6 +72,11 @@ usage: bench_layer [options]
   --backward 0|1            1: also the GPU backward, timed alone and as forward + backward
                             pairs, in recompute mode and in save mode (the forward keeps its
                             context) (default 1)
+  --precision bf16|fp8      fp8: after the bf16 forward, the forward in precision fp8 (the
+                            DeepSeek-V3 recipe; not yet fused, forward only) on the same inputs and
+                            weights, timed alike; the JSON's cases then carry the fp8 forward as
+                            mok_ms with "precision": "fp8" and the bf16 one as bf16_forward_ms
+                            (default bf16)
   --backward-engine E       the backward's GEMM engine: auto, cooperative or pingpong (same
                             bits; default auto)
   --wgrad-cluster N         CTAs per cluster of the backward's weight-gradient GEMMs: 1 or 2
@@ -133,6 +139,10 @@ bool parse(int argc, char** argv, Args& args) {
           else
             throw mok::bench::UsageError(
                 key, "expected auto, cooperative or pingpong, got '" + value + "'");
+        } else if (key == "--precision") {
+          if (value != "bf16" && value != "fp8")
+            throw mok::bench::UsageError(key, "expected bf16 or fp8, got '" + value + "'");
+          args.fp8 = value == "fp8";
         } else if (key == "--wgrad-cluster") {
           args.wgrad_cluster = integer(key, value);
           if (args.wgrad_cluster != 1 && args.wgrad_cluster != 2)
@@ -248,6 +258,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.bf16_gradients = true;
   spec.backward_engine = static_cast<int>(args.backward_engine);
   spec.wgrad_cluster = args.wgrad_cluster;
+  spec.fp8_forward = args.fp8;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
@@ -272,7 +283,25 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     std::printf("%-26s recompute mode: backward %8.3f ms/rank; forward + backward %8.3f ms/rank\n",
                 "", result.backward_recompute_ms, result.forward_backward_recompute_ms);
   }
+  if (args.fp8) {
+    std::printf(
+        "%-26s fp8: forward %8.3f ms/rank  %7.1f useful TFLOP/s  (%.2fx the bf16 forward); weights "
+        "quantized in %.3f ms, cache %.2f GB/rank, buffers %.2f GB/rank\n",
+        "", result.fp8_forward_ms, flops / (result.fp8_forward_ms * 1e-3) * 1e-12,
+        result.forward_ms / result.fp8_forward_ms, result.fp8_weight_quantize_ms,
+        result.fp8_weight_bytes_per_rank / 1e9, result.fp8_buffer_bytes_per_rank / 1e9);
+    for (size_t phase = 0; phase < result.fp8_phase_ms.size(); ++phase) {
+      std::printf("%s%s %.3f", phase == 0 ? "    fp8 phases (ms, slowest rank): " : ", ",
+                  result.phase_names[phase].c_str(), result.fp8_phase_ms[phase]);
+    }
+    std::printf("\n");
+  }
   std::fflush(stdout);
+  // fp8: the case is the fp8 forward's, the bf16 forward beside it.
+  const double case_ms = args.fp8 ? result.fp8_forward_ms : result.forward_ms;
+  const std::vector<double>& case_phases = args.fp8 ? result.fp8_phase_ms : result.phase_ms;
+  const int64_t case_buffers =
+      args.fp8 ? result.fp8_buffer_bytes_per_rank : result.buffer_bytes_per_rank;
   char line[2048];
   std::snprintf(
       line, sizeof(line),
@@ -286,13 +315,24 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
       "\"stale_rows\": %s",
       first ? "" : ",\n", which.name.c_str(), which.preset.c_str(), which.ep,
       static_cast<long long>(which.tokens_per_rank), which.routing.c_str(), routing_path.c_str(),
-      result.forward_ms, tflops, flops, static_cast<long long>(result.buffer_bytes_per_rank),
+      case_ms, flops / (case_ms * 1e-3) * 1e-12, flops, static_cast<long long>(case_buffers),
       static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
       static_cast<long long>(shape.shared_intermediate), static_cast<long long>(shape.num_experts),
       static_cast<long long>(shape.top_k), args.fused ? "true" : "false", comm_ctas, minibatch_rows,
       ring_rows, args.schedule_in_kernel ? "true" : "false", args.schedule_ctas,
       args.l2_tickets ? "true" : "false", args.stale_rows ? "true" : "false");
   out << line;
+  if (args.fp8) {
+    out << ", \"precision\": \"fp8\", \"bf16_forward_ms\": " << result.forward_ms
+        << ", \"weight_quantize_ms\": " << result.fp8_weight_quantize_ms
+        << ", \"fp8_weight_bytes_per_rank\": " << result.fp8_weight_bytes_per_rank
+        << ", \"bf16_phases_ms\": {";
+    for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
+      out << (phase == 0 ? "" : ", ") << "\"" << result.phase_names[phase]
+          << "\": " << result.phase_ms[phase];
+    }
+    out << "}";
+  }
   if (args.backward) {
     out << ", \"backward_ms\": " << result.backward_ms
         << ", \"fwdbwd_ms\": " << result.forward_backward_ms
@@ -319,7 +359,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     std::printf("%s%s %.3f", phase == 0 ? "    phases (ms, slowest rank): " : ", ",
                 result.phase_names[phase].c_str(), result.phase_ms[phase]);
     out << (phase == 0 ? "" : ", ") << "\"" << result.phase_names[phase]
-        << "\": " << result.phase_ms[phase];
+        << "\": " << case_phases[phase];
   }
   std::printf("\n");
   for (size_t phase = 0; phase < result.backward_phase_ms.size(); ++phase) {

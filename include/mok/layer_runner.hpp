@@ -64,6 +64,10 @@ struct LayerRunSpec {
   // CTAs per cluster of the backward's wgrad GEMMs (gemm::LaunchOptions::wgrad_cluster; 0 = the
   // default; same bits whichever).
   int wgrad_cluster = 0;
+  // After the forward's timing, the forward in precision fp8 (LayerForwardFp8) on the same inputs
+  // and weights: the weight cache quantized once (timed), then warmed up and timed as the bf16
+  // forward is; its y kept in fp8_y (keep_y). H, I and I_s multiples of 128.
+  bool fp8_forward = false;
   int warmup = 3;  // untimed forwards first: at least this many, and
   // more until this many milliseconds have passed (every rank runs as many as rank 0): under the
   // power cap the clock follows the power of the last fraction of a second, so a few forwards of
@@ -102,6 +106,14 @@ struct LayerRunResult {
   std::vector<float> grad_shared_gate_up;  // (ep, 2I_s, H)
   std::vector<float> grad_shared_down;     // (ep, H, I_s)
   int64_t weight_bytes_per_rank = 0;
+  // spec.fp8_forward: the fp8 forward's median and phases (slowest rank; the phases' names are
+  // phase_names), the weight quantization's time (once, slowest rank), its buffers and cache.
+  double fp8_forward_ms = 0;
+  std::vector<double> fp8_phase_ms;
+  double fp8_weight_quantize_ms = 0;
+  int64_t fp8_buffer_bytes_per_rank = 0;
+  int64_t fp8_weight_bytes_per_rank = 0;
+  std::vector<bf16> fp8_y;                 // (T_global, H) when keep_y
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
   // How the fused kernel hands out its tasks on GPU 0: one pool, or a grant per L2 partition of
   // the SMs the probe found ("GPU 0 L2 partitions (probed): 66 + 66 SMs; ...").

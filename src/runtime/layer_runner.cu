@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 
 #include "kernels/megakernel/task_list.cuh"
@@ -24,6 +25,7 @@
 #include "runtime/l2_partitions.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
+#include "runtime/layer_forward_fp8.hpp"
 
 namespace mok {
 namespace {
@@ -150,6 +152,42 @@ struct BackwardTiming {
   double backward_ms = 0, pair_ms = 0;
   std::vector<double> phase_ms;
 };
+
+// The median of spec.iterations forwards, each between events on `stream` (no host sync between
+// them), and of each of its kNumForwardPhases phases. forward(marks): one forward recording
+// kNumForwardPhases + 1 events.
+struct ForwardTiming {
+  double ms = 0;
+  std::vector<double> phase_ms;
+};
+
+ForwardTiming time_forwards(const LayerRunSpec& spec, cudaStream_t stream,
+                            const std::function<void(const cudaEvent_t*)>& forward) {
+  constexpr int kMarks = kNumForwardPhases + 1;  // before the first step and after each
+  std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
+  for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    forward(&events[static_cast<size_t>(iteration) * kMarks]);
+  }
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> times(spec.iterations);
+  std::vector<std::vector<float>> phase_times(kNumForwardPhases, times);
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&times[iteration], marks[0], marks[kNumForwardPhases]));
+    for (int phase = 0; phase < kNumForwardPhases; ++phase) {
+      MOK_CUDA_CHECK(
+          cudaEventElapsedTime(&phase_times[phase][iteration], marks[phase], marks[phase + 1]));
+    }
+  }
+  for (cudaEvent_t event : events) cudaEventDestroy(event);
+  ForwardTiming timing;
+  timing.ms = median(times);
+  for (int phase = 0; phase < kNumForwardPhases; ++phase) {
+    timing.phase_ms.push_back(median(phase_times[phase]));
+  }
+  return timing;
+}
 
 // The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
 // a dy, warmed up and timed in forward + backward pairs, in recompute mode and (spec.save_context)
@@ -279,6 +317,12 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     result.grad_shared_down.resize(static_cast<size_t>(spec.ep * hidden * shared_inter));
   }
   WarmUp warm_up_pairs(spec.ep);
+  WarmUp warm_up_fp8(spec.ep);
+  std::vector<ForwardTiming> fp8_timings(spec.ep);
+  std::vector<double> fp8_quantize_ms(spec.ep);
+  std::vector<int64_t> fp8_buffer_bytes(spec.ep), fp8_weight_bytes(spec.ep);
+  if (spec.fp8_forward && spec.keep_y)
+    result.fp8_y.resize(static_cast<size_t>(global_tokens * hidden));
 
   WarmUp warm_up(spec.ep);
   for_each_rank(spec.ep, [&](int rank) {
@@ -348,30 +392,12 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     warm_up.run(spec, rank, stream, forward);
     layer.check(stream);
 
-    // (iterations, phases + 1) events: before the first step and after each.
-    constexpr int kMarks = kNumForwardPhases + 1;
-    std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
-    for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
-    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-      layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream,
-                    &events[static_cast<size_t>(iteration) * kMarks]);
-    }
+    const ForwardTiming timing = time_forwards(spec, stream, [&](const cudaEvent_t* marks) {
+      layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream, marks);
+    });
     layer.check(stream);
-    std::vector<float> times(spec.iterations);
-    std::vector<std::vector<float>> phase_times(kNumForwardPhases, times);
-    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-      const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
-      MOK_CUDA_CHECK(cudaEventElapsedTime(&times[iteration], marks[0], marks[kNumForwardPhases]));
-      for (int phase = 0; phase < kNumForwardPhases; ++phase) {
-        MOK_CUDA_CHECK(
-            cudaEventElapsedTime(&phase_times[phase][iteration], marks[phase], marks[phase + 1]));
-      }
-    }
-    for (cudaEvent_t event : events) cudaEventDestroy(event);
-    result.rank_ms[rank] = median(times);
-    for (int phase = 0; phase < kNumForwardPhases; ++phase) {
-      rank_phase_ms[rank][phase] = median(phase_times[phase]);
-    }
+    result.rank_ms[rank] = timing.ms;
+    rank_phase_ms[rank] = timing.phase_ms;
     if (spec.trace && spec.fused) {
       layer.enable_trace();
       forward();
@@ -382,6 +408,37 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       MOK_CUDA_CHECK(cudaMemcpy(result.y.data() + rank * tokens * hidden, y.get(),
                                 static_cast<size_t>(tokens * hidden) * sizeof(bf16),
                                 cudaMemcpyDeviceToHost));
+    }
+    if (spec.fp8_forward) {
+      // (no stale-rows forward first: the FP8 GEMMs read each expert's real rows only)
+      LayerForwardFp8 fp8(comms[rank], shape, tokens, options);
+      cudaEvent_t marks[2];
+      for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
+      MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+      fp8.quantize_weights(weights, stream);
+      MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
+      MOK_CUDA_CHECK(cudaEventSynchronize(marks[1]));
+      float quantize_ms = 0;
+      MOK_CUDA_CHECK(cudaEventElapsedTime(&quantize_ms, marks[0], marks[1]));
+      for (cudaEvent_t mark : marks) cudaEventDestroy(mark);
+      fp8_quantize_ms[rank] = quantize_ms;
+      fp8_buffer_bytes[rank] = fp8.buffer_bytes();
+      fp8_weight_bytes[rank] = fp8.weight_bytes();
+      const auto fp8_forward = [&] {
+        fp8.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
+      };
+      warm_up_fp8.run(spec, rank, stream, fp8_forward);
+      fp8.check(stream);
+      const ForwardTiming fp8_timing = time_forwards(spec, stream, [&](const cudaEvent_t* marks) {
+        fp8.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream, marks);
+      });
+      fp8.check(stream);
+      fp8_timings[rank] = fp8_timing;
+      if (spec.keep_y) {
+        MOK_CUDA_CHECK(cudaMemcpy(result.fp8_y.data() + rank * tokens * hidden, y.get(),
+                                  static_cast<size_t>(tokens * hidden) * sizeof(bf16),
+                                  cudaMemcpyDeviceToHost));
+      }
     }
     if (spec.backward) {
       run_backward(spec, rank, comms[rank], weights, x.get(), topk_idx.get(), topk_w.get(), stream,
@@ -422,6 +479,22 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
         *std::max_element(context_bytes.begin(), context_bytes.end());
     for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
       result.backward_phase_names.push_back(phase_name(static_cast<BackwardPhase>(phase)));
+    }
+  }
+  if (spec.fp8_forward) {
+    result.fp8_phase_ms.assign(kNumForwardPhases, 0.0);
+    for (int rank = 0; rank < spec.ep; ++rank) {
+      result.fp8_forward_ms = std::max(result.fp8_forward_ms, fp8_timings[rank].ms);
+      result.fp8_weight_quantize_ms =
+          std::max(result.fp8_weight_quantize_ms, fp8_quantize_ms[rank]);
+      result.fp8_buffer_bytes_per_rank =
+          std::max(result.fp8_buffer_bytes_per_rank, fp8_buffer_bytes[rank]);
+      result.fp8_weight_bytes_per_rank =
+          std::max(result.fp8_weight_bytes_per_rank, fp8_weight_bytes[rank]);
+      for (int phase = 0; phase < kNumForwardPhases; ++phase) {
+        result.fp8_phase_ms[phase] =
+            std::max(result.fp8_phase_ms[phase], fp8_timings[rank].phase_ms[phase]);
+      }
     }
   }
   result.forward_ms = *std::max_element(result.rank_ms.begin(), result.rank_ms.end());

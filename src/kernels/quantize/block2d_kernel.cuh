@@ -15,8 +15,15 @@ namespace mok::quantize {
 inline constexpr int kBlock2d = 128;
 inline constexpr int kBlock2dThreads = 256;
 
-// grid: batch * scale_rows * scale_cols CTAs of kBlock2dThreads threads.
-template <class Input>
+// Where a matrix's row `row` (of `rows`) is read from: the same row.
+struct SameRows {
+  __device__ __forceinline__ int64_t operator()(int64_t row, int64_t /*rows*/) const { return row; }
+};
+
+// grid: batch * scale_rows * scale_cols CTAs of kBlock2dThreads threads. RowMap: the input row each
+// data row is read from (a permutation of the matrix's rows); the data and scales are in the
+// data's row order.
+template <class Input, class RowMap = SameRows>
 __global__ void __launch_bounds__(kBlock2dThreads)
     quantize_block2d_kernel(const Input* __restrict__ x, uint8_t* __restrict__ data,
                             float* __restrict__ scales, int64_t rows, int64_t cols,
@@ -43,7 +50,7 @@ __global__ void __launch_bounds__(kBlock2dThreads)
   for (int pass = 0; pass < kPasses; ++pass) {
     const int64_t row = first_row + pass * kRowsPerPass;
     if (row < rows) {
-      InputVector<Input>::load(x + matrix_offset + row * cols + col, values[pass]);
+      InputVector<Input>::load(x + matrix_offset + RowMap{}(row, rows) * cols + col, values[pass]);
       amax_bits = max(amax_bits, finite_amax_bits(values[pass]));
     }
   }

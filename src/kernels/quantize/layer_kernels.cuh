@@ -1,0 +1,96 @@
+// The FP8 layer's own quantizations (precision mode fp8, DESIGN.md §3), beside the general
+// quantizers of mok/quantize.hpp, with the same per-element rule (elements.cuh) and so the same
+// bytes as the CPU reference's quantize_matrix:
+//
+//   quantize_routed_rows_kernel   activations 1 x 128 along the row, for the rows below a bound
+//                                 read on the device (the dispatched rows: expert_offsets[E])
+//   swiglu_quantize_kernel        h = swiglu(a, b) from the gate/up GEMM's fp32 sums, quantized
+//                                 1 x 128 along I straight from fp32 (the reference's rounding
+//                                 point: no bf16 rounding of h first)
+//   GateUpRows                    the de-interleaving row map of quantize_block2d_kernel for the
+//                                 routed gate/up weight (gemm::interleave_gate_up's 8-row blocks ->
+//                                 [gate rows; up rows], so that each 128 x 128 block is a block of
+//                                 W_gate or of W_up alone, as the reference quantizes them)
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/quantize/elements.cuh"
+#include "mok/detail/numerics.hpp"
+
+namespace mok::quantize {
+
+inline constexpr int kLayerQuantizeThreads = 256;
+
+// Data row r of a de-interleaved gate/up matrix of `rows` = 2I rows is read from the interleaved
+// row: gate row g < I at 16 (g / 8) + g % 8, up row u = r - I at 16 (u / 8) + 8 + u % 8.
+struct GateUpRows {
+  __device__ __forceinline__ int64_t operator()(int64_t row, int64_t rows) const {
+    const int64_t inter = rows / 2;
+    const bool up = row >= inter;
+    const int64_t index = up ? row - inter : row;
+    return index / 8 * 16 + (up ? 8 : 0) + index % 8;
+  }
+};
+
+// x (rows, cols) bf16 -> data (rows, cols) E4M3, scales (rows, cols / 128) fp32, for the rows
+// below *row_bound (device); cols a multiple of 128. Any grid of kLayerQuantizeThreads threads:
+// one 8-element vector per thread and step, a 128-block over 16 consecutive lanes.
+__global__ void __launch_bounds__(kLayerQuantizeThreads)
+    quantize_routed_rows_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ data,
+                                float* __restrict__ scales, int64_t cols,
+                                const int32_t* __restrict__ row_bound) {
+  constexpr int kElements = InputVector<uint16_t>::kElements;
+  constexpr int kLanesPerBlock = 128 / kElements;
+  const int64_t num_vectors = static_cast<int64_t>(*row_bound) * (cols / kElements);
+  const int64_t num_warp_vectors = (num_vectors + 31) / 32 * 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t vector_idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       vector_idx < num_warp_vectors; vector_idx += stride) {
+    const bool active = vector_idx < num_vectors;
+    float values[kElements] = {};
+    if (active) InputVector<uint16_t>::load(x + vector_idx * kElements, values);
+    const float amax = __uint_as_float(lanes_max<kLanesPerBlock>(finite_amax_bits(values)));
+    if (!active) continue;
+    uint32_t words[kElements / 4];
+    encode_scaled(values, block_inverse<Format::kFp8>(amax), words);
+    store_codes<kElements>(data + vector_idx * kElements, words);
+    if (vector_idx % kLanesPerBlock == 0) {
+      store_scale<Format::kFp8>(scales, vector_idx / kLanesPerBlock, amax);
+    }
+  }
+}
+
+// gate_up (rows, 2 * inter) fp32, gate sums in columns [0, inter), up sums in [inter, 2 * inter)
+// -> h (rows, inter) E4M3 and scales (rows, inter / 128) fp32, h = numerics::swiglu(gate, up)
+// (bit-identical to the host's), for the rows below *row_bound (device; null: rows). inter a
+// multiple of 128. Any grid of kLayerQuantizeThreads threads: a warp per (row, 128-block), four
+// values a lane.
+__global__ void __launch_bounds__(kLayerQuantizeThreads)
+    swiglu_quantize_kernel(const float* __restrict__ gate_up, uint8_t* __restrict__ h,
+                           float* __restrict__ scales, int64_t rows, int64_t inter,
+                           const int32_t* __restrict__ row_bound) {
+  const int64_t blocks_per_row = inter / 128;
+  const int64_t num_rows = row_bound != nullptr ? static_cast<int64_t>(*row_bound) : rows;
+  const int64_t num_items = num_rows * blocks_per_row;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+       item < num_items; item += warps) {  // (the bound is the warp's: no lane leaves alone)
+    const int64_t row = item / blocks_per_row;
+    const int64_t col = item % blocks_per_row * 128 + lane * 4;
+    const float4 gate = *reinterpret_cast<const float4*>(gate_up + row * 2 * inter + col);
+    const float4 up = *reinterpret_cast<const float4*>(gate_up + row * 2 * inter + inter + col);
+    const float values[4] = {numerics::swiglu(gate.x, up.x), numerics::swiglu(gate.y, up.y),
+                             numerics::swiglu(gate.z, up.z), numerics::swiglu(gate.w, up.w)};
+    const float amax = __uint_as_float(lanes_max<32>(finite_amax_bits(values)));
+    uint32_t words[1];
+    encode_scaled(values, block_inverse<Format::kFp8>(amax), words);
+    store_codes<4>(h + row * inter + col, words);
+    if (lane == 0) store_scale<Format::kFp8>(scales, item, amax);
+  }
+}
+
+}  // namespace mok::quantize

@@ -1,0 +1,283 @@
+// The GPU layer forward in fp8 (layer_forward_fp8.hpp): buffers sized from shapes, the weight
+// cache, and one enqueue of the whole composition per call.
+#include "runtime/layer_forward_fp8.hpp"
+
+#include <algorithm>
+#include <functional>
+
+#include <cuda_runtime.h>
+
+#include "kernels/quantize/block2d_kernel.cuh"
+#include "kernels/quantize/layer_kernels.cuh"
+#include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
+#include "mok/gemm_fp8.hpp"
+#include "mok/precision.hpp"
+#include "mok/quantize.hpp"
+#include "runtime/comm_ops.hpp"
+#include "runtime/device_memory.hpp"
+
+namespace mok {
+namespace {
+
+constexpr int64_t kBlock = 128;  // the recipe's block: 1 x 128 activations, 128 x 128 weights
+
+Fp8Operand alloc_operand(int64_t rows, int64_t cols, int64_t scale_rows) {
+  return {device_alloc<uint8_t>(rows * cols), device_alloc<float>(scale_rows * (cols / kBlock))};
+}
+
+void free_operand(Fp8Operand& operand) {
+  cudaFree(operand.data);  // null is fine; errors here cannot be reported from a destructor
+  cudaFree(operand.scales);
+  operand = {};
+}
+
+int64_t operand_bytes(int64_t rows, int64_t cols, int64_t scale_rows) {
+  return rows * cols + scale_rows * (cols / kBlock) * 4;
+}
+
+// A grid of `per_sm` CTAs per SM for the loops over rows (any grid covers any size).
+unsigned loop_grid(int num_sms, int per_sm) { return static_cast<unsigned>(num_sms * per_sm); }
+
+// batch matrices (rows, cols) bf16 -> 128 x 128 blocks; gate_up: rows read through GateUpRows.
+void quantize_weight(const bf16* x, int64_t batch, int64_t rows, int64_t cols, bool gate_up,
+                     const Fp8Operand& out, cudaStream_t stream) {
+  const int64_t scale_rows = (rows + kBlock - 1) / kBlock, scale_cols = cols / kBlock;
+  const int64_t blocks = batch * scale_rows * scale_cols;
+  MOK_CHECK_ARG(blocks < (int64_t{1} << 31), "weights", "too many 128 x 128 blocks: ", blocks);
+  const auto* input = reinterpret_cast<const uint16_t*>(x);
+  if (gate_up) {
+    quantize::quantize_block2d_kernel<uint16_t, quantize::GateUpRows>
+        <<<static_cast<unsigned>(blocks), quantize::kBlock2dThreads, 0, stream>>>(
+            input, out.data, out.scales, rows, cols, scale_rows, scale_cols);
+  } else {
+    quantize::quantize_block2d_kernel<uint16_t>
+        <<<static_cast<unsigned>(blocks), quantize::kBlock2dThreads, 0, stream>>>(
+            input, out.data, out.scales, rows, cols, scale_rows, scale_cols);
+  }
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& shape,
+                                 int64_t tokens_max, const LayerForwardOptions& options)
+    : shape_(shape), tokens_max_(tokens_max), options_(options), workspace_([&] {
+        shape.validate(comm.num_ranks());
+        validate_precision(shape, Precision::kFp8);
+        WorkspaceOptions workspace = options.workspace;
+        workspace.expert_rows = 0;  // every row a call can route here: no ring
+        workspace.expert_y = true;
+        return CommWorkspace(comm, shape, tokens_max, workspace);
+      }()) {
+  const int64_t experts = workspace_.layout().experts_per_rank();
+  const int64_t hidden = shape.hidden, inter = shape.intermediate;
+  const int64_t shared_inter = shape.shared_intermediate;
+  const int64_t rows = checked_int(workspace_.layout().rows_capacity(), "rows capacity");
+  weights_.gate_up = alloc_operand(experts * 2 * inter, hidden, experts * 2 * inter / kBlock);
+  weights_.down =
+      alloc_operand(experts * hidden, inter, experts * ((hidden + kBlock - 1) / kBlock));
+  routed_x_ = alloc_operand(rows, hidden, rows);
+  routed_gate_up_ = device_alloc<float>(rows * 2 * inter);
+  // The SwiGLU quantization runs over the padding rows between experts too, which no GEMM
+  // writes: zeros, not uninitialised memory (their bytes never reach a result).
+  MOK_CUDA_CHECK(cudaMemset(routed_gate_up_, 0, static_cast<size_t>(rows * 2 * inter) * 4));
+  routed_hidden_ = alloc_operand(rows, inter, rows);
+  if (shape.has_shared()) {
+    weights_.shared_gate_up = alloc_operand(2 * shared_inter, hidden, 2 * shared_inter / kBlock);
+    weights_.shared_down = alloc_operand(hidden, shared_inter, (hidden + kBlock - 1) / kBlock);
+    shared_x_ = alloc_operand(tokens_max, hidden, tokens_max);
+    shared_gate_up_ = device_alloc<float>(tokens_max * 2 * shared_inter);
+    shared_hidden_ = alloc_operand(tokens_max, shared_inter, tokens_max);
+    shared_output_ = device_alloc<float>(tokens_max * hidden);
+    shared_offsets_ = device_alloc<int32_t>(2);
+  }
+  num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
+  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());  // the memset above, before any caller's stream
+}
+
+LayerForwardFp8::~LayerForwardFp8() {
+  for (Fp8Operand* operand :
+       {&weights_.gate_up, &weights_.down, &weights_.shared_gate_up, &weights_.shared_down,
+        &routed_x_, &routed_hidden_, &shared_x_, &shared_hidden_}) {
+    free_operand(*operand);
+  }
+  for (void* memory : {static_cast<void*>(routed_gate_up_), static_cast<void*>(shared_gate_up_),
+                       static_cast<void*>(shared_output_), static_cast<void*>(shared_offsets_)}) {
+    cudaFree(memory);
+  }
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
+  if (join_ != nullptr) cudaEventDestroy(join_);
+  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
+}
+
+int64_t LayerForwardFp8::buffer_bytes() const {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const int64_t rows = layout.rows_capacity(), hidden = shape_.hidden;
+  const int64_t inter = shape_.intermediate, shared_inter = shape_.shared_intermediate;
+  int64_t bytes = layout.window_bytes + layout.local_bytes;
+  bytes +=
+      operand_bytes(rows, hidden, rows) + rows * 2 * inter * 4 + operand_bytes(rows, inter, rows);
+  if (shape_.has_shared()) {
+    bytes += operand_bytes(tokens_max_, hidden, tokens_max_) + tokens_max_ * 2 * shared_inter * 4 +
+             operand_bytes(tokens_max_, shared_inter, tokens_max_) + tokens_max_ * hidden * 4 + 8;
+  }
+  return bytes;
+}
+
+int64_t LayerForwardFp8::weight_bytes() const {
+  const int64_t experts = workspace_.layout().experts_per_rank();
+  const int64_t hidden = shape_.hidden, inter = shape_.intermediate;
+  const int64_t shared_inter = shape_.shared_intermediate;
+  const int64_t hidden_blocks = (hidden + kBlock - 1) / kBlock;
+  int64_t bytes = operand_bytes(experts * 2 * inter, hidden, experts * 2 * inter / kBlock) +
+                  operand_bytes(experts * hidden, inter, experts * hidden_blocks);
+  if (shape_.has_shared()) {
+    bytes += operand_bytes(2 * shared_inter, hidden, 2 * shared_inter / kBlock) +
+             operand_bytes(hidden, shared_inter, hidden_blocks);
+  }
+  return bytes;
+}
+
+void LayerForwardFp8::quantize_weights(const DeviceLayerWeights& weights, cudaStream_t stream) {
+  const int64_t experts = workspace_.layout().experts_per_rank();
+  const int64_t hidden = shape_.hidden, inter = shape_.intermediate;
+  const int64_t shared_inter = shape_.shared_intermediate;
+  const auto check = [](const bf16* data, int64_t elements, int64_t expected, const char* name) {
+    MOK_CHECK_ARG(elements == expected, name, elements, " elements, the shape needs ", expected);
+    MOK_CHECK_ARG(expected == 0 || data != nullptr, name, "null pointer for ", expected,
+                  " elements");
+  };
+  check(weights.gate_up, weights.gate_up_elements, experts * 2 * inter * hidden, "weights.gate_up");
+  check(weights.down, weights.down_elements, experts * hidden * inter, "weights.down");
+  const int64_t shared = shape_.has_shared() ? 1 : 0;
+  check(weights.shared_gate_up, weights.shared_gate_up_elements, shared * 2 * shared_inter * hidden,
+        "weights.shared_gate_up");
+  check(weights.shared_down, weights.shared_down_elements, shared * hidden * shared_inter,
+        "weights.shared_down");
+  // Row blocks of 128 never straddle gate and up: I is a multiple of 128.
+  quantize_weight(weights.gate_up, experts, 2 * inter, hidden, /*gate_up=*/true, weights_.gate_up,
+                  stream);
+  quantize_weight(weights.down, experts, hidden, inter, /*gate_up=*/false, weights_.down, stream);
+  if (shape_.has_shared()) {
+    quantize_weight(weights.shared_gate_up, 1, 2 * shared_inter, hidden, true,
+                    weights_.shared_gate_up, stream);
+    quantize_weight(weights.shared_down, 1, hidden, shared_inter, false, weights_.shared_down,
+                    stream);
+  }
+  has_weights_ = true;
+}
+
+int LayerForwardFp8::shared_gemm_sms_beside_copy() const {
+  const int copy_ctas = options_.copy.num_ctas;
+  if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
+  const int free_sms = num_sms_ - copy_ctas;
+  return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
+}
+
+void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
+                                        const gemm::LaunchOptions& gemm_options) {
+  const int tokens = checked_int(num_tokens, "num_tokens");
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int shared_inter = static_cast<int>(shape_.shared_intermediate);
+  // This rank's own tokens, 1 x 128: the bytes the dispatched copies of them get too.
+  const quantize::Layout layout =
+      quantize::describe(quantize::Format::kFp8, 1, num_tokens, shape_.hidden, 1, 128, false);
+  quantize::quantize_gpu(layout, workspace_.x(), quantize::InputType::kBf16, shared_x_.data,
+                         shared_x_.scales, stream);
+  write_single_group_offsets(shared_offsets_, tokens, stream);
+  gemm::grouped_forward_fp8({1, tokens, 2 * shared_inter, hidden}, shared_x_.data, shared_x_.scales,
+                            weights_.shared_gate_up.data, weights_.shared_gate_up.scales,
+                            shared_offsets_, shared_gate_up_, gemm::ForwardOutput::kFp32, stream,
+                            gemm_options);
+  quantize::swiglu_quantize_kernel<<<loop_grid(num_sms_, 4), quantize::kLayerQuantizeThreads, 0,
+                                     stream>>>(shared_gate_up_, shared_hidden_.data,
+                                               shared_hidden_.scales, num_tokens,
+                                               shape_.shared_intermediate, nullptr);
+  MOK_CUDA_CHECK_LAUNCH();
+  gemm::grouped_forward_fp8({1, tokens, hidden, shared_inter}, shared_hidden_.data,
+                            shared_hidden_.scales, weights_.shared_down.data,
+                            weights_.shared_down.scales, shared_offsets_, shared_output_,
+                            gemm::ForwardOutput::kFp32, stream, gemm_options);
+}
+
+void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
+                              int64_t num_tokens, cudaStream_t stream,
+                              const cudaEvent_t* phase_events) {
+  MOK_CHECK_ARG(has_weights_, "weights",
+                "the fp8 forward reads the quantized weights: call quantize_weights first");
+  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
+                " out of range [0, ", tokens_max_, "]");
+  MOK_CHECK_ARG(
+      num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr && y != nullptr),
+      "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
+  int recorded = 0;
+  const std::function<void()> phase_done = [&] {
+    if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));
+  };
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const int experts = static_cast<int>(layout.experts_per_rank());
+  const int rows = static_cast<int>(layout.rows_capacity());
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.intermediate);
+  const int32_t* row_bound = workspace_.expert_offsets() + experts;  // the dispatched rows' end
+
+  phase_done();
+  stage_tokens(workspace_, x, num_tokens, stream);
+  schedule(workspace_, topk_idx, num_tokens, stream);
+  phase_done();  // kSchedule
+  phase_done();  // kFused: not run
+  const bool has_shared = shape_.has_shared() && num_tokens > 0;
+  const int shared_sms = has_shared ? shared_gemm_sms_beside_copy() : 0;
+  if (shared_sms > 0) {
+    // The copy CTAs and the shared GEMMs fill disjoint SMs (as in the bf16 forward); fork and
+    // join through events keep it one stream to the caller and to a graph capture.
+    MOK_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    MOK_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
+    dispatch(workspace_, options_.copy, side_stream_);
+    MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+    gemm::LaunchOptions beside_copy = options_.gemm;
+    beside_copy.num_sms = shared_sms;
+    run_shared_expert(num_tokens, stream, beside_copy);
+    phase_done();
+    MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+  } else {
+    if (has_shared) run_shared_expert(num_tokens, stream, options_.gemm);
+    phase_done();
+    dispatch(workspace_, options_.copy, stream);
+  }
+  quantize::quantize_routed_rows_kernel<<<loop_grid(num_sms_, 8), quantize::kLayerQuantizeThreads,
+                                          0, stream>>>(
+      reinterpret_cast<const uint16_t*>(workspace_.expert_x()), routed_x_.data, routed_x_.scales,
+      shape_.hidden, row_bound);
+  MOK_CUDA_CHECK_LAUNCH();
+  phase_done();  // kDispatch (with the routed rows' quantization)
+  // Only each expert's real rows: the padding rows are neither computed nor quantized.
+  gemm::GroupedShape gate_up{experts, rows, 2 * inter, hidden};
+  gate_up.expert_counts = workspace_.expert_counts();
+  gemm::grouped_forward_fp8(gate_up, routed_x_.data, routed_x_.scales, weights_.gate_up.data,
+                            weights_.gate_up.scales, workspace_.expert_offsets(), routed_gate_up_,
+                            gemm::ForwardOutput::kFp32, stream, options_.gemm);
+  quantize::swiglu_quantize_kernel<<<loop_grid(num_sms_, 4), quantize::kLayerQuantizeThreads, 0,
+                                     stream>>>(routed_gate_up_, routed_hidden_.data,
+                                               routed_hidden_.scales, rows, shape_.intermediate,
+                                               row_bound);
+  MOK_CUDA_CHECK_LAUNCH();
+  phase_done();  // kGateUp
+  gemm::GroupedShape down{experts, rows, hidden, inter};
+  down.expert_counts = workspace_.expert_counts();
+  gemm::grouped_forward_fp8(down, routed_hidden_.data, routed_hidden_.scales, weights_.down.data,
+                            weights_.down.scales, workspace_.expert_offsets(),
+                            workspace_.expert_y(), gemm::ForwardOutput::kBf16, stream,
+                            options_.gemm);
+  phase_done();  // kDown
+  combine_push(workspace_, options_.copy, stream);
+  phase_done();
+  combine_reduce(workspace_, topk_w, has_shared ? shared_output_ : nullptr, y, num_tokens, stream);
+  phase_done();
+}
+
+}  // namespace mok

@@ -1,0 +1,106 @@
+// The GPU forward of one MoE layer in precision mode fp8 (DESIGN.md §3, the DeepSeek-V3 recipe)
+// on one expert-parallel rank, composed from the tested engines as the unfused bf16 forward is
+// (layer_forward.hpp), at the CPU reference's rounding points (src/reference/quantized_engine.cpp):
+//
+//   stage_tokens, schedule    as bf16
+//   shared expert             x quantized 1 x 128; gate/up FP8 GEMM, fp32 sums; h = swiglu
+//                             quantized 1 x 128 from fp32; down FP8 GEMM, fp32 (the combine adds
+//                             it before its one rounding); beside the dispatch where it can be
+//   dispatch                  the routed rows into expert_x (bf16, global token order)
+//   routed x                  expert_x quantized 1 x 128 along H (every row of a token gets the
+//                             bytes its own rank's quantization of the token gives: row-local)
+//   routed gate/up            FP8 GEMM, fp32 sums (rows, 2I), gate then up columns
+//   SwiGLU                    h quantized 1 x 128 along I from fp32
+//   routed down               FP8 GEMM -> expert_y bf16 (the slot rows' one rounding)
+//   combine_push, _reduce     as bf16: y = shared + Σ_j w_j · slot_j in fp32, rounded once
+//
+// The weights are quantized 128 x 128 (W_gate, W_up and W_down each in its own blocks) into a
+// cache by quantize_weights, once per change of the weights (an optimizer step), not per call.
+// Asynchronous on the caller's stream, no host synchronisation. Construction and destruction are
+// collective (see CommWorkspace).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mok/bf16.hpp"
+#include "mok/layer.hpp"
+#include "runtime/comm.hpp"
+#include "runtime/layer_forward.hpp"
+#include "runtime/workspace.hpp"
+
+namespace mok {
+
+// E4M3 bytes and their fp32 scales, one per block.
+struct Fp8Operand {
+  uint8_t* data = nullptr;
+  float* scales = nullptr;
+};
+
+// The quantized weights of one rank: gate/up (E_l, 2I, H) as [gate rows; up rows] per expert,
+// scales (E_l, 2I / 128, H / 128); down (E_l, H, I), scales (E_l, H / 128, I / 128); the shared
+// expert's alike with E_l = 1 (empty without one).
+struct Fp8LayerWeights {
+  Fp8Operand gate_up, down, shared_gate_up, shared_down;
+};
+
+class LayerForwardFp8 {
+ public:
+  // tokens_max: the most tokens any call passes on any rank. H, I and I_s multiples of 128
+  // (validate_precision). options.fused is not used (this path is not fused yet).
+  LayerForwardFp8(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
+                  const LayerForwardOptions& options = {});
+  ~LayerForwardFp8();
+  LayerForwardFp8(const LayerForwardFp8&) = delete;
+  LayerForwardFp8& operator=(const LayerForwardFp8&) = delete;
+
+  // Quantizes the bf16 weights (DeviceLayerWeights' layouts: gate/up interleaved in blocks of 8
+  // rows) into this object's cache, on `stream`; the forwards after it read the cache. Call it
+  // again whenever the weights change.
+  void quantize_weights(const DeviceLayerWeights& weights, cudaStream_t stream);
+  bool has_weights() const { return has_weights_; }
+  const Fp8LayerWeights& weights() const { return weights_; }
+
+  // x (T, H) bf16, topk_idx (T, k) int32, topk_w (T, k) fp32, y (T, H) bf16, on this rank's GPU;
+  // T <= tokens_max. phase_events, when given: kNumForwardPhases + 1 events, recorded before the
+  // first phase and after each (ForwardPhase; kFused takes no time). Throws mok::Error before
+  // enqueueing anything when quantize_weights has not run.
+  void forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
+               int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events = nullptr);
+
+  // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
+  void check(cudaStream_t stream) const { workspace_.check(stream); }
+  CommWorkspace& workspace() { return workspace_; }
+  const LayerShape& shape() const { return shape_; }
+  int64_t tokens_max() const { return tokens_max_; }
+  // Device bytes besides the weight cache: workspace and intermediates.
+  int64_t buffer_bytes() const;
+  // Device bytes of the weight cache (E4M3 bytes and scales).
+  int64_t weight_bytes() const;
+
+ private:
+  void run_shared_expert(int64_t num_tokens, cudaStream_t stream,
+                         const gemm::LaunchOptions& gemm_options);
+  int shared_gemm_sms_beside_copy() const;
+
+  LayerShape shape_;
+  int64_t tokens_max_ = 0;
+  LayerForwardOptions options_;
+  CommWorkspace workspace_;
+  Fp8LayerWeights weights_;
+  bool has_weights_ = false;
+  Fp8Operand routed_x_;              // (rows, H), scales (rows, H / 128)
+  float* routed_gate_up_ = nullptr;  // (rows, 2I) fp32
+  Fp8Operand routed_hidden_;         // (rows, I), scales (rows, I / 128)
+  Fp8Operand shared_x_;              // (T_max, H)
+  float* shared_gate_up_ = nullptr;  // (T_max, 2I_s) fp32
+  Fp8Operand shared_hidden_;         // (T_max, I_s)
+  float* shared_output_ = nullptr;   // (T_max, H) fp32
+  int32_t* shared_offsets_ = nullptr;
+  int num_sms_ = 0;
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+};
+
+}  // namespace mok
