@@ -49,6 +49,23 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
                          void* y, ForwardOutput output, cudaStream_t stream,
                          const LaunchOptions& options = {}, const Fp8Pipeline& pipeline = {});
 
+// The SwiGLU forward of the gate/up GEMM in fp8: the forward's sums for W's 2I rows, then
+//
+//   h[m, i] = swiglu(gate sum[m, i], up sum[m, i])   in fp32 (numerics::swiglu, bit-identical)
+//
+// quantized per 1 x 128 along I from fp32, as quantize::describe(kFp8, 1, rows, I, 1, 128,
+// false) does: h (capacity_rows, I) E4M3, h_scales (capacity_rows, I / 128) fp32 — the down
+// GEMM's x. W (E, 2I, H) holds gate and up rows interleaved in blocks of 128
+// (kSwiGluFp8Interleave: rows 256 b .. 256 b + 127 are gate rows 128 b .., the next 128 the same
+// up rows), quantized per 128 x 128 block as grouped_forward_fp8's w, so that each block is one
+// of W_gate's or W_up's own. shape.n = 2I a positive multiple of 256, shape.k a positive multiple
+// of 128; rows as in grouped_forward (rows outside the experts' are not written). x, w, h 16-byte
+// aligned.
+void grouped_swiglu_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
+                        const uint8_t* w, const float* w_scales, const int* expert_offsets,
+                        uint8_t* h, float* h_scales, cudaStream_t stream,
+                        const LaunchOptions& options = {}, const Fp8Pipeline& pipeline = {});
+
 // dx_e = dy_e · W_e from FP8 operands: the forward kernel with K = n, N = k, on the transposed
 // weight (E, k, n):
 //

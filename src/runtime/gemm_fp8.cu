@@ -124,6 +124,8 @@ KernelLaunch forward_kernel(EpilogueKind epilogue, int stages, int cluster_size)
       return forward_kernel<EpilogueKind::kSwiGluBf16>(stages, cluster_size);
     case EpilogueKind::kStoreFp32:
       return forward_kernel<EpilogueKind::kStoreFp32>(stages, cluster_size);
+    case EpilogueKind::kSwiGluFp8:
+      return forward_kernel<EpilogueKind::kSwiGluFp8>(stages, cluster_size);
     case EpilogueKind::kAccumulateFp32:
       break;
   }
@@ -142,7 +144,7 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
                         const uint8_t* b, const float* b_scales, const int* expert_offsets, void* c,
                         EpilogueKind epilogue, const char* a_name, const char* b_name,
                         cudaStream_t stream, const LaunchOptions& options,
-                        const Fp8Pipeline& pipeline) {
+                        const Fp8Pipeline& pipeline, float* c_scales = nullptr) {
   MOK_CHECK_ARG(
       pipeline.cluster == 0 || pipeline.cluster == 1 || pipeline.cluster == kFp8ClusterSize,
       "pipeline.cluster", "must be 0, 1 or ", kFp8ClusterSize, ", got ", pipeline.cluster);
@@ -170,7 +172,8 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
       make_tensor_map_3d(b, shape.num_experts, shape.n, shape.k / 2,
                          Fp8TileConfig::BLOCK_N / kernel.cluster_size, 64, b_name);
   Fp8GemmParams params;
-  params.grouped = {expert_offsets, shape.num_experts, 0, shape.n, shape.k, c, shape.expert_counts};
+  params.grouped = {expert_offsets,      shape.num_experts, 0, shape.n, shape.k, c,
+                    shape.expert_counts, c_scales};
   params.a_scales = a_scales;
   params.b_scales = b_scales;
   launch(kernel, map_a, map_b, params, num_ctas, stream);
@@ -197,6 +200,28 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
                                                                  : EpilogueKind::kSwiGluBf16;
   run_forward_kernel(shape, x, x_scales, w, w_scales, expert_offsets, y, epilogue, "x", "w", stream,
                      options, pipeline);
+}
+
+void grouped_swiglu_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
+                        const uint8_t* w, const float* w_scales, const int* expert_offsets,
+                        uint8_t* h, float* h_scales, cudaStream_t stream,
+                        const LaunchOptions& options, const Fp8Pipeline& pipeline) {
+  MOK_CHECK_ARG(shape.k > 0 && shape.k % Fp8TileConfig::kScaleBlock == 0, "shape.k",
+                "must be a positive multiple of 128 (one FP8 scale block), got ", shape.k);
+  MOK_CHECK_ARG(shape.n > 0 && shape.n % (2 * kSwiGluFp8Interleave) == 0, "shape.n",
+                "must be a positive multiple of 256 (gate/up blocks of 128: I a multiple of 128), "
+                "got ",
+                shape.n);
+  check_common(shape, expert_offsets,
+               {{x, "x", 16},
+                {w, "w", 16},
+                {x_scales, "x_scales", 4},
+                {w_scales, "w_scales", 4},
+                {h_scales, "h_scales", 4}},
+               h, "h", options);
+  if (shape.num_experts == 0) return;
+  run_forward_kernel(shape, x, x_scales, w, w_scales, expert_offsets, h, EpilogueKind::kSwiGluFp8,
+                     "x", "w", stream, options, pipeline, h_scales);
 }
 
 void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float* dy_scales,

@@ -61,8 +61,9 @@ void quantize_weight(const bf16* x, int64_t batch, int64_t rows, int64_t cols, b
 }  // namespace
 
 LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& shape,
-                                 int64_t tokens_max, const LayerForwardOptions& options)
-    : shape_(shape), tokens_max_(tokens_max), options_(options), workspace_([&] {
+                                 int64_t tokens_max, const LayerForwardOptions& options,
+                                 Fp8SwiGlu swiglu)
+    : shape_(shape), tokens_max_(tokens_max), options_(options), swiglu_(swiglu), workspace_([&] {
         shape.validate(comm.num_ranks());
         validate_precision(shape, Precision::kFp8);
         WorkspaceOptions workspace = options.workspace;
@@ -78,16 +79,20 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
   weights_.down =
       alloc_operand(experts * hidden, inter, experts * ((hidden + kBlock - 1) / kBlock));
   routed_x_ = alloc_operand(rows, hidden, rows);
-  routed_gate_up_ = device_alloc<float>(rows * 2 * inter);
-  // The SwiGLU quantization runs over the padding rows between experts too, which no GEMM
-  // writes: zeros, not uninitialised memory (their bytes never reach a result).
-  MOK_CUDA_CHECK(cudaMemset(routed_gate_up_, 0, static_cast<size_t>(rows * 2 * inter) * 4));
+  if (swiglu_ == Fp8SwiGlu::kSeparate) {
+    routed_gate_up_ = device_alloc<float>(rows * 2 * inter);
+    // The SwiGLU quantization runs over the padding rows between experts too, which no GEMM
+    // writes: zeros, not uninitialised memory (their bytes never reach a result).
+    MOK_CUDA_CHECK(cudaMemset(routed_gate_up_, 0, static_cast<size_t>(rows * 2 * inter) * 4));
+  }
   routed_hidden_ = alloc_operand(rows, inter, rows);
   if (shape.has_shared()) {
     weights_.shared_gate_up = alloc_operand(2 * shared_inter, hidden, 2 * shared_inter / kBlock);
     weights_.shared_down = alloc_operand(hidden, shared_inter, (hidden + kBlock - 1) / kBlock);
     shared_x_ = alloc_operand(tokens_max, hidden, tokens_max);
-    shared_gate_up_ = device_alloc<float>(tokens_max * 2 * shared_inter);
+    if (swiglu_ == Fp8SwiGlu::kSeparate) {
+      shared_gate_up_ = device_alloc<float>(tokens_max * 2 * shared_inter);
+    }
     shared_hidden_ = alloc_operand(tokens_max, shared_inter, tokens_max);
     shared_output_ = device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
@@ -119,10 +124,11 @@ int64_t LayerForwardFp8::buffer_bytes() const {
   const int64_t rows = layout.rows_capacity(), hidden = shape_.hidden;
   const int64_t inter = shape_.intermediate, shared_inter = shape_.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
+  const int64_t sums = swiglu_ == Fp8SwiGlu::kSeparate ? 2 * 4 : 0;  // fp32 gate/up sums
   bytes +=
-      operand_bytes(rows, hidden, rows) + rows * 2 * inter * 4 + operand_bytes(rows, inter, rows);
+      operand_bytes(rows, hidden, rows) + rows * inter * sums + operand_bytes(rows, inter, rows);
   if (shape_.has_shared()) {
-    bytes += operand_bytes(tokens_max_, hidden, tokens_max_) + tokens_max_ * 2 * shared_inter * 4 +
+    bytes += operand_bytes(tokens_max_, hidden, tokens_max_) + tokens_max_ * shared_inter * sums +
              operand_bytes(tokens_max_, shared_inter, tokens_max_) + tokens_max_ * hidden * 4 + 8;
   }
   return bytes;
@@ -171,6 +177,23 @@ void LayerForwardFp8::quantize_weights(const DeviceLayerWeights& weights, cudaSt
   has_weights_ = true;
 }
 
+void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8Operand& x,
+                                     const Fp8Operand& w, const int32_t* offsets, float* sums,
+                                     const Fp8Operand& h, const int32_t* row_bound,
+                                     cudaStream_t stream, const gemm::LaunchOptions& gemm_options) {
+  if (swiglu_ == Fp8SwiGlu::kInGemm) {
+    gemm::grouped_swiglu_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, h.data, h.scales,
+                             stream, gemm_options);
+    return;
+  }
+  gemm::grouped_forward_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, sums,
+                            gemm::ForwardOutput::kFp32, stream, gemm_options);
+  quantize::swiglu_quantize_kernel<<<loop_grid(num_sms_, 4), quantize::kLayerQuantizeThreads, 0,
+                                     stream>>>(sums, h.data, h.scales, shape.capacity_rows,
+                                               shape.n / 2, row_bound);
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
 int LayerForwardFp8::shared_gemm_sms_beside_copy() const {
   const int copy_ctas = options_.copy.num_ctas;
   if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
@@ -189,15 +212,8 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
   quantize::quantize_gpu(layout, workspace_.x(), quantize::InputType::kBf16, shared_x_.data,
                          shared_x_.scales, stream);
   write_single_group_offsets(shared_offsets_, tokens, stream);
-  gemm::grouped_forward_fp8({1, tokens, 2 * shared_inter, hidden}, shared_x_.data, shared_x_.scales,
-                            weights_.shared_gate_up.data, weights_.shared_gate_up.scales,
-                            shared_offsets_, shared_gate_up_, gemm::ForwardOutput::kFp32, stream,
-                            gemm_options);
-  quantize::swiglu_quantize_kernel<<<loop_grid(num_sms_, 4), quantize::kLayerQuantizeThreads, 0,
-                                     stream>>>(shared_gate_up_, shared_hidden_.data,
-                                               shared_hidden_.scales, num_tokens,
-                                               shape_.shared_intermediate, nullptr);
-  MOK_CUDA_CHECK_LAUNCH();
+  gate_up_swiglu({1, tokens, 2 * shared_inter, hidden}, shared_x_, weights_.shared_gate_up,
+                 shared_offsets_, shared_gate_up_, shared_hidden_, nullptr, stream, gemm_options);
   gemm::grouped_forward_fp8({1, tokens, hidden, shared_inter}, shared_hidden_.data,
                             shared_hidden_.scales, weights_.shared_down.data,
                             weights_.shared_down.scales, shared_offsets_, shared_output_,
@@ -258,14 +274,8 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   // Only each expert's real rows: the padding rows are neither computed nor quantized.
   gemm::GroupedShape gate_up{experts, rows, 2 * inter, hidden};
   gate_up.expert_counts = workspace_.expert_counts();
-  gemm::grouped_forward_fp8(gate_up, routed_x_.data, routed_x_.scales, weights_.gate_up.data,
-                            weights_.gate_up.scales, workspace_.expert_offsets(), routed_gate_up_,
-                            gemm::ForwardOutput::kFp32, stream, options_.gemm);
-  quantize::swiglu_quantize_kernel<<<loop_grid(num_sms_, 4), quantize::kLayerQuantizeThreads, 0,
-                                     stream>>>(routed_gate_up_, routed_hidden_.data,
-                                               routed_hidden_.scales, rows, shape_.intermediate,
-                                               row_bound);
-  MOK_CUDA_CHECK_LAUNCH();
+  gate_up_swiglu(gate_up, routed_x_, weights_.gate_up, workspace_.expert_offsets(), routed_gate_up_,
+                 routed_hidden_, row_bound, stream, options_.gemm);
   phase_done();  // kGateUp
   gemm::GroupedShape down{experts, rows, hidden, inter};
   down.expert_counts = workspace_.expert_counts();

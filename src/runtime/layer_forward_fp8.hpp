@@ -3,19 +3,21 @@
 // (layer_forward.hpp), at the CPU reference's rounding points (src/reference/quantized_engine.cpp):
 //
 //   stage_tokens, schedule    as bf16
-//   shared expert             x quantized 1 x 128; gate/up FP8 GEMM, fp32 sums; h = swiglu
-//                             quantized 1 x 128 from fp32; down FP8 GEMM, fp32 (the combine adds
-//                             it before its one rounding); beside the dispatch where it can be
+//   shared expert             x quantized 1 x 128; gate/up FP8 GEMM with h = swiglu quantized
+//                             1 x 128 from fp32 in its epilogue; down FP8 GEMM, fp32 (the combine
+//                             adds it before its one rounding); beside the dispatch where it can be
 //   dispatch                  the routed rows into expert_x (bf16, global token order)
 //   routed x                  expert_x quantized 1 x 128 along H (every row of a token gets the
 //                             bytes its own rank's quantization of the token gives: row-local)
-//   routed gate/up            FP8 GEMM, fp32 sums (rows, 2I), gate then up columns
-//   SwiGLU                    h quantized 1 x 128 along I from fp32
+//   routed gate/up + SwiGLU   FP8 GEMM; its epilogue quantizes h = swiglu(gate, up) 1 x 128 along
+//                             I from the fp32 sums (gemm::grouped_swiglu_fp8)
 //   routed down               FP8 GEMM -> expert_y bf16 (the slot rows' one rounding)
 //   combine_push, _reduce     as bf16: y = shared + Σ_j w_j · slot_j in fp32, rounded once
 //
 // The weights are quantized 128 x 128 (W_gate, W_up and W_down each in its own blocks) into a
 // cache by quantize_weights, once per change of the weights (an optimizer step), not per call.
+// Fp8SwiGlu::kSeparate keeps the gate/up sums in fp32 and quantizes h in a kernel of its own: the
+// same bytes (the test of the fused epilogue), more memory traffic.
 // Asynchronous on the caller's stream, no host synchronisation. Construction and destruction are
 // collective (see CommWorkspace).
 #pragma once
@@ -32,15 +34,21 @@
 
 namespace mok {
 
+// Where h = swiglu(gate, up) is computed and quantized.
+enum class Fp8SwiGlu {
+  kInGemm,    // in the gate/up GEMM's epilogue
+  kSeparate,  // gate/up sums to fp32 memory, then a kernel
+};
+
 // E4M3 bytes and their fp32 scales, one per block.
 struct Fp8Operand {
   uint8_t* data = nullptr;
   float* scales = nullptr;
 };
 
-// The quantized weights of one rank: gate/up (E_l, 2I, H) as [gate rows; up rows] per expert,
-// scales (E_l, 2I / 128, H / 128); down (E_l, H, I), scales (E_l, H / 128, I / 128); the shared
-// expert's alike with E_l = 1 (empty without one).
+// The quantized weights of one rank: gate/up (E_l, 2I, H) with gate and up rows interleaved in
+// blocks of 128 (gemm::kSwiGluFp8Interleave), scales (E_l, 2I / 128, H / 128); down (E_l, H, I),
+// scales (E_l, H / 128, I / 128); the shared expert's alike with E_l = 1 (empty without one).
 struct Fp8LayerWeights {
   Fp8Operand gate_up, down, shared_gate_up, shared_down;
 };
@@ -50,7 +58,7 @@ class LayerForwardFp8 {
   // tokens_max: the most tokens any call passes on any rank. H, I and I_s multiples of 128
   // (validate_precision). options.fused is not used (this path is not fused yet).
   LayerForwardFp8(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
-                  const LayerForwardOptions& options = {});
+                  const LayerForwardOptions& options = {}, Fp8SwiGlu swiglu = Fp8SwiGlu::kInGemm);
   ~LayerForwardFp8();
   LayerForwardFp8(const LayerForwardFp8&) = delete;
   LayerForwardFp8& operator=(const LayerForwardFp8&) = delete;
@@ -83,18 +91,25 @@ class LayerForwardFp8 {
   void run_shared_expert(int64_t num_tokens, cudaStream_t stream,
                          const gemm::LaunchOptions& gemm_options);
   int shared_gemm_sms_beside_copy() const;
+  // x (rows, H) · w (E, 2I, H)ᵀ -> h (rows, I) E4M3 and scales, SwiGLU as swiglu_ says (kSeparate:
+  // the sums through `sums`, then h for the rows below *row_bound, or all rows when null).
+  void gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8Operand& x, const Fp8Operand& w,
+                      const int32_t* offsets, float* sums, const Fp8Operand& h,
+                      const int32_t* row_bound, cudaStream_t stream,
+                      const gemm::LaunchOptions& gemm_options);
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;
   LayerForwardOptions options_;
+  Fp8SwiGlu swiglu_ = Fp8SwiGlu::kInGemm;
   CommWorkspace workspace_;
   Fp8LayerWeights weights_;
   bool has_weights_ = false;
   Fp8Operand routed_x_;              // (rows, H), scales (rows, H / 128)
-  float* routed_gate_up_ = nullptr;  // (rows, 2I) fp32
+  float* routed_gate_up_ = nullptr;  // (rows, 2I) fp32 (kSeparate only)
   Fp8Operand routed_hidden_;         // (rows, I), scales (rows, I / 128)
   Fp8Operand shared_x_;              // (T_max, H)
-  float* shared_gate_up_ = nullptr;  // (T_max, 2I_s) fp32
+  float* shared_gate_up_ = nullptr;  // (T_max, 2I_s) fp32 (kSeparate only)
   Fp8Operand shared_hidden_;         // (T_max, I_s)
   float* shared_output_ = nullptr;   // (T_max, H) fp32
   int32_t* shared_offsets_ = nullptr;

@@ -5,6 +5,7 @@
 // counts, EP 1 = 2 = 4 (emulated on one GPU where there is one).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -26,6 +27,7 @@ Problem fp8_problem(const Case& which, int64_t num_tokens, uint64_t seed) {
 
 struct Fp8Run {
   LayerForwardOptions layer;
+  Fp8SwiGlu swiglu = Fp8SwiGlu::kInGemm;
   int repeats = 1;
   bool use_graph = false;
 };
@@ -39,7 +41,7 @@ std::vector<bf16> run_gpu_fp8_layer(const Problem& problem, int ep, const Fp8Run
   for_each_rank(ep, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
     const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
-    LayerForwardFp8 layer(comms[rank], problem.shape, tokens, run.layer);
+    LayerForwardFp8 layer(comms[rank], problem.shape, tokens, run.layer, run.swiglu);
     const RankDeviceWeights weights(inputs.weights, problem.shape);
     DeviceBuffer<bf16> x(host_vector(inputs.tokens.x));
     DeviceBuffer<int32_t> topk_idx(host_vector(inputs.tokens.topk_idx));
@@ -155,28 +157,34 @@ TEST(LayerForwardFp8, WeightCacheIsTheReferenceQuantization) {
   layer.quantize_weights(weights.view(), nullptr);
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
   const int64_t experts = shape.num_experts, hidden = shape.hidden, inter = shape.intermediate;
-  // The reference's blocks: W_gate and W_up of each expert apart, W_down as it is.
+  // The reference's blocks: W_gate and W_up of each expert apart, W_down as it is. The cache
+  // interleaves gate and up rows in blocks of 128 (gemm::kSwiGluFp8Interleave): its row block 2b
+  // is W_gate's row block b, 2b + 1 W_up's, bytes and scale alike.
   auto expect_blocks = [&](const std::vector<bf16>& first, const std::vector<bf16>& second,
                            int64_t batch, int64_t rows, int64_t cols, const Fp8Operand& device,
                            const char* name) {
     SCOPED_TRACE(name);
-    const quantize::Layout one =
-        quantize::describe(quantize::Format::kFp8, batch, rows, cols, 128, 128, false);
-    const int64_t parts = second.empty() ? 1 : 2;
-    std::vector<uint8_t> data(static_cast<size_t>(parts * one.num_elements())),
-        device_data(data.size());
-    std::vector<float> scales(static_cast<size_t>(parts * one.num_scales())),
-        device_scales(scales.size());
-    // Expert by expert: [first's rows; second's rows], as the cache stacks them.
-    const int64_t matrix = rows * cols, matrix_scales = one.num_scales() / batch;
     const quantize::Layout single =
         quantize::describe(quantize::Format::kFp8, 1, rows, cols, 128, 128, false);
+    const int64_t parts = second.empty() ? 1 : 2;
+    const int64_t matrix = rows * cols, matrix_scales = single.num_scales();
+    const int64_t block_rows = single.scale_rows(), scale_cols = single.scale_cols();
+    std::vector<uint8_t> data(static_cast<size_t>(parts * batch * matrix)),
+        device_data(data.size()), part_data(static_cast<size_t>(matrix));
+    std::vector<float> scales(static_cast<size_t>(parts * batch * matrix_scales)),
+        device_scales(scales.size()), part_scales(static_cast<size_t>(matrix_scales));
     for (int64_t e = 0; e < batch; ++e) {
       for (int64_t part = 0; part < parts; ++part) {
         const std::vector<bf16>& source = part == 0 ? first : second;
-        const int64_t slot = e * parts + part;
         quantize::quantize_cpu(single, source.data() + e * matrix, quantize::InputType::kBf16,
-                               data.data() + slot * matrix, scales.data() + slot * matrix_scales);
+                               part_data.data(), part_scales.data());
+        for (int64_t block = 0; block < block_rows; ++block) {  // to row block parts * b + part
+          const int64_t to = e * parts * block_rows + parts * block + part;
+          std::copy_n(part_data.begin() + block * 128 * cols, 128 * cols,
+                      data.begin() + to * 128 * cols);
+          std::copy_n(part_scales.begin() + block * scale_cols, scale_cols,
+                      scales.begin() + to * scale_cols);
+        }
       }
     }
     MOK_CUDA_CHECK(
@@ -206,6 +214,12 @@ TEST_P(LayerForwardFp8Routings, MatchesReferenceRuleAndRepeatsBitwise) {
     run.repeats = 2;
     const std::vector<bf16> y = run_gpu_fp8_layer(problem, 1, run);
     if (tokens > 1) expect_fp8_accuracy(problem, 1, y);
+    // The SwiGLU quantization in the GEMM's epilogue gives the separate kernel's bytes (whole
+    // tiles for short blocks too: one token, a single expert's 45-row tail).
+    Fp8Run separate;
+    separate.swiglu = Fp8SwiGlu::kSeparate;
+    EXPECT_EQ(first_difference(run_gpu_fp8_layer(problem, 1, separate), y), -1)
+        << "SwiGLU in the gate/up GEMM differs from the separate kernel";
     // (one token: too few values for relative errors to mean much; its bits must still be
     // those of the same token in a run of its own, which the EP test covers)
     std::vector<double> reference;

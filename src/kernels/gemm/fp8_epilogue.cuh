@@ -1,14 +1,17 @@
 // The FP8 GEMM's epilogues: a consumer warpgroup's promoted (64, BLOCK_N) fp32 accumulators,
 // walked as wgmma's fragment (fragment.cuh), stored as fp32 pairs from registers, or as bf16 (or
-// SwiGLU's h) through the warp's staging rows (warp_rows.cuh), as the bf16 engine stores them.
+// SwiGLU's h) through the warp's staging rows (warp_rows.cuh), as the bf16 engine stores them, or
+// (kSwiGluFp8) as SwiGLU's h quantized to E4M3 per 1 x 128 with its scales.
 // The wgrad's C is (groups, M, N); its accumulating epilogue starts the accumulators from C.
 #pragma once
 
 #include "kernels/gemm/fp8_gemm_types.cuh"
+#include "kernels/gemm/fp8_tile_scheduler.cuh"
 #include "kernels/gemm/fragment.cuh"
 #include "kernels/gemm/swiglu.cuh"
 #include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/gemm/warp_rows.cuh"
+#include "kernels/quantize/elements.cuh"
 
 namespace mok::gemm {
 
@@ -18,7 +21,8 @@ struct Fp8Epilogue {
   static constexpr int kNumAccumulators = Config::BLOCK_N / 2;
   static_assert(kEpilogue != EpilogueKind::kAccumulateFp32 || kKind == GemmKind::kWgrad,
                 "only the wgrad accumulates into its output (main_grad)");
-  static_assert(kEpilogue != EpilogueKind::kSwiGluBf16 || kKind == GemmKind::kForward,
+  static_assert((kEpilogue != EpilogueKind::kSwiGluBf16 && kEpilogue != EpilogueKind::kSwiGluFp8) ||
+                    kKind == GemmKind::kForward,
                 "SwiGLU belongs to the forward");
 
   // The accumulators a tile starts from: zero, or (kAccumulateFp32) the consumer's slice of C.
@@ -43,7 +47,11 @@ struct Fp8Epilogue {
                                float (&accum)[kNumAccumulators]) {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
-    const bool half = is_half_tile<kKind>(tile);
+    if constexpr (kEpilogue == EpilogueKind::kSwiGluFp8) {
+      store_swiglu_fp8(params, tile, consumer_idx, staging, accum);
+      return;
+    }
+    const bool half = fp8_is_half_tile<kKind, kEpilogue>(tile);
     const TileInC place = tile_in_c<kKind, kEpilogue, Config>(params, tile);
     const int warp_first_row = (half ? 0 : consumer_idx * 64) + warp_in_group * 16;
     const int first_column = half ? consumer_idx * Config::kPiece : 0;
@@ -60,6 +68,65 @@ struct Fp8Epilogue {
 
  private:
   static constexpr bool kSwiGlu = kEpilogue == EpilogueKind::kSwiGluBf16;
+
+  // kSwiGluFp8 (always a whole tile, fp8_is_half_tile): gate columns in accum[0, 64), up in
+  // accum[64, 128) (128-interleaved), so the tile's 128 h columns are one 1 x 128 block of each
+  // row. A row's 32 values per lane lie in the 4 lanes of a quad, whose amax two shuffles join;
+  // the E4M3 pairs go through the warp's staging rows (128 bytes of each) and leave as 16-byte
+  // stores of whole rows. Rows past the group's end are not written.
+  __device__ static void store_swiglu_fp8(const GroupedGemmParams& params, const GroupedTile& tile,
+                                          int consumer_idx, uint8_t* staging,
+                                          float (&accum)[kNumAccumulators]) {
+    constexpr int kHalf = kNumAccumulators / 2;     // gate accumulators: 32 per fragment row
+    constexpr int kRowBytes = Config::BLOCK_N / 2;  // h columns of the tile, one byte each
+    const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const TileInC place = tile_in_c<kKind, kEpilogue, Config>(params, tile);
+    const int warp_first_row = consumer_idx * 64 + warp_in_group * 16;  // in the tile
+    uint8_t* warp_staging = staging + warp_first_row * static_cast<int>(kStagingRowBytes);
+    const int64_t tile_first_row =
+        tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M;
+    const int scales_per_row = params.n / Config::BLOCK_N;
+    swiglu_halves_in_place<kHalf>(accum);
+    __syncwarp();  // the previous tile's rows have left the staging rows
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float values[kHalf / 2];  // this lane's 32 values of row lane / 4 + 8 half
+#pragma unroll
+      for (int j = 0; j < kHalf / 4; ++j) {
+        values[2 * j] = accum[4 * j + 2 * half];
+        values[2 * j + 1] = accum[4 * j + 2 * half + 1];
+      }
+      const float amax =
+          __uint_as_float(quantize::lanes_max<4>(quantize::finite_amax_bits(values)));
+      const fp8::Fp8BlockScale scale = fp8::fp8_block_scale(amax);
+      uint32_t words[kHalf / 8];
+      quantize::encode_scaled(values, scale.inverse, words);
+      const int row = lane_idx / 4 + 8 * half;  // in the warp
+      uint8_t* staged_row = warp_staging + row * static_cast<int>(kStagingRowBytes);
+#pragma unroll
+      for (int j = 0; j < kHalf / 4; ++j) {  // fragment block j: columns 8 j + 2 (lane % 4), + 1
+        *reinterpret_cast<uint16_t*>(staged_row + 8 * j + 2 * (lane_idx % 4)) =
+            static_cast<uint16_t>(words[j / 2] >> (16 * (j % 2)));
+      }
+      if (lane_idx % 4 == 0 && warp_first_row + row < place.rows_valid) {
+        params.output_scales[(tile_first_row + warp_first_row + row) * scales_per_row +
+                             tile.n_block] = scale.scale;
+      }
+    }
+    __syncwarp();
+    constexpr int kVectorsPerRow = kRowBytes / 16;
+#pragma unroll
+    for (int vector = lane_idx; vector < 16 * kVectorsPerRow; vector += 32) {
+      const int row = vector / kVectorsPerRow, chunk = vector % kVectorsPerRow;
+      if (warp_first_row + row < place.rows_valid) {
+        *reinterpret_cast<uint4*>(place.tile_base + (warp_first_row + row) * place.row_stride +
+                                  16 * chunk) =
+            *reinterpret_cast<const uint4*>(warp_staging +
+                                            row * static_cast<int>(kStagingRowBytes) + 16 * chunk);
+      }
+    }
+  }
 
   // The consumer's kColumns columns from first_column on: its accum[0, kColumns / 2).
   template <int kColumns>

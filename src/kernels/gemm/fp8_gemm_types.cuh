@@ -70,7 +70,9 @@ struct Fp8SharedLayout {
   static constexpr int kClusterSize = kCluster;
   static_assert(kCluster == 1 || (kKind == GemmKind::kForward && kCluster == Config::kNumPieces),
                 "clusters: the forward's weight tile, one 128-column piece per CTA");
-  static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
+  // (kSwiGluFp8 stages its E4M3 rows in the same warp rows)
+  static constexpr bool kStagedStore =
+      uses_staged_store(kEpilogue) || kEpilogue == EpilogueKind::kSwiGluFp8;
   static constexpr int kNumStages = kStages;
   static constexpr uint32_t kAlignment = 1024;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)

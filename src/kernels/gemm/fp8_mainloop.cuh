@@ -134,11 +134,11 @@ struct Fp8Mainloop {
   }
 
   // Consumer side: adds this warpgroup's (64, BLOCK_N) slice of the tile to `accum`; in a half
-  // tile (is_half_tile, forward only), rows 0-63 of column piece consumer_idx into accum[0, 64).
+  // tile (fp8_is_half_tile), rows 0-63 of column piece consumer_idx into accum[0, 64).
   __device__ static void mma(const Storage& smem, const Fp8GemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
                              float (&accum)[kNumAccumulators]) {
-    if (is_half_tile<kKind>(tile)) {
+    if (fp8_is_half_tile<kKind, Layout::kEpilogue>(tile)) {
       // NOTE: the first piece's fragment is the first 64 accumulators of the whole slice's
       // (fragment.cuh), whichever piece of B it multiplies.
       mma_k_blocks<1>(smem, params, tile, 0, consumer_idx, 0, state,

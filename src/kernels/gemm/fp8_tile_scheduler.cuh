@@ -19,6 +19,14 @@ __host__ __device__ inline bool fp8_is_empty_tile(const GroupedTile& tile) {
   return tile.mblock * Fp8TileConfig::BLOCK_M >= tile.row_count;
 }
 
+// Whether the tile's consumers split its columns (tile_scheduler.cuh's is_half_tile: a group's
+// last M block of at most 64 rows). kSwiGluFp8 never does: its gate and up pieces must meet in one
+// consumer, so a short last block runs whole, its rows past the group computed and not stored.
+template <GemmKind kKind, EpilogueKind kEpilogue>
+__host__ __device__ inline bool fp8_is_half_tile(const GroupedTile& tile) {
+  return kEpilogue != EpilogueKind::kSwiGluFp8 && is_half_tile<kKind>(tile);
+}
+
 template <GemmKind kKind, int kClusterSize>
 using Fp8Scheduler = GroupedTileScheduler<kKind, Fp8TileConfig, kClusterSize>;
 

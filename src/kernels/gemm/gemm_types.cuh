@@ -26,11 +26,19 @@ enum class EpilogueKind {
   kSwiGluBf16,      // gate/up columns interleaved by 8: h = bf16(swiglu(g, u)), width N / 2
   kStoreFp32,       // C in fp32
   kAccumulateFp32,  // C = main_grad + A·B, accumulators initialised from the fp32 output
+  // FP8 engine only: gate/up columns interleaved by 128 (kSwiGluFp8Interleave); h = swiglu(g, u)
+  // quantized to E4M3 per 1 x 128 from fp32, width N / 2 bytes, its scales in output_scales.
+  kSwiGluFp8,
 };
 
 // SwiGLU interleave: fused weight row f holds gate row (f / 16) * 8 + f % 8 when f % 16 < 8, else
 // that up row. A 256-column tile thus holds 128 matching gate/up pairs in one thread's registers.
 constexpr int kSwiGluInterleave = 8;
+// kSwiGluFp8's interleave: fused weight rows 256 b .. 256 b + 127 are gate rows 128 b .., the next
+// 128 the same up rows. A 256-column tile holds one 128-block of h per row; gate column c and up
+// column c + 128 sit in one thread's registers, and each 128 x 128 weight block is W_gate's or
+// W_up's alone.
+constexpr int kSwiGluFp8Interleave = 128;
 
 // A CTA tile of (kBlockM, kBlockN) outputs, k-blocks of 64, a producer warpgroup and two consumer
 // warpgroups: what both engines' loaders, schedulers and layouts need of it.
@@ -61,11 +69,13 @@ __host__ __device__ constexpr bool uses_staged_store(EpilogueKind epilogue) {
 
 // Bytes of one C element, and C columns of a tile BLOCK_N wide (SwiGLU halves them).
 __host__ __device__ constexpr int output_element_bytes(EpilogueKind epilogue) {
-  return uses_staged_store(epilogue) ? 2 : 4;
+  return epilogue == EpilogueKind::kSwiGluFp8 ? 1 : uses_staged_store(epilogue) ? 2 : 4;
 }
 template <class Config>
 __host__ __device__ constexpr int output_tile_columns(EpilogueKind epilogue) {
-  return epilogue == EpilogueKind::kSwiGluBf16 ? Config::BLOCK_N / 2 : Config::BLOCK_N;
+  return epilogue == EpilogueKind::kSwiGluBf16 || epilogue == EpilogueKind::kSwiGluFp8
+             ? Config::BLOCK_N / 2
+             : Config::BLOCK_N;
 }
 
 // bf16 outputs leave through staging rows of their warp (warp_rows.cuh): 16 rows per warp, one
@@ -132,6 +142,8 @@ struct GroupedGemmParams {
   // [num_groups] device, or null: group g's rows are group_offsets[g] .. + group_counts[g] (the
   // rest up to group_offsets[g + 1] is padding no tile reads); null: up to group_offsets[g + 1].
   const int* group_counts = nullptr;
+  // kSwiGluFp8: h's fp32 scales, (rows, N / 256), one per row and 128 columns of h.
+  float* output_scales = nullptr;
 };
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -92,4 +92,22 @@ __device__ __forceinline__ void swiglu_in_place(float (&accum)[kSize]) {
   }
 }
 
+// In the (64, N) accumulator fragment of a 128-interleaved gate/up tile (kSwiGluFp8Interleave),
+// accum[j] and accum[j + kHalf] hold gate and up of the same column for j < kHalf (fragment block
+// b and b + N / 16): h = swiglu(g, u) overwrites accum[0, kHalf).
+template <int kHalf, int kSize>
+__device__ __forceinline__ void swiglu_halves_in_place(float (&accum)[kSize]) {
+  static_assert(2 * kHalf <= kSize, "gate and up halves");
+  bool all_fast = true;
+#pragma unroll
+  for (int j = 0; j < kHalf; ++j) all_fast &= swiglu_gate_is_fast(accum[j]);
+  if (all_fast) {
+#pragma unroll 64
+    for (int j = 0; j < kHalf; ++j) accum[j] = swiglu_fast(accum[j], accum[j + kHalf]);
+  } else {
+#pragma unroll 64
+    for (int j = 0; j < kHalf; ++j) accum[j] = numerics::swiglu(accum[j], accum[j + kHalf]);
+  }
+}
+
 }  // namespace mok::gemm

@@ -47,7 +47,9 @@ template <GemmKind kKind, EpilogueKind kEpilogue, class Config>
 __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
                                              const GroupedTile& tile) {
   constexpr int kElementBytes = output_element_bytes(kEpilogue);
-  const int output_columns = kEpilogue == EpilogueKind::kSwiGluBf16 ? params.n / 2 : params.n;
+  const int output_columns =
+      kEpilogue == EpilogueKind::kSwiGluBf16 || kEpilogue == EpilogueKind::kSwiGluFp8 ? params.n / 2
+                                                                                      : params.n;
   const int column_begin = tile.n_block * output_tile_columns<Config>(kEpilogue);
   TileInC place;
   place.columns_valid = output_columns - column_begin;
