@@ -52,6 +52,7 @@ struct Args {
   std::string out = "layer-mok.json", routing_dir;
   bool backward = true;
   bool fp8 = false;  // --precision fp8
+  int fp8_cluster = 0;
   mok::gemm::GemmEngine backward_engine = mok::gemm::GemmEngine::kAuto;
   int wgrad_cluster = 0;
   // A case of any shape (--hidden and the rest): the preset's values where a flag is not given.
@@ -77,6 +78,8 @@ usage: bench_layer [options]
                             weights, timed alike; the JSON's cases then carry the fp8 forward as
                             mok_ms with "precision": "fp8" and the bf16 one as bf16_forward_ms
                             (default bf16)
+  --fp8-cluster N           CTAs per cluster of the fp8 forward's GEMMs: 1 or 2 (same bits;
+                            default 1)
   --backward-engine E       the backward's GEMM engine: auto, cooperative or pingpong (same
                             bits; default auto)
   --wgrad-cluster N         CTAs per cluster of the backward's weight-gradient GEMMs: 1 or 2
@@ -143,6 +146,10 @@ bool parse(int argc, char** argv, Args& args) {
           if (value != "bf16" && value != "fp8")
             throw mok::bench::UsageError(key, "expected bf16 or fp8, got '" + value + "'");
           args.fp8 = value == "fp8";
+        } else if (key == "--fp8-cluster") {
+          args.fp8_cluster = integer(key, value);
+          if (args.fp8_cluster != 1 && args.fp8_cluster != 2)
+            throw mok::bench::UsageError(key, "expected 1 or 2, got '" + value + "'");
         } else if (key == "--wgrad-cluster") {
           args.wgrad_cluster = integer(key, value);
           if (args.wgrad_cluster != 1 && args.wgrad_cluster != 2)
@@ -259,6 +266,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.backward_engine = static_cast<int>(args.backward_engine);
   spec.wgrad_cluster = args.wgrad_cluster;
   spec.fp8_forward = args.fp8;
+  spec.fp8_cluster = args.fp8_cluster;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;

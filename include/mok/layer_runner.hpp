@@ -68,7 +68,8 @@ struct LayerRunSpec {
   // and weights: the weight cache quantized once (timed), then warmed up and timed as the bf16
   // forward is; its y kept in fp8_y (keep_y). H, I and I_s multiples of 128.
   bool fp8_forward = false;
-  int warmup = 3;  // untimed forwards first: at least this many, and
+  int fp8_cluster = 0;  // its GEMMs' CTAs per cluster (1 or 2; 0 = LayerForwardFp8Options')
+  int warmup = 3;       // untimed forwards first: at least this many, and
   // more until this many milliseconds have passed (every rank runs as many as rank 0): under the
   // power cap the clock follows the power of the last fraction of a second, so a few forwards of
   // warm-up time the first iterations at the clock the idle GPU left (docs/perf-notes/layer.md).

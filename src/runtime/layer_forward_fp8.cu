@@ -61,12 +61,16 @@ void quantize_weight(const bf16* x, int64_t batch, int64_t rows, int64_t cols, b
 }  // namespace
 
 LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& shape,
-                                 int64_t tokens_max, const LayerForwardOptions& options,
-                                 Fp8SwiGlu swiglu)
-    : shape_(shape), tokens_max_(tokens_max), options_(options), swiglu_(swiglu), workspace_([&] {
+                                 int64_t tokens_max, const LayerForwardFp8Options& options)
+    : shape_(shape),
+      tokens_max_(tokens_max),
+      options_(options.layer),
+      swiglu_(options.swiglu),
+      pipeline_(options.pipeline),
+      workspace_([&] {
         shape.validate(comm.num_ranks());
         validate_precision(shape, Precision::kFp8);
-        WorkspaceOptions workspace = options.workspace;
+        WorkspaceOptions workspace = options.layer.workspace;
         workspace.expert_rows = 0;  // every row a call can route here: no ring
         workspace.expert_y = true;
         return CommWorkspace(comm, shape, tokens_max, workspace);
@@ -183,11 +187,11 @@ void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8O
                                      cudaStream_t stream, const gemm::LaunchOptions& gemm_options) {
   if (swiglu_ == Fp8SwiGlu::kInGemm) {
     gemm::grouped_swiglu_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, h.data, h.scales,
-                             stream, gemm_options);
+                             stream, gemm_options, pipeline_);
     return;
   }
   gemm::grouped_forward_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, sums,
-                            gemm::ForwardOutput::kFp32, stream, gemm_options);
+                            gemm::ForwardOutput::kFp32, stream, gemm_options, pipeline_);
   quantize::swiglu_quantize_kernel<<<loop_grid(num_sms_, 4), quantize::kLayerQuantizeThreads, 0,
                                      stream>>>(sums, h.data, h.scales, shape.capacity_rows,
                                                shape.n / 2, row_bound);
@@ -217,7 +221,7 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
   gemm::grouped_forward_fp8({1, tokens, hidden, shared_inter}, shared_hidden_.data,
                             shared_hidden_.scales, weights_.shared_down.data,
                             weights_.shared_down.scales, shared_offsets_, shared_output_,
-                            gemm::ForwardOutput::kFp32, stream, gemm_options);
+                            gemm::ForwardOutput::kFp32, stream, gemm_options, pipeline_);
 }
 
 void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
@@ -282,7 +286,7 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   gemm::grouped_forward_fp8(down, routed_hidden_.data, routed_hidden_.scales, weights_.down.data,
                             weights_.down.scales, workspace_.expert_offsets(),
                             workspace_.expert_y(), gemm::ForwardOutput::kBf16, stream,
-                            options_.gemm);
+                            options_.gemm, pipeline_);
   phase_done();  // kDown
   combine_push(workspace_, options_.copy, stream);
   phase_done();

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "mok/bf16.hpp"
+#include "mok/gemm_fp8.hpp"
 #include "mok/layer.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/layer_forward.hpp"
@@ -38,6 +39,16 @@ namespace mok {
 enum class Fp8SwiGlu {
   kInGemm,    // in the gate/up GEMM's epilogue
   kSeparate,  // gate/up sums to fp32 memory, then a kernel
+};
+
+struct LayerForwardFp8Options {
+  LayerForwardOptions layer;  // copies, GEMM grid, workspace, overlap (fused: not used)
+  Fp8SwiGlu swiglu = Fp8SwiGlu::kInGemm;
+  // The FP8 GEMMs' clusters and ring (same bits whichever). Single CTAs: with an expert's 2-3 M
+  // blocks at EP 1, a cluster's second CTA often has no rows and idles through the K loop; the
+  // forward measured 2-11 % faster at deepseek-v3 and qwen3-30b-a3b, level elsewhere
+  // (docs/perf-notes/fp8.md v4).
+  gemm::Fp8Pipeline pipeline{/*cluster=*/1, /*stages=*/0};
 };
 
 // E4M3 bytes and their fp32 scales, one per block.
@@ -58,7 +69,7 @@ class LayerForwardFp8 {
   // tokens_max: the most tokens any call passes on any rank. H, I and I_s multiples of 128
   // (validate_precision). options.fused is not used (this path is not fused yet).
   LayerForwardFp8(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
-                  const LayerForwardOptions& options = {}, Fp8SwiGlu swiglu = Fp8SwiGlu::kInGemm);
+                  const LayerForwardFp8Options& options = {});
   ~LayerForwardFp8();
   LayerForwardFp8(const LayerForwardFp8&) = delete;
   LayerForwardFp8& operator=(const LayerForwardFp8&) = delete;
@@ -102,6 +113,7 @@ class LayerForwardFp8 {
   int64_t tokens_max_ = 0;
   LayerForwardOptions options_;
   Fp8SwiGlu swiglu_ = Fp8SwiGlu::kInGemm;
+  gemm::Fp8Pipeline pipeline_;
   CommWorkspace workspace_;
   Fp8LayerWeights weights_;
   bool has_weights_ = false;

@@ -411,7 +411,10 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     }
     if (spec.fp8_forward) {
       // (no stale-rows forward first: the FP8 GEMMs read each expert's real rows only)
-      LayerForwardFp8 fp8(comms[rank], shape, tokens, options);
+      LayerForwardFp8Options fp8_options;
+      fp8_options.layer = options;
+      if (spec.fp8_cluster > 0) fp8_options.pipeline.cluster = spec.fp8_cluster;
+      LayerForwardFp8 fp8(comms[rank], shape, tokens, fp8_options);
       cudaEvent_t marks[2];
       for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
       MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));

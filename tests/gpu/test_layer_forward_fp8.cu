@@ -26,8 +26,7 @@ Problem fp8_problem(const Case& which, int64_t num_tokens, uint64_t seed) {
 }
 
 struct Fp8Run {
-  LayerForwardOptions layer;
-  Fp8SwiGlu swiglu = Fp8SwiGlu::kInGemm;
+  LayerForwardFp8Options options;
   int repeats = 1;
   bool use_graph = false;
 };
@@ -41,7 +40,7 @@ std::vector<bf16> run_gpu_fp8_layer(const Problem& problem, int ep, const Fp8Run
   for_each_rank(ep, [&](int rank) {
     MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
     const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
-    LayerForwardFp8 layer(comms[rank], problem.shape, tokens, run.layer, run.swiglu);
+    LayerForwardFp8 layer(comms[rank], problem.shape, tokens, run.options);
     const RankDeviceWeights weights(inputs.weights, problem.shape);
     DeviceBuffer<bf16> x(host_vector(inputs.tokens.x));
     DeviceBuffer<int32_t> topk_idx(host_vector(inputs.tokens.topk_idx));
@@ -217,7 +216,7 @@ TEST_P(LayerForwardFp8Routings, MatchesReferenceRuleAndRepeatsBitwise) {
     // The SwiGLU quantization in the GEMM's epilogue gives the separate kernel's bytes (whole
     // tiles for short blocks too: one token, a single expert's 45-row tail).
     Fp8Run separate;
-    separate.swiglu = Fp8SwiGlu::kSeparate;
+    separate.options.swiglu = Fp8SwiGlu::kSeparate;
     EXPECT_EQ(first_difference(run_gpu_fp8_layer(problem, 1, separate), y), -1)
         << "SwiGLU in the gate/up GEMM differs from the separate kernel";
     // (one token: too few values for relative errors to mean much; its bits must still be
@@ -244,12 +243,13 @@ TEST(LayerForwardFp8, KnobsGraphAndEpDoNotChangeABit) {
   run.use_graph = true;
   const std::vector<bf16> expected = run_gpu_fp8_layer(problem, 1, run);
   expect_fp8_accuracy(problem, 1, expected);
-  std::vector<Fp8Run> knobs(3);
-  knobs[0].layer.gemm.num_sms = 37;
-  knobs[0].layer.copy = {5, 256};
-  knobs[1].layer.gemm.num_sms = 8;
-  knobs[1].layer.overlap_shared_with_dispatch = false;
-  knobs[2].layer.copy = {64, 512};
+  std::vector<Fp8Run> knobs(4);
+  knobs[0].options.layer.gemm.num_sms = 37;
+  knobs[0].options.layer.copy = {5, 256};
+  knobs[1].options.layer.gemm.num_sms = 8;
+  knobs[1].options.layer.overlap_shared_with_dispatch = false;
+  knobs[2].options.layer.copy = {64, 512};
+  knobs[3].options.pipeline = {1, 3};  // single CTAs, 3 stages
   for (size_t index = 0; index < knobs.size(); ++index) {
     EXPECT_EQ(first_difference(run_gpu_fp8_layer(problem, 1, knobs[index]), expected), -1)
         << "knob setting " << index;
