@@ -12,7 +12,7 @@ What runs where:
 Under torchrun the torch-native block is data-parallel with every expert on each rank (the same
 global model); mok's block holds E/R experts per rank. Replicated weights average their gradients.
 
---precision fp8 or mxfp8 (CPU backend so far; the GPU layer computes bf16 only) trains mok's
+--precision fp8 or mxfp8 (CPU backend so far; the GPU layer trains in bf16 only) trains mok's
 block in that precision and, from the same seed and starting weights, in bf16 beside it, and
 prints how far the FP8 loss ends from the bf16 one.
 """

@@ -118,6 +118,11 @@ struct ForwardCall {
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
+  // "bf16" or "fp8" (forward only, no saved context so far). fp8 reads the weights from a cache
+  // quantized from them, made anew whenever weights_version or a weight's address changes since
+  // the last fp8 call on the workspace (-1: every call).
+  std::string precision = "bf16";
+  int64_t weights_version = -1;
 };
 
 // Rows of ForwardCall::saved_gate_up for this call (T * k at EP 1, R * T_max * k at EP > 1).

@@ -26,7 +26,9 @@ What runs where:
 Precision (MoKConfig.precision, from the workspace's config or forward's and backward's `config`):
     "bf16"   bf16 operands, fp32 accumulation.
     "fp8"    E4M3 GEMM operands, DeepSeek-V3 blocks (activations 1 x 128, weights 128 x 128);
-             H, I and I_s multiples of 128. CPU tensors only so far.
+             H, I and I_s multiples of 128. CPU tensors; on CUDA tensors the forward only so far
+             (under torch.no_grad() or torch.inference_mode(): no backward yet), its weights
+             quantized into a cache that is made anew whenever a weight changes in place.
     "mxfp8"  E4M3 with E8M0 scales per 1 x 32 (OCP MX); H, I and I_s multiples of 32. CPU only.
     The quantization points are listed in docs/quantize.md; inputs, outputs and gradients keep the
     dtypes above.
@@ -51,7 +53,8 @@ from ._reference import fuse_gate_up, split_gate_up
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 CONTEXTS = ("save", "recompute")
-GPU_PRECISIONS = ("bf16",)  # what the GPU layer computes so far; the CPU backend runs every one
+GPU_PRECISIONS = ("bf16",)  # what the GPU layer trains in so far; the CPU backend runs every one
+GPU_FORWARD_PRECISIONS = ("bf16", "fp8")  # what its forward computes (fp8: no backward yet)
 
 __all__ = [
     "ExpertWeights", "FusedExpertWeights", "MoKConfig", "LayerShape", "Workspace", "create_workspace",
@@ -123,8 +126,8 @@ class MoKConfig:
         at least 256. None sizes it for every row a call can route here (one round); fewer bound
         the memory, and any routing still runs, in further rounds through the ring (no token is
         dropped). The CPU backend has no ring and ignores it.
-    precision: "bf16", "fp8" or "mxfp8" (the module docstring); the FP8 modes run on CPU tensors
-        only so far (the GPU layer computes bf16)."""
+    precision: "bf16", "fp8" or "mxfp8" (the module docstring); the FP8 modes run on CPU tensors,
+        and on CUDA tensors fp8's forward only so far (the GPU layer trains in bf16)."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -143,11 +146,18 @@ class MoKConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
 
-    def check_device(self, device) -> None:
-        """Raises NotImplementedError when the layer cannot compute this precision on `device`."""
-        if torch.device(device).type == "cuda" and self.precision not in GPU_PRECISIONS:
+    def check_device(self, device, forward_only: bool = False) -> None:
+        """Raises NotImplementedError when the layer cannot compute this precision on `device`
+        (forward_only: a forward that autograd does not record)."""
+        if torch.device(device).type != "cuda" or self.precision in GPU_PRECISIONS:
+            return
+        if self.precision not in GPU_FORWARD_PRECISIONS:
             raise NotImplementedError(f"MoKConfig.precision: {self.precision} runs on CPU tensors only so far: "
-                                      "the GPU layer computes bf16 only")
+                                      "the GPU layer computes bf16, and fp8's forward")
+        if not forward_only:
+            raise NotImplementedError(f"MoKConfig.precision: {self.precision} on CUDA tensors runs the forward "
+                                      "only so far (under torch.no_grad() or torch.inference_mode()); its "
+                                      "backward, and training in it, run on CPU tensors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +245,7 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
     id, the group broadcasts it, and every rank makes its NCCL communicator and window from it."""
     device = torch.device(device)
     config = config or MoKConfig()
-    config.check_device(device)
+    config.check_device(device, forward_only=True)  # (a workspace serves forwards too)
     if max_tokens_per_rank <= 0:
         raise ValueError(f"max_tokens_per_rank: must be positive, got {max_tokens_per_rank}")
     if shape.top_k > shape.num_experts:
@@ -322,13 +332,15 @@ def build_schedule(topk_idx: torch.Tensor, num_experts: int) -> Schedule:
     return Schedule(counts, offsets, rows // k, rows % k)
 
 
-def _precision(x: torch.Tensor, workspace: Optional[Workspace], config: Optional[MoKConfig]) -> str:
-    """The call's precision: the workspace's config, else `config`, else bf16; checked for x's device."""
+def _precision(x: torch.Tensor, workspace: Optional[Workspace], config: Optional[MoKConfig],
+               forward_only: bool = False) -> str:
+    """The call's precision: the workspace's config, else `config`, else bf16; checked for x's device
+    (forward_only: a forward that autograd does not record)."""
     if workspace is not None and config is not None and config != workspace.config:
         raise ValueError("config: differs from workspace.config (a call with a workspace computes with "
                          "the workspace's config; pass one of the two)")
     config = workspace.config if workspace is not None else config or MoKConfig()
-    config.check_device(x.device)
+    config.check_device(x.device, forward_only)
     return config.precision
 
 
@@ -343,17 +355,18 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     automatic workspace. Device faults (an expert id out of range) surface at check_errors().
     context: what autograd keeps for the backward, "save" or "recompute" (module docstring); a
     call that autograd does not record keeps nothing. config: the MoKConfig of a call without a
-    workspace (its precision; a workspace brings its own). A precision other than bf16 on CUDA
-    tensors raises NotImplementedError: the GPU layer computes bf16 only so far."""
+    workspace (its precision; a workspace brings its own). On CUDA tensors fp8 runs only where
+    autograd does not record the call (the module docstring), mxfp8 not at all:
+    NotImplementedError otherwise."""
     if context not in CONTEXTS:
         raise ValueError(f"context: one of {CONTEXTS}, got {context!r}")
-    precision = _precision(x, workspace, config)
     fused = _fused(weights)
+    records = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, topk_w, *fused))
+    precision = _precision(x, workspace, config, forward_only=not records)
     if workspace is not None:
         workspace.check(x, topk_idx, fused)
     handle = workspace.handle if workspace is not None else 0
-    records = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, topk_w, *fused))
     if context == "save" and records:
         return torch.ops.mok.forward_save(x, topk_idx, topk_w, *fused, handle, precision)[0]
     return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, handle, precision)

@@ -27,8 +27,9 @@ class MoE(nn.Module):
 
     Input (..., H) of any float dtype (computed in bf16); output (..., H) bf16. CPU tensors run
     mok's CPU backend, forward and backward, in `config.precision` (bf16, fp8 or mxfp8). CUDA
-    tensors run mok's GPU layer forward and backward (bf16 only so far: another precision raises
-    NotImplementedError).
+    tensors run mok's GPU layer forward and backward in bf16; in fp8 its forward only so far (in
+    torch.no_grad() or torch.inference_mode(); a call autograd records raises NotImplementedError,
+    as does mxfp8).
 
     Expert parallelism: with `process_group` of R ranks, rank r holds experts r*E/R .. and the
     first CUDA call makes the workspace collectively (every rank calls the module). Its capacity is

@@ -67,8 +67,9 @@ cpu_status=0
 wait $cpu_suite || cpu_status=$?
 # The GPU backward through torch on one GPU (EP = 1): gradients against an fp64 oracle next to
 # bf16 autograd's, bitwise repeats, a graph of a training step, no host sync.
+# And the fp8 forward through torch against the CPU backend's fp8 mode.
 backward_status=0
-timeout 170 python3 -m pytest -q python/tests/test_torch_cuda_backward.py \
+timeout 170 python3 -m pytest -q python/tests/test_torch_cuda_backward.py python/tests/test_torch_cuda_fp8.py \
   >"$results/python-pytest-cuda-backward.log" 2>&1 || backward_status=$?
 # The Hugging Face transformers integration (CPU and CUDA variants) and the FP8 quantizer ops.
 integrations_status=0

@@ -22,6 +22,7 @@
 #include "runtime/comm_nccl_check.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
+#include "runtime/layer_forward_fp8.hpp"
 
 namespace mok::torch_bridge {
 
@@ -46,12 +47,16 @@ struct Workspace {
   Communicator communicator;  // over `comm`, or the single rank
   std::unique_ptr<LayerForward> layer;
   std::unique_ptr<LayerBackward> backward;  // made by the first backward call
+  std::unique_ptr<LayerForwardFp8> fp8;     // made by the first fp8 forward
+  DeviceWeights fp8_weights;                // the weights its cache was quantized from
+  int64_t fp8_version = -1;                 // and their version then
 
   Workspace() = default;
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
   ~Workspace() {
     backward.reset();  // collective teardown of the windows first, then the communicator under them
+    fp8.reset();
     layer.reset();
 #if defined(MOK_WITH_NCCL)
     if (comm != nullptr) {
@@ -292,12 +297,49 @@ void destroy_workspace(int64_t handle) {
   });
 }
 
+// The fp8 forward (LayerForwardFp8) of a workspace: made on first use, its weight cache quantized
+// anew when the weights' version or addresses changed.
+void forward_fp8(Workspace& workspace, const ForwardCall& call) {
+  MOK_CHECK_ARG(call.saved_gate_up == nullptr && call.saved_shared_gate_up == nullptr, "precision",
+                "fp8 on the GPU runs the forward only so far: no context for a backward (training "
+                "in fp8 runs on the CPU backend)");
+  if (workspace.fp8 == nullptr) {
+    LayerForwardFp8Options options;
+    options.layer.copy = workspace.layer->options().copy;
+    workspace.fp8 = std::make_unique<LayerForwardFp8>(
+        workspace.communicator, core_shape(workspace.shape), workspace.tokens_max, options);
+  }
+  const DeviceLayerWeights weights = device_weights(*workspace.layer, call.weights);
+  const DeviceWeights& cached = workspace.fp8_weights;
+  const bool same_weights = cached.gate_up == call.weights.gate_up &&
+                            cached.down == call.weights.down &&
+                            cached.shared_gate_up == call.weights.shared_gate_up &&
+                            cached.shared_down == call.weights.shared_down;
+  const auto stream = static_cast<cudaStream_t>(call.stream);
+  if (!workspace.fp8->has_weights() || !same_weights || call.weights_version < 0 ||
+      call.weights_version != workspace.fp8_version) {
+    workspace.fp8->quantize_weights(weights, stream);
+    workspace.fp8_weights = call.weights;
+    workspace.fp8_version = call.weights_version;
+  }
+  workspace.fp8->forward(static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
+                         static_cast<bf16*>(call.y), call.num_tokens, stream);
+}
+
 void forward(int64_t handle, const ForwardCall& call) {
   translating_errors([&] {
     std::shared_ptr<Workspace> workspace =
         handle == 0 ? automatic_workspace(call) : find_workspace(handle);
     check_call(*workspace, call);
     MOK_CUDA_CHECK(cudaSetDevice(call.device));
+    const Precision precision = parse_precision(call.precision);
+    MOK_CHECK_ARG(precision != Precision::kMxfp8, "precision",
+                  "mxfp8 runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
+                  "forward");
+    if (precision == Precision::kFp8) {
+      forward_fp8(*workspace, call);
+      return;
+    }
     const SavedContext save{static_cast<bf16*>(call.saved_gate_up),
                             static_cast<bf16*>(call.saved_shared_gate_up)};
     workspace->layer->forward(device_weights(*workspace->layer, call.weights),
@@ -360,6 +402,7 @@ void check(int64_t handle, int device, void* stream) {
       if (workspace->backward != nullptr) {
         workspace->backward->check(static_cast<cudaStream_t>(stream));
       }
+      if (workspace->fp8 != nullptr) workspace->fp8->check(static_cast<cudaStream_t>(stream));
     }
   });
 }
@@ -369,6 +412,7 @@ void reset_after_error(int64_t handle, int device) {
     for (const auto& workspace : workspaces_of(handle, device)) {
       workspace->layer->workspace().reset_after_error();
       if (workspace->backward != nullptr) workspace->backward->workspace().reset_after_error();
+      if (workspace->fp8 != nullptr) workspace->fp8->workspace().reset_after_error();
     }
   });
 }

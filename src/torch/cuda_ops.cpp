@@ -37,11 +37,31 @@ Tensor int32_ids(const Tensor& topk_idx) {
   return topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
 }
 
-// The GPU layer computes bf16 only so far; the FP8 modes run on CPU tensors (the CPU backend).
-void check_gpu_precision(c10::string_view precision) {
-  MOK_TORCH_CHECK(precision == "bf16",
-                  "precision: ", std::string(precision.data(), precision.size()),
-                  " runs on CPU tensors only so far: the GPU layer computes bf16 only");
+// The GPU layer computes bf16, and fp8's forward (no saved context); the rest of the FP8 modes runs
+// on CPU tensors (the CPU backend).
+void check_gpu_precision(c10::string_view precision, bool forward_only) {
+  const std::string name(precision.data(), precision.size());
+  MOK_TORCH_CHECK(precision == "bf16" || (precision == "fp8" && forward_only), "precision: ", name,
+                  precision == "fp8"
+                      ? " on CUDA tensors runs the forward only so far (no backward: call it under "
+                        "torch.no_grad() or torch.inference_mode()); training in fp8 runs on CPU "
+                        "tensors"
+                      : " runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
+                        "forward");
+}
+
+// A number that changes whenever one of the weights is modified in place (torch's version
+// counters only grow): the fp8 forward's weight cache is made anew then.
+int64_t weights_version(const Tensor& w_gate_up, const Tensor& w_down,
+                        const OptionalTensor& w_shared_gate_up,
+                        const OptionalTensor& w_shared_down) {
+  int64_t version = static_cast<int64_t>(w_gate_up._version() + w_down._version());
+  for (const OptionalTensor* shared : {&w_shared_gate_up, &w_shared_down}) {
+    if (shared->has_value() && (*shared)->defined()) {
+      version += static_cast<int64_t>((*shared)->_version());
+    }
+  }
+  return version;
 }
 
 using SaveResult = std::tuple<Tensor, Tensor, Tensor>;
@@ -53,7 +73,7 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
                        const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
                        int64_t workspace, c10::string_view precision, bool save) {
   return core_errors_as_value_errors([&] {
-    check_gpu_precision(precision);
+    check_gpu_precision(precision, /*forward_only=*/!save);
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     const c10::cuda::CUDAGuard device_guard(x.device());
@@ -72,6 +92,10 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
     call.num_tokens = x.size(0);
     call.device = x.device().index();
     call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    call.precision = std::string(precision.data(), precision.size());
+    if (precision == "fp8") {
+      call.weights_version = weights_version(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
+    }
     if (save) {
       const int64_t rows = bridge::saved_context_rows(workspace, call);
       saved_gate_up = at::empty({rows, 2 * layer.shape.intermediate}, x.options());
@@ -126,7 +150,7 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
                              const OptionalTensor& saved_shared_gate_up,
                              c10::string_view precision) {
   return core_errors_as_value_errors([&] {
-    check_gpu_precision(precision);
+    check_gpu_precision(precision, /*forward_only=*/false);
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     check_tensor(dy, "dy", at::kBFloat16, x.device());

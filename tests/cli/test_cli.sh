@@ -73,9 +73,9 @@ for precision in fp8 mxfp8; do
 done
 expect 0 '^  --precision P +bf16 \(default\), fp8 \(E4M3, DeepSeek-V3 blocks of 128' -- "$mok" run --help
 expect 0 '^PASS$' -- "$mok" run --backend cpu --precision mxfp8 --hidden 96 --intermediate 32 --shared-intermediate 0 --tokens 40
-expect_error '^mok run: error: --backend: cuda cannot run --precision fp8: the GPU layer computes bf16 only so far \(--backend cpu runs fp8 on the CPU reference\)$' -- \
+expect_error '^mok run: error: --backend: cuda cannot run --precision fp8: the GPU layer trains in bf16 only so far \(--backend cpu runs fp8 on the CPU reference\)$' -- \
   "$mok" run --backend cuda --precision fp8
-expect_error '^mok run: error: --backend: cuda cannot run --precision mxfp8: the GPU layer computes bf16 only so far' -- \
+expect_error '^mok run: error: --backend: cuda cannot run --precision mxfp8: the GPU layer trains in bf16 only so far' -- \
   "$mok" run --backend cuda --precision mxfp8 --ep 2
 expect_error '^mok run: error: --hidden: fp8 needs a multiple of 128, got 96$' -- "$mok" run --precision fp8 --hidden 96
 expect_error '^mok run: error: --intermediate: mxfp8 needs a multiple of 32, got 48$' -- "$mok" run --precision mxfp8 --intermediate 48

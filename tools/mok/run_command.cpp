@@ -303,7 +303,7 @@ int run_command(const std::vector<std::string>& words) {
                 "unknown backend '", backend, "' (auto, cpu, cuda)");
   const bool gpu_precision = config.precision == Precision::kBf16;
   MOK_CHECK_ARG(backend != "cuda" || gpu_precision, "--backend", "cuda cannot run --precision ",
-                precision, ": the GPU layer computes bf16 only so far (--backend cpu runs ",
+                precision, ": the GPU layer trains in bf16 only so far (--backend cpu runs ",
                 precision, " on the CPU reference)");
   const ProgressLine::Mode progress_mode = ProgressLine::mode_from_environment();
   // Checked (and, for "-", standard output set aside) before any work.
@@ -315,7 +315,7 @@ int run_command(const std::vector<std::string>& words) {
   MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend",
                 "cuda cannot run here: ", cuda_unfit);
   MOK_CHECK_ARG(!cuda_unfit.empty() || gpu_precision, "--precision", precision,
-                " runs on the CPU backend only: the GPU layer computes bf16 only so far (add "
+                " runs on the CPU backend only: the GPU layer trains in bf16 only so far (add "
                 "--backend cpu)");
   config.backend = cuda_unfit.empty() ? "cuda" : "cpu";
   if (config.backend == "cuda") return run_gpu(config, precision, json.get());
