@@ -1,7 +1,10 @@
 """CPU tests of the torch-native baseline (torch_native.py): every variant agrees with the fp32
 reference and with the others, forward and training-step gradients, on the tiny preset and on
 odd shapes; the per-expert loop that stands in for torch._grouped_mm where a CPU torch lacks it;
-EP 2 under torchrun (gloo). Skipped where torch is not installed.
+EP 2 under torchrun (gloo). --precision fp8: the rowwise quantization (rowwise_fp8.py) round-trips
+within e4m3's precision and gives zero rows finite scales, the CPU emulation of the scaled GEMMs
+computes what torch._scaled_mm does, and the FP8 variants pass their checks (a failing one is not
+timed). Skipped where torch is not installed.
 
   python3 -m pytest -q bench/baselines/test_torch_native.py
 """
@@ -16,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import rowwise_fp8  # noqa: E402
 import torch_native  # noqa: E402  (after the skip: it imports torch)
 
 
@@ -140,3 +144,143 @@ def test_ep2_under_torchrun(tmp_path):
     results = json.loads(out.read_text())
     assert results["ep"] == 2
     assert_all_checked(results)
+
+
+# ---------------------------------------------------------------------------------------------
+# --precision fp8
+
+
+def test_quantize_round_trips_within_e4m3_precision():
+    generator = torch.Generator().manual_seed(3)
+    # rows of very different magnitudes, each with values spread over several binades
+    magnitudes = 2.0 ** torch.arange(-20, 20, 4, dtype=torch.float32)
+    values = (torch.randn(len(magnitudes), 512, generator=generator) * magnitudes[:, None]).to(torch.bfloat16)
+    data, scale = rowwise_fp8.quantize(values)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == values.shape
+    assert scale.dtype == torch.float32 and scale.shape == (len(magnitudes),)
+    # the largest element of each row lands on 448, the largest finite e4m3
+    assert torch.equal(data.float().abs().amax(dim=-1), torch.full_like(scale, 448.0))
+    restored = rowwise_fp8.dequantize(data, scale)
+    error = (restored - values.float()).abs()
+    # e4m3: 3 mantissa bits, half an ulp is 2^-4 relative; below 2^-6 (subnormals) the spacing is
+    # 2^-9 of the scale, so half of it absolute
+    bound = torch.maximum(2.0**-4 * values.float().abs(), 2.0**-10 * scale[:, None])
+    assert bool((error <= bound * (1 + 2.0**-20)).all()), (error / bound).max()
+
+
+def test_quantize_zero_rows_have_finite_scales():
+    values = torch.zeros(3, 64, dtype=torch.bfloat16)
+    values[1, 5] = -3.0  # one row that is not zero
+    data, scale = rowwise_fp8.quantize(values)
+    assert bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
+    restored = rowwise_fp8.dequantize(data, scale)
+    assert bool(torch.isfinite(restored).all())
+    assert torch.equal(restored[0], torch.zeros(64)) and torch.equal(restored[2], torch.zeros(64))
+    assert restored[1, 5].item() == -3.0
+
+
+def test_emulated_mm_matches_scaled_mm():
+    generator = torch.Generator().manual_seed(4)
+    a, scale_a = rowwise_fp8.quantize(torch.randn(24, 64, generator=generator).to(torch.bfloat16))
+    b, scale_b = rowwise_fp8.quantize(torch.randn(32, 64, generator=generator).to(torch.bfloat16))
+    emulated = rowwise_fp8.scaled_mm(a, b, scale_a, scale_b)  # on the CPU: emulated
+    expected = (rowwise_fp8.dequantize(a, scale_a) @ rowwise_fp8.dequantize(b, scale_b).t())
+    torch.testing.assert_close(emulated.float(), expected, rtol=2**-8, atol=1e-5)
+    try:
+        native = torch._scaled_mm(a, b.t(), scale_a[:, None], scale_b[None, :], out_dtype=torch.bfloat16)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU torch._scaled_mm to compare with")
+    torch.testing.assert_close(emulated.float(), native.float(), rtol=2**-8, atol=1e-5)
+
+
+def test_emulated_grouped_mm_per_expert():
+    generator = torch.Generator().manual_seed(5)
+    rows, row_scale = rowwise_fp8.quantize(torch.randn(11, 32, generator=generator).to(torch.bfloat16))
+    weight, weight_scale = rowwise_fp8.quantize(torch.randn(3, 16, 32, generator=generator).to(torch.bfloat16))
+    offs = torch.tensor([4, 4, 11], dtype=torch.int32)  # an expert with no rows
+    out = rowwise_fp8.scaled_grouped_mm(rows, weight, row_scale, weight_scale, offs)
+    assert out.shape == (11, 16) and out.dtype == torch.bfloat16
+    for expert, (start, end) in enumerate(((0, 4), (4, 4), (4, 11))):
+        expected = rowwise_fp8.scaled_mm(rows[start:end], weight[expert], row_scale[start:end],
+                                         weight_scale[expert])
+        assert torch.equal(out[start:end], expected)
+
+
+def test_gather_rows_keeps_the_bytes():
+    data, _ = rowwise_fp8.quantize(torch.randn(5, 16).to(torch.bfloat16))
+    index = torch.tensor([4, 0, 0, 2])
+    assert torch.equal(rowwise_fp8.gather_rows(data, index).float(), data.float()[index])
+
+
+def assert_fp8_checked(results, variants=tuple(torch_native.FP8_VARIANTS)):
+    assert results["precision"] == "fp8" and results["tolerance"] == torch_native.FP8_TOLERANCE
+    for case in results["cases"].values():
+        assert case["precision"] == "fp8" and isinstance(case["weight_quantize_ms"], float)
+        assert 0 < case["fp8_weight_bytes_per_rank"] < case["weight_bytes_per_rank"]
+        assert list(case["variants"]) == list(variants)
+        for name, variant in case["variants"].items():
+            check = variant["check"]
+            assert check["passed"], (name, check)
+            assert check["fwd_vs_reference"]["rel_rms"] < torch_native.FP8_TOLERANCE["rel_rms"]
+            # FP8's error, which the bf16 tolerance would not pass: the check compares FP8 at all
+            assert check["fwd_vs_reference"]["rel_rms"] > torch_native.TOLERANCE["rel_rms"]
+            if name != variants[0]:
+                assert check["fwd_vs_first"]["rel_rms"] < torch_native.TOLERANCE["rel_rms"]
+            assert isinstance(variant["fwd_ms"], float)
+            assert "fwdbwd_ms" not in variant and "bwd_ms" not in variant
+        assert case["fastest"]["fwd"] in variants and case["fastest"]["fwdbwd"] is None
+
+
+def test_fp8_tiny_preset(tmp_path):
+    status, results = smoke(tmp_path, "--preset", "tiny", "--tokens", "48", "--precision", "fp8")
+    assert status == 0
+    assert_fp8_checked(results)
+    assert results["grouped_mm"].startswith("emulated")
+    assert list(results["cases"]) == ["tiny-ep1"]
+
+
+def test_fp8_odd_shape_no_shared_expert_top1(tmp_path):
+    status, results = smoke(tmp_path, "--preset", "tiny", "--hidden", "144", "--intermediate", "80",
+                            "--experts", "5", "--top-k", "1", "--shared-intermediate", "0",
+                            "--tokens", "17", "--name", "odd", "--precision", "fp8")
+    assert status == 0
+    assert results["cases"]["odd"]["shape"]["hidden"] == 144
+    assert_fp8_checked(results)
+
+
+def test_fp8_failing_variant_is_not_timed(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch_native, "FP8_TOLERANCE", {"rel_rms": 1e-9, "max_rel": 1e-9})
+    status, results = smoke(tmp_path, "--preset", "tiny", "--tokens", "16", "--precision", "fp8")
+    assert status == 1
+    for variant in results["cases"]["tiny-ep1"]["variants"].values():
+        assert not variant["check"]["passed"] and "fwd_ms" not in variant
+    assert results["cases"]["tiny-ep1"]["fastest"]["fwd"] is None
+
+
+def test_fp8_unused_slots():
+    """Slots of -1 (no expert) add nothing in the FP8 forward either."""
+    shape = dict(torch_native.PRESETS["tiny"])
+    device = torch.device("cpu")
+    layer = torch_native.TorchNativeLayer(shape, 0, 1, device, full_topk=False)
+    experts = rowwise_fp8.RowwiseFp8Experts(layer.weights)
+    idx, w = torch_native.draw_routing(20, shape["num_experts"], shape["top_k"])
+    idx[::3, 1] = -1
+    idx[5, :] = -1  # a token routed nowhere: the shared expert alone
+    x = torch_native.uniform_std(20, shape["hidden"], std=1.0, device=device)
+    reference = layer.reference(x, idx, w)
+    for name, (_, combine) in torch_native.FP8_VARIANTS.items():
+        y = layer.forward_fp8(x, idx, w, combine, experts)
+        error = torch_native.errors(y, reference)
+        assert torch_native.within_tolerance(error, torch_native.FP8_TOLERANCE), (name, error)
+
+
+def test_fp8_arguments_name_the_problem(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        torch_native.parse_args(["measure", "--out", "x.json", "--precision", "fp8", "--ep", "2"])
+    assert "--precision fp8: EP 1 only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        torch_native.parse_args(["measure", "--out", "x.json", "--precision", "fp8",
+                                 "--variants", "batched_view"])
+    assert "no fp8 variant 'batched_view'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--hidden: must be a multiple of 16"):
+        smoke(tmp_path, "--preset", "tiny", "--hidden", "264", "--precision", "fp8")

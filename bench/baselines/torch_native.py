@@ -9,6 +9,8 @@ each checked, then timed forward and as a training step, in the same device run 
       --shared-intermediate 1024 --tokens 4096 --out torch.json
   python3 torch_native.py measure --device cpu --preset tiny --tokens 64 --iterations 2 \\
       --warmup-ms 0 --out smoke.json                      (CPU smoke: checks, host-clock times)
+  python3 torch_native.py measure --mok layer-mok-fp8.json --precision fp8 \\
+      --out layer-torch-fp8-ep1.json                      (the rowwise FP8 layer's forward, EP 1)
 Then layer_results.py turns bench_layer's JSON and these into results (schema mok-bench/2).
 
 Cases: with --mok, every case of bench_layer's JSON at this --ep that has a routing file (its
@@ -41,6 +43,23 @@ The weights of the other variants are stored [E, out, in] as mok's (K-contiguous
 W.transpose(-2, -1). Which layout and combine is fastest is measured, not assumed: the results
 carry every variant's time and the fastest is the baseline.
 
+--precision fp8: the forward alone (no autograd) of the layer as a PyTorch user writes it in FP8
+with torch's rowwise scaling (rowwise_fp8.py), EP 1 only:
+  weights           every weight quantized to e4m3, one fp32 scale per output row (amax / 448),
+                    ONCE before timing, as a per-optimizer-step cache: timed apart, as the
+                    case's weight_quantize_ms, and not part of the forward
+  forward (timed)   x quantized per token row (one scale over H) before dispatch, its e4m3 rows
+                    and scales gathered by the same stable argsort; torch._scaled_grouped_mm
+                    gate/up (bf16 out), silu(g) * u in bf16, h quantized per row,
+                    torch._scaled_grouped_mm down (bf16 out); the shared expert likewise by
+                    torch._scaled_mm; the combine in fp32 as above
+Variants (FP8_VARIANTS): fp8_batched_view and fp8_batched_bmm, the bf16 variants' fastest combines
+(the FP8 GEMMs take the weight only as [out, in]: no "kn" layout). Each is checked against the same
+fp32 reference at FP8_TOLERANCE, the second against the first (the same e4m3 values) at bf16's;
+then its forward is timed, its peak memory measured (the bf16 weights, the master copy the cache is
+made from, stay resident). The JSON has the bf16 run's structure with "precision": "fp8" at the top
+and in each case, and the dense FP8 GEMM rate (8192^3 rowwise torch._scaled_mm) as dense_gemm_fp8.
+
 Checks, before any variant is timed: its forward against an fp32 reference of the layer computed
 here on a sample of --check-tokens tokens (the same bf16 weights and x, products and sums in fp32),
 and its output and its training step's gradients (x, router weights, two experts' weights, the
@@ -68,7 +87,9 @@ rank can draw any expert's weights for the reference.
 
 On --device cpu (smoke runs and tests) the times are the host clock's, memory and clock are not
 measured, and where the installed torch has no CPU torch._grouped_mm the experts run as a loop of
-per-expert matmuls (grouped_mm below); on a GPU torch._grouped_mm always runs.
+per-expert matmuls (grouped_mm below); on a GPU torch._grouped_mm always runs. torch has no CPU
+torch._scaled_grouped_mm: with --precision fp8 the CPU emulates both FP8 GEMMs in fp32 on the same
+e4m3 values and scales (rowwise_fp8.py).
 """
 import argparse
 import datetime
@@ -81,6 +102,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import rowwise_fp8  # bench/baselines/rowwise_fp8.py
 from data import seeded_generator, uniform, uniform_std  # bench/baselines/data.py
 from gpu_monitor import GpuMonitor  # bench/baselines/gpu_monitor.py
 from timing import median_ms  # bench/baselines/timing.py
@@ -108,9 +130,22 @@ VARIANTS = {
     "batched_view_kn": ("in_out", "batched_view"),
 }
 
+# --precision fp8: name -> (weight layout, combine). torch's FP8 GEMMs want the weight as the
+# column-major view of [out, in], so there is no "kn" variant.
+FP8_VARIANTS = {
+    "fp8_batched_view": ("out_in", "batched_view"),
+    "fp8_batched_bmm": ("out_in", "batched_bmm"),
+}
+
 # bf16 tolerance: a bf16 pipeline rounds h, each expert row and y once each (relative 2^-9 at
 # most, ~2^-10.6 RMS): a few times that, as FlashAttention's rule asks, not a loose bound.
 TOLERANCE = {"rel_rms": 2.0 ** -6, "max_rel": 2.0 ** -5}
+# FP8 tolerance (against the fp32 reference of the bf16 weights and x): rounding a row scaled to
+# amax = 448 to e4m3 (3 mantissa bits) errs by ~2^-5.3 of its RMS (uniform values, as drawn here);
+# the layer rounds x, W_gate/up, h and W_down so, and the gate/up errors pass through silu(g) * u,
+# which makes ~2^-4 relative RMS for any rowwise FP8 layer. Twice that in RMS; in the largest
+# error, which grows with the elements sampled, four times.
+FP8_TOLERANCE = {"rel_rms": 2.0 ** -3, "max_rel": 2.0 ** -2}
 
 # Seeds: expert e's weights from WEIGHT_SEED + 2e (gate/up) and + 2e + 1 (down).
 WEIGHT_SEED = 1_000_000
@@ -323,14 +358,8 @@ class TorchNativeLayer:
 
     def forward_batched_view(self, x, topk_idx, topk_w, shared, order, sorted_key, bmm):
         num_tokens, top_k = topk_idx.shape
-        num_slots = num_tokens * top_k
         if self.world == 1:
-            if self.full_topk:
-                num_sent = num_slots
-            else:  # unused slots sorted last: count the used ones (a host sync)
-                num_sent = int(torch.searchsorted(sorted_key, self.rank_ends)[0])
-            pairs = order[:num_sent]
-            offs = torch.searchsorted(sorted_key[:num_sent], self.expert_ends).to(torch.int32)
+            pairs, offs = self.local_groups(order, sorted_key, num_tokens * top_k)
             out = self.experts(x[pairs // top_k], offs)
         else:
             ends = torch.searchsorted(sorted_key, self.rank_ends)
@@ -345,17 +374,33 @@ class TorchNativeLayer:
             offs = torch.searchsorted(expert_ids[perm], self.expert_ends).to(torch.int32)
             out_sorted = self.experts(rows[perm], offs)
             out = AllToAll.apply(out_sorted[inverse_permutation(perm)], send_list, receive_list)
-        if num_sent < num_slots:
-            out = torch.cat([out, out.new_zeros(num_slots - num_sent, out.shape[1])])
-            topk_w = torch.where(topk_idx >= 0, topk_w, torch.zeros_like(topk_w))
-        slots = out[inverse_permutation(order)].view(num_tokens, top_k, -1)
-        if bmm:  # fp32 (torch's default matmul precision: no TF32)
-            y = torch.bmm(topk_w.unsqueeze(1), slots.float()).squeeze(1)
-        else:
-            y = (slots.float() * topk_w.unsqueeze(-1)).sum(dim=1)
-        if shared is not None:
-            y = y + shared
-        return y.to(torch.bfloat16)
+        return combine_slots(out, order, topk_idx, topk_w, shared, bmm)
+
+    def local_groups(self, order, sorted_key, num_slots):
+        """At EP 1: (pairs, offs) of the sorted (token, slot) pairs that have an expert, and the
+        int32 cumulative row ends per expert; no host sync where every slot has one."""
+        if self.full_topk:
+            num_sent = num_slots
+        else:  # unused slots sorted last: count the used ones (a host sync)
+            num_sent = int(torch.searchsorted(sorted_key, self.rank_ends)[0])
+        offs = torch.searchsorted(sorted_key[:num_sent], self.expert_ends).to(torch.int32)
+        return order[:num_sent], offs
+
+    def forward_fp8(self, x, topk_idx, topk_w, combine, fp8_experts):
+        """y (T, H) bf16 as forward's, every GEMM in FP8 (rowwise_fp8.RowwiseFp8Experts); x is
+        quantized per token row once, before dispatch, and its rows and scales gathered. EP 1."""
+        assert self.world == 1, f"forward_fp8: EP 1 only, got EP {self.world}"
+        assert combine in ("batched_view", "batched_bmm"), f"combine: unknown '{combine}'"
+        x_data, x_scale = rowwise_fp8.quantize(x)  # (T, H) e4m3, (T,) fp32
+        shared = fp8_experts.shared(x_data, x_scale)
+        flat = topk_idx.reshape(-1).long()
+        key = torch.where(flat >= 0, flat, self.shape["num_experts"])  # unused slots sort last
+        order = torch.argsort(key, stable=True)
+        num_tokens, top_k = topk_idx.shape
+        pairs, offs = self.local_groups(order, key[order], num_tokens * top_k)
+        tokens = pairs // top_k
+        out = fp8_experts.routed(rowwise_fp8.gather_rows(x_data, tokens), x_scale[tokens], offs)
+        return combine_slots(out, order, topk_idx, topk_w, shared, bmm=combine == "batched_bmm")
 
     # -- the fp32 reference, for the checks
 
@@ -388,6 +433,25 @@ class TorchNativeLayer:
         return y
 
 
+def combine_slots(out, order, topk_idx, topk_w, shared, bmm):
+    """The batched combine: y (T, H) bf16 from the expert rows `out` in sorted order (those of
+    the slots with an expert: order's first out.shape[0]), each token's k rows gathered into slot
+    order, weighted and summed in fp32, plus the shared expert's fp32 output, rounded once."""
+    num_tokens, top_k = topk_idx.shape
+    num_slots, num_sent = num_tokens * top_k, out.shape[0]
+    if num_sent < num_slots:
+        out = torch.cat([out, out.new_zeros(num_slots - num_sent, out.shape[1])])
+        topk_w = torch.where(topk_idx >= 0, topk_w, torch.zeros_like(topk_w))
+    slots = out[inverse_permutation(order)].view(num_tokens, top_k, -1)
+    if bmm:  # fp32 (torch's default matmul precision: no TF32)
+        y = torch.bmm(topk_w.unsqueeze(1), slots.float()).squeeze(1)
+    else:
+        y = (slots.float() * topk_w.unsqueeze(-1)).sum(dim=1)
+    if shared is not None:
+        y = y + shared
+    return y.to(torch.bfloat16)
+
+
 def inverse_permutation(perm):
     """inverse[perm[i]] = i, by one scatter."""
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
@@ -407,8 +471,8 @@ def errors(actual, expected):
             "max_rel": difference.abs().max().item() / scale_max if scale_max else 0.0}
 
 
-def within_tolerance(error):
-    return all(error[key] <= limit for key, limit in TOLERANCE.items())
+def within_tolerance(error, tolerance=TOLERANCE):
+    return all(error[key] <= limit for key, limit in tolerance.items())
 
 
 def gradient_fingerprint(layer, x, topk_w):
@@ -473,7 +537,7 @@ def cases_to_measure(args):
                        ("num_experts", args.experts), ("top_k", args.top_k)):
         if value is not None:
             shape[key] = value
-    check_shape(shape, args.ep)
+    check_shape(shape, args.ep, args.precision)
     custom = any(v is not None for v in (args.hidden, args.intermediate, args.shared_intermediate,
                                          args.experts, args.top_k))
     name = args.name or f"{args.preset if not custom else 'custom'}-ep{args.ep}"
@@ -482,7 +546,7 @@ def cases_to_measure(args):
     return [(case, draw_routing(args.tokens * args.ep, shape["num_experts"], shape["top_k"]))]
 
 
-def check_shape(shape, ep):
+def check_shape(shape, ep, precision="bf16"):
     """A clear error naming the argument for a shape this baseline cannot run."""
     names = {"hidden": "--hidden", "intermediate": "--intermediate",
              "shared_intermediate": "--shared-intermediate", "num_experts": "--experts",
@@ -492,10 +556,12 @@ def check_shape(shape, ep):
             raise SystemExit(f"{names[key]}: must be positive, got {shape[key]}")
     if shape["shared_intermediate"] < 0:
         raise SystemExit(f"--shared-intermediate: must be >= 0, got {shape['shared_intermediate']}")
+    # torch._grouped_mm, the scaled GEMMs and the matmuls want rows of a multiple of 16 bytes
+    multiple = 16 if precision == "fp8" else 8
     for key in ("hidden", "intermediate", "shared_intermediate"):
-        # torch._grouped_mm and the matmuls want 16-byte rows of bf16
-        if shape[key] % 8:
-            raise SystemExit(f"{names[key]}: must be a multiple of 8 (16-byte bf16 rows), got {shape[key]}")
+        if shape[key] % multiple:
+            raise SystemExit(f"{names[key]}: must be a multiple of {multiple} (16-byte {precision} "
+                             f"rows), got {shape[key]}")
     if shape["top_k"] > shape["num_experts"]:
         raise SystemExit(f"--top-k: k = {shape['top_k']} exceeds the {shape['num_experts']} experts")
     if shape["num_experts"] % ep:
@@ -713,6 +779,73 @@ def measure_case(run, case, routing):
     return result  # the caller frees this case's tensors (gone with this frame)
 
 
+def measure_case_fp8(run, case, routing):
+    """Every FP8 variant of one case at EP 1: the weights quantized once (timed apart), then each
+    variant checked and its forward timed; see the docstring."""
+    args, device = run.args, run.device
+    shape = {key: case[key] for key in SHAPE_KEYS}
+    tokens = case["tokens_per_rank"]
+    idx_all, w_all = routing
+    topk_idx = idx_all[:tokens].to(device)
+    topk_w = w_all[:tokens].to(device)
+    full_topk = bool((idx_all >= 0).all())
+    layer = TorchNativeLayer(shape, 0, 1, device, full_topk)
+    x = uniform_std(tokens, shape["hidden"], std=1.0, device=device,
+                    generator=seeded_generator(INPUT_SEED, device))
+    sample = torch.linspace(0, tokens - 1, min(args.check_tokens, tokens), device=device).long()
+    reference = layer.reference(x[sample], topk_idx[sample], topk_w[sample])
+    fp8_experts = rowwise_fp8.RowwiseFp8Experts(layer.weights)
+    weight_quantize_ms, _ = run.time(lambda: rowwise_fp8.RowwiseFp8Experts(layer.weights))
+    run.free()
+    run.log(f"{case['name']}: {tokens} tokens, EP 1, FP8: weights {layer.weights.nbytes() / 1e9:.2f} "
+            f"GB bf16, {fp8_experts.nbytes() / 1e9:.2f} GB e4m3 and scales, quantized in "
+            f"{weight_quantize_ms:.3f} ms (once per optimizer step, not in the forward)")
+    result = {"shape": shape, "ep": 1, "tokens_per_rank": tokens, "precision": "fp8",
+              "weight_bytes_per_rank": layer.weights.nbytes(),
+              "fp8_weight_bytes_per_rank": fp8_experts.nbytes(),
+              "weight_quantize_ms": weight_quantize_ms, "variants": {}}
+    first_y = None
+    for name in args.variants:
+        layout, combine = FP8_VARIANTS[name]
+
+        def forward():
+            with torch.no_grad():
+                return layer.forward_fp8(x, topk_idx, topk_w, combine, fp8_experts)
+
+        # Checks: against the fp32 reference at FP8's tolerance; against the first variant (the
+        # same e4m3 values, another combine) at bf16's.
+        y = forward()
+        check = {"fwd_vs_reference": errors(y[sample], reference)}
+        passed = within_tolerance(check["fwd_vs_reference"], FP8_TOLERANCE)
+        if first_y is None:
+            first_y = y
+        else:
+            check["fwd_vs_first"] = errors(y, first_y)
+            passed = passed and within_tolerance(check["fwd_vs_first"])
+        del y
+        check["passed"] = passed
+        entry = {"layout": layout, "combine": combine, "check": check}
+        result["variants"][name] = entry
+        run.log(f"  {name:16s} check {'passed' if passed else 'FAILED'}: fwd vs fp32 reference rel "
+                f"RMS {check['fwd_vs_reference']['rel_rms']:.2e}, max "
+                f"{check['fwd_vs_reference']['max_rel']:.2e}"
+                + (f"; vs {args.variants[0]} rel RMS {check['fwd_vs_first']['rel_rms']:.2e}"
+                   if "fwd_vs_first" in check else ""))
+        if not passed:
+            continue
+        run.free()
+        entry["peak_memory_gb"] = {"fwd": run.peak_memory_gb(forward)}
+        entry["fwd_ms"], sample_fwd = run.time(forward)
+        entry["clock_mhz"] = {"fwd": sample_fwd["clock_mhz"]}
+        entry["power_w"] = {"fwd": sample_fwd["power_w"]}
+        run.log(f"  {name:16s} fwd {entry['fwd_ms']:8.3f} ms  peak {entry['peak_memory_gb']['fwd']} GB  "
+                f"{sample_fwd['clock_mhz']} MHz {sample_fwd['power_w']} W")
+    timed = {name: v for name, v in result["variants"].items() if "fwd_ms" in v}
+    result["fastest"] = {"fwd": min(timed, key=lambda n: timed[n]["fwd_ms"]) if timed else None,
+                         "fwdbwd": None, "bwd": None}
+    return result
+
+
 def dense_gemm(run):
     """The dense bf16 GEMM rate (8192^3 torch.matmul) after the same warm-up as the cases."""
     size = 8192
@@ -722,8 +855,20 @@ def dense_gemm(run):
     return {"tflops": round(2 * size**3 / ms / 1e9, 1), "ms": ms, **sample}
 
 
+def dense_gemm_fp8(run):
+    """The dense FP8 GEMM rate (8192^3 torch._scaled_mm, rowwise scales, bf16 out), operands
+    quantized before timing."""
+    size = 8192
+    a, a_scale = rowwise_fp8.quantize(uniform(size, size, device=run.device))
+    b, b_scale = rowwise_fp8.quantize(uniform(size, size, device=run.device))  # (N, K)
+    ms, sample = run.time(lambda: rowwise_fp8.scaled_mm(a, b, a_scale, b_scale))
+    return {"tflops": round(2 * size**3 / ms / 1e9, 1), "ms": ms, "precision": "fp8", **sample}
+
+
 def measure(args):
     run = Run(args)
+    fp8 = args.precision == "fp8"
+    variants = FP8_VARIANTS if fp8 else VARIANTS
     results = {
         "kind": "torch-native-layer",
         "device": torch.cuda.get_device_name(run.device) if run.on_gpu else "cpu",
@@ -732,21 +877,26 @@ def measure(args):
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "iterations": args.iterations,
         "warmup_ms": args.warmup_ms,
-        "variants": {name: {"layout": VARIANTS[name][0], "combine": VARIANTS[name][1]}
+        "variants": {name: {"layout": variants[name][0], "combine": variants[name][1]}
                      for name in args.variants},
-        "tolerance": TOLERANCE,
+        "tolerance": FP8_TOLERANCE if fp8 else TOLERANCE,
         "monitor": run.monitor.source if run.monitor else None,
         "monitor_note": run.monitor.note if run.monitor else "cpu run: clock and power not sampled",
         "power_limit_w": run.monitor.power_limit_w if run.monitor else None,
         "cases": {},
     }
-    if not run.on_gpu:
+    if fp8:
+        results["precision"] = "fp8"
+        results["tolerance_between_variants"] = TOLERANCE
+    if not run.on_gpu and fp8:
+        results["grouped_mm"] = "emulated: fp32 products of the e4m3 values (no CPU torch._scaled_grouped_mm)"
+    elif not run.on_gpu:
         results["grouped_mm"] = "torch._grouped_mm" if cpu_has_grouped_mm() and not args.grouped_mm_loop \
             else "per-expert loop (no CPU torch._grouped_mm)"
     failed = False
     for case, routing in cases_to_measure(args):
         try:
-            result = measure_case(run, case, routing)
+            result = (measure_case_fp8 if fp8 else measure_case)(run, case, routing)
         except torch.cuda.OutOfMemoryError as error:  # report it; the next case may fit
             run.log(f"{case['name']}: out of memory: {error}")
             results["cases"][case["name"]] = {"error": f"out of memory: {error}"}
@@ -756,7 +906,12 @@ def measure(args):
         results["cases"][case["name"]] = result
         run.free()
         failed = failed or any(not v["check"]["passed"] for v in result["variants"].values())
-    if run.world == 1 and run.on_gpu and not args.no_dense:
+    if fp8 and run.on_gpu and not args.no_dense:
+        dense = dense_gemm_fp8(run)
+        results["dense_gemm_fp8"] = dense
+        run.log(f"dense FP8 GEMM 8192^3 (rowwise torch._scaled_mm): {dense['tflops']:.1f} TFLOP/s "
+                f"({dense['clock_mhz']} MHz, {dense['power_w']} W)")
+    elif run.world == 1 and run.on_gpu and not args.no_dense:
         dense = dense_gemm(run)
         results["dense_gemm_tflops"] = dense["tflops"]
         results["dense_gemm"] = dense
@@ -791,8 +946,12 @@ def parse_args(argv=None):
     m.add_argument("--top-k", type=int, help="k, overrides the preset's")
     m.add_argument("--tokens", type=int, default=8192, help="without --mok: tokens per rank")
     m.add_argument("--name", help="without --mok: the case's name (default PRESET-epN)")
-    m.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, the first is the others' check (default {','.join(VARIANTS)})")
+    m.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                   help="bf16 (default): forward and training step; fp8: the forward of the rowwise "
+                        "FP8 layer, EP 1 only")
+    m.add_argument("--variants",
+                   help=f"comma-separated, the first is the others' check (default bf16: "
+                        f"{','.join(VARIANTS)}; fp8: {','.join(FP8_VARIANTS)})")
     m.add_argument("--iterations", type=int, default=20, help="timed calls per phase (default 20)")
     m.add_argument("--warmup-ms", type=float, default=500,
                    help="untimed calls for this long before each phase, as bench_layer (default 500)")
@@ -803,10 +962,15 @@ def parse_args(argv=None):
                    help="on the CPU: per-expert matmuls even where torch._grouped_mm runs")
     m.add_argument("--no-dense", action="store_true", help="skip the dense GEMM rate")
     args = parser.parse_args(argv)
-    args.variants = args.variants.split(",")
+    known = FP8_VARIANTS if args.precision == "fp8" else VARIANTS
+    args.variants = args.variants.split(",") if args.variants else list(known)
     for name in args.variants:
-        if name not in VARIANTS:
-            parser.error(f"--variants: no variant '{name}' (known: {', '.join(VARIANTS)})")
+        if name not in known:
+            parser.error(f"--variants: no {args.precision} variant '{name}' (known: {', '.join(known)})")
+    if args.precision == "fp8" and args.ep != 1:
+        parser.error(f"--precision fp8: EP 1 only (the FP8 layer has no all-to-all here), got --ep {args.ep}")
+    if args.precision == "fp8" and args.grouped_mm_loop:
+        parser.error("--grouped-mm-loop: bf16 only (the CPU FP8 GEMMs are always a per-expert loop)")
     for flag, value, least in (("--tokens", args.tokens, 1), ("--iterations", args.iterations, 1),
                                ("--ep", args.ep, 1), ("--check-tokens", args.check_tokens, 1)):
         if value < least:
