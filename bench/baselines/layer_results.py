@@ -3,6 +3,8 @@ the same run, as one JSON in schema mok-bench/2 (DESIGN.md §5).
 
   python3 layer_results.py --mok layer-mok.json --torch layer-torch-ep1.json \\
       --torch layer-torch-ep2.json --commit C --out layer.json
+  python3 layer_results.py --mok layer-mok.json --torch layer-torch-ep1.json \\
+      --mok-fp8 layer-mok-fp8.json --torch-fp8 layer-torch-fp8-ep1.json --commit C --out layer.json
 then `python3 bench/report.py` draws the chart and the README table from it.
 
 Inputs: bench_layer's --out JSON (`date`, `cases`: each with name, preset, ep, tokens_per_rank,
@@ -23,6 +25,20 @@ and memory_note, clock_mhz and power_w (medians sampled during the fastest varia
 mok_clock_mhz / mok_power_w where bench_layer sampled its own), dense_gemm_tflops. The baseline's
 figures for phases mok has none for yet go to `baseline_without_mok`, and every variant's check to
 `baseline_checks`.
+
+FP8 forward (issue 24), with --mok-fp8 (bench_layer --precision fp8: the same case fields, mok_ms
+its FP8 forward, bf16_forward_ms its bf16 forward in the same process, weight_quantize_ms, no
+backward) and --torch-fp8 (torch_native.py measure --precision fp8): per case one more entry after
+the bf16 ones, phase "fwd", precision "fp8", named as the case with "-fp8" appended (unless its
+name says fp8 already) so that tables keyed by name keep both precisions apart; the baseline is
+the fastest checked torch-native FP8 variant (activation quantization inside its forward, weight
+quantization apart), fraction_of_dense and dense_gemm_tflops against the dense FP8 GEMM rate of
+the torch FP8 run, and besides: mok_bf16_ms (bf16_forward_ms), vs_mok_bf16 = mok_bf16_ms / mok_ms
+(mok's FP8 forward's speedup over its own bf16 one), mok_weight_quantize_ms,
+baseline_weight_quantize_ms, and the fastest torch-native bf16 forward of the same case (--torch;
+the case's name without "-fp8") as baseline_bf16, baseline_bf16_ms and speedup_vs_baseline_bf16,
+since torch's FP8 layer is not always faster than its bf16 one. Without --mok-fp8 the record is
+the bf16 one alone, unchanged.
 """
 import argparse
 import datetime
@@ -33,10 +49,17 @@ PHASES = (("fwd", "mok_ms"), ("fwdbwd", "fwdbwd_ms"), ("bwd", "backward_ms"))
 # The same phases in the backward's recompute mode, reported beside save mode's (mok_recompute_ms).
 RECOMPUTE_KEYS = {"fwdbwd": "fwdbwd_recompute_ms", "bwd": "backward_recompute_ms"}
 FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3, "bwd": 2}
-MEMORY_NOTE = ("mok: bench_layer's buffers per rank (buffer_bytes_per_rank{backward}) plus the bf16 "
+# What a baseline_without_mok entry keeps of a case entry.
+BASELINE_ONLY_KEYS = ("name", "preset", "ep", "tokens_per_rank", "precision", "phase", "baseline",
+                      "baseline_ms", "baseline_variants", "baseline_tflops",
+                      "baseline_fraction_of_dense", "clock_mhz", "power_w")
+MEMORY_NOTE = ("mok: bench_layer's buffers per rank (buffer_bytes_per_rank{backward}) plus the {kind}"
                "weights of this rank's experts and the shared expert ({weights}); baseline: "
-               "torch.cuda.max_memory_allocated over one call of the phase (weights, x, routing, "
-               "activations{grads})")
+               "torch.cuda.max_memory_allocated over one call of the phase ({baseline_weights}, x, "
+               "routing, activations{grads})")
+# (mok's weights, the baseline's) as the memory note names them, per precision
+MEMORY_NOTE_WEIGHTS = {"bf16": ("bf16 ", "weights"),
+                       "fp8": ("", "bf16 weights and their e4m3 copy with scales")}
 
 
 def forward_flops(case):
@@ -45,19 +68,21 @@ def forward_flops(case):
             * (case["top_k"] * case["intermediate"] + case["shared_intermediate"]))
 
 
-def weight_bytes(case):
-    """bf16 bytes of one rank's weights: E_l·3·I·H routed, 3·H·I_s shared."""
+def weight_bytes(case, precision="bf16"):
+    """Bytes of one rank's weights: E_l·3·I·H routed, 3·H·I_s shared (bf16, or e4m3 for fp8)."""
     if case.get("weight_bytes_per_rank") is not None:
         return case["weight_bytes_per_rank"], "bench_layer's weight_bytes_per_rank"
     local = case["num_experts"] // case["ep"]
     elements = (local * 3 * case["intermediate"] * case["hidden"]
                 + 3 * case["hidden"] * case["shared_intermediate"])
+    if precision == "fp8":
+        return elements, "computed from the shape: (E_l·3·I·H + 3·H·I_s)·1 byte of e4m3, scales left out"
     return 2 * elements, "computed from the shape: (E_l·3·I·H + 3·H·I_s)·2 bytes"
 
 
-def mok_memory(case, phase):
+def mok_memory(case, phase, precision="bf16"):
     """(GB, note) of mok's memory per rank in `phase`; GB None where bench_layer gave no figure."""
-    weights, weights_note = weight_bytes(case)
+    weights, weights_note = weight_bytes(case, precision)
     buffers = case.get("buffer_bytes_per_rank")
     backward_note = ""
     if phase != "fwd":
@@ -65,15 +90,18 @@ def mok_memory(case, phase):
         context = case.get("saved_context_bytes_per_rank", 0)
         backward_note = " + backward_buffer_bytes_per_rank + saved_context_bytes_per_rank"
         buffers = None if buffers is None or backward is None else buffers + backward + context
-    note = MEMORY_NOTE.format(backward=backward_note, weights=weights_note,
+    kind, baseline_weights = MEMORY_NOTE_WEIGHTS[precision]
+    note = MEMORY_NOTE.format(backward=backward_note, kind=kind, weights=weights_note,
+                              baseline_weights=baseline_weights,
                               grads="" if phase == "fwd" else ", weight gradients")
     if phase != "fwd":
         note += ("; mok's weight gradients count as far as its backward buffers hold them")
     return (None if buffers is None else round((buffers + weights) / 1e9, 3)), note
 
 
-def load_torch(paths):
-    """(cases by (name, ep), run info) from torch_native.py measure's JSONs."""
+def load_torch(paths, precision="bf16"):
+    """(cases by (name, ep), run info) from torch_native.py measure's JSONs of `precision`; the
+    dense GEMM rate is the one of that precision (dense_gemm, or dense_gemm_fp8)."""
     cases, info = {}, {"dense": None, "device": None, "torch": None, "power_limit_w": None}
     for path in paths:
         if not os.path.exists(path):
@@ -81,10 +109,15 @@ def load_torch(paths):
             continue
         with open(path) as file:
             data = json.load(file)
+        found = data.get("precision", "bf16")
+        if found != precision:
+            raise SystemExit(f"{path}: precision '{found}', expected '{precision}' "
+                             f"({'--torch-fp8' if found == 'fp8' else '--torch'} takes it)")
         for name, case in data["cases"].items():
             cases[(name, data["ep"])] = case
-        if data.get("dense_gemm") and info["dense"] is None:
-            info["dense"] = data["dense_gemm"]
+        dense = data.get("dense_gemm_fp8" if precision == "fp8" else "dense_gemm")
+        if dense and info["dense"] is None:
+            info["dense"] = dense
         for key in ("device", "torch", "power_limit_w"):
             info[key] = info[key] or data.get(key)
     return cases, info
@@ -105,7 +138,7 @@ def rounded(value, digits):
     return None if value is None else round(value, digits)
 
 
-def entry_for(case, phase, mok_ms, torch_case, dense_tflops):
+def entry_for(case, phase, mok_ms, torch_case, dense_tflops, precision="bf16"):
     """One mok-bench/2 case entry (see the module docstring)."""
     loop = "fwd" if phase == "fwd" else "fwdbwd"  # the timed loop bwd's figures come from
     fastest, variant, variants = baseline_figures(torch_case or {}, phase)
@@ -113,13 +146,13 @@ def entry_for(case, phase, mok_ms, torch_case, dense_tflops):
     flops = FLOP_FACTOR[phase] * forward_flops(case)
     useful = flops / (mok_ms * 1e-3) / 1e12 if mok_ms else None
     baseline_tflops = flops / (baseline_ms * 1e-3) / 1e12 if baseline_ms else None
-    mok_gb, note = mok_memory(case, phase)
+    mok_gb, note = mok_memory(case, phase, precision)
     return {
         "name": case["name"],
         "preset": case["preset"],
         "ep": case["ep"],
         "tokens_per_rank": case["tokens_per_rank"],
-        "precision": "bf16",
+        "precision": precision,
         "phase": phase,
         "routing": case.get("routing"),
         "mok_variant": "unfused" if case.get("fused") is False else "fused",
@@ -153,8 +186,53 @@ def entry_for(case, phase, mok_ms, torch_case, dense_tflops):
     }
 
 
-def combine(mok, torch_cases, info, commit):
-    """The mok-bench/2 record of one device run."""
+def fp8_name(name):
+    return name if "fp8" in name else f"{name}-fp8"
+
+
+def fp8_entry(case, mok_ms, torch_case, bf16_torch_case, dense_tflops):
+    """One FP8 forward entry (see the module docstring)."""
+    entry = entry_for(case, "fwd", mok_ms, torch_case, dense_tflops, precision="fp8")
+    bf16_ms = case.get("bf16_forward_ms")
+    bf16_baseline, _, bf16_variants = baseline_figures(bf16_torch_case or {}, "fwd")
+    bf16_baseline_ms = bf16_variants.get(bf16_baseline)
+    entry.update({
+        "name": fp8_name(case["name"]),
+        "mok_bf16_ms": rounded(bf16_ms, 4),
+        "vs_mok_bf16": round(bf16_ms / mok_ms, 3) if bf16_ms and mok_ms else None,
+        "mok_weight_quantize_ms": rounded(case.get("weight_quantize_ms"), 4),
+        "baseline_weight_quantize_ms": rounded((torch_case or {}).get("weight_quantize_ms"), 4),
+        "baseline_bf16": bf16_baseline,
+        "baseline_bf16_ms": bf16_baseline_ms,
+        "speedup_vs_baseline_bf16": (round(bf16_baseline_ms / mok_ms, 3)
+                                     if bf16_baseline_ms and mok_ms else None),
+    })
+    return entry
+
+
+def fp8_entries(mok_fp8, torch_cases, bf16_torch_cases, info):
+    """(entries, baseline-only entries, checks) of the FP8 forward cases."""
+    dense_tflops = (info["dense"] or {}).get("tflops")
+    entries, baseline_only, checks = [], [], {}
+    for case in mok_fp8["cases"]:
+        torch_case = torch_cases.get((case["name"], case["ep"]))
+        bf16_name = case["name"].removesuffix("-fp8")
+        bf16_torch_case = bf16_torch_cases.get((bf16_name, case["ep"]))
+        if torch_case and "variants" in torch_case:
+            checks[fp8_name(case["name"])] = {name: v["check"]
+                                              for name, v in torch_case["variants"].items()}
+        if case.get("mok_ms") is not None:
+            entries.append(fp8_entry(case, case["mok_ms"], torch_case, bf16_torch_case, dense_tflops))
+        elif torch_case and baseline_figures(torch_case, "fwd")[0]:
+            entry = fp8_entry(case, None, torch_case, bf16_torch_case, dense_tflops)
+            baseline_only.append({key: entry[key] for key in BASELINE_ONLY_KEYS}
+                                 | {"baseline_peak_memory_gb": entry["peak_memory_gb"]["baseline"]})
+    return entries, baseline_only, checks
+
+
+def combine(mok, torch_cases, info, commit, fp8=None):
+    """The mok-bench/2 record of one device run; `fp8`, where given, is (bench_layer's FP8 JSON,
+    its torch cases, their run info) and adds the FP8 forward entries."""
     dense = info["dense"] or {}
     dense_tflops = dense.get("tflops")
     entries, baseline_only, checks = [], [], {}
@@ -168,11 +246,29 @@ def combine(mok, torch_cases, info, commit):
                 entries.append(entry_for(case, phase, mok_ms, torch_case, dense_tflops))
             elif torch_case and baseline_figures(torch_case, phase)[0]:
                 entry = entry_for(case, phase, None, torch_case, dense_tflops)
-                baseline_only.append({key: entry[key] for key in (
-                    "name", "preset", "ep", "tokens_per_rank", "precision", "phase", "baseline",
-                    "baseline_ms", "baseline_variants", "baseline_tflops",
-                    "baseline_fraction_of_dense", "clock_mhz", "power_w")}
-                    | {"baseline_peak_memory_gb": entry["peak_memory_gb"]["baseline"]})
+                baseline_only.append({key: entry[key] for key in BASELINE_ONLY_KEYS}
+                                     | {"baseline_peak_memory_gb": entry["peak_memory_gb"]["baseline"]})
+    extra = {}
+    if fp8 is not None:
+        mok_fp8, fp8_torch_cases, fp8_info = fp8
+        more, more_baseline_only, more_checks = fp8_entries(mok_fp8, fp8_torch_cases, torch_cases,
+                                                            fp8_info)
+        entries += more
+        baseline_only += more_baseline_only
+        checks |= more_checks
+        dense_fp8 = fp8_info["dense"] or {}
+        extra = {
+            "dense_gemm_fp8_tflops": dense_fp8.get("tflops"),
+            "dense_gemm_fp8": ({key: dense_fp8.get(key) for key in ("ms", "clock_mhz", "power_w")}
+                               if dense_fp8 else None),
+            "fp8_baseline_note": ("fp8 entries: baseline = the fastest of the torch-native rowwise "
+                                  "FP8 variants (torch._scaled_grouped_mm, one scale per row; the "
+                                  "activations' quantization inside the timed forward, the weights' "
+                                  "once before, as baseline_weight_quantize_ms), each checked "
+                                  "against the fp32 reference at FP8 tolerance; fraction_of_dense "
+                                  "against the dense FP8 GEMM rate (rowwise torch._scaled_mm "
+                                  "8192^3) of that run"),
+        }
     return {
         "schema": "mok-bench/2",
         "benchmark": "layer",
@@ -189,6 +285,7 @@ def combine(mok, torch_cases, info, commit):
         "cases": entries,
         "baseline_without_mok": baseline_only,
         "baseline_checks": checks,
+        **extra,
     }
 
 
@@ -199,8 +296,13 @@ def print_table(record):
         baseline = f"{entry['baseline_ms']:12.3f}" if entry["baseline_ms"] else f"{'n/a':>12s}"
         speedup = f"{entry['speedup']:7.2f}x" if entry["speedup"] else f"{'n/a':>8s}"
         fraction = f"{entry['fraction_of_dense']:9.3f}" if entry["fraction_of_dense"] else f"{'n/a':>9s}"
+        versus_bf16 = (f"  mok bf16 {entry['mok_bf16_ms']:.3f} ms: {entry['vs_mok_bf16']:.2f}x"
+                       if entry.get("vs_mok_bf16") else "")
+        if entry.get("speedup_vs_baseline_bf16"):
+            versus_bf16 += (f"  torch bf16 {entry['baseline_bf16_ms']:.3f} ms: "
+                            f"{entry['speedup_vs_baseline_bf16']:.2f}x")
         print(f"{entry['name']:28s} {entry['phase']:7s} {entry['mok_ms']:9.3f} {baseline} "
-              f"{entry['baseline'] or '':16s} {speedup} {fraction}")
+              f"{entry['baseline'] or '':16s} {speedup} {fraction}{versus_bf16}")
     for entry in record["baseline_without_mok"]:
         print(f"{entry['name']:28s} {entry['phase']:7s} {'(no mok)':>9s} {entry['baseline_ms']:12.3f} "
               f"{entry['baseline']:16s}")
@@ -212,13 +314,24 @@ def main():
     parser.add_argument("--mok", required=True, help="bench_layer's --out JSON")
     parser.add_argument("--torch", action="append", default=[],
                         help="torch_native.py measure's --out JSON (once per EP)")
+    parser.add_argument("--mok-fp8", help="bench_layer --precision fp8's --out JSON (FP8 forward)")
+    parser.add_argument("--torch-fp8", action="append", default=[],
+                        help="torch_native.py measure --precision fp8's --out JSON")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", required=True, help="the results JSON (mok-bench/2)")
     args = parser.parse_args()
     with open(args.mok) as file:
         mok = json.load(file)
     torch_cases, info = load_torch(args.torch)
-    record = combine(mok, torch_cases, info, args.commit)
+    fp8 = None
+    if args.mok_fp8 and not os.path.exists(args.mok_fp8):
+        print(f"note: {args.mok_fp8} missing (bench_layer's FP8 run failed); no FP8 entries")
+    elif args.mok_fp8:
+        with open(args.mok_fp8) as file:
+            fp8 = (json.load(file), *load_torch(args.torch_fp8, precision="fp8"))
+    elif args.torch_fp8:
+        raise SystemExit("--torch-fp8: needs --mok-fp8 (bench_layer's FP8 cases)")
+    record = combine(mok, torch_cases, info, args.commit, fp8)
     with open(args.out, "w") as file:
         json.dump(record, file, indent=2)
     print_table(record)

@@ -1,6 +1,7 @@
 """Tests of the results path on small made-up fixtures (no GPU, no torch): layer_results.py's
-mok-bench/2 record and bench/report.py's choice of the latest results, its Markdown table and
-its README replacement. The fixtures' figures are test data, not measurements.
+mok-bench/2 record (bf16, and the FP8 forward's entries beside it) and bench/report.py's choice of
+the latest results, its Markdown table and its README replacement. The fixtures' figures are test
+data, not measurements.
 
   python3 -m pytest -q bench/baselines/test_results.py
 """
@@ -47,13 +48,44 @@ def torch_fixture(ep, name):
     return data
 
 
+def mok_fp8_fixture():
+    """bench_layer --precision fp8's form: the bf16 case fields, mok_ms the FP8 forward."""
+    timed = {"name": "tiny-ep1", "preset": "tiny", "ep": 1, "tokens_per_rank": 1000,
+             "routing": "uniform", "precision": "fp8", "mok_ms": 1.0, "bf16_forward_ms": 2.0,
+             "weight_quantize_ms": 0.5, "buffer_bytes_per_rank": 800_000, "fused": True, **SHAPE}
+    no_baseline = dict(timed, name="tiny-ep2", ep=2, mok_ms=1.25, bf16_forward_ms=None)
+    return {"date": "2026-12-01T10:00:00Z", "precision": "fp8", "cases": [timed, no_baseline]}
+
+
+def torch_fp8_fixture():
+    def variant(fwd):
+        return {"layout": "out_in", "combine": "batched_view", "check": {"passed": True},
+                "fwd_ms": fwd, "peak_memory_gb": {"fwd": 1.25}, "clock_mhz": {"fwd": 1900.0},
+                "power_w": {"fwd": 600.0}}
+
+    return {"device": "NVIDIA H200", "torch": "2.11", "ep": 1, "precision": "fp8",
+            "power_limit_w": 700.0,
+            "dense_gemm_fp8": {"tflops": 1200.0, "ms": 0.92, "clock_mhz": 1700.0, "power_w": 690.0},
+            "cases": {"tiny-ep1": {"precision": "fp8", "weight_quantize_ms": 0.8,
+                                   "variants": {"fp8_batched_view": variant(3.0),
+                                                "fp8_batched_bmm": variant(2.5)}}}}
+
+
 @pytest.fixture
-def layer_record(tmp_path):
+def torch_paths(tmp_path):
     paths = []
     for ep, name in ((1, "tiny-ep1"), (2, "tiny-ep2")):
         path = tmp_path / f"layer-torch-ep{ep}.json"
         path.write_text(json.dumps(torch_fixture(ep, name)))
         paths.append(str(path))
+    fp8_path = tmp_path / "layer-torch-fp8-ep1.json"
+    fp8_path.write_text(json.dumps(torch_fp8_fixture()))
+    return paths, str(fp8_path)
+
+
+@pytest.fixture
+def layer_record(tmp_path, torch_paths):
+    paths, _ = torch_paths
     torch_cases, info = layer_results.load_torch(paths + [str(tmp_path / "missing.json")])
     return layer_results.combine(mok_fixture(), torch_cases, info, "abc123")
 
@@ -86,6 +118,74 @@ def test_layer_record_phases_and_figures(layer_record):
     assert fwdbwd["peak_memory_gb"]["mok"] == round((1_500_000 + ep2_weights) / 1e9, 3)
     assert fwdbwd["clock_mhz"] == 1350.0 and "backward_buffer_bytes_per_rank" in fwdbwd["memory_note"]
     assert record["baseline_checks"]["tiny-ep1"]["batched_view_kn"] == {"passed": False}
+
+
+def test_fp8_entries_beside_bf16(torch_paths, layer_record):
+    paths, fp8_path = torch_paths
+    torch_cases, info = layer_results.load_torch(paths)
+    fp8 = (mok_fp8_fixture(), *layer_results.load_torch([fp8_path], precision="fp8"))
+    record = layer_results.combine(mok_fixture(), torch_cases, info, "abc123", fp8)
+    # The bf16 record is unchanged: its entries first, as without --mok-fp8.
+    bf16 = [e for e in record["cases"] if e["precision"] == "bf16"]
+    assert bf16 == layer_record["cases"] and record["cases"][: len(bf16)] == bf16
+    assert record["dense_gemm_tflops"] == 600.0 and record["dense_gemm_fp8_tflops"] == 1200.0
+    assert record["baseline_without_mok"] == layer_record["baseline_without_mok"]
+    fp8_entries = record["cases"][len(bf16):]
+    assert [(e["name"], e["phase"], e["precision"]) for e in fp8_entries] == [
+        ("tiny-ep1-fp8", "fwd", "fp8"), ("tiny-ep2-fp8", "fwd", "fp8")]
+    entry = fp8_entries[0]
+    assert entry["mok_ms"] == 1.0 and entry["baseline"] == "fp8_batched_bmm"
+    assert entry["baseline_ms"] == 2.5 and entry["speedup"] == 2.5
+    assert entry["baseline_variants"] == {"fp8_batched_view": 3.0, "fp8_batched_bmm": 2.5}
+    assert entry["mok_bf16_ms"] == 2.0 and entry["vs_mok_bf16"] == 2.0
+    assert entry["mok_weight_quantize_ms"] == 0.5 and entry["baseline_weight_quantize_ms"] == 0.8
+    # the fastest torch bf16 forward of the same case, since torch's FP8 is not always faster
+    assert entry["baseline_bf16"] == "batched_view" and entry["baseline_bf16_ms"] == 4.0
+    assert entry["speedup_vs_baseline_bf16"] == 4.0
+    flops = 6 * 1000 * 256 * (4 * 128 + 128)
+    assert entry["useful_tflops"] == round(flops / 1e-3 / 1e12, 2)
+    assert entry["dense_gemm_tflops"] == 1200.0  # the FP8 rate, not bf16's
+    assert entry["fraction_of_dense"] == round(flops / 1e-3 / 1e12 / 1200.0, 4)
+    assert entry["clock_mhz"] == 1900.0 and entry["power_w"] == 600.0
+    e4m3_weights = 16 * 3 * 128 * 256 + 3 * 256 * 128  # one byte each
+    assert entry["peak_memory_gb"] == {"mok": round((800_000 + e4m3_weights) / 1e9, 3), "baseline": 1.25}
+    assert "e4m3" in entry["memory_note"]
+    assert entry["mok_context"] is None and entry["mok_recompute_ms"] is None
+    # EP 2: no torch FP8 run at EP 2, and no bf16 forward from bench_layer
+    no_baseline = fp8_entries[1]
+    assert no_baseline["baseline"] is None and no_baseline["speedup"] is None
+    assert no_baseline["vs_mok_bf16"] is None
+    assert record["baseline_checks"]["tiny-ep1-fp8"]["fp8_batched_bmm"] == {"passed": True}
+    assert "tiny-ep1" in record["baseline_checks"]
+
+
+def test_fp8_baseline_without_mok_and_precision_mixups(torch_paths):
+    _, fp8_path = torch_paths
+    mok_fp8 = mok_fp8_fixture()
+    mok_fp8["cases"][0]["mok_ms"] = None  # bench_layer's FP8 case failed
+    fp8 = (mok_fp8, *layer_results.load_torch([fp8_path], precision="fp8"))
+    record = layer_results.combine(mok_fixture(), {}, {"dense": None, "device": None, "torch": None,
+                                                       "power_limit_w": None}, "abc123", fp8)
+    assert [e["name"] for e in record["cases"] if e["precision"] == "fp8"] == ["tiny-ep2-fp8"]
+    only = [e for e in record["baseline_without_mok"] if e["precision"] == "fp8"]
+    assert [(e["name"], e["baseline"], e["baseline_ms"]) for e in only] == [
+        ("tiny-ep1-fp8", "fp8_batched_bmm", 2.5)]
+    with pytest.raises(SystemExit, match="--torch-fp8 takes it"):
+        layer_results.load_torch([fp8_path])
+    with pytest.raises(SystemExit, match="expected 'fp8'"):
+        layer_results.load_torch(torch_paths[0][:1], precision="fp8")
+
+
+def test_report_shows_fp8_rows(tmp_path, torch_paths):
+    paths, fp8_path = torch_paths
+    torch_cases, info = layer_results.load_torch(paths)
+    fp8 = (mok_fp8_fixture(), *layer_results.load_torch([fp8_path], precision="fp8"))
+    record = layer_results.combine(mok_fixture(), torch_cases, info, "abc123", fp8)
+    (tmp_path / "layer.json").write_text(json.dumps(record))
+    text = report.report_text(report.latest_results(str(tmp_path), {"layer"}), {}, str(tmp_path))
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-ep1")]
+    assert rows[-1].startswith("| tiny-ep1-fp8 | fwd | 1.00 ms |")
+    assert "2.50 ms (torch-native fp8_batched_bmm) | 2.50× |" in rows[-1]
 
 
 def test_report_picks_the_latest_and_writes_the_table(tmp_path, layer_record):

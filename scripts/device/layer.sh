@@ -6,13 +6,17 @@
 # communication CTAs and minibatch sizes, ring rounds — and the torch-native baseline
 # (bench/baselines/torch_native.py: every variant checked, then timed forward and as a training
 # step, with the dense GEMM rate, at EP 1 in one process and at EP 2 under torchrun), all in the
-# same run. The EP 2 steps run only where there are 2 or more GPUs.
+# same run. The EP 2 steps run only where there are 2 or more GPUs. Then the FP8 forward (issue
+# 24), where bench_layer has --precision: mok's FP8 layer forward beside its own bf16 forward, and
+# the torch-native rowwise FP8 layer (torch._scaled_grouped_mm, the activations' quantization
+# timed) on the same routing.
 # Results (stable names; the commit is inside each JSON):
 #   layer.json, layer.png      mok-bench/2: mok beside the fastest torch-native variant, per case
 #                              and phase (bench/baselines/layer_results.py, bench/report.py)
 #   layer-mok.json, layer-mok-separate-schedule.json, layer-mok-unfused.json, layer-sweep.json,
 #   layer-ring.json            bench_layer's own JSONs
 #   layer-torch-ep1.json, layer-torch-ep2.json   torch_native.py's figures (every variant)
+#   layer-mok-fp8.json, layer-torch-fp8-ep1.json  the FP8 forward's, mok's and torch-native's
 #   mok-run-cuda-{tiny,qwen3-30b}-ep{1,2}.json, layer.log
 #
 #   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
@@ -99,8 +103,27 @@ if ((gpus >= 2)); then
 else
   say "torch-native at EP 2: skipped ($gpus GPU)"
 fi
+# FP8 forward: bench_layer times mok's FP8 forward and its bf16 one in the same process; the
+# torch-native rowwise FP8 variants are checked, then their forward timed, on its routing.
+fp8_results=()
+rm -f "$OUT/layer-mok-fp8.json" "$OUT/layer-torch-fp8-ep1.json"  # no stale figures from a past run
+bench_layer_help=$("$BIN/bench_layer" --help 2>&1)
+if [[ $bench_layer_help == *--precision* ]]; then
+  mkdir -p "$routing_dir/fp8"
+  step "bench_layer (mok, FP8 forward; its bf16 forward beside it)" 200 "$BIN/bench_layer" \
+    --iters 20 --backward 0 --precision fp8 --out "$OUT/layer-mok-fp8.json" \
+    --routing-dir "$routing_dir/fp8" "${cases[@]}"
+  if [ -f "$OUT/layer-mok-fp8.json" ]; then
+    step "torch-native FP8, EP 1 (rowwise torch._scaled_grouped_mm; forward, dense FP8 GEMM)" 300 \
+      python3 bench/baselines/torch_native.py measure --mok "$OUT/layer-mok-fp8.json" --ep 1 \
+      --precision fp8 --out "$OUT/layer-torch-fp8-ep1.json"
+    fp8_results=(--mok-fp8 "$OUT/layer-mok-fp8.json" --torch-fp8 "$OUT/layer-torch-fp8-ep1.json")
+  fi
+else
+  say "FP8 forward: skipped (this bench_layer has no --precision)"
+fi
 step "results (mok-bench/2)" 60 python3 bench/baselines/layer_results.py --mok "$OUT/layer-mok.json" \
-  "${torch_results[@]}" --commit "$COMMIT" --out "$OUT/layer.json"
+  "${torch_results[@]}" "${fp8_results[@]}" --commit "$COMMIT" --out "$OUT/layer.json"
 step "chart and table" 60 python3 bench/report.py --results-dir "$OUT" --kinds layer
 rm -rf "$routing_dir"
 exit $status
