@@ -78,7 +78,9 @@ for part in "${parts[@]}"; do
       (cd "$MOK_BUILD_DIR" && ctest -LE gpu -E '^(lint|format)$' --output-on-failure -j 8 2>&1 |
         tee "$results/ctest.log")
       cpu_status=$?
-      "$MOK_BUILD_DIR/mok_gpu_tests" 2>&1 | tee "$results/gpu-tests.log"
+      # (the binary sets these two itself; named here too, as the emulated EP tests need them)
+      CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32 "$MOK_BUILD_DIR/mok_gpu_tests" 2>&1 |
+        tee "$results/gpu-tests.log"
       gpu_status=$?
       echo "== tests: CPU suites exit $cpu_status, GPU suites exit $gpu_status"
       ((cpu_status == 0 && gpu_status == 0)) ;;

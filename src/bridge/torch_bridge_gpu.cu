@@ -17,6 +17,7 @@
 
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
+#include "mok/precision.hpp"
 #include "mok/torch_bridge.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/comm_nccl_check.hpp"
