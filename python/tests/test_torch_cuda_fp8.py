@@ -65,11 +65,11 @@ def oracle(x, topk_idx, topk_w, weights):
             expert = int(topk_idx[token, slot])
             if expert < 0:
                 continue
-            h = F.silu(x[token] @ weights.gate[expert].double().T) * (x[token] @ weights.up[expert].double().T)
-            y[token] += float(topk_w[token, slot]) * (h @ weights.down[expert].double().T)
-    if weights.shared_gate is not None:
-        h = F.silu(x @ weights.shared_gate.double().T) * (x @ weights.shared_up.double().T)
-        y += h @ weights.shared_down.double().T
+            h = F.silu(x[token] @ weights.w_gate[expert].double().T) * (x[token] @ weights.w_up[expert].double().T)
+            y[token] += float(topk_w[token, slot]) * (h @ weights.w_down[expert].double().T)
+    if weights.w_shared_gate is not None:
+        h = F.silu(x @ weights.w_shared_gate.double().T) * (x @ weights.w_shared_up.double().T)
+        y += h @ weights.w_shared_down.double().T
     return y
 
 
@@ -108,8 +108,8 @@ def test_fp8_weight_cache_follows_in_place_updates():
     with torch.inference_mode():
         before = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=FP8)
     with torch.no_grad():
-        gpu_weights.down.mul_(-2.0)  # an optimizer step, in place (same tensors, same addresses)
-        weights.down.mul_(-2.0)
+        gpu_weights.w_down.mul_(-2.0)  # an optimizer step, in place (same tensors, same addresses)
+        weights.w_down.mul_(-2.0)
         after = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=FP8)
     mf.check_errors()
     cpu_after = mf.forward(x, idx, w, weights, config=FP8)

@@ -8,7 +8,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "mok/torch_bridge.hpp"
 #include "torch_args.hpp"
@@ -50,16 +54,22 @@ void check_gpu_precision(c10::string_view precision, bool forward_only) {
                         "forward");
 }
 
-// A number that changes whenever one of the weights is modified in place (torch's version
-// counters only grow): the fp8 forward's weight cache is made anew then.
-int64_t weights_version(const Tensor& w_gate_up, const Tensor& w_down,
-                        const OptionalTensor& w_shared_gate_up,
-                        const OptionalTensor& w_shared_down) {
-  int64_t version = static_cast<int64_t>(w_gate_up._version() + w_down._version());
-  for (const OptionalTensor* shared : {&w_shared_gate_up, &w_shared_down}) {
-    if (shared->has_value() && (*shared)->defined()) {
-      version += static_cast<int64_t>((*shared)->_version());
-    }
+// The fp8 forward's weight cache is quantized from the weights of the workspace's last fp8 call
+// and made anew when their addresses or their version sum change (ForwardCall::weights_version).
+// The addresses alone would not do: a weight made anew per call (ExpertWeights' fused gate/up)
+// may land where the last one was. So the tensors of the last call stay referenced here until the
+// next fp8 call on that workspace: while they live no other tensor takes their memory, and the
+// version counters (which only grow) see every in-place change. Inference tensors keep no
+// version: with one among the weights the cache is made anew on every call (-1).
+std::mutex fp8_weights_mutex;
+std::map<std::tuple<int64_t, int, int64_t, int64_t, int64_t>, std::vector<Tensor>>
+    fp8_weights_in_cache;
+
+int64_t weights_version(const std::vector<Tensor>& weights) {
+  int64_t version = 0;
+  for (const Tensor& weight : weights) {
+    if (weight.is_inference()) return -1;
+    version += static_cast<int64_t>(weight._version());
   }
   return version;
 }
@@ -93,8 +103,13 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
     call.device = x.device().index();
     call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
     call.precision = std::string(precision.data(), precision.size());
+    std::vector<Tensor> fp8_weights;
     if (precision == "fp8") {
-      call.weights_version = weights_version(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
+      fp8_weights = {w_gate_up, w_down};
+      for (const OptionalTensor* shared : {&w_shared_gate_up, &w_shared_down}) {
+        if (shared->has_value() && (*shared)->defined()) fp8_weights.push_back(**shared);
+      }
+      call.weights_version = weights_version(fp8_weights);
     }
     if (save) {
       const int64_t rows = bridge::saved_context_rows(workspace, call);
@@ -107,6 +122,11 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
       }
     }
     bridge::forward(workspace, call);
+    if (precision == "fp8") {  // (see fp8_weights_in_cache)
+      const std::lock_guard<std::mutex> lock(fp8_weights_mutex);
+      fp8_weights_in_cache[{workspace, call.device, layer.shape.hidden, layer.shape.intermediate,
+                            layer.shape.num_experts}] = std::move(fp8_weights);
+    }
     return SaveResult{y, saved_gate_up, saved_shared_gate_up};
   });
 }
