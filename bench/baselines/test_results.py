@@ -237,3 +237,14 @@ def test_kind_of_old_names():
     assert report.kind_of("x/comm-h200x2.json", {}) == "comm"
     assert report.kind_of("x/gemm-2026-11-29.json", {}) == "gemm"
     assert report.kind_of("x/anything.json", {"benchmark": "layer"}) == "layer"
+
+
+def test_report_fp8_baseline_is_the_fastest_of_either_precision():
+    """An FP8 row's fastest baseline: torch's bf16 layer where it beats torch's FP8 one."""
+    entry = {"name": "x-fp8", "phase": "fwd", "mok_ms": 2.0, "baseline": "fp8_batched_bmm",
+             "baseline_ms": 8.0, "speedup": 4.0, "baseline_bf16": "batched_bmm", "baseline_bf16_ms": 5.0}
+    row = report.layer_rows({"cases": [entry]})[0]
+    assert (row["baseline"], row["baseline_ms"], row["speedup"]) == ("torch-native batched_bmm, bf16", 5.0, 2.5)
+    faster_fp8 = dict(entry, baseline_ms=4.0, speedup=0.5)
+    row = report.layer_rows({"cases": [faster_fp8]})[0]
+    assert (row["baseline"], row["baseline_ms"]) == ("torch-native fp8_batched_bmm", 4.0)
