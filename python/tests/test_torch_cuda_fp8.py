@@ -12,22 +12,10 @@ Without a Hopper GPU every test skips with the reason.
 import pytest
 import torch
 import torch.nn.functional as F
+from test_torch_cuda_backward import SKIP_REASON  # the same GPU requirements (a sibling module)
 
-import mok
 from mok import functional as mf
 
-
-def _skip_reason():
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return "needs a Hopper GPU (mok's GPU layer is built for sm_90a)"
-    if not mok._ops.HAVE_GPU_LAYER:
-        return "this build of mok has no GPU layer"
-    return None
-
-
-SKIP_REASON = _skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 FP8 = mf.MoKConfig(precision="fp8")

@@ -91,9 +91,6 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   if (comm.ranks_on_device() > 1 && options_.gemm.wgrad_cluster == 0) {
     options_.gemm.wgrad_cluster = 1;
   }
-  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
 }
 
 LayerBackward::~LayerBackward() {
@@ -105,19 +102,14 @@ LayerBackward::~LayerBackward() {
                        static_cast<void*>(shared_dx_), static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
-  if (fork_ != nullptr) cudaEventDestroy(fork_);
-  if (join_ != nullptr) cudaEventDestroy(join_);
-  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
 }
 
 int LayerBackward::shared_gemm_sms_beside_copy() const {
-  const int copy_ctas = options_.copy.num_ctas;
-  if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
+  if (!options_.overlap_shared_with_dispatch) return 0;
   // One rank: the dispatch copies local rows on every SM in a fraction of the shared expert's
   // time; beside it, its CTAs would hold SMs from the shared GEMMs for all of it.
   if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) return 0;
-  const int free_sms = num_sms_ - copy_ctas;
-  return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
+  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
 }
 
 int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
@@ -304,16 +296,14 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   if (shared_sms > 0) {
     // NOTE: the copy CTAs and the shared GEMMs' CTAs fill disjoint SMs, so the two run at once;
     // fork and join through events keep it one stream to the caller (and to a graph capture).
-    MOK_CUDA_CHECK(cudaEventRecord(fork_, stream));
-    MOK_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
-    dispatch(workspace_, options_.copy, side_stream_, comm::DispatchTensor::kX);
-    dispatch(workspace_, options_.copy, side_stream_, comm::DispatchTensor::kDy);
-    MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+    const cudaStream_t side = side_.fork(stream);
+    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kX);
+    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kDy);
     gemm::LaunchOptions beside_copy = options_.gemm;
     beside_copy.num_sms = shared_sms;
     run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, beside_copy);
     mark();
-    MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+    side_.join(stream);
     mark();
   } else {
     if (shared) {

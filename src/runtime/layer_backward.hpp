@@ -37,6 +37,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
 #include "runtime/layer_forward.hpp"
+#include "runtime/side_stream.hpp"
 #include "runtime/workspace.hpp"
 
 namespace mok {
@@ -143,8 +144,7 @@ class LayerBackward {
   LayerBackwardOptions options_;
   CommWorkspace workspace_;
   int num_sms_ = 0;
-  cudaStream_t side_stream_ = nullptr;  // the dispatch, when it overlaps the shared expert
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  SideStream side_;  // the dispatch, when it overlaps the shared expert
   // Routed rows (rows_capacity of the workspace):
   bf16* gate_up_ = nullptr;          // (rows, 2I) bf16, recomputed, interleaved (recompute mode)
   float* grad_hidden_ = nullptr;     // (rows, I) fp32, g = W_downᵀ dy

@@ -119,9 +119,6 @@ LayerForward::LayerForward(const Communicator& comm, const LayerShape& shape, in
     MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
     sm_partition_ = runtime::l2_partition_map().device_table;  // probed once per device
   }
-  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
 }
 
 LayerForward::~LayerForward() {
@@ -132,9 +129,6 @@ LayerForward::~LayerForward() {
                        static_cast<void*>(shared_offsets_), static_cast<void*>(trace_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
-  if (fork_ != nullptr) cudaEventDestroy(fork_);
-  if (join_ != nullptr) cudaEventDestroy(join_);
-  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
 }
 
 void LayerForward::load_weights(const LayerWeights& weights) {
@@ -199,10 +193,8 @@ std::vector<uint64_t> LayerForward::trace(cudaStream_t stream) const {
 }
 
 int LayerForward::shared_gemm_sms_beside_copy() const {
-  const int copy_ctas = options_.copy.num_ctas;
-  if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
-  const int free_sms = num_sms_ - copy_ctas;
-  return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
+  if (!options_.overlap_shared_with_dispatch) return 0;
+  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
 }
 
 void LayerForward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
@@ -236,11 +228,7 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
                   "save.shared_gate_up",
                   "null shared pre-activation buffer (I_s = ", shape_.shared_intermediate, ")");
   }
-  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
-                " out of range [0, ", tokens_max_, "]");
-  MOK_CHECK_ARG(
-      num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr && y != nullptr),
-      "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
+  check_forward_arguments(num_tokens, tokens_max_, x, topk_idx, topk_w, y);
   int recorded = 0;
   const std::function<void()> phase_done = [&] {
     if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));
@@ -286,6 +274,15 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
   combine_reduce(workspace_, topk_w, has_shared ? shared_output_ : nullptr, y, num_tokens, stream);
   phase_done();
+}
+
+void check_forward_arguments(int64_t num_tokens, int64_t tokens_max, const void* x,
+                             const void* topk_idx, const void* topk_w, const void* y) {
+  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max, "num_tokens", num_tokens,
+                " out of range [0, ", tokens_max, "]");
+  MOK_CHECK_ARG(
+      num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr && y != nullptr),
+      "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
 }
 
 int64_t saved_context_rows(int num_ranks, int64_t tokens_max, int64_t top_k, int64_t num_tokens) {
@@ -339,15 +336,12 @@ void LayerForward::run_unfused(const DeviceLayerWeights& weights, const bf16* x,
     // NOTE: the copy CTAs and the shared GEMMs' CTAs fill disjoint SMs, so the two run at once:
     // the shared expert hides the dispatch, as the megakernel's task order will. Fork and join
     // through events keep it one stream to the caller (and to a graph capture).
-    MOK_CUDA_CHECK(cudaEventRecord(fork_, stream));
-    MOK_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
-    dispatch(workspace_, options_.copy, side_stream_);
-    MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+    dispatch(workspace_, options_.copy, side_.fork(stream));
     gemm::LaunchOptions beside_copy = options_.gemm;
     beside_copy.num_sms = shared_sms;
     run_shared_expert(weights, x, num_tokens, stream, beside_copy);
     phase_done();
-    MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+    side_.join(stream);
     phase_done();
   } else {
     if (has_shared) run_shared_expert(weights, x, num_tokens, stream, options_.gemm);

@@ -26,6 +26,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/comm_ops.hpp"
 #include "runtime/fused_forward.hpp"
+#include "runtime/side_stream.hpp"
 #include "runtime/workspace.hpp"
 
 namespace mok {
@@ -112,6 +113,11 @@ enum class ForwardPhase : int {
 inline constexpr int kNumForwardPhases = 8;
 const char* phase_name(ForwardPhase phase);
 
+// Throws mok::Error naming the argument unless 0 <= num_tokens <= tokens_max and, when there are
+// tokens, x, topk_idx, topk_w and y are given: what every layer forward checks first.
+void check_forward_arguments(int64_t num_tokens, int64_t tokens_max, const void* x,
+                             const void* topk_idx, const void* topk_w, const void* y);
+
 class LayerForward {
  public:
   // tokens_max: the most tokens any call passes on any rank (the same on every rank).
@@ -187,8 +193,7 @@ class LayerForward {
   int num_sms_ = 0;                        // of this rank's GPU
   uint64_t* trace_ = nullptr;              // (num_sms_, trace_fields()) when tracing
   const uint8_t* sm_partition_ = nullptr;  // L2 partition by %smid (l2_partitions.hpp), or null
-  cudaStream_t side_stream_ = nullptr;     // the dispatch, when it overlaps the shared expert
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  SideStream side_;                        // the dispatch, when it overlaps the shared expert
 };
 
 }  // namespace mok

@@ -101,10 +101,7 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
     shared_output_ = device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
   }
-  num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
-  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-  MOK_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  num_sms_ = workspace_.num_sms();          // (a share of the GPU when ranks are emulated on it)
   MOK_CUDA_CHECK(cudaDeviceSynchronize());  // the memset above, before any caller's stream
 }
 
@@ -118,9 +115,6 @@ LayerForwardFp8::~LayerForwardFp8() {
                        static_cast<void*>(shared_output_), static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);
   }
-  if (fork_ != nullptr) cudaEventDestroy(fork_);
-  if (join_ != nullptr) cudaEventDestroy(join_);
-  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
 }
 
 int64_t LayerForwardFp8::buffer_bytes() const {
@@ -199,10 +193,8 @@ void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8O
 }
 
 int LayerForwardFp8::shared_gemm_sms_beside_copy() const {
-  const int copy_ctas = options_.copy.num_ctas;
-  if (!options_.overlap_shared_with_dispatch || copy_ctas <= 0 || copy_ctas >= num_sms_) return 0;
-  const int free_sms = num_sms_ - copy_ctas;
-  return options_.gemm.num_sms > 0 ? std::min(options_.gemm.num_sms, free_sms) : free_sms;
+  if (!options_.overlap_shared_with_dispatch) return 0;
+  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
 }
 
 void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
@@ -229,11 +221,7 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
                               const cudaEvent_t* phase_events) {
   MOK_CHECK_ARG(has_weights_, "weights",
                 "the fp8 forward reads the quantized weights: call quantize_weights first");
-  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
-                " out of range [0, ", tokens_max_, "]");
-  MOK_CHECK_ARG(
-      num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr && y != nullptr),
-      "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
+  check_forward_arguments(num_tokens, tokens_max_, x, topk_idx, topk_w, y);
   int recorded = 0;
   const std::function<void()> phase_done = [&] {
     if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));
@@ -255,15 +243,12 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   if (shared_sms > 0) {
     // The copy CTAs and the shared GEMMs fill disjoint SMs (as in the bf16 forward); fork and
     // join through events keep it one stream to the caller and to a graph capture.
-    MOK_CUDA_CHECK(cudaEventRecord(fork_, stream));
-    MOK_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
-    dispatch(workspace_, options_.copy, side_stream_);
-    MOK_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+    dispatch(workspace_, options_.copy, side_.fork(stream));
     gemm::LaunchOptions beside_copy = options_.gemm;
     beside_copy.num_sms = shared_sms;
     run_shared_expert(num_tokens, stream, beside_copy);
     phase_done();
-    MOK_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+    side_.join(stream);
   } else {
     if (has_shared) run_shared_expert(num_tokens, stream, options_.gemm);
     phase_done();

@@ -31,6 +31,7 @@
 #include "mok/layer.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/layer_forward.hpp"
+#include "runtime/side_stream.hpp"
 #include "runtime/workspace.hpp"
 
 namespace mok {
@@ -126,8 +127,7 @@ class LayerForwardFp8 {
   float* shared_output_ = nullptr;   // (T_max, H) fp32
   int32_t* shared_offsets_ = nullptr;
   int num_sms_ = 0;
-  cudaStream_t side_stream_ = nullptr;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  SideStream side_;  // the dispatch, when it overlaps the shared expert
 };
 
 }  // namespace mok

@@ -122,6 +122,47 @@ inline void expect_sane_trace(const std::vector<uint64_t>& trace, int fields) {
   EXPECT_GT(tasks, 0u);
 }
 
+// One rank's runs of a forward test: the first run (its outputs poisoned first), then `repeats`
+// eager runs and, with use_graph, two replays of a captured forward, each of which must give the
+// first run's y bitwise; returns the first run's y. after_first, when given, runs once after the
+// first run. Ranks emulated on one GPU meet before each run: no rank enqueues while another still
+// synchronises the device (setting up, or in after_first), which would wait for the first one's
+// waiting kernels. Layer: anything with check(stream) (LayerForward, LayerForwardFp8).
+template <class Layer>
+std::vector<bf16> first_run_then_repeats(const Communicator& comm, int rank, cudaStream_t stream,
+                                         const Layer& layer, const DeviceBuffer<bf16>& y,
+                                         int repeats, bool use_graph,
+                                         const std::function<void()>& poison,
+                                         const std::function<void()>& enqueue,
+                                         const std::function<void()>& after_first = {}) {
+  auto expect_same = [&](const char* what, int index, const std::vector<bf16>& expected) {
+    const int64_t differs = first_difference(y.download(), expected);
+    MOK_CHECK_ARG(differs < 0, what, "rank ", rank, " run ", index,
+                  " differs from the first eager run at element ", differs);
+  };
+  comm.host_barrier();
+  poison();
+  enqueue();
+  layer.check(stream);
+  const std::vector<bf16> first = y.download();
+  if (after_first) after_first();
+  for (int repeat = 0; repeat < repeats; ++repeat) {
+    comm.host_barrier();
+    poison();
+    enqueue();
+    layer.check(stream);
+    expect_same("repeat", repeat, first);
+  }
+  if (use_graph) {
+    comm.host_barrier();
+    replay_in_graph(stream, enqueue, 2, poison, [&](int replay) {
+      layer.check(stream);
+      expect_same("graph replay", replay, first);
+    });
+  }
+  return first;
+}
+
 inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const GpuRun& run) {
   const std::vector<Communicator>& comms = test_communicators(ep);
   const int64_t tokens = problem.num_tokens / ep, hidden = problem.shape.hidden;
@@ -165,37 +206,12 @@ inline std::vector<bf16> run_gpu_layer(const Problem& problem, int ep, const Gpu
         layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
       }
     };
-    auto expect_same = [&](const char* what, int index, const std::vector<bf16>& expected) {
-      const int64_t differs = first_difference(y.download(), expected);
-      MOK_CHECK_ARG(differs < 0, what, "rank ", rank, " run ", index,
-                    " differs from the first eager run at element ", differs);
-    };
-
     if (run.trace) layer.enable_trace();
-    // Ranks emulated on one GPU: no rank enqueues while another still synchronises the device
-    // (setting up, or in after_first_run), which would wait for the first one's waiting kernels.
-    const Communicator& comm = comms[rank];
-    comm.host_barrier();
-    poison();
-    enqueue();
-    layer.check(stream);
-    const std::vector<bf16> first = y.download();
-    if (run.trace) expect_sane_trace(layer.trace(stream), LayerForward::trace_fields());
-    if (run.after_first_run) run.after_first_run(rank, layer, stream, topk_idx.get(), tokens);
-    for (int repeat = 0; repeat < run.repeats; ++repeat) {
-      comm.host_barrier();
-      poison();
-      enqueue();
-      layer.check(stream);
-      expect_same("repeat", repeat, first);
-    }
-    if (run.use_graph) {
-      comm.host_barrier();
-      replay_in_graph(stream, enqueue, 2, poison, [&](int replay) {
-        layer.check(stream);
-        expect_same("graph replay", replay, first);
-      });
-    }
+    const std::vector<bf16> first = first_run_then_repeats(
+        comms[rank], rank, stream, layer, y, run.repeats, run.use_graph, poison, enqueue, [&] {
+          if (run.trace) expect_sane_trace(layer.trace(stream), LayerForward::trace_fields());
+          if (run.after_first_run) run.after_first_run(rank, layer, stream, topk_idx.get(), tokens);
+        });
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
     std::memcpy(y_all.data() + rank * tokens * hidden, first.data(), first.size() * sizeof(bf16));
   });

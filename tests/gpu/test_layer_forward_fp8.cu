@@ -63,32 +63,8 @@ std::vector<bf16> run_gpu_fp8_layer(const Problem& problem, int ep, const Fp8Run
     auto enqueue = [&] {
       layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
     };
-    auto expect_same = [&](const char* what, int index, const std::vector<bf16>& expected) {
-      const int64_t differs = first_difference(y.download(), expected);
-      MOK_CHECK_ARG(differs < 0, what, "rank ", rank, " run ", index,
-                    " differs from the first eager run at element ", differs);
-    };
-    // Emulated ranks: none enqueues while another still synchronises the device.
-    const Communicator& comm = comms[rank];
-    comm.host_barrier();
-    poison();
-    enqueue();
-    layer.check(stream);
-    const std::vector<bf16> first = y.download();
-    for (int repeat = 0; repeat < run.repeats; ++repeat) {
-      comm.host_barrier();
-      poison();
-      enqueue();
-      layer.check(stream);
-      expect_same("repeat", repeat, first);
-    }
-    if (run.use_graph) {
-      comm.host_barrier();
-      replay_in_graph(stream, enqueue, 2, poison, [&](int replay) {
-        layer.check(stream);
-        expect_same("graph replay", replay, first);
-      });
-    }
+    const std::vector<bf16> first = first_run_then_repeats(
+        comms[rank], rank, stream, layer, y, run.repeats, run.use_graph, poison, enqueue);
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
     std::memcpy(y_all.data() + rank * tokens * hidden, first.data(), first.size() * sizeof(bf16));
   });
