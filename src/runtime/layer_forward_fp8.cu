@@ -9,6 +9,7 @@
 
 #include "kernels/quantize/block2d_kernel.cuh"
 #include "kernels/quantize/layer_kernels.cuh"
+#include "kernels/quantize/rowwise_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "mok/gemm_fp8.hpp"
@@ -254,10 +255,14 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
     phase_done();
     dispatch(workspace_, options_.copy, stream);
   }
-  quantize::quantize_routed_rows_kernel<<<loop_grid(num_sms_, 8), quantize::kLayerQuantizeThreads,
-                                          0, stream>>>(
-      reinterpret_cast<const uint16_t*>(workspace_.expert_x()), routed_x_.data, routed_x_.scales,
-      shape_.hidden, row_bound);
+  // The dispatched rows (below row_bound) 1 x 128 along H: the bytes each token's own
+  // quantization gives.
+  constexpr int kVector = quantize::InputVector<uint16_t>::kElements;
+  quantize::quantize_rowwise_kernel<uint16_t, quantize::Format::kFp8, 128>
+      <<<loop_grid(num_sms_, 8), quantize::kLayerQuantizeThreads, 0, stream>>>(
+          reinterpret_cast<const uint16_t*>(workspace_.expert_x()), routed_x_.data,
+          routed_x_.scales, int64_t{rows} * shape_.hidden / kVector, row_bound,
+          shape_.hidden / kVector);
   MOK_CUDA_CHECK_LAUNCH();
   phase_done();  // kDispatch (with the routed rows' quantization)
   // Only each expert's real rows: the padding rows are neither computed nor quantized.

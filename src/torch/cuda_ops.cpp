@@ -62,8 +62,10 @@ void check_gpu_precision(c10::string_view precision, bool forward_only) {
 // version counters (which only grow) see every in-place change. Inference tensors keep no
 // version: with one among the weights the cache is made anew on every call (-1).
 std::mutex fp8_weights_mutex;
-std::map<std::tuple<int64_t, int, int64_t, int64_t, int64_t>, std::vector<Tensor>>
-    fp8_weights_in_cache;
+// Keyed as the bridge keys its workspaces: the handle, and for the automatic ones (handle 0) the
+// device and the whole shape, so that two layers never share an entry.
+using Fp8CacheKey = std::tuple<int64_t, int, int64_t, int64_t, int64_t, int64_t, int64_t>;
+std::map<Fp8CacheKey, std::vector<Tensor>> fp8_weights_in_cache;
 
 int64_t weights_version(const std::vector<Tensor>& weights) {
   int64_t version = 0;
@@ -124,8 +126,14 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
     bridge::forward(workspace, call);
     if (precision == "fp8") {  // (see fp8_weights_in_cache)
       const std::lock_guard<std::mutex> lock(fp8_weights_mutex);
-      fp8_weights_in_cache[{workspace, call.device, layer.shape.hidden, layer.shape.intermediate,
-                            layer.shape.num_experts}] = std::move(fp8_weights);
+      const Fp8CacheKey key{workspace,
+                            call.device,
+                            layer.shape.hidden,
+                            layer.shape.intermediate,
+                            layer.shape.shared_intermediate,
+                            layer.shape.num_experts,
+                            layer.shape.top_k};
+      fp8_weights_in_cache[key] = std::move(fp8_weights);
     }
     return SaveResult{y, saved_gate_up, saved_shared_gate_up};
   });

@@ -2,8 +2,6 @@
 // quantizers of mok/quantize.hpp, with the same per-element rule (elements.cuh) and so the same
 // bytes as the CPU reference's quantize_matrix:
 //
-//   quantize_routed_rows_kernel   activations 1 x 128 along the row, for the rows below a bound
-//                                 read on the device (the dispatched rows: expert_offsets[E])
 //   swiglu_quantize_kernel        h = swiglu(a, b) from the gate/up GEMM's fp32 sums, quantized
 //                                 1 x 128 along I straight from fp32 (the reference's rounding
 //                                 point: no bf16 rounding of h first); what the gate/up GEMM's
@@ -36,34 +34,6 @@ struct GateUpRows {
     return index / 8 * 16 + (up ? 8 : 0) + index % 8;
   }
 };
-
-// x (rows, cols) bf16 -> data (rows, cols) E4M3, scales (rows, cols / 128) fp32, for the rows
-// below *row_bound (device); cols a multiple of 128. Any grid of kLayerQuantizeThreads threads:
-// one 8-element vector per thread and step, a 128-block over 16 consecutive lanes.
-__global__ void __launch_bounds__(kLayerQuantizeThreads)
-    quantize_routed_rows_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ data,
-                                float* __restrict__ scales, int64_t cols,
-                                const int32_t* __restrict__ row_bound) {
-  constexpr int kElements = InputVector<uint16_t>::kElements;
-  constexpr int kLanesPerBlock = 128 / kElements;
-  const int64_t num_vectors = static_cast<int64_t>(*row_bound) * (cols / kElements);
-  const int64_t num_warp_vectors = (num_vectors + 31) / 32 * 32;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t vector_idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       vector_idx < num_warp_vectors; vector_idx += stride) {
-    const bool active = vector_idx < num_vectors;
-    float values[kElements] = {};
-    if (active) InputVector<uint16_t>::load(x + vector_idx * kElements, values);
-    const float amax = __uint_as_float(lanes_max<kLanesPerBlock>(finite_amax_bits(values)));
-    if (!active) continue;
-    uint32_t words[kElements / 4];
-    encode_scaled(values, block_inverse<Format::kFp8>(amax), words);
-    store_codes<kElements>(data + vector_idx * kElements, words);
-    if (vector_idx % kLanesPerBlock == 0) {
-      store_scale<Format::kFp8>(scales, vector_idx / kLanesPerBlock, amax);
-    }
-  }
-}
 
 // gate_up (rows, 2 * inter) fp32 in the 128-interleaved column order (h column c's gate sum at
 // 256 (c / 128) + c % 128, its up sum 128 further) -> h (rows, inter) E4M3 and scales (rows, inter

@@ -13,14 +13,21 @@
 namespace mok::quantize {
 
 // num_vectors: the input's elements / kElements. Launched with 256 threads per CTA and any grid.
+// row_bound, when given: only the rows below *row_bound (read on the device) of rows of
+// vectors_per_row vectors (the FP8 layer's dispatched rows, runtime/layer_forward_fp8.cu).
 template <class Input, Format kFormat, int kBlock>
 __global__ void __launch_bounds__(256)
     quantize_rowwise_kernel(const Input* __restrict__ x, uint8_t* __restrict__ data,
-                            void* __restrict__ scales, int64_t num_vectors) {
+                            void* __restrict__ scales, int64_t num_vectors,
+                            const int32_t* __restrict__ row_bound = nullptr,
+                            int64_t vectors_per_row = 0) {
   constexpr int kElements = InputVector<Input>::kElements;
   constexpr int kLanesPerBlock = kBlock / kElements;
   static_assert(kLanesPerBlock >= 1 && kLanesPerBlock <= 32 && 32 % kLanesPerBlock == 0,
                 "a block is a power-of-two group of lanes within a warp");
+  if (row_bound != nullptr) {
+    num_vectors = min(num_vectors, static_cast<int64_t>(*row_bound) * vectors_per_row);
+  }
   // Whole warps run every iteration (the shuffles need all lanes), so the loop bound is the
   // vector count rounded up to a warp; lanes past the end only take part in the shuffles.
   const int64_t num_warp_vectors = (num_vectors + 31) / 32 * 32;
