@@ -34,13 +34,6 @@ __global__ void collect_d_topk_w_kernel(comm::WorkspaceView view, float* d_topk_
   megakernel::collect_d_topk_w(view, d_topk_w, num_tokens);
 }
 
-__global__ void fill_kernel(float* values, int64_t count, float value) {
-  for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
-       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    values[index] = value;
-  }
-}
-
 WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
   WorkspaceOptions workspace = options.workspace;
   workspace.expert_rows = 0;  // every row at once
@@ -49,7 +42,56 @@ WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
   return workspace;
 }
 
+__global__ void fill_kernel(float* values, int64_t count, float value) {
+  for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    values[index] = value;
+  }
+}
+
 }  // namespace
+
+void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
+                           const float* topk_w, const bf16* dy, int64_t num_tokens,
+                           cudaStream_t stream) {
+  stage_tokens(workspace, x, num_tokens, stream);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.dy(), dy,
+                                 static_cast<size_t>(num_tokens * workspace.layout().row_bytes()),
+                                 cudaMemcpyDeviceToDevice, stream));
+  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.topk_w(), topk_w,
+                                 static_cast<size_t>(num_tokens * workspace.layout().top_k * 4),
+                                 cudaMemcpyDeviceToDevice, stream));
+  schedule(workspace, topk_idx, num_tokens, stream);
+}
+
+void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& grads,
+                           cudaStream_t stream) {
+  if (!shape.has_shared() || grads.output == gemm::WgradOutput::kAccumulateFp32) return;
+  const size_t element_bytes = grads.output == gemm::WgradOutput::kBf16 ? 2 : 4;
+  const size_t elements = static_cast<size_t>(shape.shared_intermediate * shape.hidden);
+  MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_gate_up, 0, 2 * elements * element_bytes, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_down, 0, elements * element_bytes, stream));
+}
+
+void collect_d_topk_w(const CommWorkspace& workspace, float* d_topk_w, int64_t num_tokens,
+                      int num_sms, cudaStream_t stream) {
+  const int64_t num_slots = num_tokens * workspace.layout().top_k;
+  if (num_slots == 0) return;
+  const int ctas = static_cast<int>(std::clamp<int64_t>((num_slots + 255) / 256, 1, num_sms));
+  collect_d_topk_w_kernel<<<ctas, 256, 0, stream>>>(workspace.view(), d_topk_w,
+                                                    static_cast<int32_t>(num_tokens));
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+float* make_ones(int64_t count, int device) {
+  float* ones = device_alloc<float>(count);
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  fill_kernel<<<static_cast<unsigned>(std::clamp<int64_t>((count + 255) / 256, 1, 1024)), 256>>>(
+      ones, count, 1.0f);
+  MOK_CUDA_CHECK_LAUNCH();
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  return ones;
+}
 
 LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
                              const LayerBackwardOptions& options)
@@ -70,13 +112,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   grad_hidden_ = device_alloc<float>(rows * inter);
   d_gate_up_ = device_alloc<bf16>(rows * 2 * inter);
   weighted_hidden_ = device_alloc<bf16>(rows * inter);
-  const int64_t num_slots = tokens_max * shape.top_k;
-  ones_ = device_alloc<float>(num_slots);
-  MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
-  fill_kernel<<<static_cast<unsigned>(std::clamp<int64_t>((num_slots + 255) / 256, 1, 1024)),
-                256>>>(ones_, num_slots, 1.0f);
-  MOK_CUDA_CHECK_LAUNCH();
-  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  ones_ = make_ones(tokens_max * shape.top_k, comm.device());
   if (shape.has_shared()) {
     shared_grad_hidden_ = device_alloc<float>(tokens_max * shared_inter);
     shared_d_gate_up_ = device_alloc<bf16>(tokens_max * 2 * shared_inter);
@@ -275,7 +311,6 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
   const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);
-  const int64_t num_slots = num_tokens * shape_.top_k;
   int phase = 0;
   auto mark = [&] {
     if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[phase], stream));
@@ -283,13 +318,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   };
   mark();
   // This rank's x, dy and router weights into its window, for the expert ranks.
-  stage_tokens(workspace_, x, num_tokens, stream);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace_.dy(), dy,
-                                 static_cast<size_t>(num_tokens * workspace_.layout().row_bytes()),
-                                 cudaMemcpyDeviceToDevice, stream));
-  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace_.topk_w(), topk_w, static_cast<size_t>(num_slots * 4),
-                                 cudaMemcpyDeviceToDevice, stream));
-  schedule(workspace_, topk_idx, num_tokens, stream);
+  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
   mark();
   const bool shared = shape_.has_shared() && tokens > 0;
   const int shared_sms = shared ? shared_gemm_sms_beside_copy() : 0;
@@ -317,20 +346,10 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     mark();
   }
   run_routed_experts(weights, saved_gate_up, grads, stream, mark);
-  if (shape_.has_shared() && tokens == 0 && grads.output != gemm::WgradOutput::kAccumulateFp32) {
-    // No token: the shared expert's gradients are zero.
-    const size_t element_bytes = grads.output == gemm::WgradOutput::kBf16 ? 2 : 4;
-    const size_t elements = static_cast<size_t>(shape_.shared_intermediate * shape_.hidden);
-    MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_gate_up, 0, 2 * elements * element_bytes, stream));
-    MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_down, 0, elements * element_bytes, stream));
-  }
+  if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
   combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
-  if (num_slots > 0) {
-    const int ctas = static_cast<int>(std::clamp<int64_t>((num_slots + 255) / 256, 1, num_sms_));
-    collect_d_topk_w_kernel<<<ctas, 256, 0, stream>>>(workspace_.view(), d_topk_w, tokens);
-    MOK_CUDA_CHECK_LAUNCH();
-  }
+  collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
   mark();
 }
 

@@ -85,6 +85,21 @@ enum class BackwardPhase : int {
 inline constexpr int kNumBackwardPhases = 11;
 const char* phase_name(BackwardPhase phase);
 
+// The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
+// x, dy and topk_w into the window and the schedule ...
+void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
+                           const float* topk_w, const bf16* dy, int64_t num_tokens,
+                           cudaStream_t stream);
+// ... (no token) the shared expert's gradients zero, unless they accumulate ...
+void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& grads,
+                           cudaStream_t stream);
+// ... and, after the combine's reduce, d_topk_w (T, k) of this rank's tokens from its window (0
+// for unused slots).
+void collect_d_topk_w(const CommWorkspace& workspace, float* d_topk_w, int64_t num_tokens,
+                      int num_sms, cudaStream_t stream);
+// (count) floats of 1.0f (the reduce's weights for dx: exact), made synchronously.
+float* make_ones(int64_t count, int device);
+
 class LayerBackward {
  public:
   // tokens_max: the most tokens any call passes on any rank (the same on every rank).

@@ -7,7 +7,6 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/quantize/block2d_kernel.cuh"
 #include "kernels/quantize/layer_kernels.cuh"
 #include "kernels/quantize/rowwise_kernel.cuh"
 #include "mok/cuda_check.hpp"
@@ -21,43 +20,8 @@
 namespace mok {
 namespace {
 
-constexpr int64_t kBlock = 128;  // the recipe's block: 1 x 128 activations, 128 x 128 weights
-
-Fp8Operand alloc_operand(int64_t rows, int64_t cols, int64_t scale_rows) {
-  return {device_alloc<uint8_t>(rows * cols), device_alloc<float>(scale_rows * (cols / kBlock))};
-}
-
-void free_operand(Fp8Operand& operand) {
-  cudaFree(operand.data);  // null is fine; errors here cannot be reported from a destructor
-  cudaFree(operand.scales);
-  operand = {};
-}
-
-int64_t operand_bytes(int64_t rows, int64_t cols, int64_t scale_rows) {
-  return rows * cols + scale_rows * (cols / kBlock) * 4;
-}
-
 // A grid of `per_sm` CTAs per SM for the loops over rows (any grid covers any size).
 unsigned loop_grid(int num_sms, int per_sm) { return static_cast<unsigned>(num_sms * per_sm); }
-
-// batch matrices (rows, cols) bf16 -> 128 x 128 blocks; gate_up: rows read through GateUpRows.
-void quantize_weight(const bf16* x, int64_t batch, int64_t rows, int64_t cols, bool gate_up,
-                     const Fp8Operand& out, cudaStream_t stream) {
-  const int64_t scale_rows = (rows + kBlock - 1) / kBlock, scale_cols = cols / kBlock;
-  const int64_t blocks = batch * scale_rows * scale_cols;
-  MOK_CHECK_ARG(blocks < (int64_t{1} << 31), "weights", "too many 128 x 128 blocks: ", blocks);
-  const auto* input = reinterpret_cast<const uint16_t*>(x);
-  if (gate_up) {
-    quantize::quantize_block2d_kernel<uint16_t, quantize::GateUpRows>
-        <<<static_cast<unsigned>(blocks), quantize::kBlock2dThreads, 0, stream>>>(
-            input, out.data, out.scales, rows, cols, scale_rows, scale_cols);
-  } else {
-    quantize::quantize_block2d_kernel<uint16_t>
-        <<<static_cast<unsigned>(blocks), quantize::kBlock2dThreads, 0, stream>>>(
-            input, out.data, out.scales, rows, cols, scale_rows, scale_cols);
-  }
-  MOK_CUDA_CHECK_LAUNCH();
-}
 
 }  // namespace
 
@@ -75,30 +39,25 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
         workspace.expert_rows = 0;  // every row a call can route here: no ring
         workspace.expert_y = true;
         return CommWorkspace(comm, shape, tokens_max, workspace);
-      }()) {
-  const int64_t experts = workspace_.layout().experts_per_rank();
+      }()),
+      weights_(shape, workspace_.layout().experts_per_rank(), options.transposed_weights) {
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
   const int64_t shared_inter = shape.shared_intermediate;
   const int64_t rows = checked_int(workspace_.layout().rows_capacity(), "rows capacity");
-  weights_.gate_up = alloc_operand(experts * 2 * inter, hidden, experts * 2 * inter / kBlock);
-  weights_.down =
-      alloc_operand(experts * hidden, inter, experts * ((hidden + kBlock - 1) / kBlock));
-  routed_x_ = alloc_operand(rows, hidden, rows);
+  routed_x_ = alloc_fp8_operand(rows, hidden, rows);
   if (swiglu_ == Fp8SwiGlu::kSeparate) {
     routed_gate_up_ = device_alloc<float>(rows * 2 * inter);
     // The SwiGLU quantization runs over the padding rows between experts too, which no GEMM
     // writes: zeros, not uninitialised memory (their bytes never reach a result).
     MOK_CUDA_CHECK(cudaMemset(routed_gate_up_, 0, static_cast<size_t>(rows * 2 * inter) * 4));
   }
-  routed_hidden_ = alloc_operand(rows, inter, rows);
+  routed_hidden_ = alloc_fp8_operand(rows, inter, rows);
   if (shape.has_shared()) {
-    weights_.shared_gate_up = alloc_operand(2 * shared_inter, hidden, 2 * shared_inter / kBlock);
-    weights_.shared_down = alloc_operand(hidden, shared_inter, (hidden + kBlock - 1) / kBlock);
-    shared_x_ = alloc_operand(tokens_max, hidden, tokens_max);
+    shared_x_ = alloc_fp8_operand(tokens_max, hidden, tokens_max);
     if (swiglu_ == Fp8SwiGlu::kSeparate) {
       shared_gate_up_ = device_alloc<float>(tokens_max * 2 * shared_inter);
     }
-    shared_hidden_ = alloc_operand(tokens_max, shared_inter, tokens_max);
+    shared_hidden_ = alloc_fp8_operand(tokens_max, shared_inter, tokens_max);
     shared_output_ = device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
   }
@@ -107,10 +66,8 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
 }
 
 LayerForwardFp8::~LayerForwardFp8() {
-  for (Fp8Operand* operand :
-       {&weights_.gate_up, &weights_.down, &weights_.shared_gate_up, &weights_.shared_down,
-        &routed_x_, &routed_hidden_, &shared_x_, &shared_hidden_}) {
-    free_operand(*operand);
+  for (Fp8Operand* operand : {&routed_x_, &routed_hidden_, &shared_x_, &shared_hidden_}) {
+    free_fp8_operand(*operand);
   }
   for (void* memory : {static_cast<void*>(routed_gate_up_), static_cast<void*>(shared_gate_up_),
                        static_cast<void*>(shared_output_), static_cast<void*>(shared_offsets_)}) {
@@ -124,56 +81,14 @@ int64_t LayerForwardFp8::buffer_bytes() const {
   const int64_t inter = shape_.intermediate, shared_inter = shape_.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
   const int64_t sums = swiglu_ == Fp8SwiGlu::kSeparate ? 2 * 4 : 0;  // fp32 gate/up sums
-  bytes +=
-      operand_bytes(rows, hidden, rows) + rows * inter * sums + operand_bytes(rows, inter, rows);
+  bytes += fp8_operand_bytes(rows, hidden, rows) + rows * inter * sums +
+           fp8_operand_bytes(rows, inter, rows);
   if (shape_.has_shared()) {
-    bytes += operand_bytes(tokens_max_, hidden, tokens_max_) + tokens_max_ * shared_inter * sums +
-             operand_bytes(tokens_max_, shared_inter, tokens_max_) + tokens_max_ * hidden * 4 + 8;
+    bytes +=
+        fp8_operand_bytes(tokens_max_, hidden, tokens_max_) + tokens_max_ * shared_inter * sums +
+        fp8_operand_bytes(tokens_max_, shared_inter, tokens_max_) + tokens_max_ * hidden * 4 + 8;
   }
   return bytes;
-}
-
-int64_t LayerForwardFp8::weight_bytes() const {
-  const int64_t experts = workspace_.layout().experts_per_rank();
-  const int64_t hidden = shape_.hidden, inter = shape_.intermediate;
-  const int64_t shared_inter = shape_.shared_intermediate;
-  const int64_t hidden_blocks = (hidden + kBlock - 1) / kBlock;
-  int64_t bytes = operand_bytes(experts * 2 * inter, hidden, experts * 2 * inter / kBlock) +
-                  operand_bytes(experts * hidden, inter, experts * hidden_blocks);
-  if (shape_.has_shared()) {
-    bytes += operand_bytes(2 * shared_inter, hidden, 2 * shared_inter / kBlock) +
-             operand_bytes(hidden, shared_inter, hidden_blocks);
-  }
-  return bytes;
-}
-
-void LayerForwardFp8::quantize_weights(const DeviceLayerWeights& weights, cudaStream_t stream) {
-  const int64_t experts = workspace_.layout().experts_per_rank();
-  const int64_t hidden = shape_.hidden, inter = shape_.intermediate;
-  const int64_t shared_inter = shape_.shared_intermediate;
-  const auto check = [](const bf16* data, int64_t elements, int64_t expected, const char* name) {
-    MOK_CHECK_ARG(elements == expected, name, elements, " elements, the shape needs ", expected);
-    MOK_CHECK_ARG(expected == 0 || data != nullptr, name, "null pointer for ", expected,
-                  " elements");
-  };
-  check(weights.gate_up, weights.gate_up_elements, experts * 2 * inter * hidden, "weights.gate_up");
-  check(weights.down, weights.down_elements, experts * hidden * inter, "weights.down");
-  const int64_t shared = shape_.has_shared() ? 1 : 0;
-  check(weights.shared_gate_up, weights.shared_gate_up_elements, shared * 2 * shared_inter * hidden,
-        "weights.shared_gate_up");
-  check(weights.shared_down, weights.shared_down_elements, shared * hidden * shared_inter,
-        "weights.shared_down");
-  // Row blocks of 128 never straddle gate and up: I is a multiple of 128.
-  quantize_weight(weights.gate_up, experts, 2 * inter, hidden, /*gate_up=*/true, weights_.gate_up,
-                  stream);
-  quantize_weight(weights.down, experts, hidden, inter, /*gate_up=*/false, weights_.down, stream);
-  if (shape_.has_shared()) {
-    quantize_weight(weights.shared_gate_up, 1, 2 * shared_inter, hidden, true,
-                    weights_.shared_gate_up, stream);
-    quantize_weight(weights.shared_down, 1, hidden, shared_inter, false, weights_.shared_down,
-                    stream);
-  }
-  has_weights_ = true;
 }
 
 void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8Operand& x,
@@ -209,18 +124,19 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
   quantize::quantize_gpu(layout, workspace_.x(), quantize::InputType::kBf16, shared_x_.data,
                          shared_x_.scales, stream);
   write_single_group_offsets(shared_offsets_, tokens, stream);
-  gate_up_swiglu({1, tokens, 2 * shared_inter, hidden}, shared_x_, weights_.shared_gate_up,
-                 shared_offsets_, shared_gate_up_, shared_hidden_, nullptr, stream, gemm_options);
+  gate_up_swiglu({1, tokens, 2 * shared_inter, hidden}, shared_x_,
+                 weights_.forward().shared_gate_up, shared_offsets_, shared_gate_up_,
+                 shared_hidden_, nullptr, stream, gemm_options);
   gemm::grouped_forward_fp8({1, tokens, hidden, shared_inter}, shared_hidden_.data,
-                            shared_hidden_.scales, weights_.shared_down.data,
-                            weights_.shared_down.scales, shared_offsets_, shared_output_,
+                            shared_hidden_.scales, weights_.forward().shared_down.data,
+                            weights_.forward().shared_down.scales, shared_offsets_, shared_output_,
                             gemm::ForwardOutput::kFp32, stream, gemm_options, pipeline_);
 }
 
 void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
                               int64_t num_tokens, cudaStream_t stream,
                               const cudaEvent_t* phase_events) {
-  MOK_CHECK_ARG(has_weights_, "weights",
+  MOK_CHECK_ARG(weights_.has_weights(), "weights",
                 "the fp8 forward reads the quantized weights: call quantize_weights first");
   check_forward_arguments(num_tokens, tokens_max_, x, topk_idx, topk_w, y);
   int recorded = 0;
@@ -268,15 +184,15 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   // Only each expert's real rows: the padding rows are neither computed nor quantized.
   gemm::GroupedShape gate_up{experts, rows, 2 * inter, hidden};
   gate_up.expert_counts = workspace_.expert_counts();
-  gate_up_swiglu(gate_up, routed_x_, weights_.gate_up, workspace_.expert_offsets(), routed_gate_up_,
-                 routed_hidden_, row_bound, stream, options_.gemm);
+  gate_up_swiglu(gate_up, routed_x_, weights_.forward().gate_up, workspace_.expert_offsets(),
+                 routed_gate_up_, routed_hidden_, row_bound, stream, options_.gemm);
   phase_done();  // kGateUp
   gemm::GroupedShape down{experts, rows, hidden, inter};
   down.expert_counts = workspace_.expert_counts();
-  gemm::grouped_forward_fp8(down, routed_hidden_.data, routed_hidden_.scales, weights_.down.data,
-                            weights_.down.scales, workspace_.expert_offsets(),
-                            workspace_.expert_y(), gemm::ForwardOutput::kBf16, stream,
-                            options_.gemm, pipeline_);
+  gemm::grouped_forward_fp8(down, routed_hidden_.data, routed_hidden_.scales,
+                            weights_.forward().down.data, weights_.forward().down.scales,
+                            workspace_.expert_offsets(), workspace_.expert_y(),
+                            gemm::ForwardOutput::kBf16, stream, options_.gemm, pipeline_);
   phase_done();  // kDown
   combine_push(workspace_, options_.copy, stream);
   phase_done();

@@ -15,7 +15,8 @@
 //   combine_push, _reduce     as bf16: y = shared + Σ_j w_j · slot_j in fp32, rounded once
 //
 // The weights are quantized 128 x 128 (W_gate, W_up and W_down each in its own blocks) into a
-// cache by quantize_weights, once per change of the weights (an optimizer step), not per call.
+// cache (fp8_weights.hpp) by quantize_weights, once per change of the weights (an optimizer step),
+// not per call.
 // Fp8SwiGlu::kSeparate keeps the gate/up sums in fp32 and quantizes h in a kernel of its own: the
 // same bytes (the test of the fused epilogue), more memory traffic.
 // Asynchronous on the caller's stream, no host synchronisation. Construction and destruction are
@@ -30,6 +31,7 @@
 #include "mok/gemm_fp8.hpp"
 #include "mok/layer.hpp"
 #include "runtime/comm.hpp"
+#include "runtime/fp8_weights.hpp"
 #include "runtime/layer_forward.hpp"
 #include "runtime/side_stream.hpp"
 #include "runtime/workspace.hpp"
@@ -50,19 +52,9 @@ struct LayerForwardFp8Options {
   // forward measured 2-11 % faster at deepseek-v3 and qwen3-30b-a3b, level elsewhere
   // (docs/perf-notes/fp8.md v4).
   gemm::Fp8Pipeline pipeline{/*cluster=*/1, /*stages=*/0};
-};
-
-// E4M3 bytes and their fp32 scales, one per block.
-struct Fp8Operand {
-  uint8_t* data = nullptr;
-  float* scales = nullptr;
-};
-
-// The quantized weights of one rank: gate/up (E_l, 2I, H) with gate and up rows interleaved in
-// blocks of 128 (gemm::kSwiGluFp8Interleave), scales (E_l, 2I / 128, H / 128); down (E_l, H, I),
-// scales (E_l, H / 128, I / 128); the shared expert's alike with E_l = 1 (empty without one).
-struct Fp8LayerWeights {
-  Fp8Operand gate_up, down, shared_gate_up, shared_down;
+  // The weight cache holds the dgrads' transposed layout too (fp8_weights.hpp), made by the same
+  // quantize_weights, for a LayerBackwardFp8 of the same layer to read (weight_cache()).
+  bool transposed_weights = false;
 };
 
 class LayerForwardFp8 {
@@ -78,9 +70,13 @@ class LayerForwardFp8 {
   // Quantizes the bf16 weights (DeviceLayerWeights' layouts: gate/up interleaved in blocks of 8
   // rows) into this object's cache, on `stream`; the forwards after it read the cache. Call it
   // again whenever the weights change.
-  void quantize_weights(const DeviceLayerWeights& weights, cudaStream_t stream);
-  bool has_weights() const { return has_weights_; }
-  const Fp8LayerWeights& weights() const { return weights_; }
+  void quantize_weights(const DeviceLayerWeights& weights, cudaStream_t stream) {
+    weights_.quantize(weights, stream);
+  }
+  bool has_weights() const { return weights_.has_weights(); }
+  // The cache (fp8_weights.hpp's forward layout), and the whole cache.
+  const Fp8LayerWeights& weights() const { return weights_.forward(); }
+  const Fp8WeightCache& weight_cache() const { return weights_; }
 
   // x (T, H) bf16, topk_idx (T, k) int32, topk_w (T, k) fp32, y (T, H) bf16, on this rank's GPU;
   // T <= tokens_max. phase_events, when given: kNumForwardPhases + 1 events, recorded before the
@@ -97,7 +93,7 @@ class LayerForwardFp8 {
   // Device bytes besides the weight cache: workspace and intermediates.
   int64_t buffer_bytes() const;
   // Device bytes of the weight cache (E4M3 bytes and scales).
-  int64_t weight_bytes() const;
+  int64_t weight_bytes() const { return weights_.bytes(); }
 
  private:
   void run_shared_expert(int64_t num_tokens, cudaStream_t stream,
@@ -116,8 +112,7 @@ class LayerForwardFp8 {
   Fp8SwiGlu swiglu_ = Fp8SwiGlu::kInGemm;
   gemm::Fp8Pipeline pipeline_;
   CommWorkspace workspace_;
-  Fp8LayerWeights weights_;
-  bool has_weights_ = false;
+  Fp8WeightCache weights_;
   Fp8Operand routed_x_;              // (rows, H), scales (rows, H / 128)
   float* routed_gate_up_ = nullptr;  // (rows, 2I) fp32 (kSeparate only)
   Fp8Operand routed_hidden_;         // (rows, I), scales (rows, I / 128)

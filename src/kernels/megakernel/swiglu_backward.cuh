@@ -125,11 +125,13 @@ __device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int6
   return dot;
 }
 
-// Routed rows: every row of the local experts that holds a token's (t, j) (padding rows are
-// skipped: no GEMM reads them into a result). w comes from the owner's window, d_topk_w goes
-// into it (one writer per element).
-__device__ inline void swiglu_backward_routed(const comm::WorkspaceView& view,
-                                              const SwiGluBackwardRows& rows) {
+// Every row of the local experts that holds a token's (t, j), a warp each (padding rows are
+// skipped: no GEMM reads them into a result): backward_row(row, packed source, w) returns the
+// row's d_topk_w (every lane the same), which goes into the owner's window (one writer per
+// element); w comes from there too.
+template <class BackwardRow>
+__device__ inline void for_each_routed_row(const comm::WorkspaceView& view,
+                                           const BackwardRow& backward_row) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
@@ -140,20 +142,35 @@ __device__ inline void swiglu_backward_routed(const comm::WorkspaceView& view,
     const comm::RowSource source = comm::unpack_row_source(view.layout, packed);
     const int64_t slot = source.token * view.layout.top_k + source.slot;
     const float weight = view.topk_w(source.rank)[slot];
-    const float dot =
-        swiglu_backward_row(rows, row, rows.saved_by_source ? packed : row, weight, lane);
+    const float dot = backward_row(row, packed, weight);
     if (lane == 0) view.d_topk_w(source.rank)[slot] = dot;
   }
+}
+
+// Rows [0, num_rows) of this rank's tokens (the shared expert), a warp each.
+template <class BackwardRow>
+__device__ inline void for_each_shared_row(int64_t num_rows, const BackwardRow& backward_row) {
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows;
+       row += warps) {
+    backward_row(row);
+  }
+}
+
+// The routed rows; in save mode their pre-activations are read by source.
+__device__ inline void swiglu_backward_routed(const comm::WorkspaceView& view,
+                                              const SwiGluBackwardRows& rows) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for_each_routed_row(view, [&](int64_t row, int32_t packed, float weight) {
+    return swiglu_backward_row(rows, row, rows.saved_by_source ? packed : row, weight, lane);
+  });
 }
 
 // The shared expert: rows [0, num_rows) of this rank's tokens, w = 1.
 __device__ inline void swiglu_backward_shared(const SwiGluBackwardRows& rows, int64_t num_rows) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  for (int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows;
-       row += warps) {
-    swiglu_backward_row(rows, row, row, 1.0f, lane);
-  }
+  for_each_shared_row(num_rows,
+                      [&](int64_t row) { swiglu_backward_row(rows, row, row, 1.0f, lane); });
 }
 
 // d_topk_w (T, k) of this rank's tokens from its window, 0 for unused slots; after the combine's

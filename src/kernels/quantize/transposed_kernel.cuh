@@ -19,14 +19,30 @@ inline constexpr int kTileCols = 64;   // input columns per tile: the data's row
 inline constexpr int kSegment = kTileRows * kTileCols / kTransposedThreads;  // 32 per thread
 inline constexpr int kSegmentsPerColumn = kTileRows / kSegment;              // 4
 
+// Where a tile's real input rows end (the rows from there read as zeros): at in_rows. A tile whose
+// rows end at or before its first row is skipped (neither read nor written).
+struct AllRows {
+  __device__ __forceinline__ int64_t end(int64_t /*row0*/, int64_t in_rows) const {
+    return in_rows;
+  }
+};
+
+// The data row of input column `col`: the same.
+struct SameColumns {
+  __device__ __forceinline__ int64_t operator()(int64_t col) const { return col; }
+};
+
 // grid: batch * ceil(in_rows / kTileRows) * ceil(in_cols / kTileCols) CTAs of kTransposedThreads.
 // in_rows is a multiple of kBlock (describe checks it), so a segment is whole or absent.
-// vector_loads: in_cols is a multiple of the input vector (else element loads).
-template <class Input, Format kFormat, int kBlock>
+// vector_loads: in_cols is a multiple of the input vector (else element loads). Rows: where each
+// tile's real rows end (AllRows; the FP8 layer's ExpertRows); Columns: the data row each input
+// column goes to, a permutation of [0, in_cols) (SameColumns; the layer's GateUp8Columns).
+template <class Input, Format kFormat, int kBlock, class Rows = AllRows,
+          class Columns = SameColumns>
 __global__ void __launch_bounds__(kTransposedThreads)
     quantize_transposed_kernel(const Input* __restrict__ x, uint8_t* __restrict__ data,
                                void* __restrict__ scales, int64_t in_rows, int64_t in_cols,
-                               bool vector_loads) {
+                               bool vector_loads, Rows rows = {}, Columns columns = {}) {
   static_assert(kBlock == kSegment || kBlock == kTileRows, "a block is a segment or a tile column");
   constexpr int kElements = InputVector<Input>::kElements;
   constexpr int kVectorsPerTileRow = kTileCols / kElements;
@@ -43,6 +59,8 @@ __global__ void __launch_bounds__(kTransposedThreads)
   const int64_t row0 = tile_idx / tiles_per_row * kTileRows;
   const int64_t col0 = tile_idx % tiles_per_row * kTileCols;
   const Input* matrix_x = x + matrix * in_rows * in_cols;
+  const int64_t row_end = rows.end(row0, in_rows);
+  if (row_end <= row0) return;  // (the whole CTA: before any barrier)
 
 #pragma unroll
   for (int load = 0; load < kLoadsPerThread; ++load) {
@@ -51,7 +69,7 @@ __global__ void __launch_bounds__(kTransposedThreads)
     const int tile_col = vector_idx % kVectorsPerTileRow * kElements;
     const int64_t row = row0 + tile_row, col = col0 + tile_col;
     float values[kElements] = {};  // zeros outside the input: they change no amax, go nowhere
-    if (row < in_rows) {
+    if (row < row_end) {
       if (vector_loads && col < in_cols) {
         InputVector<Input>::load(matrix_x + row * in_cols + col, values);
       } else if (!vector_loads) {
@@ -87,7 +105,7 @@ __global__ void __launch_bounds__(kTransposedThreads)
   if (!active) return;
   const float amax = __uint_as_float(amax_bits);
   // data (batch, in_cols, in_rows); scales (batch, in_cols, in_rows / kBlock)
-  const int64_t data_row_global = matrix * in_cols + data_row;
+  const int64_t data_row_global = matrix * in_cols + columns(data_row);
   uint32_t words[kSegment / 4];
   encode_scaled(values, block_inverse<kFormat>(amax), words);
   store_codes<kSegment>(data + data_row_global * in_rows + data_col, words);

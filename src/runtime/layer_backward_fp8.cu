@@ -1,0 +1,390 @@
+// The GPU layer backward in fp8 (layer_backward_fp8.hpp): buffers sized from shapes and one enqueue
+// of the whole composition per call.
+#include "runtime/layer_backward_fp8.hpp"
+
+#include <algorithm>
+#include <type_traits>
+
+#include <cuda_runtime.h>
+
+#include "kernels/comm/flags.cuh"
+#include "kernels/megakernel/swiglu_backward_fp8.cuh"
+#include "kernels/quantize/layer_kernels.cuh"
+#include "kernels/quantize/rowwise_kernel.cuh"
+#include "kernels/quantize/transposed_kernel.cuh"
+#include "mok/cuda_check.hpp"
+#include "mok/error.hpp"
+#include "mok/precision.hpp"
+#include "runtime/comm_ops.hpp"
+#include "runtime/device_memory.hpp"
+
+namespace mok {
+namespace {
+
+constexpr int64_t kBlock = 128;  // the recipe's activation blocks: 1 x 128, and 128 x 1
+
+int64_t round_up_to_block(int64_t rows) { return (rows + kBlock - 1) / kBlock * kBlock; }
+
+__global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
+    swiglu_backward_fp8_routed_kernel(comm::WorkspaceView view,
+                                      megakernel::SwiGluBackwardFp8Rows rows) {
+  if (comm::cta_sees_error(view)) return;
+  megakernel::swiglu_backward_fp8_routed(view, rows);
+}
+
+__global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
+    swiglu_backward_fp8_shared_kernel(megakernel::SwiGluBackwardFp8Rows rows, int32_t num_rows) {
+  megakernel::swiglu_backward_fp8_shared(rows, num_rows);
+}
+
+// Rows (rows, cols) bf16 -> 1 x 128 along cols, for the rows below *row_bound (device) or all.
+void quantize_rows(const bf16* x, const Fp8Operand& out, int64_t rows, int64_t cols,
+                   const int32_t* row_bound, int num_sms, cudaStream_t stream) {
+  if (rows == 0) return;
+  constexpr int kVector = quantize::InputVector<uint16_t>::kElements;
+  quantize::quantize_rowwise_kernel<uint16_t, quantize::Format::kFp8, 128>
+      <<<static_cast<unsigned>(num_sms * 8), 256, 0, stream>>>(
+          reinterpret_cast<const uint16_t*>(x), out.data, out.scales, rows * cols / kVector,
+          row_bound, cols / kVector);
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+// The quantize kernels' view of an input: bf16 as its 16-bit pattern, fp32 as it is.
+const uint16_t* stored(const bf16* x) { return reinterpret_cast<const uint16_t*>(x); }
+const float* stored(const float* x) { return x; }
+
+// x (padded_rows, cols) -> out (cols, padded_rows), 128 x 1 down the rows of each group of
+// `groups` (expert_offsets on 128-row boundaries, counts or null), the rows past a group's count
+// as zeros; input column c to data row columns(c).
+template <class Input, class Columns = quantize::SameColumns>
+void quantize_along_rows(const Input* x, const Fp8Operand& out, int64_t padded_rows, int64_t cols,
+                         const int32_t* offsets, const int32_t* counts, int groups,
+                         cudaStream_t stream, Columns columns = {}) {
+  if (padded_rows == 0) return;
+  const int64_t tiles =
+      padded_rows / quantize::kTileRows * ((cols + quantize::kTileCols - 1) / quantize::kTileCols);
+  MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "rows", "too many tiles: ", tiles);
+  const auto* input = stored(x);
+  using Stored = std::remove_cv_t<std::remove_pointer_t<decltype(input)>>;
+  quantize::quantize_transposed_kernel<Stored, quantize::Format::kFp8, 128, quantize::ExpertRows,
+                                       Columns>
+      <<<static_cast<unsigned>(tiles), quantize::kTransposedThreads, 0, stream>>>(
+          input, out.data, out.scales, padded_rows, cols, /*vector_loads=*/true,
+          quantize::ExpertRows{offsets, counts, groups}, columns);
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
+  WorkspaceOptions workspace = options.workspace;
+  MOK_CHECK_ARG(workspace.block_m % kBlock == 0, "workspace.block_m",
+                "the fp8 wgrads need experts on 128-row boundaries, got ", workspace.block_m);
+  workspace.expert_rows = 0;  // every row at once
+  workspace.expert_y = true;  // the dx rows before the combine push
+  workspace.backward = true;
+  return workspace;
+}
+
+}  // namespace
+
+LayerBackwardFp8::Operands LayerBackwardFp8::alloc_operands(int64_t rows, int64_t padded_rows,
+                                                            int64_t hidden, int64_t inter) {
+  Operands out;
+  out.x = alloc_fp8_operand(rows, hidden, rows);
+  out.dy = alloc_fp8_operand(rows, hidden, rows);
+  out.gate_up = device_alloc<bf16>(rows * 2 * inter);
+  out.grad_hidden = device_alloc<float>(rows * inter);
+  out.d_gate_up = device_alloc<float>(rows * 2 * inter);
+  out.d_gate_up_rows = alloc_fp8_operand(rows, 2 * inter, rows);
+  out.weighted_hidden = device_alloc<float>(rows * inter);
+  // (features, padded_rows) with a scale per (feature, 128 rows): scale_rows features.
+  const auto transposed = [&](int64_t features) {
+    return Fp8Operand{device_alloc<uint8_t>(features * padded_rows),
+                      device_alloc<float>(features * (padded_rows / kBlock))};
+  };
+  out.x_t = transposed(hidden);
+  out.dy_t = transposed(hidden);
+  out.d_gate_up_t = transposed(2 * inter);
+  out.hidden_t = transposed(inter);
+  return out;
+}
+
+void LayerBackwardFp8::free_operands(Operands& operands) {
+  for (Fp8Operand* operand : {&operands.x, &operands.dy, &operands.d_gate_up_rows, &operands.x_t,
+                              &operands.dy_t, &operands.d_gate_up_t, &operands.hidden_t}) {
+    free_fp8_operand(*operand);
+  }
+  for (void* memory :
+       {static_cast<void*>(operands.gate_up), static_cast<void*>(operands.grad_hidden),
+        static_cast<void*>(operands.d_gate_up), static_cast<void*>(operands.weighted_hidden)}) {
+    cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
+  }
+  operands = {};
+}
+
+int64_t LayerBackwardFp8::operand_bytes(int64_t rows, int64_t padded_rows, int64_t hidden,
+                                        int64_t inter) {
+  const int64_t row_operands = 2 * fp8_operand_bytes(rows, hidden, rows) +
+                               rows * inter * (2 * 2 + 4 + 2 * 4 + 4) +
+                               fp8_operand_bytes(rows, 2 * inter, rows);
+  const int64_t features = 2 * hidden + 3 * inter;  // x_t, dy_t, d_gate_up_t, hidden_t
+  return row_operands + features * padded_rows + features * (padded_rows / kBlock) * 4;
+}
+
+LayerBackwardFp8::LayerBackwardFp8(const Communicator& comm, const LayerShape& shape,
+                                   int64_t tokens_max, const LayerBackwardFp8Options& options)
+    : shape_(shape),
+      tokens_max_(tokens_max),
+      options_(options.layer),
+      pipeline_(options.pipeline),
+      workspace_([&] {
+        shape.validate(comm.num_ranks());
+        validate_precision(shape, Precision::kFp8);
+        return CommWorkspace(comm, shape, tokens_max, backward_workspace(options.layer));
+      }()) {
+  const int64_t rows = checked_int(workspace_.layout().rows_capacity(), "rows capacity");
+  routed_padded_rows_ = round_up_to_block(rows);
+  checked_int(routed_padded_rows_, "rows capacity");
+  routed_ = alloc_operands(rows, routed_padded_rows_, shape.hidden, shape.intermediate);
+  if (shape.has_shared()) {
+    shared_ = alloc_operands(tokens_max, round_up_to_block(tokens_max), shape.hidden,
+                             shape.shared_intermediate);
+    shared_dx_ = device_alloc<float>(tokens_max * shape.hidden);
+    shared_offsets_ = device_alloc<int32_t>(2);
+  }
+  ones_ = make_ones(tokens_max * shape.top_k, comm.device());
+  num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
+}
+
+LayerBackwardFp8::~LayerBackwardFp8() {
+  free_operands(routed_);
+  free_operands(shared_);
+  for (void* memory : {static_cast<void*>(ones_), static_cast<void*>(shared_dx_),
+                       static_cast<void*>(shared_offsets_)}) {
+    cudaFree(memory);
+  }
+}
+
+int64_t LayerBackwardFp8::buffer_bytes() const {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  int64_t bytes = layout.window_bytes + layout.local_bytes;
+  bytes += operand_bytes(layout.rows_capacity(), routed_padded_rows_, shape_.hidden,
+                         shape_.intermediate);
+  bytes += tokens_max_ * shape_.top_k * 4;  // ones
+  if (shape_.has_shared()) {
+    bytes += operand_bytes(tokens_max_, round_up_to_block(tokens_max_), shape_.hidden,
+                           shape_.shared_intermediate) +
+             tokens_max_ * shape_.hidden * 4 + 8;
+  }
+  return bytes;
+}
+
+int LayerBackwardFp8::shared_gemm_sms_beside_copy() const {
+  if (!options_.overlap_shared_with_dispatch) return 0;
+  if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) return 0;
+  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
+}
+
+void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
+                                         const DeviceLayerGradients& grads, int tokens,
+                                         cudaStream_t stream,
+                                         const gemm::LaunchOptions& gemm_options) {
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.shared_intermediate);
+  const Fp8LayerWeights& forward = weights.forward();
+  const Fp8LayerWeights& transposed = weights.transposed();
+  const Operands& op = shared_;
+  write_single_group_offsets(shared_offsets_, tokens, stream);
+  // This rank's own tokens and their dy, 1 x 128: the bytes the dispatched copies get too.
+  quantize_rows(workspace_.x(), op.x, tokens, hidden, nullptr, num_sms_, stream);
+  quantize_rows(workspace_.dy(), op.dy, tokens, hidden, nullptr, num_sms_, stream);
+  const gemm::GroupedShape gate_up{1, tokens, 2 * inter, hidden};
+  const gemm::GroupedShape down{1, tokens, hidden, inter};
+  gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.shared_gate_up.data,
+                            forward.shared_gate_up.scales, shared_offsets_, op.gate_up,
+                            gemm::ForwardOutput::kBf16, stream, gemm_options, pipeline_);
+  gemm::grouped_dgrad_fp8(down, op.dy.data, op.dy.scales, transposed.shared_down.data,
+                          transposed.shared_down.scales, shared_offsets_, op.grad_hidden,
+                          gemm::DgradOutput::kFp32, stream, gemm_options, pipeline_);
+  const megakernel::SwiGluBackwardFp8Rows rows{reinterpret_cast<const __nv_bfloat16*>(op.gate_up),
+                                               op.grad_hidden,
+                                               op.d_gate_up,
+                                               op.d_gate_up_rows.data,
+                                               op.d_gate_up_rows.scales,
+                                               op.weighted_hidden,
+                                               inter};
+  const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
+  const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
+  const int ctas = static_cast<int>(
+      std::clamp<int64_t>((tokens + warps_per_cta - 1) / warps_per_cta, 1, int64_t{sms} * 8));
+  swiglu_backward_fp8_shared_kernel<<<ctas, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
+      rows, tokens);
+  MOK_CUDA_CHECK_LAUNCH();
+  // dx_shared (T, H) fp32, added by the combine's reduce.
+  gemm::grouped_dgrad_fp8(gate_up, op.d_gate_up_rows.data, op.d_gate_up_rows.scales,
+                          transposed.shared_gate_up.data, transposed.shared_gate_up.scales,
+                          shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream,
+                          gemm_options, pipeline_);
+  // The wgrads over the tokens in order, their operands 128 x 1 down the tokens.
+  const int padded = static_cast<int>(round_up_to_block(tokens));
+  quantize_along_rows(workspace_.dy(), op.dy_t, padded, hidden, shared_offsets_, nullptr, 1,
+                      stream);
+  quantize_along_rows(op.weighted_hidden, op.hidden_t, padded, inter, shared_offsets_, nullptr, 1,
+                      stream);
+  gemm::grouped_wgrad_fp8({1, padded, hidden, inter}, op.dy_t.data, op.dy_t.scales,
+                          op.hidden_t.data, op.hidden_t.scales, shared_offsets_, grads.shared_down,
+                          grads.output, stream, gemm_options);
+  quantize_along_rows(op.d_gate_up, op.d_gate_up_t, padded, 2 * inter, shared_offsets_, nullptr, 1,
+                      stream, quantize::GateUp8Columns{inter});
+  quantize_along_rows(workspace_.x(), op.x_t, padded, hidden, shared_offsets_, nullptr, 1, stream);
+  gemm::grouped_wgrad_fp8({1, padded, 2 * inter, hidden}, op.d_gate_up_t.data,
+                          op.d_gate_up_t.scales, op.x_t.data, op.x_t.scales, shared_offsets_,
+                          grads.shared_gate_up, grads.output, stream, gemm_options);
+}
+
+template <class Mark>
+void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
+                                          const DeviceLayerGradients& grads, cudaStream_t stream,
+                                          const Mark& mark) {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const int experts = static_cast<int>(layout.experts_per_rank());
+  const int rows = static_cast<int>(layout.rows_capacity());
+  const int padded = static_cast<int>(routed_padded_rows_);
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.intermediate);
+  const int* offsets = workspace_.expert_offsets();
+  const int* counts = workspace_.expert_counts();
+  const gemm::LaunchOptions& gemm_options = options_.gemm;
+  const Fp8LayerWeights& forward = weights.forward();
+  const Fp8LayerWeights& transposed = weights.transposed();
+  const Operands& op = routed_;
+  // Only each expert's real rows: the padding rows are neither computed nor summed.
+  gemm::GroupedShape gate_up{experts, rows, 2 * inter, hidden};
+  gate_up.expert_counts = counts;
+  gemm::GroupedShape down{experts, rows, hidden, inter};
+  down.expert_counts = counts;
+  gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.gate_up.data,
+                            forward.gate_up.scales, offsets, op.gate_up, gemm::ForwardOutput::kBf16,
+                            stream, gemm_options, pipeline_);
+  mark();
+  // g = dy · W_down on the unscaled dy rows, fp32.
+  gemm::grouped_dgrad_fp8(down, op.dy.data, op.dy.scales, transposed.down.data,
+                          transposed.down.scales, offsets, op.grad_hidden, gemm::DgradOutput::kFp32,
+                          stream, gemm_options, pipeline_);
+  mark();
+  const megakernel::SwiGluBackwardFp8Rows rows_in{
+      reinterpret_cast<const __nv_bfloat16*>(op.gate_up),
+      op.grad_hidden,
+      op.d_gate_up,
+      op.d_gate_up_rows.data,
+      op.d_gate_up_rows.scales,
+      op.weighted_hidden,
+      inter};
+  swiglu_backward_fp8_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0,
+                                      stream>>>(workspace_.view(), rows_in);
+  MOK_CUDA_CHECK_LAUNCH();
+  mark();
+  // dx rows (bf16) into expert_y for the push.
+  gemm::grouped_dgrad_fp8(gate_up, op.d_gate_up_rows.data, op.d_gate_up_rows.scales,
+                          transposed.gate_up.data, transposed.gate_up.scales, offsets,
+                          workspace_.expert_y(), gemm::DgradOutput::kBf16, stream, gemm_options,
+                          pipeline_);
+  mark();
+  combine_push(workspace_, options_.copy, stream);
+  mark();
+  // While the peers' dx rows arrive: dW_down = dyᵀ · (w·h), dW_gate_up = d_gate_upᵀ · x, their
+  // operands 128 x 1 down each expert's rows.
+  quantize_along_rows(workspace_.expert_dy(), op.dy_t, padded, hidden, offsets, counts, experts,
+                      stream);
+  quantize_along_rows(op.weighted_hidden, op.hidden_t, padded, inter, offsets, counts, experts,
+                      stream);
+  gemm::GroupedShape wgrad_down{experts, padded, hidden, inter};
+  wgrad_down.expert_counts = counts;
+  gemm::grouped_wgrad_fp8(wgrad_down, op.dy_t.data, op.dy_t.scales, op.hidden_t.data,
+                          op.hidden_t.scales, offsets, grads.down, grads.output, stream,
+                          gemm_options);
+  mark();
+  quantize_along_rows(op.d_gate_up, op.d_gate_up_t, padded, 2 * inter, offsets, counts, experts,
+                      stream, quantize::GateUp8Columns{inter});
+  quantize_along_rows(workspace_.expert_x(), op.x_t, padded, hidden, offsets, counts, experts,
+                      stream);
+  gemm::GroupedShape wgrad_gate_up{experts, padded, 2 * inter, hidden};
+  wgrad_gate_up.expert_counts = counts;
+  gemm::grouped_wgrad_fp8(wgrad_gate_up, op.d_gate_up_t.data, op.d_gate_up_t.scales, op.x_t.data,
+                          op.x_t.scales, offsets, grads.gate_up, grads.output, stream,
+                          gemm_options);
+  mark();
+}
+
+void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
+                                const int32_t* topk_idx, const float* topk_w, const bf16* dy,
+                                bf16* dx, float* d_topk_w, const DeviceLayerGradients& grads,
+                                int64_t num_tokens, cudaStream_t stream,
+                                const cudaEvent_t* phase_events) {
+  MOK_CHECK_ARG(weights.has_weights(), "weights",
+                "the fp8 backward reads quantized weights: the cache has none yet (quantize it "
+                "first)");
+  MOK_CHECK_ARG(
+      weights.has_transposed() && weights.fits(shape_, workspace_.layout().experts_per_rank()),
+      "weights", "the fp8 backward needs a cache of this layer's ", shape_.describe(),
+      " with the transposed layout");
+  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
+                " out of range [0, ", tokens_max_, "]");
+  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
+                                    dy != nullptr && dx != nullptr && d_topk_w != nullptr),
+                "x", "null tensor pointer for ", num_tokens, " tokens");
+  MOK_CHECK_ARG(grads.gate_up != nullptr && grads.down != nullptr, "grads",
+                "null routed expert gradients");
+  MOK_CHECK_ARG(
+      !shape_.has_shared() || (grads.shared_gate_up != nullptr && grads.shared_down != nullptr),
+      "grads", "null shared expert gradients (I_s = ", shape_.shared_intermediate, ")");
+  const int tokens = static_cast<int>(num_tokens);
+  int phase = 0;
+  auto mark = [&] {
+    if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[phase], stream));
+    ++phase;
+  };
+  mark();
+  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
+  mark();
+  const int experts = static_cast<int>(workspace_.layout().experts_per_rank());
+  const int32_t* row_bound = workspace_.expert_offsets() + experts;  // the dispatched rows' end
+  const int64_t rows = workspace_.layout().rows_capacity();
+  const auto quantize_dispatched = [&] {
+    quantize_rows(workspace_.expert_x(), routed_.x, rows, shape_.hidden, row_bound, num_sms_,
+                  stream);
+    quantize_rows(workspace_.expert_dy(), routed_.dy, rows, shape_.hidden, row_bound, num_sms_,
+                  stream);
+  };
+  const bool shared = shape_.has_shared() && tokens > 0;
+  const int shared_sms = shared ? shared_gemm_sms_beside_copy() : 0;
+  if (shared_sms > 0) {
+    // The copy CTAs and the shared GEMMs fill disjoint SMs (as in the bf16 backward).
+    const cudaStream_t side = side_.fork(stream);
+    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kX);
+    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kDy);
+    gemm::LaunchOptions beside_copy = options_.gemm;
+    beside_copy.num_sms = shared_sms;
+    run_shared_expert(weights, grads, tokens, stream, beside_copy);
+    mark();
+    side_.join(stream);
+    quantize_dispatched();
+    mark();
+  } else {
+    if (shared) run_shared_expert(weights, grads, tokens, stream, options_.gemm);
+    mark();
+    CopyConfig copy = options_.copy;
+    if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) copy.num_ctas = 0;
+    dispatch(workspace_, copy, stream, comm::DispatchTensor::kX);
+    dispatch(workspace_, copy, stream, comm::DispatchTensor::kDy);
+    quantize_dispatched();
+    mark();
+  }
+  run_routed_experts(weights, grads, stream, mark);
+  if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
+  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
+  combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
+  collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
+  mark();
+}
+
+}  // namespace mok
