@@ -74,10 +74,12 @@ usage: bench_layer [options]
                             pairs, in recompute mode and in save mode (the forward keeps its
                             context) (default 1)
   --precision bf16|fp8      fp8: after the bf16 forward, the forward in precision fp8 (the
-                            DeepSeek-V3 recipe; not yet fused, forward only) on the same inputs and
-                            weights, timed alike; the JSON's cases then carry the fp8 forward as
-                            mok_ms with "precision": "fp8" and the bf16 one as bf16_forward_ms
-                            (default bf16)
+                            DeepSeek-V3 recipe; not yet fused) on the same inputs and weights,
+                            timed alike, and with --backward 1 the fp8 training step (weights
+                            quantized + forward + backward, recompute mode); the JSON's cases then
+                            carry the fp8 figures (mok_ms, backward_ms, fwdbwd_ms) with
+                            "precision": "fp8" and the bf16 ones as bf16_forward_ms,
+                            bf16_backward_ms, bf16_fwdbwd_ms (default bf16)
   --fp8-cluster N           CTAs per cluster of the fp8 forward's GEMMs: 1 or 2 (same bits;
                             default 1)
   --backward-engine E       the backward's GEMM engine: auto, cooperative or pingpong (same
@@ -303,6 +305,21 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                   result.phase_names[phase].c_str(), result.fp8_phase_ms[phase]);
     }
     std::printf("\n");
+    if (args.backward) {
+      std::printf(
+          "%-26s fp8 training step (weights quantized + forward + backward) %8.3f ms/rank "
+          "(%.2fx the bf16 step); backward %8.3f ms/rank (%.2fx the bf16 backward), buffers %.2f "
+          "GB/rank\n",
+          "", result.fp8_step_ms, result.forward_backward_ms / result.fp8_step_ms,
+          result.fp8_backward_ms, result.backward_ms / result.fp8_backward_ms,
+          result.fp8_backward_buffer_bytes_per_rank / 1e9);
+      for (size_t phase = 0; phase < result.fp8_backward_phase_ms.size(); ++phase) {
+        std::printf("%s%s %.3f", phase == 0 ? "    fp8 backward phases (ms, slowest rank): " : ", ",
+                    result.backward_phase_names[phase].c_str(),
+                    result.fp8_backward_phase_ms[phase]);
+      }
+      std::printf("\n");
+    }
   }
   std::fflush(stdout);
   // fp8: the case is the fp8 forward's, the bf16 forward beside it.
@@ -341,7 +358,23 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     }
     out << "}";
   }
-  if (args.backward) {
+  if (args.backward && args.fp8) {
+    // The fp8 training step (recompute mode, the weights' quantization inside each step), the
+    // bf16 one (save mode) beside it as bf16_*.
+    out << ", \"backward_ms\": " << result.fp8_backward_ms
+        << ", \"fwdbwd_ms\": " << result.fp8_step_ms
+        << ", \"backward_buffer_bytes_per_rank\": " << result.fp8_backward_buffer_bytes_per_rank
+        << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank
+        << ", \"context\": \"recompute\", \"weight_gradients\": \"bf16\""
+        << ", \"bf16_backward_ms\": " << result.backward_ms
+        << ", \"bf16_fwdbwd_ms\": " << result.forward_backward_ms;
+    out << ", \"backward_phases_ms\": {";
+    for (size_t phase = 0; phase < result.fp8_backward_phase_ms.size(); ++phase) {
+      out << (phase == 0 ? "" : ", ") << "\"" << result.backward_phase_names[phase]
+          << "\": " << result.fp8_backward_phase_ms[phase];
+    }
+    out << "}";
+  } else if (args.backward) {
     out << ", \"backward_ms\": " << result.backward_ms
         << ", \"fwdbwd_ms\": " << result.forward_backward_ms
         << ", \"backward_buffer_bytes_per_rank\": " << result.backward_buffer_bytes_per_rank

@@ -26,19 +26,27 @@ mok_clock_mhz / mok_power_w where bench_layer sampled its own), dense_gemm_tflop
 figures for phases mok has none for yet go to `baseline_without_mok`, and every variant's check to
 `baseline_checks`.
 
-FP8 forward (issue 24), with --mok-fp8 (bench_layer --precision fp8: the same case fields, mok_ms
-its FP8 forward, bf16_forward_ms its bf16 forward in the same process, weight_quantize_ms, no
-backward) and --torch-fp8 (torch_native.py measure --precision fp8): per case one more entry after
-the bf16 ones, phase "fwd", precision "fp8", named as the case with "-fp8" appended (unless its
-name says fp8 already) so that tables keyed by name keep both precisions apart; the baseline is
-the fastest checked torch-native FP8 variant (activation quantization inside its forward, weight
-quantization apart), fraction_of_dense and dense_gemm_tflops against the dense FP8 GEMM rate of
-the torch FP8 run, and besides: mok_bf16_ms (bf16_forward_ms), vs_mok_bf16 = mok_bf16_ms / mok_ms
-(mok's FP8 forward's speedup over its own bf16 one), mok_weight_quantize_ms,
-baseline_weight_quantize_ms, and the fastest torch-native bf16 forward of the same case (--torch;
-the case's name without "-fp8") as baseline_bf16, baseline_bf16_ms and speedup_vs_baseline_bf16,
-since torch's FP8 layer is not always faster than its bf16 one. Without --mok-fp8 the record is
-the bf16 one alone, unchanged.
+FP8 (issue 24), with --mok-fp8 (bench_layer --precision fp8: the same case fields, mok_ms its
+FP8 forward, bf16_forward_ms its bf16 forward in the same process, weight_quantize_ms; with
+--backward 1 also fwdbwd_ms, its FP8 training step (the weights quantized to e4m3 in both layouts +
+FP8 forward + FP8 backward: an optimizer step changes the weights every step), backward_ms, its
+FP8 backward, both in recompute mode (context "recompute", fp8's only mode), and bf16_fwdbwd_ms,
+bf16_backward_ms, its bf16 ones in save mode) and --torch-fp8 (torch_native.py measure
+--precision fp8, forwards only): per case and phase (as above; fwdbwd and bwd where bench_layer
+timed them) one more entry after the bf16 ones, precision "fp8", named as the case with "-fp8"
+appended (unless its name says fp8 already) so that tables keyed by name keep both precisions
+apart; the baseline is the fastest checked torch-native FP8 variant of that phase (activation
+quantization inside its forward, weight quantization apart; today none for fwdbwd and bwd:
+torch_native.py times FP8 forwards only, so their speedup is None), fraction_of_dense and
+dense_gemm_tflops against the dense FP8 GEMM rate of the torch FP8 run, mok's memory in fwdbwd
+and bwd with the bf16 weights and both e4m3 layouts, and besides: mok_bf16_ms (bf16_forward_ms,
+bf16_fwdbwd_ms, bf16_backward_ms), vs_mok_bf16 = mok_bf16_ms / mok_ms (mok's FP8 layer's speedup
+over its own bf16 one), mok_bf16_context ("save" for fwdbwd and bwd), mok_weight_quantize_ms
+(inside fwdbwd's mok_ms, outside fwd's and bwd's), baseline_weight_quantize_ms, and the fastest
+torch-native bf16 variant of the same case and phase (--torch; the case's name without "-fp8") as
+baseline_bf16, baseline_bf16_ms and speedup_vs_baseline_bf16, since torch's FP8 layer is not
+always faster than its bf16 one (bench/report.py shows the faster of the two). Without --mok-fp8
+the record is the bf16 one alone, unchanged.
 """
 import argparse
 import datetime
@@ -49,6 +57,8 @@ PHASES = (("fwd", "mok_ms"), ("fwdbwd", "fwdbwd_ms"), ("bwd", "backward_ms"))
 # The same phases in the backward's recompute mode, reported beside save mode's (mok_recompute_ms).
 RECOMPUTE_KEYS = {"fwdbwd": "fwdbwd_recompute_ms", "bwd": "backward_recompute_ms"}
 FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3, "bwd": 2}
+# An fp8 case's bf16 figure of each phase (mok's bf16 layer in the same process; save mode).
+FP8_BF16_KEYS = {"fwd": "bf16_forward_ms", "fwdbwd": "bf16_fwdbwd_ms", "bwd": "bf16_backward_ms"}
 # What a baseline_without_mok entry keeps of a case entry.
 BASELINE_ONLY_KEYS = ("name", "preset", "ep", "tokens_per_rank", "precision", "phase", "baseline",
                       "baseline_ms", "baseline_variants", "baseline_tflops",
@@ -68,21 +78,34 @@ def forward_flops(case):
             * (case["top_k"] * case["intermediate"] + case["shared_intermediate"]))
 
 
-def weight_bytes(case, precision="bf16"):
-    """Bytes of one rank's weights: E_l·3·I·H routed, 3·H·I_s shared (bf16, or e4m3 for fp8)."""
-    if case.get("weight_bytes_per_rank") is not None:
-        return case["weight_bytes_per_rank"], "bench_layer's weight_bytes_per_rank"
+def weight_bytes(case, precision="bf16", phase="fwd"):
+    """(bytes, note) of one rank's weights: E_l·3·I·H routed, 3·H·I_s shared; bf16, or for fp8
+    e4m3 (the forward's layout) in the forward and in the training step the bf16 weights it
+    quantizes from beside their e4m3 copies in both layouts."""
     local = case["num_experts"] // case["ep"]
     elements = (local * 3 * case["intermediate"] * case["hidden"]
                 + 3 * case["hidden"] * case["shared_intermediate"])
-    if precision == "fp8":
+    if precision == "fp8" and phase == "fwd":
+        # (bench_layer's weight_bytes_per_rank, where an fp8 case has it, is the bf16 weights')
         return elements, "computed from the shape: (E_l·3·I·H + 3·H·I_s)·1 byte of e4m3, scales left out"
-    return 2 * elements, "computed from the shape: (E_l·3·I·H + 3·H·I_s)·2 bytes"
+    if case.get("weight_bytes_per_rank") is not None:
+        bf16, bf16_note = case["weight_bytes_per_rank"], "bench_layer's weight_bytes_per_rank"
+    else:
+        bf16, bf16_note = 2 * elements, "computed from the shape: (E_l·3·I·H + 3·H·I_s)·2 bytes"
+    if precision != "fp8":
+        return bf16, bf16_note
+    if case.get("fp8_weight_bytes_per_rank") is not None:
+        fp8, fp8_note = (case["fp8_weight_bytes_per_rank"],
+                         "bench_layer's fp8_weight_bytes_per_rank: both layouts with their scales")
+    else:
+        fp8, fp8_note = (2 * elements, "computed from the shape: both layouts, "
+                         "2·(E_l·3·I·H + 3·H·I_s)·1 byte, scales left out")
+    return bf16 + fp8, f"bf16: {bf16_note}; e4m3: {fp8_note}"
 
 
 def mok_memory(case, phase, precision="bf16"):
     """(GB, note) of mok's memory per rank in `phase`; GB None where bench_layer gave no figure."""
-    weights, weights_note = weight_bytes(case, precision)
+    weights, weights_note = weight_bytes(case, precision, phase)
     buffers = case.get("buffer_bytes_per_rank")
     backward_note = ""
     if phase != "fwd":
@@ -190,11 +213,11 @@ def fp8_name(name):
     return name if "fp8" in name else f"{name}-fp8"
 
 
-def fp8_entry(case, mok_ms, torch_case, bf16_torch_case, dense_tflops):
-    """One FP8 forward entry (see the module docstring)."""
-    entry = entry_for(case, "fwd", mok_ms, torch_case, dense_tflops, precision="fp8")
-    bf16_ms = case.get("bf16_forward_ms")
-    bf16_baseline, _, bf16_variants = baseline_figures(bf16_torch_case or {}, "fwd")
+def fp8_entry(case, phase, mok_ms, torch_case, bf16_torch_case, dense_tflops):
+    """One FP8 entry of `phase` (see the module docstring)."""
+    entry = entry_for(case, phase, mok_ms, torch_case, dense_tflops, precision="fp8")
+    bf16_ms = case.get(FP8_BF16_KEYS[phase])
+    bf16_baseline, _, bf16_variants = baseline_figures(bf16_torch_case or {}, phase)
     bf16_baseline_ms = bf16_variants.get(bf16_baseline)
     entry.update({
         "name": fp8_name(case["name"]),
@@ -207,11 +230,14 @@ def fp8_entry(case, mok_ms, torch_case, bf16_torch_case, dense_tflops):
         "speedup_vs_baseline_bf16": (round(bf16_baseline_ms / mok_ms, 3)
                                      if bf16_baseline_ms and mok_ms else None),
     })
+    if phase != "fwd":  # mok's bf16 step beside the fp8 one (recompute mode) is save mode's
+        entry["mok_bf16_context"] = "save"
     return entry
 
 
 def fp8_entries(mok_fp8, torch_cases, bf16_torch_cases, info):
-    """(entries, baseline-only entries, checks) of the FP8 forward cases."""
+    """(entries, baseline-only entries, checks) of the FP8 cases: per case its forward and, where
+    bench_layer timed it, its training step and backward."""
     dense_tflops = (info["dense"] or {}).get("tflops")
     entries, baseline_only, checks = [], [], {}
     for case in mok_fp8["cases"]:
@@ -221,18 +247,20 @@ def fp8_entries(mok_fp8, torch_cases, bf16_torch_cases, info):
         if torch_case and "variants" in torch_case:
             checks[fp8_name(case["name"])] = {name: v["check"]
                                               for name, v in torch_case["variants"].items()}
-        if case.get("mok_ms") is not None:
-            entries.append(fp8_entry(case, case["mok_ms"], torch_case, bf16_torch_case, dense_tflops))
-        elif torch_case and baseline_figures(torch_case, "fwd")[0]:
-            entry = fp8_entry(case, None, torch_case, bf16_torch_case, dense_tflops)
-            baseline_only.append({key: entry[key] for key in BASELINE_ONLY_KEYS}
-                                 | {"baseline_peak_memory_gb": entry["peak_memory_gb"]["baseline"]})
+        for phase, key in PHASES:
+            if case.get(key) is not None:
+                entries.append(fp8_entry(case, phase, case[key], torch_case, bf16_torch_case,
+                                         dense_tflops))
+            elif torch_case and baseline_figures(torch_case, phase)[0]:
+                entry = fp8_entry(case, phase, None, torch_case, bf16_torch_case, dense_tflops)
+                baseline_only.append({key: entry[key] for key in BASELINE_ONLY_KEYS}
+                                     | {"baseline_peak_memory_gb": entry["peak_memory_gb"]["baseline"]})
     return entries, baseline_only, checks
 
 
 def combine(mok, torch_cases, info, commit, fp8=None):
     """The mok-bench/2 record of one device run; `fp8`, where given, is (bench_layer's FP8 JSON,
-    its torch cases, their run info) and adds the FP8 forward entries."""
+    its torch cases, their run info) and adds the FP8 entries."""
     dense = info["dense"] or {}
     dense_tflops = dense.get("tflops")
     entries, baseline_only, checks = [], [], {}
@@ -269,6 +297,10 @@ def combine(mok, torch_cases, info, commit, fp8=None):
                                   "against the dense FP8 GEMM rate (rowwise torch._scaled_mm "
                                   "8192^3) of that run"),
         }
+        if any(entry["phase"] != "fwd" for entry in more):
+            extra["fp8_baseline_note"] += ("; torch-native has no FP8 training step: the fp8 "
+                                           "fwdbwd and bwd entries' baseline is None, their "
+                                           "baseline_bf16 torch's bf16 layer")
     return {
         "schema": "mok-bench/2",
         "benchmark": "layer",
@@ -314,7 +346,8 @@ def main():
     parser.add_argument("--mok", required=True, help="bench_layer's --out JSON")
     parser.add_argument("--torch", action="append", default=[],
                         help="torch_native.py measure's --out JSON (once per EP)")
-    parser.add_argument("--mok-fp8", help="bench_layer --precision fp8's --out JSON (FP8 forward)")
+    parser.add_argument("--mok-fp8", help="bench_layer --precision fp8's --out JSON (FP8 forward; "
+                        "with --backward 1 the FP8 training step too)")
     parser.add_argument("--torch-fp8", action="append", default=[],
                         help="torch_native.py measure --precision fp8's --out JSON")
     parser.add_argument("--commit", default="unknown")

@@ -1,7 +1,7 @@
 """Tests of the results path on small made-up fixtures (no GPU, no torch): layer_results.py's
-mok-bench/2 record (bf16, and the FP8 forward's entries beside it) and bench/report.py's choice of
-the latest results, its Markdown table and its README replacement. The fixtures' figures are test
-data, not measurements.
+mok-bench/2 record (bf16, and the FP8 entries beside it: forward, training step, backward) and
+bench/report.py's choice of the latest results, its Markdown table, its chart and its README
+replacement. The fixtures' figures are test data, not measurements.
 
   python3 -m pytest -q bench/baselines/test_results.py
 """
@@ -55,6 +55,19 @@ def mok_fp8_fixture():
              "weight_quantize_ms": 0.5, "buffer_bytes_per_rank": 800_000, "fused": True, **SHAPE}
     no_baseline = dict(timed, name="tiny-ep2", ep=2, mok_ms=1.25, bf16_forward_ms=None)
     return {"date": "2026-12-01T10:00:00Z", "precision": "fp8", "cases": [timed, no_baseline]}
+
+
+def mok_fp8_training_fixture():
+    """bench_layer --precision fp8 --backward 1's form: tiny-ep1 also carries the fp8 training
+    step (recompute mode) and backward, and mok's bf16 ones (save mode) beside them."""
+    data = mok_fp8_fixture()
+    data["cases"][0].update({"fwdbwd_ms": 4.0, "backward_ms": 2.5, "context": "recompute",
+                             "bf16_fwdbwd_ms": 6.0, "bf16_backward_ms": 4.0,
+                             "backward_buffer_bytes_per_rank": 300_000,
+                             "weight_bytes_per_rank": 2 * (16 * 3 * 128 * 256 + 3 * 256 * 128),
+                             "fp8_weight_bytes_per_rank": 250_000, "weight_gradients": "bf16",
+                             "backward_phases_ms": {"dgrad": 1.0, "wgrad": 1.5}})
+    return data
 
 
 def torch_fp8_fixture():
@@ -186,6 +199,74 @@ def test_report_shows_fp8_rows(tmp_path, torch_paths):
     rows = [line for line in text.splitlines() if line.startswith("| tiny-ep1")]
     assert rows[-1].startswith("| tiny-ep1-fp8 | fwd | 1.00 ms |")
     assert "2.50 ms (torch-native fp8_batched_bmm) | 2.50× |" in rows[-1]
+
+
+def test_fp8_training_step_entries(tmp_path, torch_paths):
+    paths, fp8_path = torch_paths
+    torch_cases, info = layer_results.load_torch(paths)
+    fp8_torch = layer_results.load_torch([fp8_path], precision="fp8")
+    forward_only = layer_results.combine(mok_fixture(), torch_cases, info, "abc123",
+                                         (mok_fp8_fixture(), *fp8_torch))
+    record = layer_results.combine(mok_fixture(), torch_cases, info, "abc123",
+                                   (mok_fp8_training_fixture(), *fp8_torch))
+    fp8 = {(e["name"], e["phase"]): e for e in record["cases"] if e["precision"] == "fp8"}
+    assert list(fp8) == [("tiny-ep1-fp8", "fwd"), ("tiny-ep1-fp8", "fwdbwd"),
+                         ("tiny-ep1-fp8", "bwd"), ("tiny-ep2-fp8", "fwd")]
+    # The forward entries as without the training step (the e4m3 weights in their memory, not
+    # the bf16 weight_bytes_per_rank); no baseline-only fp8 phases (torch has no fp8 step).
+    assert [e for e in record["cases"] if e["phase"] == "fwd"] == [
+        e for e in forward_only["cases"] if e["phase"] == "fwd"]
+    assert record["baseline_without_mok"] == forward_only["baseline_without_mok"]
+    flops = 6 * 1000 * 256 * (4 * 128 + 128)
+    step, backward = fp8[("tiny-ep1-fp8", "fwdbwd")], fp8[("tiny-ep1-fp8", "bwd")]
+    for entry in (step, backward):
+        assert entry["precision"] == "fp8" and entry["mok_context"] == "recompute"
+        assert entry["mok_bf16_context"] == "save" and entry["mok_recompute_ms"] is None
+        # no torch-native FP8 training step: no fp8 baseline, torch's bf16 one beside it
+        assert entry["baseline"] is None and entry["baseline_ms"] is None
+        assert entry["speedup"] is None and entry["baseline_variants"] == {}
+        assert entry["baseline_bf16"] == "batched_view"
+        assert entry["mok_weight_quantize_ms"] == 0.5 and entry["dense_gemm_tflops"] == 1200.0
+    assert step["mok_ms"] == 4.0 and step["mok_bf16_ms"] == 6.0 and step["vs_mok_bf16"] == 1.5
+    assert step["baseline_bf16_ms"] == 12.2 and step["speedup_vs_baseline_bf16"] == 3.05
+    assert step["useful_tflops"] == round(3 * flops / 4e-3 / 1e12, 2)
+    assert step["fraction_of_dense"] == round(3 * flops / 4e-3 / 1e12 / 1200.0, 4)
+    bf16_weights = 2 * (16 * 3 * 128 * 256 + 3 * 256 * 128)
+    assert step["peak_memory_gb"]["mok"] == round(
+        (800_000 + 300_000 + bf16_weights + 250_000) / 1e9, 3)
+    assert "fp8_weight_bytes_per_rank" in step["memory_note"]
+    assert backward["mok_ms"] == 2.5 and backward["vs_mok_bf16"] == 1.6
+    assert backward["baseline_bf16_ms"] == 8.0 and backward["speedup_vs_baseline_bf16"] == 3.2
+    assert backward["useful_tflops"] == round(2 * flops / 2.5e-3 / 1e12, 2)
+
+    # The README table: the fp8 rows in phase order, torch's bf16 layer as their baseline.
+    (tmp_path / "layer.json").write_text(json.dumps(record))
+    text = report.report_text(report.latest_results(str(tmp_path), {"layer"}), {}, str(tmp_path))
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-ep1-fp8")]
+    assert [row.split(" | ")[1] for row in rows] == ["fwd", "fwdbwd", "bwd"]
+    assert rows[1].startswith("| tiny-ep1-fp8 | fwdbwd | 4.00 ms |")
+    assert "| 12.20 ms (torch-native batched_view, bf16) | 3.05× |" in rows[1]
+    assert "| 8.00 ms (torch-native batched_view, bf16) | 3.20× |" in rows[2]
+
+    # A torch-native FP8 training step, where one is timed, is the baseline where it is faster.
+    faster = layer_results.fp8_entry(
+        mok_fp8_training_fixture()["cases"][0], "fwdbwd", 4.0,
+        {"variants": {"fp8_batched_bmm": {"check": {"passed": True}, "fwdbwd_ms": 10.0}}},
+        torch_cases[("tiny-ep1", 1)], 1200.0)
+    assert (faster["baseline"], faster["baseline_ms"], faster["speedup"]) == ("fp8_batched_bmm", 10.0, 2.5)
+    row = report.layer_rows({"cases": [faster]})[0]
+    assert (row["baseline"], row["speedup"]) == ("torch-native fp8_batched_bmm", 2.5)
+
+
+def test_report_chart_fp8_training_rows(tmp_path, torch_paths):
+    pytest.importorskip("matplotlib")
+    paths, fp8_path = torch_paths
+    torch_cases, info = layer_results.load_torch(paths)
+    fp8 = (mok_fp8_training_fixture(), *layer_results.load_torch([fp8_path], precision="fp8"))
+    record = layer_results.combine(mok_fixture(), torch_cases, info, "abc123", fp8)
+    (tmp_path / "layer.json").write_text(json.dumps(record))
+    assert report.main(["--results-dir", str(tmp_path), "--no-table"]) == 0
+    assert (tmp_path / "layer.png").stat().st_size > 10_000
 
 
 def test_report_picks_the_latest_and_writes_the_table(tmp_path, layer_record):

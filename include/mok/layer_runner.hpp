@@ -66,7 +66,9 @@ struct LayerRunSpec {
   int wgrad_cluster = 0;
   // After the forward's timing, the forward in precision fp8 (LayerForwardFp8) on the same inputs
   // and weights: the weight cache quantized once (timed), then warmed up and timed as the bf16
-  // forward is; its y kept in fp8_y (keep_y). H, I and I_s multiples of 128.
+  // forward is; its y kept in fp8_y (keep_y). H, I and I_s multiples of 128. With `backward`, then
+  // the fp8 training step (LayerBackwardFp8, bf16 weight gradients) timed as the bf16 pairs are,
+  // each step from the weights' quantization (both layouts) to the backward's end.
   bool fp8_forward = false;
   int fp8_cluster = 0;  // its GEMMs' CTAs per cluster (1 or 2; 0 = LayerForwardFp8Options')
   int warmup = 3;       // untimed forwards first: at least this many, and
@@ -114,7 +116,13 @@ struct LayerRunResult {
   double fp8_weight_quantize_ms = 0;
   int64_t fp8_buffer_bytes_per_rank = 0;
   int64_t fp8_weight_bytes_per_rank = 0;
-  std::vector<bf16> fp8_y;                 // (T_global, H) when keep_y
+  std::vector<bf16> fp8_y;  // (T_global, H) when keep_y
+  // spec.fp8_forward and spec.backward: the fp8 backward's median and phases (backward_phase_names)
+  // and the whole step's (weights quantized, forward, backward), slowest rank; its buffers.
+  double fp8_backward_ms = 0;
+  double fp8_step_ms = 0;
+  std::vector<double> fp8_backward_phase_ms;
+  int64_t fp8_backward_buffer_bytes_per_rank = 0;
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
   // How the fused kernel hands out its tasks on GPU 0: one pool, or a grant per L2 partition of
   // the SMs the probe found ("GPU 0 L2 partitions (probed): 66 + 66 SMs; ...").

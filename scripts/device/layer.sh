@@ -6,17 +6,24 @@
 # communication CTAs and minibatch sizes, ring rounds — and the torch-native baseline
 # (bench/baselines/torch_native.py: every variant checked, then timed forward and as a training
 # step, with the dense GEMM rate, at EP 1 in one process and at EP 2 under torchrun), all in the
-# same run. The EP 2 steps run only where there are 2 or more GPUs. Then the FP8 forward (issue
-# 24), where bench_layer has --precision: mok's FP8 layer forward beside its own bf16 forward, and
-# the torch-native rowwise FP8 layer (torch._scaled_grouped_mm, the activations' quantization
-# timed) on the same routing.
+# same run. The EP 2 steps run only where there are 2 or more GPUs. Then FP8 (issue 24), where
+# bench_layer has --precision: mok's FP8 layer forward and training step (the weights quantized to
+# e4m3 in both layouts + forward + backward, recompute mode) beside its own bf16 forward and
+# training step (save mode), and the torch-native rowwise FP8 layer's forward
+# (torch._scaled_grouped_mm, the activations' quantization timed) on the same routing; torch-native
+# has no FP8 training step, so the fp8 training step's baseline is torch's bf16 one.
 # Results (stable names; the commit is inside each JSON):
 #   layer.json, layer.png      mok-bench/2: mok beside the fastest torch-native variant, per case
 #                              and phase (bench/baselines/layer_results.py, bench/report.py)
 #   layer-mok.json, layer-mok-separate-schedule.json, layer-mok-unfused.json, layer-sweep.json,
 #   layer-ring.json            bench_layer's own JSONs
 #   layer-torch-ep1.json, layer-torch-ep2.json   torch_native.py's figures (every variant)
-#   layer-mok-fp8.json, layer-torch-fp8-ep1.json  the FP8 forward's, mok's and torch-native's
+#   layer-mok-fp8.json         bench_layer --precision fp8 --backward 1: mok's FP8 forward
+#                              (mok_ms), training step (fwdbwd_ms) and backward (backward_ms),
+#                              its bf16 ones beside them (bf16_forward_ms, bf16_fwdbwd_ms,
+#                              bf16_backward_ms); layer.json's "-fp8" entries, phases fwd, fwdbwd
+#                              and bwd
+#   layer-torch-fp8-ep1.json   torch-native's FP8 forward (every variant)
 #   mok-run-cuda-{tiny,qwen3-30b}-ep{1,2}.json, layer.log
 #
 #   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
@@ -103,15 +110,16 @@ if ((gpus >= 2)); then
 else
   say "torch-native at EP 2: skipped ($gpus GPU)"
 fi
-# FP8 forward: bench_layer times mok's FP8 forward and its bf16 one in the same process; the
-# torch-native rowwise FP8 variants are checked, then their forward timed, on its routing.
+# FP8: bench_layer times mok's FP8 forward and training step (recompute mode) and its bf16 ones
+# (save mode) in the same process; the torch-native rowwise FP8 variants are checked, then their
+# forward timed, on its routing.
 fp8_results=()
 rm -f "$OUT/layer-mok-fp8.json" "$OUT/layer-torch-fp8-ep1.json"  # no stale figures from a past run
 bench_layer_help=$("$BIN/bench_layer" --help 2>&1)
 if [[ $bench_layer_help == *--precision* ]]; then
   mkdir -p "$routing_dir/fp8"
-  step "bench_layer (mok, FP8 forward; its bf16 forward beside it)" 200 "$BIN/bench_layer" \
-    --iters 20 --backward 0 --precision fp8 --out "$OUT/layer-mok-fp8.json" \
+  step "bench_layer (mok, FP8 forward and training step; its bf16 ones beside them)" 200 \
+    "$BIN/bench_layer" --iters 20 --backward 1 --precision fp8 --out "$OUT/layer-mok-fp8.json" \
     --routing-dir "$routing_dir/fp8" "${cases[@]}"
   if [ -f "$OUT/layer-mok-fp8.json" ]; then
     step "torch-native FP8, EP 1 (rowwise torch._scaled_grouped_mm; forward, dense FP8 GEMM)" 300 \
@@ -120,7 +128,7 @@ if [[ $bench_layer_help == *--precision* ]]; then
     fp8_results=(--mok-fp8 "$OUT/layer-mok-fp8.json" --torch-fp8 "$OUT/layer-torch-fp8-ep1.json")
   fi
 else
-  say "FP8 forward: skipped (this bench_layer has no --precision)"
+  say "FP8: skipped (this bench_layer has no --precision)"
 fi
 step "results (mok-bench/2)" 60 python3 bench/baselines/layer_results.py --mok "$OUT/layer-mok.json" \
   "${torch_results[@]}" "${fp8_results[@]}" --commit "$COMMIT" --out "$OUT/layer.json"

@@ -24,6 +24,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/l2_partitions.hpp"
 #include "runtime/layer_backward.hpp"
+#include "runtime/layer_backward_fp8.hpp"
 #include "runtime/layer_forward.hpp"
 #include "runtime/layer_forward_fp8.hpp"
 
@@ -189,6 +190,87 @@ ForwardTiming time_forwards(const LayerRunSpec& spec, cudaStream_t stream,
   return timing;
 }
 
+// Warms up and times spec.iterations training-step pairs on `stream`: pair(marks) enqueues one,
+// recording marks[0] before its first step and the backward's kNumBackwardPhases + 1 phase marks
+// at marks[1 ..] (marks null: no events); check() waits and throws a device fault.
+template <class Pair, class Check>
+BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t stream, WarmUp& warm_up,
+                          const Pair& pair, const Check& check) {
+  warm_up.run(spec, rank, stream, [&] { pair(nullptr); });
+  check();
+  constexpr int kMarks = kNumBackwardPhases + 2;
+  std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
+  for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    pair(&events[static_cast<size_t>(iteration) * kMarks]);
+  }
+  check();
+  std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
+  std::vector<std::vector<float>> phase_times(kNumBackwardPhases, backward_times);
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
+    for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+      MOK_CUDA_CHECK(
+          cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase], marks[2 + phase]));
+    }
+  }
+  for (cudaEvent_t event : events) cudaEventDestroy(event);
+  BackwardTiming timing;
+  timing.backward_ms = median(backward_times);
+  timing.pair_ms = median(pair_times);
+  timing.phase_ms.resize(kNumBackwardPhases);
+  for (int phase = 0; phase < kNumBackwardPhases; ++phase)
+    timing.phase_ms[phase] = median(phase_times[phase]);
+  return timing;
+}
+
+// The fp8 training step on one rank (spec.fp8_forward and spec.backward): the weights quantized
+// into the forward's cache (both layouts), the fp8 forward, LayerBackwardFp8 on a dy as
+// run_backward's, bf16 weight gradients; warmed up and timed as run_backward's pairs, each pair
+// from the weights' quantization (an optimizer step changes them every step) to the backward's
+// end.
+void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
+                      LayerForwardFp8& forward_layer, const DeviceLayerWeights& weights,
+                      const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
+                      cudaStream_t stream, WarmUp& warm_up, BackwardTiming& timing,
+                      int64_t& buffer_bytes) {
+  const LayerShape& shape = spec.shape;
+  const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
+  LayerBackwardFp8 layer(comm, shape, tokens);
+  buffer_bytes = layer.buffer_bytes();
+  DeviceBuffer<bf16> dy(tokens * hidden), dx(tokens * hidden);
+  DeviceBuffer<float> d_topk_w(tokens * top_k);
+  DeviceBuffer<bf16> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
+  DeviceBuffer<bf16> grad_shared_gate_up(weights.shared_gate_up_elements);
+  DeviceBuffer<bf16> grad_shared_down(weights.shared_down_elements);
+  if (spec.problem != nullptr) {
+    dy.upload(spec.problem->dy.data() + rank * tokens * hidden);
+  } else {
+    fill_random(dy.get(), tokens * hidden, 1.0, spec.seed, 50 + rank);
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  const bool shared = shape.has_shared();
+  const DeviceLayerGradients grads{
+      grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
+      shared ? grad_shared_down.get() : nullptr, gemm::WgradOutput::kBf16};
+  timing = time_pairs(
+      spec, rank, stream, warm_up,
+      [&](const cudaEvent_t* marks) {
+        if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+        forward_layer.quantize_weights(weights, stream);
+        forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream);
+        layer.backward(forward_layer.weight_cache(), x, topk_idx, topk_w, dy.get(), dx.get(),
+                       d_topk_w.get(), grads, tokens, stream,
+                       marks != nullptr ? marks + 1 : nullptr);
+      },
+      [&] {
+        forward_layer.check(stream);
+        layer.check(stream);
+      });
+}
+
 // The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
 // a dy, warmed up and timed in forward + backward pairs, in recompute mode and (spec.save_context)
 // save mode, whose forwards keep the context; the last mode's outputs into `result` (keep_y).
@@ -230,43 +312,19 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
       shared ? grad_shared_down.get() : nullptr,
       spec.bf16_gradients ? gemm::WgradOutput::kBf16 : gemm::WgradOutput::kFp32};
   // Timed pairs of one mode (saved: its context, or null for recompute mode).
-  const auto time_pairs = [&](const SavedContext* saved, BackwardTiming& timing) {
-    auto pair = [&](const cudaEvent_t* marks) {
-      if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
-      forward(saved);
-      layer.backward(weights, x, topk_idx, topk_w, dy.get(), dx.get(), d_topk_w.get(), grads,
-                     tokens, stream, marks != nullptr ? marks + 1 : nullptr, saved);
-    };
-    warm_up.run(spec, rank, stream, [&] { pair(nullptr); });
-    layer.check(stream);
-    // (iterations, marks) events: before the forward, then the backward's phase marks.
-    constexpr int kMarks = kNumBackwardPhases + 2;
-    std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
-    for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
-    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-      pair(&events[static_cast<size_t>(iteration) * kMarks]);
-    }
-    layer.check(stream);
-    std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
-    std::vector<std::vector<float>> phase_times(kNumBackwardPhases, backward_times);
-    for (int iteration = 0; iteration < spec.iterations; ++iteration) {
-      const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
-      MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
-      MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
-      for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
-        MOK_CUDA_CHECK(cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase],
-                                            marks[2 + phase]));
-      }
-    }
-    for (cudaEvent_t event : events) cudaEventDestroy(event);
-    timing.backward_ms = median(backward_times);
-    timing.pair_ms = median(pair_times);
-    timing.phase_ms.resize(kNumBackwardPhases);
-    for (int phase = 0; phase < kNumBackwardPhases; ++phase)
-      timing.phase_ms[phase] = median(phase_times[phase]);
+  const auto time_mode = [&](const SavedContext* saved, BackwardTiming& timing) {
+    timing = time_pairs(
+        spec, rank, stream, warm_up,
+        [&](const cudaEvent_t* marks) {
+          if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+          forward(saved);
+          layer.backward(weights, x, topk_idx, topk_w, dy.get(), dx.get(), d_topk_w.get(), grads,
+                         tokens, stream, marks != nullptr ? marks + 1 : nullptr, saved);
+        },
+        [&] { layer.check(stream); });
   };
-  time_pairs(nullptr, recompute);
-  if (spec.save_context) time_pairs(&context, save);
+  time_mode(nullptr, recompute);
+  if (spec.save_context) time_mode(&context, save);
   if (!spec.keep_y) return;
   const int64_t experts_local = shape.num_experts / spec.ep;
   dx.download(result.dx.data() + rank * tokens * hidden);
@@ -317,7 +375,9 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     result.grad_shared_down.resize(static_cast<size_t>(spec.ep * hidden * shared_inter));
   }
   WarmUp warm_up_pairs(spec.ep);
-  WarmUp warm_up_fp8(spec.ep);
+  WarmUp warm_up_fp8(spec.ep), warm_up_fp8_pairs(spec.ep);
+  std::vector<BackwardTiming> fp8_steps(spec.ep);
+  std::vector<int64_t> fp8_backward_bytes(spec.ep);
   std::vector<ForwardTiming> fp8_timings(spec.ep);
   std::vector<double> fp8_quantize_ms(spec.ep);
   std::vector<int64_t> fp8_buffer_bytes(spec.ep), fp8_weight_bytes(spec.ep);
@@ -414,6 +474,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       LayerForwardFp8Options fp8_options;
       fp8_options.layer = options;
       if (spec.fp8_cluster > 0) fp8_options.pipeline.cluster = spec.fp8_cluster;
+      fp8_options.transposed_weights = spec.backward;  // (the weight quantization times both)
       LayerForwardFp8 fp8(comms[rank], shape, tokens, fp8_options);
       cudaEvent_t marks[2];
       for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
@@ -441,6 +502,11 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
         MOK_CUDA_CHECK(cudaMemcpy(result.fp8_y.data() + rank * tokens * hidden, y.get(),
                                   static_cast<size_t>(tokens * hidden) * sizeof(bf16),
                                   cudaMemcpyDeviceToHost));
+      }
+      if (spec.backward) {
+        run_fp8_backward(spec, rank, comms[rank], fp8, weights, x.get(), topk_idx.get(),
+                         topk_w.get(), y.get(), stream, warm_up_fp8_pairs, fp8_steps[rank],
+                         fp8_backward_bytes[rank]);
       }
     }
     if (spec.backward) {
@@ -497,6 +563,20 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       for (int phase = 0; phase < kNumForwardPhases; ++phase) {
         result.fp8_phase_ms[phase] =
             std::max(result.fp8_phase_ms[phase], fp8_timings[rank].phase_ms[phase]);
+      }
+    }
+    if (spec.backward) {
+      result.fp8_backward_phase_ms.assign(kNumBackwardPhases, 0.0);
+      for (int rank = 0; rank < spec.ep; ++rank) {
+        const BackwardTiming& step = fp8_steps[rank];
+        result.fp8_backward_ms = std::max(result.fp8_backward_ms, step.backward_ms);
+        result.fp8_step_ms = std::max(result.fp8_step_ms, step.pair_ms);
+        result.fp8_backward_buffer_bytes_per_rank =
+            std::max(result.fp8_backward_buffer_bytes_per_rank, fp8_backward_bytes[rank]);
+        for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+          result.fp8_backward_phase_ms[phase] =
+              std::max(result.fp8_backward_phase_ms[phase], step.phase_ms[phase]);
+        }
       }
     }
   }
