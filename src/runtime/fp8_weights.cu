@@ -4,7 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/quantize/block2d_kernel.cuh"
 #include "kernels/quantize/layer_kernels.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
@@ -15,43 +14,25 @@ namespace {
 
 constexpr int64_t kBlock = 128;  // the recipe's weight blocks: 128 x 128
 
-int64_t blocks_of(int64_t size) { return (size + kBlock - 1) / kBlock; }
-
-// batch matrices (rows, cols) bf16 -> 128 x 128 blocks; gate_up: rows read through GateUpRows.
+// batch matrices (rows, cols) bf16 -> 128 x 128 blocks in the forward layout and, when
+// `transposed` has data, the transposed one; gate_up: the rows read through GateUpRows and the
+// transposed columns the gate blocks, then the up blocks.
 void quantize_weight(const bf16* x, int64_t batch, int64_t rows, int64_t cols, bool gate_up,
-                     const Fp8Operand& out, cudaStream_t stream) {
-  const int64_t scale_rows = blocks_of(rows), scale_cols = cols / kBlock;
-  const int64_t blocks = batch * scale_rows * scale_cols;
-  MOK_CHECK_ARG(blocks < (int64_t{1} << 31), "weights", "too many 128 x 128 blocks: ", blocks);
-  if (blocks == 0) return;
-  const auto* input = reinterpret_cast<const uint16_t*>(x);
-  if (gate_up) {
-    quantize::quantize_block2d_kernel<uint16_t, quantize::GateUpRows>
-        <<<static_cast<unsigned>(blocks), quantize::kBlock2dThreads, 0, stream>>>(
-            input, out.data, out.scales, rows, cols, scale_rows, scale_cols);
-  } else {
-    quantize::quantize_block2d_kernel<uint16_t>
-        <<<static_cast<unsigned>(blocks), quantize::kBlock2dThreads, 0, stream>>>(
-            input, out.data, out.scales, rows, cols, scale_rows, scale_cols);
-  }
-  MOK_CUDA_CHECK_LAUNCH();
-}
-
-// batch matrices (rows, cols) of the forward layout -> (cols, rows); gate_up: the gate blocks,
-// then the up blocks, out of the 128-interleave.
-void transpose_weight(const Fp8Operand& in, int64_t batch, int64_t rows, int64_t cols, bool gate_up,
-                      const Fp8Operand& out, cudaStream_t stream) {
+                     const Fp8Operand& out, const Fp8Operand& transposed, cudaStream_t stream) {
   const int64_t blocks = batch * (rows / kBlock) * (cols / kBlock);
   MOK_CHECK_ARG(blocks < (int64_t{1} << 31), "weights", "too many 128 x 128 blocks: ", blocks);
   if (blocks == 0) return;
+  const auto* input = reinterpret_cast<const uint16_t*>(x);
   const auto grid = static_cast<unsigned>(blocks);
+  constexpr int kThreads = quantize::kWeightBlockThreads;
   if (gate_up) {
-    quantize::transpose_fp8_blocks_kernel<<<grid, quantize::kTransposeBlockThreads, 0, stream>>>(
-        in.data, in.scales, out.data, out.scales, rows, cols,
+    quantize::quantize_weight_block_kernel<quantize::GateUpRows><<<grid, kThreads, 0, stream>>>(
+        input, out.data, out.scales, transposed.data, transposed.scales, rows, cols,
         quantize::GateUpBlocks{rows / 2 / kBlock});
   } else {
-    quantize::transpose_fp8_blocks_kernel<<<grid, quantize::kTransposeBlockThreads, 0, stream>>>(
-        in.data, in.scales, out.data, out.scales, rows, cols, quantize::SameBlocks{});
+    quantize::quantize_weight_block_kernel<quantize::SameRows>
+        <<<grid, kThreads, 0, stream>>>(input, out.data, out.scales, transposed.data,
+                                        transposed.scales, rows, cols, quantize::SameBlocks{});
   }
   MOK_CUDA_CHECK_LAUNCH();
 }
@@ -134,24 +115,14 @@ void Fp8WeightCache::quantize(const DeviceLayerWeights& weights, cudaStream_t st
         "weights.shared_down");
   // Row blocks of 128 never straddle gate and up: I is a multiple of 128.
   quantize_weight(weights.gate_up, experts, 2 * inter, hidden, /*gate_up=*/true, forward_.gate_up,
-                  stream);
-  quantize_weight(weights.down, experts, hidden, inter, /*gate_up=*/false, forward_.down, stream);
+                  transposed_.gate_up, stream);
+  quantize_weight(weights.down, experts, hidden, inter, /*gate_up=*/false, forward_.down,
+                  transposed_.down, stream);
   if (shape_.has_shared()) {
     quantize_weight(weights.shared_gate_up, 1, 2 * shared_inter, hidden, true,
-                    forward_.shared_gate_up, stream);
+                    forward_.shared_gate_up, transposed_.shared_gate_up, stream);
     quantize_weight(weights.shared_down, 1, hidden, shared_inter, false, forward_.shared_down,
-                    stream);
-  }
-  if (transposed_.down.data != nullptr) {
-    transpose_weight(forward_.gate_up, experts, 2 * inter, hidden, true, transposed_.gate_up,
-                     stream);
-    transpose_weight(forward_.down, experts, hidden, inter, false, transposed_.down, stream);
-    if (shape_.has_shared()) {
-      transpose_weight(forward_.shared_gate_up, 1, 2 * shared_inter, hidden, true,
-                       transposed_.shared_gate_up, stream);
-      transpose_weight(forward_.shared_down, 1, hidden, shared_inter, false,
-                       transposed_.shared_down, stream);
-    }
+                    transposed_.shared_down, stream);
   }
   has_weights_ = true;
 }

@@ -21,7 +21,10 @@ template <>
 struct InputVector<uint16_t> {
   static constexpr int kElements = 8;  // per 16 bytes
   __device__ __forceinline__ static void load(const uint16_t* address, float (&values)[8]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(address);
+    widen(*reinterpret_cast<const uint4*>(address), values);
+  }
+  // 16 bytes of bf16 as floats (exact).
+  __device__ __forceinline__ static void widen(const uint4& raw, float (&values)[8]) {
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

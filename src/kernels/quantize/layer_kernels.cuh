@@ -6,14 +6,15 @@
 //                                 1 x 128 along I straight from fp32 (the reference's rounding
 //                                 point: no bf16 rounding of h first); what the gate/up GEMM's
 //                                 kSwiGluFp8 epilogue does in registers, kept as its reference
-//   GateUpRows                    the row map of quantize_block2d_kernel that takes the gate/up
+//   GateUpRows                    the row map of the weight quantizers that takes the gate/up
 //                                 weight from gemm::interleave_gate_up's blocks of 8 rows to the
 //                                 FP8 GEMM's blocks of 128 (gemm::kSwiGluFp8Interleave), so that
 //                                 each 128 x 128 block is a block of W_gate or of W_up alone, as
 //                                 the reference quantizes them
-//   transpose_fp8_blocks_kernel   the dgrads' transposed weights from the forward's: the same
-//                                 128 x 128 blocks and scales, bytes transposed (GateUpBlocks
-//                                 takes the gate/up blocks out of the 128-interleave)
+//   quantize_weight_block_kernel  the weights' 128 x 128 blocks, into the forward layout and
+//                                 (for the dgrads) the transposed one from one read of the bf16
+//                                 block (GateUpBlocks takes the gate/up blocks out of the
+//                                 128-interleave)
 //   ExpertRows, GateUp8Columns    quantize_transposed_kernel's policies for the weight gradients'
 //                                 operands: 128 x 1 blocks down each expert's own rows (the rows
 //                                 past its count read as zeros), and d_gate_up's columns to the
@@ -24,6 +25,7 @@
 
 #include <cstdint>
 
+#include "kernels/quantize/block2d_kernel.cuh"
 #include "kernels/quantize/elements.cuh"
 #include "mok/detail/numerics.hpp"
 
@@ -114,72 +116,123 @@ struct GateUp8Columns {
   }
 };
 
-inline constexpr int kTransposeBlockThreads = 256;
+// ---- The weights: 128 x 128 blocks in both layouts ------------------------------------------
 
-// The input row block that output column block `block` is made of: the same.
+inline constexpr int kWeightBlockThreads = 256;
+
+// The transposed layout's column block of the forward layout's row block `block`: the same.
 struct SameBlocks {
   __device__ __forceinline__ int64_t operator()(int64_t block) const { return block; }
 };
 
-// Output column blocks of the gate/up weight's transposed copy, the gate blocks then the up
-// blocks, from the 128-interleaved forward layout (gate block b is row block 2 b, up block b is
-// 2 b + 1).
+// The gate/up weight's: the forward layout interleaves gate and up row blocks (row block 2 b is
+// gate block b, 2 b + 1 up block b); the transposed layout's columns are the gate blocks, then
+// the up blocks.
 struct GateUpBlocks {
   int64_t inter_blocks;  // I / 128
 
   __device__ __forceinline__ int64_t operator()(int64_t block) const {
-    return block < inter_blocks ? 2 * block : 2 * (block - inter_blocks) + 1;
+    return block % 2 == 0 ? block / 2 : inter_blocks + block / 2;
   }
 };
 
-// in (batch, rows, cols) E4M3 in 128 x 128 blocks, scales (batch, rows / 128, cols / 128) ->
-// out (batch, cols, rows), scales (batch, cols / 128, rows / 128): out[b][c][j] =
-// in[b][RowBlocks(j / 128) * 128 + j % 128][c], each block's scale with it. rows and cols
-// multiples of 128. grid: batch * (rows / 128) * (cols / 128) CTAs of kTransposeBlockThreads, one
-// block each through shared memory (16-byte loads and stores).
-template <class RowBlocks>
-__global__ void __launch_bounds__(kTransposeBlockThreads)
-    transpose_fp8_blocks_kernel(const uint8_t* __restrict__ in, const float* __restrict__ in_scales,
-                                uint8_t* __restrict__ out, float* __restrict__ out_scales,
-                                int64_t rows, int64_t cols, RowBlocks row_blocks) {
-  constexpr int kWordsPerRow = 128 / 4;
-  constexpr int kVectors = 128 * 128 / 16;
-  __shared__ uint32_t tile[128][kWordsPerRow + 1];  // input rows of 128 bytes, as words
-  const int64_t col_blocks = cols / 128, row_block_count = rows / 128;
-  const int64_t col_block = blockIdx.x % col_blocks;                    // the output's row block
-  const int64_t out_block = blockIdx.x / col_blocks % row_block_count;  // its column block
-  const int64_t matrix = blockIdx.x / (col_blocks * row_block_count);
-  const int64_t row_block = row_blocks(out_block);
-  const uint8_t* in_block = in + matrix * rows * cols + row_block * 128 * cols + col_block * 128;
-  for (int vector = threadIdx.x; vector < kVectors; vector += kTransposeBlockThreads) {
-    const int row = vector / 8, word = vector % 8 * 4;
-    const uint4 bytes = *reinterpret_cast<const uint4*>(in_block + row * cols + word * 4);
-    tile[row][word] = bytes.x;
-    tile[row][word + 1] = bytes.y;
-    tile[row][word + 2] = bytes.z;
-    tile[row][word + 3] = bytes.w;
+// One 128 x 128 block of `batch` bf16 matrices (rows, cols) per CTA (rows and cols multiples of
+// 128; grid batch * rows / 128 * cols / 128 CTAs of kWeightBlockThreads): its scale from the
+// block's amax (block2d_kernel's rule, so the same bytes as quantize_cpu), its E4M3 codes into
+// data (batch, rows, cols), data row r read from input row RowMap(r), and, when data_t is not
+// null, into data_t (batch, cols, rows) transposed, the block at column block
+// ColumnBlocks(row block); scales (batch, rows / 128, cols / 128) and scales_t (batch, cols / 128,
+// rows / 128). The bf16 block is read once: the transposed codes go through shared memory.
+template <class RowMap, class ColumnBlocks>
+__global__ void __launch_bounds__(kWeightBlockThreads)
+    quantize_weight_block_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ data,
+                                 float* __restrict__ scales, uint8_t* __restrict__ data_t,
+                                 float* __restrict__ scales_t, int64_t rows, int64_t cols,
+                                 ColumnBlocks column_blocks) {
+  constexpr int kVectorsPerRow = 128 / 8;                              // 16 bytes of bf16
+  constexpr int kPasses = 128 * kVectorsPerRow / kWeightBlockThreads;  // 8
+  constexpr int kWarps = kWeightBlockThreads / 32;
+  // The block's codes, 32 words a row, word w of row r at w ^ swizzle(r): the transposed reads
+  // below (a lane reads one word from each of 16 rows; the warp's lanes take 8 row groups of 16
+  // and 4 words) then hit 32 banks.
+  __shared__ uint32_t codes[128][32];
+  __shared__ uint32_t warp_amax_bits[kWarps];
+  const auto swizzle = [](int row) { return ((row / 16) & 7) << 2; };
+
+  const int64_t col_blocks = cols / 128, row_blocks = rows / 128;
+  const int64_t col_block = blockIdx.x % col_blocks;
+  const int64_t row_block = blockIdx.x / col_blocks % row_blocks;
+  const int64_t matrix = blockIdx.x / (col_blocks * row_blocks);
+  const int64_t matrix_offset = matrix * rows * cols;
+  const int vector = threadIdx.x % kVectorsPerRow;
+  const int first_row = threadIdx.x / kVectorsPerRow;  // + pass * 16
+  const int64_t col = col_block * 128 + vector * 8;
+
+  uint4 raw[kPasses];  // rows first_row + 16 pass, 8 bf16 each
+  uint32_t amax_bits = 0;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int64_t row = row_block * 128 + first_row + pass * 16;
+    raw[pass] =
+        *reinterpret_cast<const uint4*>(x + matrix_offset + RowMap{}(row, rows) * cols + col);
   }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    float values[8];
+    InputVector<uint16_t>::widen(raw[pass], values);
+    amax_bits = max(amax_bits, finite_amax_bits(values));
+  }
+  amax_bits = lanes_max<32>(amax_bits);
+  if (threadIdx.x % 32 == 0) warp_amax_bits[threadIdx.x / 32] = amax_bits;
   __syncthreads();
-  uint8_t* out_block_data = out + matrix * cols * rows + col_block * 128 * rows + out_block * 128;
-  for (int vector = threadIdx.x; vector < kVectors; vector += kTransposeBlockThreads) {
-    const int col = vector / 8, first_row = vector % 8 * 16;  // an output row's 16 bytes
-    uint32_t words[4];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      uint32_t word = 0;
+  for (int warp = 0; warp < kWarps; ++warp) amax_bits = max(amax_bits, warp_amax_bits[warp]);
+  const float amax = __uint_as_float(amax_bits);
+  const fp8::Fp8BlockScale scale = fp8::fp8_block_scale(amax);
+  const int64_t block_index = (matrix * row_blocks + row_block) * col_blocks + col_block;
+  if (threadIdx.x == 0) scales[block_index] = scale.scale;
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const uint32_t byte = (tile[first_row + 4 * w + b][col / 4] >> (8 * (col % 4))) & 0xffu;
-        word |= byte << (8 * b);
-      }
-      words[w] = word;
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int row = first_row + pass * 16;
+    float values[8];
+    InputVector<uint16_t>::widen(raw[pass], values);
+    uint32_t words[2];
+    encode_scaled(values, scale.inverse, words);
+    store_codes<8>(data + matrix_offset + (row_block * 128 + row) * cols + col, words);
+    if (data_t != nullptr) {
+      const int word = (2 * vector) ^ swizzle(row);
+      *reinterpret_cast<uint2*>(&codes[row][word]) = make_uint2(words[0], words[1]);
     }
-    *reinterpret_cast<uint4*>(out_block_data + col * rows + first_row) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  if (data_t == nullptr) return;
+  __syncthreads();
+  // Lane l of warp w: rows 16 (l % 8) .. + 15 of column word 4 w + l / 8 (columns 4 of them), as
+  // four 16-byte pieces of four transposed rows.
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int group = lane % 8, column_word = threadIdx.x / 32 * 4 + lane / 8;
+  uint32_t column[16];  // row 16 group + i: the word of columns 4 column_word ..
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int row = group * 16 + i;
+    column[i] = codes[row][column_word ^ swizzle(row)];
+  }
+  const int64_t out_block = column_blocks(row_block);
+  uint8_t* out = data_t + matrix_offset + (col_block * 128 + column_word * 4) * rows +
+                 out_block * 128 + group * 16;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // column 4 column_word + j: byte j of each row's word
+    uint32_t packed[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t low = __byte_perm(column[4 * k], column[4 * k + 1], j | ((j + 4) << 4));
+      const uint32_t high = __byte_perm(column[4 * k + 2], column[4 * k + 3], j | ((j + 4) << 4));
+      packed[k] = __byte_perm(low, high, 0x5410);
+    }
+    *reinterpret_cast<uint4*>(out + j * rows) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
   if (threadIdx.x == 0) {
-    out_scales[(matrix * col_blocks + col_block) * row_block_count + out_block] =
-        in_scales[(matrix * row_block_count + row_block) * col_blocks + col_block];
+    scales_t[(matrix * col_blocks + col_block) * row_blocks + out_block] = scale.scale;
   }
 }
 
