@@ -118,12 +118,24 @@ struct ForwardCall {
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
-  // "bf16" or "fp8" (forward only, no saved context so far). fp8 reads the weights from a cache
-  // quantized from them, made anew whenever weights_version or a weight's address changes since
-  // the last fp8 call on the workspace (-1: every call).
+  // "bf16" or "fp8". fp8 keeps no saved context (its backward recomputes: saved_* must be null)
+  // and reads the weights from the workspace's fp8 weight cache (see Fp8 weight cache below).
   std::string precision = "bf16";
   int64_t weights_version = -1;
 };
+
+// The fp8 weight cache: each workspace holds one cache of its layer's weights quantized 128 x 128,
+// in the forward's layout and the backward dgrads' transposed one, which the fp8 forward and the
+// fp8 backward both read. A call (forward or backward) quantizes it anew from the weights it
+// passes when they are not the ones the cache was made from: when a weight's address differs from
+// the last fp8 call's on that workspace, or weights_version does (the sum of the weights' version
+// counters, which every in-place change raises), or either call's weights_version is -1 (unknown:
+// every call quantizes). So a backward always differentiates the layer at the weights passed to it:
+// within one autograd step those are the forward's (the same tensors, unchanged), and the backward
+// reads the forward's cache as it is; weights changed in place in between, or another layer's
+// fp8 call on the same workspace, make it quantize them again (the same bytes a forward would).
+// The caller keeps the weights of the last call alive (the torch ops do), so that a new tensor
+// cannot take a cached one's address unnoticed.
 
 // Rows of ForwardCall::saved_gate_up for this call (T * k at EP 1, R * T_max * k at EP > 1).
 int64_t saved_context_rows(int64_t workspace, const ForwardCall& call);
@@ -157,12 +169,17 @@ struct BackwardCall {
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
+  // "bf16" or "fp8" (recompute mode only: saved_* null), as ForwardCall's; fp8 reads the
+  // workspace's fp8 weight cache, made anew from `weights` as described above ForwardCall's.
+  std::string precision = "bf16";
+  int64_t weights_version = -1;
 };
 
 // Enqueues mok's GPU backward (save mode with the forward's saved context; recompute mode, which
 // computes the gate/up activations again from x, without) on `stream`, no host synchronisation.
-// `workspace` as for forward; the backward's own buffers are made on its first call (collectively,
-// when num_ranks > 1: every rank calls backward).
+// `workspace` as for forward; the backward's own buffers are made on its first call of each
+// precision (collectively, when num_ranks > 1: every rank calls backward). fp8:
+// LayerBackwardFp8, recompute mode, on the workspace's fp8 weight cache.
 void backward(int64_t workspace, const BackwardCall& call);
 
 // Waits for `stream` and throws CoreError naming rank, phase and cause of a device fault that a

@@ -21,14 +21,17 @@ What runs where:
     CUDA tensors  forward: mok's GPU layer (LayerForward) on the current CUDA stream, no host
                   synchronisation, EP over the workspace's process group, bitwise EP-invariant.
                   backward: mok's GPU backward (LayerBackward) on the current stream, no host
-                  synchronisation, EP over the same group. bf16 only so far.
+                  synchronisation, EP over the same group. Both in bf16 and fp8 (mxfp8: CPU only).
 
 Precision (MoKConfig.precision, from the workspace's config or forward's and backward's `config`):
     "bf16"   bf16 operands, fp32 accumulation.
     "fp8"    E4M3 GEMM operands, DeepSeek-V3 blocks (activations 1 x 128, weights 128 x 128);
-             H, I and I_s multiples of 128. CPU tensors; on CUDA tensors the forward only so far
-             (under torch.no_grad() or torch.inference_mode(): no backward yet), its weights
-             quantized into a cache that is made anew whenever a weight changes in place.
+             H, I and I_s multiples of 128. CPU and CUDA tensors, forward and backward (training).
+             On CUDA its weights are quantized into a cache per workspace, which the forward and
+             the backward both read, made anew whenever a call brings other weights or a weight
+             changed in place (an optimizer step): a backward always differentiates the layer at
+             the weights passed to it, in an autograd step the forward's. Its autograd context is
+             always the inputs alone (recompute mode, whatever `context` says).
     "mxfp8"  E4M3 with E8M0 scales per 1 x 32 (OCP MX); H, I and I_s multiples of 32. CPU only.
     The quantization points are listed in docs/quantize.md; inputs, outputs and gradients keep the
     dtypes above.
@@ -39,6 +42,7 @@ The autograd context, two modes with the same bits (forward's `context`):
                  backward reads them instead of computing them again.
     "recompute"  only the inputs are kept; the backward dispatches x again and recomputes them
                  (less memory, one gate/up GEMM more: for activation checkpointing).
+    The FP8 modes keep the inputs alone in either mode (their backward recomputes).
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ from ._reference import fuse_gate_up, split_gate_up
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 CONTEXTS = ("save", "recompute")
-GPU_PRECISIONS = ("bf16",)  # what the GPU layer trains in so far; the CPU backend runs every one
-GPU_FORWARD_PRECISIONS = ("bf16", "fp8")  # what its forward computes (fp8: no backward yet)
+GPU_PRECISIONS = ("bf16", "fp8")  # what the GPU layer trains in; the CPU backend runs every one
+GPU_FORWARD_PRECISIONS = GPU_PRECISIONS  # what its forward computes (the same ones)
 
 __all__ = [
     "ExpertWeights", "FusedExpertWeights", "MoKConfig", "LayerShape", "Workspace", "create_workspace",
@@ -126,8 +130,8 @@ class MoKConfig:
         at least 256. None sizes it for every row a call can route here (one round); fewer bound
         the memory, and any routing still runs, in further rounds through the ring (no token is
         dropped). The CPU backend has no ring and ignores it.
-    precision: "bf16", "fp8" or "mxfp8" (the module docstring); the FP8 modes run on CPU tensors,
-        and on CUDA tensors fp8's forward only so far (the GPU layer trains in bf16)."""
+    precision: "bf16", "fp8" or "mxfp8" (the module docstring); all three on CPU tensors, bf16 and
+        fp8 on CUDA tensors (forward and backward), mxfp8 not yet."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -148,16 +152,13 @@ class MoKConfig:
 
     def check_device(self, device, forward_only: bool = False) -> None:
         """Raises NotImplementedError when the layer cannot compute this precision on `device`
-        (forward_only: a forward that autograd does not record)."""
-        if torch.device(device).type != "cuda" or self.precision in GPU_PRECISIONS:
+        (forward_only: a forward that autograd does not record; GPU_FORWARD_PRECISIONS, the same
+        as GPU_PRECISIONS now that fp8 trains on CUDA too)."""
+        if torch.device(device).type != "cuda":
             return
-        if self.precision not in GPU_FORWARD_PRECISIONS:
+        if self.precision not in (GPU_FORWARD_PRECISIONS if forward_only else GPU_PRECISIONS):
             raise NotImplementedError(f"MoKConfig.precision: {self.precision} runs on CPU tensors only so far: "
-                                      "the GPU layer computes bf16, and fp8's forward")
-        if not forward_only:
-            raise NotImplementedError(f"MoKConfig.precision: {self.precision} on CUDA tensors runs the forward "
-                                      "only so far (under torch.no_grad() or torch.inference_mode()); its "
-                                      "backward, and training in it, run on CPU tensors")
+                                      "the GPU layer computes bf16, and fp8's forward and backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,10 +355,10 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     needs `workspace` (get_workspace with the group); without one a CUDA call is EP = 1 on an
     automatic workspace. Device faults (an expert id out of range) surface at check_errors().
     context: what autograd keeps for the backward, "save" or "recompute" (module docstring); a
-    call that autograd does not record keeps nothing. config: the MoKConfig of a call without a
-    workspace (its precision; a workspace brings its own). On CUDA tensors fp8 runs only where
-    autograd does not record the call (the module docstring), mxfp8 not at all:
-    NotImplementedError otherwise."""
+    call that autograd does not record keeps nothing; the FP8 modes keep the inputs alone either
+    way (recompute). config: the MoKConfig of a call without a workspace (its precision; a
+    workspace brings its own). On CUDA tensors bf16 and fp8 run, forward and backward; mxfp8 raises
+    NotImplementedError."""
     if context not in CONTEXTS:
         raise ValueError(f"context: one of {CONTEXTS}, got {context!r}")
     fused = _fused(weights)
@@ -367,7 +368,9 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     if workspace is not None:
         workspace.check(x, topk_idx, fused)
     handle = workspace.handle if workspace is not None else 0
-    if context == "save" and records:
+    # Save mode keeps the gate/up pre-activations for a bf16 backward; the FP8 modes have no such
+    # context (their backward recomputes, on CPU and CUDA alike): forward, recorded, keeps the inputs.
+    if context == "save" and records and precision == "bf16":
         return torch.ops.mok.forward_save(x, topk_idx, topk_w, *fused, handle, precision)[0]
     return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, handle, precision)
 
@@ -385,8 +388,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: 
     """Gradients of the layer for upstream gradient dy, all weight gradients in fp32 and in the
     layout of `weights`. With `main_grads` (fp32 buffers of that layout), each gradient is also
     added to its buffer in place. Recomputes the forward internally: nothing is saved between the
-    calls. CUDA tensors: mok's GPU backward on the current stream (module docstring). config: as
-    forward's."""
+    calls. CUDA tensors: mok's GPU backward on the current stream (module docstring; fp8 quantizes
+    `weights` into the workspace's weight cache unless they are those of its last call, unchanged).
+    config: as forward's."""
     precision = _precision(x, workspace, config)
     fused = _fused(weights)
     if workspace is not None:

@@ -27,9 +27,9 @@ class MoE(nn.Module):
 
     Input (..., H) of any float dtype (computed in bf16); output (..., H) bf16. CPU tensors run
     mok's CPU backend, forward and backward, in `config.precision` (bf16, fp8 or mxfp8). CUDA
-    tensors run mok's GPU layer forward and backward in bf16; in fp8 its forward only so far (in
-    torch.no_grad() or torch.inference_mode(); a call autograd records raises NotImplementedError,
-    as does mxfp8).
+    tensors run mok's GPU layer forward and backward in bf16 or fp8 (fp8: its weights quantized
+    once per change of them, e.g. per optimizer step, into a cache that forward and backward
+    share); mxfp8 on CUDA raises NotImplementedError.
 
     Expert parallelism: with `process_group` of R ranks, rank r holds experts r*E/R .. and the
     first CUDA call makes the workspace collectively (every rank calls the module). Its capacity is
@@ -41,7 +41,8 @@ class MoE(nn.Module):
     (examples/train_moe_block.py shows it).
 
     context: what autograd keeps for the backward, "save" (the gate/up pre-activations, the
-    faster backward) or "recompute" (the inputs only; see mok.functional.forward).
+    faster backward) or "recompute" (the inputs only; see mok.functional.forward). The FP8 modes
+    keep the inputs only, whichever.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,

@@ -1,5 +1,6 @@
-// The GPU half of the bridge: the torch extension's LayerForward workspaces, each with the NCCL
-// communicator it was made from. Host code only; kernels come with libmok_cuda.
+// The GPU half of the bridge: the torch extension's GPU layer workspaces (LayerForward, and made on
+// first use LayerBackward, LayerForwardFp8 and LayerBackwardFp8), each with the NCCL communicator
+// it was made from. Host code only; kernels come with libmok_cuda.
 //
 // Workspaces live in a process-wide registry (leaked at exit on purpose: tearing down NCCL and
 // CUDA objects from static destructors, after the runtime may be gone, crashes more than it
@@ -22,6 +23,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/comm_nccl_check.hpp"
 #include "runtime/layer_backward.hpp"
+#include "runtime/layer_backward_fp8.hpp"
 #include "runtime/layer_forward.hpp"
 #include "runtime/layer_forward_fp8.hpp"
 
@@ -47,16 +49,20 @@ struct Workspace {
   ncclComm_t comm = nullptr;  // made here from the unique id; null for EP = 1
   Communicator communicator;  // over `comm`, or the single rank
   std::unique_ptr<LayerForward> layer;
-  std::unique_ptr<LayerBackward> backward;  // made by the first backward call
-  std::unique_ptr<LayerForwardFp8> fp8;     // made by the first fp8 forward
-  DeviceWeights fp8_weights;                // the weights its cache was quantized from
-  int64_t fp8_version = -1;                 // and their version then
+  std::unique_ptr<LayerBackward> backward;  // made by the first bf16 backward call
+  // Made by the first fp8 call, forward or backward; its weight cache (both layouts) serves the
+  // fp8 forward and the fp8 backward (the rule above ForwardCall in torch_bridge.hpp).
+  std::unique_ptr<LayerForwardFp8> fp8;
+  std::unique_ptr<LayerBackwardFp8> fp8_backward;  // made by the first fp8 backward call
+  DeviceWeights fp8_weights;                       // the weights the cache was quantized from
+  int64_t fp8_version = -1;                        // and their version then
 
   Workspace() = default;
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
   ~Workspace() {
     backward.reset();  // collective teardown of the windows first, then the communicator under them
+    fp8_backward.reset();
     fp8.reset();
     layer.reset();
 #if defined(MOK_WITH_NCCL)
@@ -298,33 +304,93 @@ void destroy_workspace(int64_t handle) {
   });
 }
 
-// The fp8 forward (LayerForwardFp8) of a workspace: made on first use, its weight cache quantized
-// anew when the weights' version or addresses changed.
-void forward_fp8(Workspace& workspace, const ForwardCall& call) {
-  MOK_CHECK_ARG(call.saved_gate_up == nullptr && call.saved_shared_gate_up == nullptr, "precision",
-                "fp8 on the GPU runs the forward only so far: no context for a backward (training "
-                "in fp8 runs on the CPU backend)");
+// The fp8 forward (LayerForwardFp8) of a workspace, made on first use (by a forward or a
+// backward), its weight cache with the backward's transposed layout too; and that cache holding
+// `given`: quantized anew from them unless it was made from the same addresses at the same known
+// version (the rule above ForwardCall in torch_bridge.hpp).
+LayerForwardFp8& fp8_layer_with_weights(Workspace& workspace, const DeviceWeights& given,
+                                        int64_t weights_version, cudaStream_t stream) {
   if (workspace.fp8 == nullptr) {
     LayerForwardFp8Options options;
     options.layer.copy = workspace.layer->options().copy;
+    options.transposed_weights = true;  // one cache for the forward and the backward
     workspace.fp8 = std::make_unique<LayerForwardFp8>(
         workspace.communicator, core_shape(workspace.shape), workspace.tokens_max, options);
   }
-  const DeviceLayerWeights weights = device_weights(*workspace.layer, call.weights);
   const DeviceWeights& cached = workspace.fp8_weights;
-  const bool same_weights = cached.gate_up == call.weights.gate_up &&
-                            cached.down == call.weights.down &&
-                            cached.shared_gate_up == call.weights.shared_gate_up &&
-                            cached.shared_down == call.weights.shared_down;
-  const auto stream = static_cast<cudaStream_t>(call.stream);
-  if (!workspace.fp8->has_weights() || !same_weights || call.weights_version < 0 ||
-      call.weights_version != workspace.fp8_version) {
-    workspace.fp8->quantize_weights(weights, stream);
-    workspace.fp8_weights = call.weights;
-    workspace.fp8_version = call.weights_version;
+  const bool same_weights = cached.gate_up == given.gate_up && cached.down == given.down &&
+                            cached.shared_gate_up == given.shared_gate_up &&
+                            cached.shared_down == given.shared_down;
+  if (!workspace.fp8->has_weights() || !same_weights || weights_version < 0 ||
+      weights_version != workspace.fp8_version) {
+    workspace.fp8->quantize_weights(device_weights(*workspace.layer, given), stream);
+    workspace.fp8_weights = given;
+    workspace.fp8_version = weights_version;
   }
-  workspace.fp8->forward(static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
-                         static_cast<bf16*>(call.y), call.num_tokens, stream);
+  return *workspace.fp8;
+}
+
+void forward_fp8(Workspace& workspace, const ForwardCall& call) {
+  MOK_CHECK_ARG(call.saved_gate_up == nullptr && call.saved_shared_gate_up == nullptr, "precision",
+                "fp8 keeps no saved context: its backward recomputes the gate/up activations "
+                "from x (recompute mode; pass no saved_gate_up)");
+  const auto stream = static_cast<cudaStream_t>(call.stream);
+  LayerForwardFp8& layer =
+      fp8_layer_with_weights(workspace, call.weights, call.weights_version, stream);
+  layer.forward(static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
+                static_cast<bf16*>(call.y), call.num_tokens, stream);
+}
+
+// The layer's weight gradients as the call asks for them.
+DeviceLayerGradients device_gradients(const BackwardCall& call) {
+  return {call.grad_gate_up, call.grad_down, call.grad_shared_gate_up, call.grad_shared_down,
+          call.accumulate       ? gemm::WgradOutput::kAccumulateFp32
+          : call.bf16_gradients ? gemm::WgradOutput::kBf16
+                                : gemm::WgradOutput::kFp32};
+}
+
+LayerBackwardOptions backward_options(const Workspace& workspace) {
+  LayerBackwardOptions options;
+  if (workspace.layer->options().copy.num_ctas > 0) {
+    options.copy.num_ctas = workspace.layer->options().copy.num_ctas;
+  }
+  return options;
+}
+
+// The fp8 backward (LayerBackwardFp8, recompute mode) on the workspace's fp8 weight cache, made to
+// hold the call's weights first where it does not (the rule above ForwardCall).
+void backward_fp8(Workspace& workspace, const BackwardCall& call) {
+  MOK_CHECK_ARG(call.saved_gate_up == nullptr && call.saved_shared_gate_up == nullptr,
+                "saved_gate_up",
+                "fp8 has no saved context: its backward recomputes the gate/up "
+                "activations from x (recompute mode; pass None)");
+  const auto stream = static_cast<cudaStream_t>(call.stream);
+  const LayerForwardFp8& forward =
+      fp8_layer_with_weights(workspace, call.weights, call.weights_version, stream);
+  if (workspace.fp8_backward == nullptr) {
+    LayerBackwardFp8Options options;  // (the FP8 GEMMs' pipeline: its default, as the forward's)
+    options.layer = backward_options(workspace);
+    workspace.fp8_backward = std::make_unique<LayerBackwardFp8>(
+        workspace.communicator, core_shape(workspace.shape), workspace.tokens_max, options);
+  }
+  workspace.fp8_backward->backward(forward.weight_cache(), static_cast<const bf16*>(call.x),
+                                   call.topk_idx, call.topk_w, static_cast<const bf16*>(call.dy),
+                                   static_cast<bf16*>(call.dx), call.d_topk_w,
+                                   device_gradients(call), call.num_tokens, stream);
+}
+
+// Runs an fp8 call; when it throws (after its weights may have been quantized into the cache),
+// the cache's record of its weights is dropped, so that the next call quantizes again: the caller
+// keeps the weights of the last call that returned alive, not those of one that threw.
+template <class Body>
+void with_fp8_cache_forgotten_on_error(Workspace& workspace, Body&& body) {
+  try {
+    body();
+  } catch (...) {
+    workspace.fp8_weights = {};
+    workspace.fp8_version = -1;
+    throw;
+  }
 }
 
 void forward(int64_t handle, const ForwardCall& call) {
@@ -336,9 +402,9 @@ void forward(int64_t handle, const ForwardCall& call) {
     const Precision precision = parse_precision(call.precision);
     MOK_CHECK_ARG(precision != Precision::kMxfp8, "precision",
                   "mxfp8 runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
-                  "forward");
+                  "forward and backward");
     if (precision == Precision::kFp8) {
-      forward_fp8(*workspace, call);
+      with_fp8_cache_forgotten_on_error(*workspace, [&] { forward_fp8(*workspace, call); });
       return;
     }
     const SavedContext save{static_cast<bf16*>(call.saved_gate_up),
@@ -371,19 +437,20 @@ void backward(int64_t handle, const BackwardCall& call) {
         handle == 0 ? automatic_workspace(call) : find_workspace(handle);
     check_call(*workspace, call);
     MOK_CUDA_CHECK(cudaSetDevice(call.device));
-    if (workspace->backward == nullptr) {
-      LayerBackwardOptions options;
-      if (workspace->layer->options().copy.num_ctas > 0) {
-        options.copy.num_ctas = workspace->layer->options().copy.num_ctas;
-      }
-      workspace->backward = std::make_unique<LayerBackward>(
-          workspace->communicator, core_shape(workspace->shape), workspace->tokens_max, options);
+    const Precision precision = parse_precision(call.precision);
+    MOK_CHECK_ARG(precision != Precision::kMxfp8, "precision",
+                  "mxfp8 runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
+                  "forward and backward");
+    if (precision == Precision::kFp8) {
+      with_fp8_cache_forgotten_on_error(*workspace, [&] { backward_fp8(*workspace, call); });
+      return;
     }
-    const DeviceLayerGradients grads{call.grad_gate_up, call.grad_down, call.grad_shared_gate_up,
-                                     call.grad_shared_down,
-                                     call.accumulate       ? gemm::WgradOutput::kAccumulateFp32
-                                     : call.bf16_gradients ? gemm::WgradOutput::kBf16
-                                                           : gemm::WgradOutput::kFp32};
+    if (workspace->backward == nullptr) {
+      workspace->backward =
+          std::make_unique<LayerBackward>(workspace->communicator, core_shape(workspace->shape),
+                                          workspace->tokens_max, backward_options(*workspace));
+    }
+    const DeviceLayerGradients grads = device_gradients(call);
     // (const only in the call: the backward reads the context)
     const SavedContext saved{
         const_cast<bf16*>(static_cast<const bf16*>(call.saved_gate_up)),
@@ -404,6 +471,9 @@ void check(int64_t handle, int device, void* stream) {
         workspace->backward->check(static_cast<cudaStream_t>(stream));
       }
       if (workspace->fp8 != nullptr) workspace->fp8->check(static_cast<cudaStream_t>(stream));
+      if (workspace->fp8_backward != nullptr) {
+        workspace->fp8_backward->check(static_cast<cudaStream_t>(stream));
+      }
     }
   });
 }
@@ -414,6 +484,9 @@ void reset_after_error(int64_t handle, int device) {
       workspace->layer->workspace().reset_after_error();
       if (workspace->backward != nullptr) workspace->backward->workspace().reset_after_error();
       if (workspace->fp8 != nullptr) workspace->fp8->workspace().reset_after_error();
+      if (workspace->fp8_backward != nullptr) {
+        workspace->fp8_backward->workspace().reset_after_error();
+      }
     }
   });
 }

@@ -1,7 +1,7 @@
 // The CUDA kernels of mok::forward and mok::backward: the GPU layer forward (LayerForward) and
-// backward (LayerBackward) on torch's current CUDA stream, with the caller's tensors as weights
-// (no copy) and no host synchronisation. Also the
-// device-fault check and reset ops, which need the current stream.
+// backward (LayerBackward), or in precision fp8 LayerForwardFp8 and LayerBackwardFp8, on torch's
+// current CUDA stream, with the caller's tensors as weights (no copy) and no host
+// synchronisation. Also the device-fault check and reset ops, which need the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -41,26 +41,25 @@ Tensor int32_ids(const Tensor& topk_idx) {
   return topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
 }
 
-// The GPU layer computes bf16, and fp8's forward (no saved context); the rest of the FP8 modes runs
-// on CPU tensors (the CPU backend).
-void check_gpu_precision(c10::string_view precision, bool forward_only) {
+// The GPU layer computes bf16 and fp8, forward and backward (fp8 in recompute mode: no saved
+// context); mxfp8 runs on CPU tensors only (the CPU backend).
+void check_gpu_precision(c10::string_view precision) {
   const std::string name(precision.data(), precision.size());
-  MOK_TORCH_CHECK(precision == "bf16" || (precision == "fp8" && forward_only), "precision: ", name,
-                  precision == "fp8"
-                      ? " on CUDA tensors runs the forward only so far (no backward: call it under "
-                        "torch.no_grad() or torch.inference_mode()); training in fp8 runs on CPU "
-                        "tensors"
-                      : " runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
-                        "forward");
+  MOK_TORCH_CHECK(precision == "bf16" || precision == "fp8", "precision: ", name,
+                  " runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
+                  "forward and backward");
 }
 
-// The fp8 forward's weight cache is quantized from the weights of the workspace's last fp8 call
-// and made anew when their addresses or their version sum change (ForwardCall::weights_version).
-// The addresses alone would not do: a weight made anew per call (ExpertWeights' fused gate/up)
-// may land where the last one was. So the tensors of the last call stay referenced here until the
-// next fp8 call on that workspace: while they live no other tensor takes their memory, and the
-// version counters (which only grow) see every in-place change. Inference tensors keep no
-// version: with one among the weights the cache is made anew on every call (-1).
+// The fp8 weight cache (one per workspace, read by the fp8 forward and the fp8 backward alike) is
+// quantized from the weights of the workspace's last fp8 call, forward or backward, and made anew
+// when their addresses or their version sum change (the rule above ForwardCall in
+// torch_bridge.hpp). The addresses alone would not do: a weight made anew per call (ExpertWeights'
+// fused gate/up) may land where the last one was. So the tensors of the last call stay referenced
+// here until the next fp8 call on that workspace: while they live no other tensor takes their
+// memory, and the version counters (which only grow) see every in-place change. Inference tensors
+// keep no version: with one among the weights the cache is made anew on every call (-1). A
+// backward gets the forward's weights (autograd's saved tensors: the same tensors and versions,
+// so the forward's cache as it is), or, changed in place since, quantizes them again.
 std::mutex fp8_weights_mutex;
 // Keyed as the bridge keys its workspaces: the handle, and for the automatic ones (handle 0) the
 // device and the whole shape, so that two layers never share an entry.
@@ -76,16 +75,39 @@ int64_t weights_version(const std::vector<Tensor>& weights) {
   return version;
 }
 
+// The weights of an fp8 call, to reference in fp8_weights_in_cache.
+std::vector<Tensor> fp8_weight_tensors(const Tensor& w_gate_up, const Tensor& w_down,
+                                       const OptionalTensor& w_shared_gate_up,
+                                       const OptionalTensor& w_shared_down) {
+  std::vector<Tensor> weights{w_gate_up, w_down};
+  for (const OptionalTensor* shared : {&w_shared_gate_up, &w_shared_down}) {
+    if (shared->has_value() && (*shared)->defined()) weights.push_back(**shared);
+  }
+  return weights;
+}
+
+// After an fp8 call returned: its weights are the cache's (see fp8_weights_in_cache).
+void remember_fp8_weights(int64_t workspace, int device, const bridge::Shape& shape,
+                          std::vector<Tensor> weights) {
+  const std::lock_guard<std::mutex> lock(fp8_weights_mutex);
+  const Fp8CacheKey key{
+      workspace,         device,     shape.hidden, shape.intermediate, shape.shared_intermediate,
+      shape.num_experts, shape.top_k};
+  fp8_weights_in_cache[key] = std::move(weights);
+}
+
 using SaveResult = std::tuple<Tensor, Tensor, Tensor>;
 
 // The forward; save: also the context a save-mode backward reads (y, saved gate/up pre-activations
-// (rows, 2I), the shared expert's (T, 2I_s) or (0,)); otherwise those two are empty.
+// (rows, 2I), the shared expert's (T, 2I_s) or (0,)); otherwise those two are empty. fp8 keeps no
+// context (its backward recomputes, as the CPU backend's does): save or not, those two are empty.
 SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                        const Tensor& w_gate_up, const Tensor& w_down,
                        const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
                        int64_t workspace, c10::string_view precision, bool save) {
   return core_errors_as_value_errors([&] {
-    check_gpu_precision(precision, /*forward_only=*/!save);
+    check_gpu_precision(precision);
+    const bool fp8 = precision == "fp8";
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     const c10::cuda::CUDAGuard device_guard(x.device());
@@ -106,14 +128,11 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
     call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
     call.precision = std::string(precision.data(), precision.size());
     std::vector<Tensor> fp8_weights;
-    if (precision == "fp8") {
-      fp8_weights = {w_gate_up, w_down};
-      for (const OptionalTensor* shared : {&w_shared_gate_up, &w_shared_down}) {
-        if (shared->has_value() && (*shared)->defined()) fp8_weights.push_back(**shared);
-      }
+    if (fp8) {
+      fp8_weights = fp8_weight_tensors(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
       call.weights_version = weights_version(fp8_weights);
     }
-    if (save) {
+    if (save && !fp8) {
       const int64_t rows = bridge::saved_context_rows(workspace, call);
       saved_gate_up = at::empty({rows, 2 * layer.shape.intermediate}, x.options());
       call.saved_gate_up = saved_gate_up.data_ptr();
@@ -124,17 +143,7 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
       }
     }
     bridge::forward(workspace, call);
-    if (precision == "fp8") {  // (see fp8_weights_in_cache)
-      const std::lock_guard<std::mutex> lock(fp8_weights_mutex);
-      const Fp8CacheKey key{workspace,
-                            call.device,
-                            layer.shape.hidden,
-                            layer.shape.intermediate,
-                            layer.shape.shared_intermediate,
-                            layer.shape.num_experts,
-                            layer.shape.top_k};
-      fp8_weights_in_cache[key] = std::move(fp8_weights);
-    }
+    if (fp8) remember_fp8_weights(workspace, call.device, layer.shape, std::move(fp8_weights));
     return SaveResult{y, saved_gate_up, saved_shared_gate_up};
   });
 }
@@ -170,6 +179,8 @@ const void* saved_data(const OptionalTensor& saved, const char* name, const Tens
 using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // mok's GPU backward: fresh weight gradients in the weights' layouts, fp32 or (bf16_grads) bf16.
+// fp8: recompute mode always (no saved context: forward_save keeps none in fp8), on the
+// workspace's fp8 weight cache, quantized anew from these weights where they are not the cache's.
 BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& topk_idx,
                              const Tensor& topk_w, const Tensor& w_gate_up, const Tensor& w_down,
                              const OptionalTensor& w_shared_gate_up,
@@ -178,7 +189,8 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
                              const OptionalTensor& saved_shared_gate_up,
                              c10::string_view precision) {
   return core_errors_as_value_errors([&] {
-    check_gpu_precision(precision, /*forward_only=*/false);
+    check_gpu_precision(precision);
+    const bool fp8 = precision == "fp8";
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     check_tensor(dy, "dy", at::kBFloat16, x.device());
@@ -214,12 +226,24 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
     call.num_tokens = x.size(0);
     call.device = x.device().index();
     call.stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    call.precision = std::string(precision.data(), precision.size());
+    std::vector<Tensor> fp8_weights;
+    if (fp8) {
+      for (const OptionalTensor* saved : {&saved_gate_up, &saved_shared_gate_up}) {
+        MOK_TORCH_CHECK(!saved->has_value() || !(*saved)->defined() || (*saved)->numel() == 0,
+                        "saved_gate_up: fp8 keeps no saved context (its backward recomputes the "
+                        "gate/up activations from x); pass None");
+      }
+      fp8_weights = fp8_weight_tensors(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
+      call.weights_version = weights_version(fp8_weights);
+    }
     bridge::ForwardCall forward_call;  // (what its forward saved: the context's rows)
     forward_call.local_shape = layer.shape;
     forward_call.num_tokens = x.size(0);
-    call.saved_gate_up = saved_data(
-        saved_gate_up, "saved_gate_up", x,
-        {bridge::saved_context_rows(workspace, forward_call), 2 * layer.shape.intermediate});
+    call.saved_gate_up = fp8 ? nullptr
+                             : saved_data(saved_gate_up, "saved_gate_up", x,
+                                          {bridge::saved_context_rows(workspace, forward_call),
+                                           2 * layer.shape.intermediate});
     if (call.saved_gate_up != nullptr && shared) {
       call.saved_shared_gate_up = saved_data(saved_shared_gate_up, "saved_shared_gate_up", x,
                                              {x.size(0), 2 * layer.shape.shared_intermediate});
@@ -228,6 +252,7 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
                       "expert)");
     }
     bridge::backward(workspace, call);
+    if (fp8) remember_fp8_weights(workspace, call.device, layer.shape, std::move(fp8_weights));
     return BackwardResult{
         dx, d_topk_w, grad_gate_up, grad_down, grad_shared_gate_up, grad_shared_down};
   });
@@ -241,6 +266,13 @@ c10::DeviceIndex device_index(int64_t device) {
 }
 
 }  // namespace
+
+void forget_fp8_weights(int64_t workspace) {
+  if (workspace == 0) return;  // (the automatic workspaces live as long as the process)
+  const std::lock_guard<std::mutex> lock(fp8_weights_mutex);
+  std::erase_if(fp8_weights_in_cache,
+                [&](const auto& entry) { return std::get<0>(entry.first) == workspace; });
+}
 
 void check_op(int64_t workspace, int64_t device) {
   const c10::DeviceIndex index = device_index(device);

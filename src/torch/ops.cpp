@@ -213,6 +213,7 @@ int64_t create_workspace_op(const Tensor& unique_id, int64_t rank, int64_t num_r
 
 void destroy_workspace_op(int64_t workspace) {
   core_errors_as_value_errors([&] { bridge::destroy_workspace(workspace); });
+  forget_fp8_weights(workspace);
 }
 
 bool have_gpu_layer_op() { return bridge::have_gpu_layer(); }
@@ -229,18 +230,20 @@ void check_op(int64_t, int64_t) {
 void reset_after_error_op(int64_t, int64_t) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "mok::reset_after_error: this build of mok has no GPU layer");
 }
+void forget_fp8_weights(int64_t) {}
 #endif
 
 TORCH_LIBRARY(mok, m) {
   // workspace: a handle from create_workspace; 0 = none (CPU) or the automatic EP = 1 workspace
-  // of the tensors' GPU. precision: "bf16", "fp8" or "mxfp8" (MoKConfig.precision); the FP8 modes
-  // run on CPU tensors only so far (the GPU layer computes bf16).
+  // of the tensors' GPU. precision: "bf16", "fp8" or "mxfp8" (MoKConfig.precision); the GPU layer
+  // computes bf16 and fp8 (forward and backward), mxfp8 runs on CPU tensors only so far.
   m.def(
       "forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
       "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
       "str precision=\"bf16\") -> Tensor");
   // The forward that also returns what a save-mode backward reads: the gate/up pre-activations
-  // (rows, 2I) and the shared expert's (T, 2I_s) bf16 (empty on CPU: its backward recomputes).
+  // (rows, 2I) and the shared expert's (T, 2I_s) bf16 (empty on CPU and in fp8: their backward
+  // recomputes).
   m.def(
       "forward_save(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
       "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "

@@ -156,5 +156,7 @@ auto core_errors_as_runtime_errors(Body&& body) {
 // Defined in cuda_ops.cpp when the extension has CUDA, else in ops.cpp (they then say so).
 void check_op(int64_t workspace, int64_t device);
 void reset_after_error_op(int64_t workspace, int64_t device);
+// Drops the references the fp8 weight cache of a destroyed workspace kept (cuda_ops.cpp).
+void forget_fp8_weights(int64_t workspace);
 
 }  // namespace mok::torch_ops
