@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The PyTorch front end on the GPU machine: `pip install .` the way a user would (no network
 # there, so without build isolation), then the pytest suites (the CPU one, and the CUDA one under
-# torchrun on 2 GPUs) and the training example (CPU; CUDA at EP 1 and, under torchrun, EP 2).
+# torchrun on 2 GPUs) and the training example (CPU; CUDA at EP 1, in bf16 and fp8, and, under
+# torchrun, EP 2).
 #
 #   scripts/device/python.sh prebuild   HERE (no GPU, no torch needed): builds the core and the
 #                                       torch bridge, position-independent, into
@@ -16,7 +17,8 @@
 #                                       python-pytest-cuda-backward.log,
 #                                       python-pytest-integrations.log (transformers, quantizers),
 #                                       transformers-train.{json,log} (the transformers benchmark),
-#                                       python-example-cuda.log (EP 1, then EP 2), and
+#                                       python-example-cuda.log (EP 1, then EP 2),
+#                                       python-example-cuda-fp8.log (EP 1, fp8 beside bf16), and
 #                                       python-example-cpu.log where there is no GPU.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -67,7 +69,7 @@ cpu_status=0
 wait $cpu_suite || cpu_status=$?
 # The GPU backward through torch on one GPU (EP = 1): gradients against an fp64 oracle next to
 # bf16 autograd's, bitwise repeats, a graph of a training step, no host sync.
-# And the fp8 forward through torch against the CPU backend's fp8 mode.
+# And fp8 through torch (forward and training step) against the CPU backend's fp8 mode.
 backward_status=0
 timeout 170 python3 -m pytest -q python/tests/test_torch_cuda_backward.py python/tests/test_torch_cuda_fp8.py \
   >"$results/python-pytest-cuda-backward.log" 2>&1 || backward_status=$?
@@ -89,6 +91,11 @@ if ((gpus >= 1)); then
   echo "== example, cuda, EP 1"
   timeout 70 python3 examples/train_moe_block.py --device cuda --steps "$steps" 2>&1 \
     | tee "$results/python-example-cuda.log" || example_status=1
+fi
+if ((gpus >= 1)); then
+  echo "== example, cuda, EP 1, fp8 (beside mok bf16 and torch-native, from the same start)"
+  timeout 120 python3 examples/train_moe_block.py --device cuda --precision fp8 --steps "$steps" 2>&1 \
+    | tee "$results/python-example-cuda-fp8.log" || example_status=1
 fi
 if ((gpus >= 2)); then
   echo "== example, cuda, EP 2 (torchrun)"
