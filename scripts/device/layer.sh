@@ -118,7 +118,7 @@ rm -f "$OUT/layer-mok-fp8.json" "$OUT/layer-torch-fp8-ep1.json"  # no stale figu
 bench_layer_help=$("$BIN/bench_layer" --help 2>&1)
 if [[ $bench_layer_help == *--precision* ]]; then
   mkdir -p "$routing_dir/fp8"
-  step "bench_layer (mok, FP8 forward and training step; its bf16 ones beside them)" 200 \
+  step "bench_layer (mok, FP8 forward and training step; its bf16 ones beside them)" 400 \
     "$BIN/bench_layer" --iters 20 --backward 1 --precision fp8 --out "$OUT/layer-mok-fp8.json" \
     --routing-dir "$routing_dir/fp8" "${cases[@]}"
   if [ -f "$OUT/layer-mok-fp8.json" ]; then
