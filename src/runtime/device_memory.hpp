@@ -1,6 +1,6 @@
 // Small helpers of the runtime's layers: raw device allocations that the layer objects own (freed
-// in their destructors), the check that a size fits the GEMM engine's int32 rows, and the offsets
-// of the one-expert group the shared expert runs as.
+// in their destructors), the check that a size fits the GEMM engine's int32 rows, the offsets
+// of the one-expert group the shared expert runs as, and the events that end a call's phases.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,5 +35,21 @@ int current_device_sm_count();
 // The offsets {0, rows} of a group of one expert (the shared expert over a call's tokens),
 // written on `stream` itself, so that the count may change between calls without a host sync.
 void write_single_group_offsets(int32_t* offsets, int32_t rows, cudaStream_t stream);
+
+// The phase marks of one call: the n-th call records events[n] on the stream, when the caller
+// asked for events (null: records nothing).
+class PhaseMarks {
+ public:
+  PhaseMarks(const cudaEvent_t* events, cudaStream_t stream) : events_(events), stream_(stream) {}
+  void operator()() const {
+    if (events_ != nullptr) MOK_CUDA_CHECK(cudaEventRecord(events_[recorded_], stream_));
+    ++recorded_;
+  }
+
+ private:
+  const cudaEvent_t* events_;
+  cudaStream_t stream_;
+  mutable int recorded_ = 0;
+};
 
 }  // namespace mok

@@ -140,12 +140,29 @@ LayerBackward::~LayerBackward() {
   }
 }
 
-int LayerBackward::shared_gemm_sms_beside_copy() const {
-  if (!options_.overlap_shared_with_dispatch) return 0;
+int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num_sms,
+                                    int num_ranks) {
+  if (!options.overlap_shared_with_dispatch) return 0;
   // One rank: the dispatch copies local rows on every SM in a fraction of the shared expert's
   // time; beside it, its CTAs would hold SMs from the shared GEMMs for all of it.
-  if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) return 0;
-  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
+  if (options.local_dispatch_on_every_sm && num_ranks == 1) return 0;
+  return gemm_sms_beside_copy(num_sms, options.copy.num_ctas, options.gemm.num_sms);
+}
+
+void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64_t num_tokens,
+                              const void* x, const int32_t* topk_idx, const float* topk_w,
+                              const void* dy, const void* dx, const float* d_topk_w,
+                              const DeviceLayerGradients& grads) {
+  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max, "num_tokens", num_tokens,
+                " out of range [0, ", tokens_max, "]");
+  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
+                                    dy != nullptr && dx != nullptr && d_topk_w != nullptr),
+                "x", "null tensor pointer for ", num_tokens, " tokens");
+  MOK_CHECK_ARG(grads.gate_up != nullptr && grads.down != nullptr, "grads",
+                "null routed expert gradients");
+  MOK_CHECK_ARG(
+      !shape.has_shared() || (grads.shared_gate_up != nullptr && grads.shared_down != nullptr),
+      "grads", "null shared expert gradients (I_s = ", shape.shared_intermediate, ")");
 }
 
 int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
@@ -287,21 +304,13 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
                              float* d_topk_w, const DeviceLayerGradients& grads, int64_t num_tokens,
                              cudaStream_t stream, const cudaEvent_t* phase_events,
                              const SavedContext* saved) {
-  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
-                " out of range [0, ", tokens_max_, "]");
-  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
-                                    dy != nullptr && dx != nullptr && d_topk_w != nullptr),
-                "x", "null tensor pointer for ", num_tokens, " tokens");
+  check_backward_arguments(shape_, tokens_max_, num_tokens, x, topk_idx, topk_w, dy, dx, d_topk_w,
+                           grads);
   MOK_CHECK_ARG(weights.gate_up != nullptr && weights.down != nullptr, "weights",
                 "null routed expert weights");
-  MOK_CHECK_ARG(grads.gate_up != nullptr && grads.down != nullptr, "grads",
-                "null routed expert gradients");
-  if (shape_.has_shared()) {
-    MOK_CHECK_ARG(weights.shared_gate_up != nullptr && weights.shared_down != nullptr, "weights",
-                  "null shared expert weights (I_s = ", shape_.shared_intermediate, ")");
-    MOK_CHECK_ARG(grads.shared_gate_up != nullptr && grads.shared_down != nullptr, "grads",
-                  "null shared expert gradients (I_s = ", shape_.shared_intermediate, ")");
-  }
+  MOK_CHECK_ARG(
+      !shape_.has_shared() || (weights.shared_gate_up != nullptr && weights.shared_down != nullptr),
+      "weights", "null shared expert weights (I_s = ", shape_.shared_intermediate, ")");
   if (saved != nullptr && num_tokens > 0) {
     MOK_CHECK_ARG(saved->gate_up != nullptr, "saved.gate_up", "null pre-activation buffer");
     MOK_CHECK_ARG(!shape_.has_shared() || saved->shared_gate_up != nullptr, "saved.shared_gate_up",
@@ -311,40 +320,19 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
   const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);
-  int phase = 0;
-  auto mark = [&] {
-    if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[phase], stream));
-    ++phase;
-  };
+  const PhaseMarks mark(phase_events, stream);
   mark();
   // This rank's x, dy and router weights into its window, for the expert ranks.
   stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
   mark();
   const bool shared = shape_.has_shared() && tokens > 0;
-  const int shared_sms = shared ? shared_gemm_sms_beside_copy() : 0;
-  if (shared_sms > 0) {
-    // NOTE: the copy CTAs and the shared GEMMs' CTAs fill disjoint SMs, so the two run at once;
-    // fork and join through events keep it one stream to the caller (and to a graph capture).
-    const cudaStream_t side = side_.fork(stream);
-    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kX);
-    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kDy);
-    gemm::LaunchOptions beside_copy = options_.gemm;
-    beside_copy.num_sms = shared_sms;
-    run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, beside_copy);
-    mark();
-    side_.join(stream);
-    mark();
-  } else {
-    if (shared) {
-      run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, options_.gemm);
-    }
-    mark();
-    CopyConfig copy = options_.copy;
-    if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) copy.num_ctas = 0;
-    dispatch(workspace_, copy, stream, comm::DispatchTensor::kX);
-    dispatch(workspace_, copy, stream, comm::DispatchTensor::kDy);
-    mark();
-  }
+  shared_expert_and_dispatch(
+      workspace_, options_, side_, num_sms_, shared, stream,
+      [&](const gemm::LaunchOptions& gemm_options) {
+        run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream,
+                          gemm_options);
+      },
+      [] {}, mark);
   run_routed_experts(weights, saved_gate_up, grads, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.

@@ -99,6 +99,48 @@ void collect_d_topk_w(const CommWorkspace& workspace, float* d_topk_w, int64_t n
                       int num_sms, cudaStream_t stream);
 // (count) floats of 1.0f (the reduce's weights for dx: exact), made synchronously.
 float* make_ones(int64_t count, int device);
+// The arguments every backward takes, with errors that name them (nothing is enqueued).
+void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64_t num_tokens,
+                              const void* x, const int32_t* topk_idx, const float* topk_w,
+                              const void* dy, const void* dx, const float* d_topk_w,
+                              const DeviceLayerGradients& grads);
+// The SMs the shared expert's GEMMs get beside the dispatch's copy CTAs; 0: one after the other
+// (LayerBackwardOptions' overlap_shared_with_dispatch and local_dispatch_on_every_sm).
+int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num_sms,
+                                    int num_ranks);
+
+// The phases kSharedExpert and kDispatch (mark() after each): the shared expert (run_shared(gemm
+// options), when `shared`) and the dispatch of x and dy, beside each other where
+// backward_shared_sms_beside_copy allows (the copy CTAs on the side stream; fork and join keep it
+// one stream to the caller and to a graph capture), else the shared expert first and, at EP 1,
+// the copies on every SM; then after_dispatch(), what needs the dispatched rows in kDispatch.
+template <class RunShared, class AfterDispatch, class Mark>
+void shared_expert_and_dispatch(CommWorkspace& workspace, const LayerBackwardOptions& options,
+                                SideStream& side, int num_sms, bool shared, cudaStream_t stream,
+                                const RunShared& run_shared, const AfterDispatch& after_dispatch,
+                                const Mark& mark) {
+  const int shared_sms =
+      shared ? backward_shared_sms_beside_copy(options, num_sms, workspace.num_ranks()) : 0;
+  if (shared_sms > 0) {
+    const cudaStream_t copy_stream = side.fork(stream);
+    dispatch(workspace, options.copy, copy_stream, comm::DispatchTensor::kX);
+    dispatch(workspace, options.copy, copy_stream, comm::DispatchTensor::kDy);
+    gemm::LaunchOptions beside_copy = options.gemm;
+    beside_copy.num_sms = shared_sms;
+    run_shared(beside_copy);
+    mark();
+    side.join(stream);
+  } else {
+    if (shared) run_shared(options.gemm);
+    mark();
+    CopyConfig copy = options.copy;
+    if (options.local_dispatch_on_every_sm && workspace.num_ranks() == 1) copy.num_ctas = 0;
+    dispatch(workspace, copy, stream, comm::DispatchTensor::kX);
+    dispatch(workspace, copy, stream, comm::DispatchTensor::kDy);
+  }
+  after_dispatch();
+  mark();
+}
 
 class LayerBackward {
  public:
@@ -146,8 +188,6 @@ class LayerBackward {
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
-  // The shared GEMMs' grid beside the copy CTAs; 0 = no overlap.
-  int shared_gemm_sms_beside_copy() const;
   // mark(): the end of a phase (an event when the caller asked for them).
   // saved_gate_up: the routed rows' saved pre-activations (by source), or null (recompute them).
   template <class Mark>

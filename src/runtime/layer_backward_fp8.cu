@@ -178,12 +178,6 @@ int64_t LayerBackwardFp8::buffer_bytes() const {
   return bytes;
 }
 
-int LayerBackwardFp8::shared_gemm_sms_beside_copy() const {
-  if (!options_.overlap_shared_with_dispatch) return 0;
-  if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) return 0;
-  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
-}
-
 void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
                                          const DeviceLayerGradients& grads, int tokens,
                                          cudaStream_t stream,
@@ -205,13 +199,7 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
   gemm::grouped_dgrad_fp8(down, op.dy.data, op.dy.scales, transposed.shared_down.data,
                           transposed.shared_down.scales, shared_offsets_, op.grad_hidden,
                           gemm::DgradOutput::kFp32, stream, gemm_options, pipeline_);
-  const megakernel::SwiGluBackwardFp8Rows rows{reinterpret_cast<const __nv_bfloat16*>(op.gate_up),
-                                               op.grad_hidden,
-                                               op.d_gate_up,
-                                               op.d_gate_up_rows.data,
-                                               op.d_gate_up_rows.scales,
-                                               op.weighted_hidden,
-                                               inter};
+  const megakernel::SwiGluBackwardFp8Rows rows = swiglu_rows(op, inter);
   const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
   const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
   const int ctas = static_cast<int>(
@@ -225,20 +213,36 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
                           shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream,
                           gemm_options, pipeline_);
   // The wgrads over the tokens in order, their operands 128 x 1 down the tokens.
-  const int padded = static_cast<int>(round_up_to_block(tokens));
-  quantize_along_rows(workspace_.dy(), op.dy_t, padded, hidden, shared_offsets_, nullptr, 1,
+  weight_gradients(op, workspace_.x(), workspace_.dy(), 1,
+                   static_cast<int>(round_up_to_block(tokens)), inter, shared_offsets_, nullptr,
+                   grads.shared_gate_up, grads.shared_down, grads.output, stream, gemm_options,
+                   [] {});
+}
+
+template <class Between>
+void LayerBackwardFp8::weight_gradients(const Operands& op, const bf16* x, const bf16* dy,
+                                        int groups, int padded_rows, int inter,
+                                        const int32_t* offsets, const int32_t* counts,
+                                        void* grad_gate_up, void* grad_down,
+                                        gemm::WgradOutput output, cudaStream_t stream,
+                                        const gemm::LaunchOptions& gemm_options,
+                                        const Between& between) {
+  const int hidden = static_cast<int>(shape_.hidden);
+  quantize_along_rows(dy, op.dy_t, padded_rows, hidden, offsets, counts, groups, stream);
+  quantize_along_rows(op.weighted_hidden, op.hidden_t, padded_rows, inter, offsets, counts, groups,
                       stream);
-  quantize_along_rows(op.weighted_hidden, op.hidden_t, padded, inter, shared_offsets_, nullptr, 1,
-                      stream);
-  gemm::grouped_wgrad_fp8({1, padded, hidden, inter}, op.dy_t.data, op.dy_t.scales,
-                          op.hidden_t.data, op.hidden_t.scales, shared_offsets_, grads.shared_down,
-                          grads.output, stream, gemm_options);
-  quantize_along_rows(op.d_gate_up, op.d_gate_up_t, padded, 2 * inter, shared_offsets_, nullptr, 1,
+  gemm::GroupedShape down{groups, padded_rows, hidden, inter};
+  down.expert_counts = counts;
+  gemm::grouped_wgrad_fp8(down, op.dy_t.data, op.dy_t.scales, op.hidden_t.data, op.hidden_t.scales,
+                          offsets, grad_down, output, stream, gemm_options);
+  between();
+  quantize_along_rows(op.d_gate_up, op.d_gate_up_t, padded_rows, 2 * inter, offsets, counts, groups,
                       stream, quantize::GateUp8Columns{inter});
-  quantize_along_rows(workspace_.x(), op.x_t, padded, hidden, shared_offsets_, nullptr, 1, stream);
-  gemm::grouped_wgrad_fp8({1, padded, 2 * inter, hidden}, op.d_gate_up_t.data,
-                          op.d_gate_up_t.scales, op.x_t.data, op.x_t.scales, shared_offsets_,
-                          grads.shared_gate_up, grads.output, stream, gemm_options);
+  quantize_along_rows(x, op.x_t, padded_rows, hidden, offsets, counts, groups, stream);
+  gemm::GroupedShape gate_up{groups, padded_rows, 2 * inter, hidden};
+  gate_up.expert_counts = counts;
+  gemm::grouped_wgrad_fp8(gate_up, op.d_gate_up_t.data, op.d_gate_up_t.scales, op.x_t.data,
+                          op.x_t.scales, offsets, grad_gate_up, output, stream, gemm_options);
 }
 
 template <class Mark>
@@ -271,16 +275,8 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
                           transposed.down.scales, offsets, op.grad_hidden, gemm::DgradOutput::kFp32,
                           stream, gemm_options, pipeline_);
   mark();
-  const megakernel::SwiGluBackwardFp8Rows rows_in{
-      reinterpret_cast<const __nv_bfloat16*>(op.gate_up),
-      op.grad_hidden,
-      op.d_gate_up,
-      op.d_gate_up_rows.data,
-      op.d_gate_up_rows.scales,
-      op.weighted_hidden,
-      inter};
   swiglu_backward_fp8_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0,
-                                      stream>>>(workspace_.view(), rows_in);
+                                      stream>>>(workspace_.view(), swiglu_rows(op, inter));
   MOK_CUDA_CHECK_LAUNCH();
   mark();
   // dx rows (bf16) into expert_y for the push.
@@ -293,25 +289,9 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
   mark();
   // While the peers' dx rows arrive: dW_down = dyᵀ · (w·h), dW_gate_up = d_gate_upᵀ · x, their
   // operands 128 x 1 down each expert's rows.
-  quantize_along_rows(workspace_.expert_dy(), op.dy_t, padded, hidden, offsets, counts, experts,
-                      stream);
-  quantize_along_rows(op.weighted_hidden, op.hidden_t, padded, inter, offsets, counts, experts,
-                      stream);
-  gemm::GroupedShape wgrad_down{experts, padded, hidden, inter};
-  wgrad_down.expert_counts = counts;
-  gemm::grouped_wgrad_fp8(wgrad_down, op.dy_t.data, op.dy_t.scales, op.hidden_t.data,
-                          op.hidden_t.scales, offsets, grads.down, grads.output, stream,
-                          gemm_options);
-  mark();
-  quantize_along_rows(op.d_gate_up, op.d_gate_up_t, padded, 2 * inter, offsets, counts, experts,
-                      stream, quantize::GateUp8Columns{inter});
-  quantize_along_rows(workspace_.expert_x(), op.x_t, padded, hidden, offsets, counts, experts,
-                      stream);
-  gemm::GroupedShape wgrad_gate_up{experts, padded, 2 * inter, hidden};
-  wgrad_gate_up.expert_counts = counts;
-  gemm::grouped_wgrad_fp8(wgrad_gate_up, op.d_gate_up_t.data, op.d_gate_up_t.scales, op.x_t.data,
-                          op.x_t.scales, offsets, grads.gate_up, grads.output, stream,
-                          gemm_options);
+  weight_gradients(op, workspace_.expert_x(), workspace_.expert_dy(), experts, padded, inter,
+                   offsets, counts, grads.gate_up, grads.down, grads.output, stream, gemm_options,
+                   mark);
   mark();
 }
 
@@ -327,22 +307,10 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
       weights.has_transposed() && weights.fits(shape_, workspace_.layout().experts_per_rank()),
       "weights", "the fp8 backward needs a cache of this layer's ", shape_.describe(),
       " with the transposed layout");
-  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max_, "num_tokens", num_tokens,
-                " out of range [0, ", tokens_max_, "]");
-  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
-                                    dy != nullptr && dx != nullptr && d_topk_w != nullptr),
-                "x", "null tensor pointer for ", num_tokens, " tokens");
-  MOK_CHECK_ARG(grads.gate_up != nullptr && grads.down != nullptr, "grads",
-                "null routed expert gradients");
-  MOK_CHECK_ARG(
-      !shape_.has_shared() || (grads.shared_gate_up != nullptr && grads.shared_down != nullptr),
-      "grads", "null shared expert gradients (I_s = ", shape_.shared_intermediate, ")");
+  check_backward_arguments(shape_, tokens_max_, num_tokens, x, topk_idx, topk_w, dy, dx, d_topk_w,
+                           grads);
   const int tokens = static_cast<int>(num_tokens);
-  int phase = 0;
-  auto mark = [&] {
-    if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[phase], stream));
-    ++phase;
-  };
+  const PhaseMarks mark(phase_events, stream);
   mark();
   stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
   mark();
@@ -356,29 +324,12 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
                   stream);
   };
   const bool shared = shape_.has_shared() && tokens > 0;
-  const int shared_sms = shared ? shared_gemm_sms_beside_copy() : 0;
-  if (shared_sms > 0) {
-    // The copy CTAs and the shared GEMMs fill disjoint SMs (as in the bf16 backward).
-    const cudaStream_t side = side_.fork(stream);
-    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kX);
-    dispatch(workspace_, options_.copy, side, comm::DispatchTensor::kDy);
-    gemm::LaunchOptions beside_copy = options_.gemm;
-    beside_copy.num_sms = shared_sms;
-    run_shared_expert(weights, grads, tokens, stream, beside_copy);
-    mark();
-    side_.join(stream);
-    quantize_dispatched();
-    mark();
-  } else {
-    if (shared) run_shared_expert(weights, grads, tokens, stream, options_.gemm);
-    mark();
-    CopyConfig copy = options_.copy;
-    if (options_.local_dispatch_on_every_sm && workspace_.num_ranks() == 1) copy.num_ctas = 0;
-    dispatch(workspace_, copy, stream, comm::DispatchTensor::kX);
-    dispatch(workspace_, copy, stream, comm::DispatchTensor::kDy);
-    quantize_dispatched();
-    mark();
-  }
+  shared_expert_and_dispatch(
+      workspace_, options_, side_, num_sms_, shared, stream,
+      [&](const gemm::LaunchOptions& gemm_options) {
+        run_shared_expert(weights, grads, tokens, stream, gemm_options);
+      },
+      quantize_dispatched, mark);
   run_routed_experts(weights, grads, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.

@@ -35,6 +35,7 @@
 
 #include <cstdint>
 
+#include "kernels/megakernel/swiglu_backward_fp8.cuh"
 #include "mok/bf16.hpp"
 #include "mok/gemm_fp8.hpp"
 #include "mok/layer.hpp"
@@ -93,6 +94,16 @@ class LayerBackwardFp8 {
     float* weighted_hidden = nullptr;             // (rows, I) fp32
     Fp8Operand x_t, dy_t, d_gate_up_t, hidden_t;  // (H | H | 2I | I, padded_rows), 128 x 1
   };
+  // The SwiGLU backward's view of a group's rows.
+  static megakernel::SwiGluBackwardFp8Rows swiglu_rows(const Operands& op, int inter) {
+    return {reinterpret_cast<const __nv_bfloat16*>(op.gate_up),
+            op.grad_hidden,
+            op.d_gate_up,
+            op.d_gate_up_rows.data,
+            op.d_gate_up_rows.scales,
+            op.weighted_hidden,
+            inter};
+  }
   static Operands alloc_operands(int64_t rows, int64_t padded_rows, int64_t hidden, int64_t inter);
   static void free_operands(Operands& operands);
   static int64_t operand_bytes(int64_t rows, int64_t padded_rows, int64_t hidden, int64_t inter);
@@ -100,7 +111,14 @@ class LayerBackwardFp8 {
   // The shared expert's backward over `tokens` of this rank's tokens.
   void run_shared_expert(const Fp8WeightCache& weights, const DeviceLayerGradients& grads,
                          int tokens, cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
-  int shared_gemm_sms_beside_copy() const;
+  // Both wgrads of one group of experts (the routed ones, or the shared expert as one group), their
+  // operands quantized 128 x 1 down each expert's rows first: down, then between(), then gate/up.
+  template <class Between>
+  void weight_gradients(const Operands& op, const bf16* x, const bf16* dy, int groups,
+                        int padded_rows, int inter, const int32_t* offsets, const int32_t* counts,
+                        void* grad_gate_up, void* grad_down, gemm::WgradOutput output,
+                        cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
+                        const Between& between);
   template <class Mark>
   void run_routed_experts(const Fp8WeightCache& weights, const DeviceLayerGradients& grads,
                           cudaStream_t stream, const Mark& mark);

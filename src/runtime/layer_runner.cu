@@ -190,6 +190,35 @@ ForwardTiming time_forwards(const LayerRunSpec& spec, cudaStream_t stream,
   return timing;
 }
 
+// One rank's backward inputs and outputs: dy (the problem's, or seeded random values), dx,
+// d_topk_w and the weight gradients in `output` (fp32-sized buffers: any output fits).
+struct BackwardBuffers {
+  BackwardBuffers(const LayerRunSpec& spec, int rank, const DeviceLayerWeights& weights,
+                  gemm::WgradOutput output)
+      : dy(spec.tokens_per_rank * spec.shape.hidden),
+        dx(spec.tokens_per_rank * spec.shape.hidden),
+        d_topk_w(spec.tokens_per_rank * spec.shape.top_k),
+        grad_gate_up(weights.gate_up_elements),
+        grad_down(weights.down_elements),
+        grad_shared_gate_up(weights.shared_gate_up_elements),
+        grad_shared_down(weights.shared_down_elements) {
+    const int64_t elements = spec.tokens_per_rank * spec.shape.hidden;
+    if (spec.problem != nullptr) {
+      dy.upload(spec.problem->dy.data() + rank * elements);
+    } else {
+      fill_random(dy.get(), elements, 1.0, spec.seed, 50 + rank);
+      MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    const bool shared = spec.shape.has_shared();
+    grads = {grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
+             shared ? grad_shared_down.get() : nullptr, output};
+  }
+
+  DeviceBuffer<bf16> dy, dx;
+  DeviceBuffer<float> d_topk_w, grad_gate_up, grad_down, grad_shared_gate_up, grad_shared_down;
+  DeviceLayerGradients grads;
+};
+
 // Warms up and times spec.iterations training-step pairs on `stream`: pair(marks) enqueues one,
 // recording marks[0] before its first step and the backward's kNumBackwardPhases + 1 phase marks
 // at marks[1 ..] (marks null: no events); check() waits and throws a device fault.
@@ -236,33 +265,18 @@ void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& co
                       const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
                       cudaStream_t stream, WarmUp& warm_up, BackwardTiming& timing,
                       int64_t& buffer_bytes) {
-  const LayerShape& shape = spec.shape;
-  const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
-  LayerBackwardFp8 layer(comm, shape, tokens);
+  const int64_t tokens = spec.tokens_per_rank;
+  LayerBackwardFp8 layer(comm, spec.shape, tokens);
   buffer_bytes = layer.buffer_bytes();
-  DeviceBuffer<bf16> dy(tokens * hidden), dx(tokens * hidden);
-  DeviceBuffer<float> d_topk_w(tokens * top_k);
-  DeviceBuffer<bf16> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
-  DeviceBuffer<bf16> grad_shared_gate_up(weights.shared_gate_up_elements);
-  DeviceBuffer<bf16> grad_shared_down(weights.shared_down_elements);
-  if (spec.problem != nullptr) {
-    dy.upload(spec.problem->dy.data() + rank * tokens * hidden);
-  } else {
-    fill_random(dy.get(), tokens * hidden, 1.0, spec.seed, 50 + rank);
-    MOK_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  const bool shared = shape.has_shared();
-  const DeviceLayerGradients grads{
-      grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
-      shared ? grad_shared_down.get() : nullptr, gemm::WgradOutput::kBf16};
+  BackwardBuffers io(spec, rank, weights, gemm::WgradOutput::kBf16);
   timing = time_pairs(
       spec, rank, stream, warm_up,
       [&](const cudaEvent_t* marks) {
         if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
         forward_layer.quantize_weights(weights, stream);
         forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream);
-        layer.backward(forward_layer.weight_cache(), x, topk_idx, topk_w, dy.get(), dx.get(),
-                       d_topk_w.get(), grads, tokens, stream,
+        layer.backward(forward_layer.weight_cache(), x, topk_idx, topk_w, io.dy.get(), io.dx.get(),
+                       io.d_topk_w.get(), io.grads, tokens, stream,
                        marks != nullptr ? marks + 1 : nullptr);
       },
       [&] {
@@ -288,11 +302,8 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   options.gemm.wgrad_cluster = spec.wgrad_cluster;
   LayerBackward layer(comm, shape, tokens, options);
   buffer_bytes = layer.buffer_bytes();
-  DeviceBuffer<bf16> dy(tokens * hidden), dx(tokens * hidden);
-  DeviceBuffer<float> d_topk_w(tokens * top_k);
-  DeviceBuffer<float> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
-  DeviceBuffer<float> grad_shared_gate_up(weights.shared_gate_up_elements);
-  DeviceBuffer<float> grad_shared_down(weights.shared_down_elements);
+  BackwardBuffers io(spec, rank, weights,
+                     spec.bf16_gradients ? gemm::WgradOutput::kBf16 : gemm::WgradOutput::kFp32);
   const int64_t context_tokens = spec.save_context ? tokens : 0;
   DeviceBuffer<bf16> saved_gate_up(saved_context_rows(spec.ep, tokens, top_k, context_tokens) * 2 *
                                    shape.intermediate);
@@ -300,17 +311,6 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   context_bytes = static_cast<int64_t>(saved_gate_up.bytes() + saved_shared_gate_up.bytes());
   const SavedContext context{saved_gate_up.get(),
                              shape.has_shared() ? saved_shared_gate_up.get() : nullptr};
-  if (spec.problem != nullptr) {
-    dy.upload(spec.problem->dy.data() + rank * tokens * hidden);
-  } else {
-    fill_random(dy.get(), tokens * hidden, 1.0, spec.seed, 50 + rank);
-    MOK_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  const bool shared = shape.has_shared();
-  const DeviceLayerGradients grads{
-      grad_gate_up.get(), grad_down.get(), shared ? grad_shared_gate_up.get() : nullptr,
-      shared ? grad_shared_down.get() : nullptr,
-      spec.bf16_gradients ? gemm::WgradOutput::kBf16 : gemm::WgradOutput::kFp32};
   // Timed pairs of one mode (saved: its context, or null for recompute mode).
   const auto time_mode = [&](const SavedContext* saved, BackwardTiming& timing) {
     timing = time_pairs(
@@ -318,8 +318,8 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
         [&](const cudaEvent_t* marks) {
           if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
           forward(saved);
-          layer.backward(weights, x, topk_idx, topk_w, dy.get(), dx.get(), d_topk_w.get(), grads,
-                         tokens, stream, marks != nullptr ? marks + 1 : nullptr, saved);
+          layer.backward(weights, x, topk_idx, topk_w, io.dy.get(), io.dx.get(), io.d_topk_w.get(),
+                         io.grads, tokens, stream, marks != nullptr ? marks + 1 : nullptr, saved);
         },
         [&] { layer.check(stream); });
   };
@@ -327,15 +327,17 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   if (spec.save_context) time_mode(&context, save);
   if (!spec.keep_y) return;
   const int64_t experts_local = shape.num_experts / spec.ep;
-  dx.download(result.dx.data() + rank * tokens * hidden);
-  d_topk_w.download(result.d_topk_w.data() + rank * tokens * top_k);
-  grad_gate_up.download(result.grad_gate_up.data() +
-                        rank * experts_local * 2 * shape.intermediate * hidden);
-  grad_down.download(result.grad_down.data() + rank * experts_local * hidden * shape.intermediate);
-  if (shared) {
-    grad_shared_gate_up.download(result.grad_shared_gate_up.data() +
-                                 rank * grad_shared_gate_up.size());
-    grad_shared_down.download(result.grad_shared_down.data() + rank * grad_shared_down.size());
+  io.dx.download(result.dx.data() + rank * tokens * hidden);
+  io.d_topk_w.download(result.d_topk_w.data() + rank * tokens * top_k);
+  io.grad_gate_up.download(result.grad_gate_up.data() +
+                           rank * experts_local * 2 * shape.intermediate * hidden);
+  io.grad_down.download(result.grad_down.data() +
+                        rank * experts_local * hidden * shape.intermediate);
+  if (shape.has_shared()) {
+    io.grad_shared_gate_up.download(result.grad_shared_gate_up.data() +
+                                    rank * io.grad_shared_gate_up.size());
+    io.grad_shared_down.download(result.grad_shared_down.data() +
+                                 rank * io.grad_shared_down.size());
   }
 }
 

@@ -69,6 +69,18 @@ __device__ __forceinline__ uint32_t lanes_max(uint32_t value) {
   return value;
 }
 
+// The maximum over the CTA's kWarps warps, in every thread: each warp's maximum through
+// warp_bits (kWarps words of shared memory), with one barrier.
+template <int kWarps>
+__device__ __forceinline__ uint32_t cta_max(uint32_t value, uint32_t* warp_bits) {
+  value = lanes_max<32>(value);
+  if (threadIdx.x % 32 == 0) warp_bits[threadIdx.x / 32] = value;
+  __syncthreads();
+#pragma unroll
+  for (int warp = 0; warp < kWarps; ++warp) value = max(value, warp_bits[warp]);
+  return value;
+}
+
 // What a block's elements are multiplied by, from the block's amax; the scale itself is stored by
 // store_scale.
 template <Format kFormat>

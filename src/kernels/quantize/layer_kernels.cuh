@@ -182,12 +182,7 @@ __global__ void __launch_bounds__(kWeightBlockThreads)
     InputVector<uint16_t>::widen(raw[pass], values);
     amax_bits = max(amax_bits, finite_amax_bits(values));
   }
-  amax_bits = lanes_max<32>(amax_bits);
-  if (threadIdx.x % 32 == 0) warp_amax_bits[threadIdx.x / 32] = amax_bits;
-  __syncthreads();
-#pragma unroll
-  for (int warp = 0; warp < kWarps; ++warp) amax_bits = max(amax_bits, warp_amax_bits[warp]);
-  const float amax = __uint_as_float(amax_bits);
+  const float amax = __uint_as_float(cta_max<kWarps>(amax_bits, warp_amax_bits));
   const fp8::Fp8BlockScale scale = fp8::fp8_block_scale(amax);
   const int64_t block_index = (matrix * row_blocks + row_block) * col_blocks + col_block;
   if (threadIdx.x == 0) scales[block_index] = scale.scale;
