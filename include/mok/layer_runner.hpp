@@ -123,6 +123,8 @@ struct LayerRunResult {
   double fp8_step_ms = 0;
   std::vector<double> fp8_backward_phase_ms;
   int64_t fp8_backward_buffer_bytes_per_rank = 0;
+  std::vector<bf16> fp8_dx;                // (T_global, H) when keep_y
+  std::vector<float> fp8_d_topk_w;         // (T_global, k) when keep_y
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
   // How the fused kernel hands out its tasks on GPU 0: one pool, or a grant per L2 partition of
   // the SMs the probe found ("GPU 0 L2 partitions (probed): 66 + 66 SMs; ...").

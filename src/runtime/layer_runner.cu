@@ -264,7 +264,7 @@ void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& co
                       LayerForwardFp8& forward_layer, const DeviceLayerWeights& weights,
                       const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
                       cudaStream_t stream, WarmUp& warm_up, BackwardTiming& timing,
-                      int64_t& buffer_bytes) {
+                      int64_t& buffer_bytes, LayerRunResult& result) {
   const int64_t tokens = spec.tokens_per_rank;
   LayerBackwardFp8 layer(comm, spec.shape, tokens);
   buffer_bytes = layer.buffer_bytes();
@@ -283,6 +283,9 @@ void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& co
         forward_layer.check(stream);
         layer.check(stream);
       });
+  if (!spec.keep_y) return;
+  io.dx.download(result.fp8_dx.data() + rank * tokens * spec.shape.hidden);
+  io.d_topk_w.download(result.fp8_d_topk_w.data() + rank * tokens * spec.shape.top_k);
 }
 
 // The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
@@ -383,8 +386,13 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   std::vector<ForwardTiming> fp8_timings(spec.ep);
   std::vector<double> fp8_quantize_ms(spec.ep);
   std::vector<int64_t> fp8_buffer_bytes(spec.ep), fp8_weight_bytes(spec.ep);
-  if (spec.fp8_forward && spec.keep_y)
+  if (spec.fp8_forward && spec.keep_y) {
     result.fp8_y.resize(static_cast<size_t>(global_tokens * hidden));
+    if (spec.backward) {
+      result.fp8_dx.resize(static_cast<size_t>(global_tokens * hidden));
+      result.fp8_d_topk_w.resize(static_cast<size_t>(global_tokens * top_k));
+    }
+  }
 
   WarmUp warm_up(spec.ep);
   for_each_rank(spec.ep, [&](int rank) {
@@ -508,7 +516,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       if (spec.backward) {
         run_fp8_backward(spec, rank, comms[rank], fp8, weights, x.get(), topk_idx.get(),
                          topk_w.get(), y.get(), stream, warm_up_fp8_pairs, fp8_steps[rank],
-                         fp8_backward_bytes[rank]);
+                         fp8_backward_bytes[rank], result);
       }
     }
     if (spec.backward) {

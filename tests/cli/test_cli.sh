@@ -73,9 +73,7 @@ for precision in fp8 mxfp8; do
 done
 expect 0 '^  --precision P +bf16 \(default\), fp8 \(E4M3, DeepSeek-V3 blocks of 128' -- "$mok" run --help
 expect 0 '^PASS$' -- "$mok" run --backend cpu --precision mxfp8 --hidden 96 --intermediate 32 --shared-intermediate 0 --tokens 40
-expect_error '^mok run: error: --backend: cuda cannot run --precision fp8: the GPU layer trains in bf16 only so far \(--backend cpu runs fp8 on the CPU reference\)$' -- \
-  "$mok" run --backend cuda --precision fp8
-expect_error '^mok run: error: --backend: cuda cannot run --precision mxfp8: the GPU layer trains in bf16 only so far' -- \
+expect_error '^mok run: error: --backend: cuda cannot run --precision mxfp8: the GPU layer trains in bf16 and fp8 so far \(--backend cpu runs mxfp8 on the CPU reference\)$' -- \
   "$mok" run --backend cuda --precision mxfp8 --ep 2
 expect_error '^mok run: error: --hidden: fp8 needs a multiple of 128, got 96$' -- "$mok" run --precision fp8 --hidden 96
 expect_error '^mok run: error: --intermediate: mxfp8 needs a multiple of 32, got 48$' -- "$mok" run --precision mxfp8 --intermediate 48
@@ -132,14 +130,20 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c 'GPU [0-9]')
 if ((gpus >= 1)); then
   expect 0 'bwd +[0-9.]+ ms/rank' -- "$mok" run --backend cuda --tokens 200
   expect 0 '^PASS$' -- "$mok" run --backend cuda --tokens 200 --routing skewed:1.5
+  expect 0 '^  dx \(sample\) .*  ok$' -- "$mok" run --backend cuda --precision fp8 --tokens 300
+  expect 0 '^PASS$' -- "$mok" run --backend cuda --precision fp8 --tokens 173 --routing skewed:1.5
   expect 0 '^PASS$' -- "$mok" run --backend cuda --tokens 173 --hidden 512 --intermediate 192 \
     --shared-intermediate 64 --experts 16 --top-k 6
 else
   expect_error '^mok run: error: --backend: cuda cannot run here: (EP 1 needs 1 Hopper GPU|this build has no CUDA backend)' -- \
     "$mok" run --backend cuda
+  expect_error '^mok run: error: --backend: cuda cannot run here: (EP 1 needs 1 Hopper GPU|this build has no CUDA backend)' -- \
+    "$mok" run --backend cuda --precision fp8
 fi
 if ((gpus >= 2)); then
   expect 0 'EP 2 vs EP 1 on the GPU: .* bitwise equal' -- "$mok" run --backend cuda --ep 2 --tokens 300
+  expect 0 'EP 2 vs EP 1 on the GPU: .* bitwise equal' -- "$mok" run --backend cuda --precision fp8 --ep 2 \
+    --tokens 300
 fi
 
 # --- same seed, same bits ----------------------------------------------------------------------
