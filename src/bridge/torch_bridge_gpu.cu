@@ -50,9 +50,11 @@ struct Workspace {
   Communicator communicator;  // over `comm`, or the single rank
   std::unique_ptr<LayerForward> layer;
   std::unique_ptr<LayerBackward> backward;  // made by the first bf16 backward call
-  // Made by the first fp8 call, forward or backward; its weight cache (both layouts) serves the
-  // fp8 forward and the fp8 backward (the rule above ForwardCall in torch_bridge.hpp).
+  // Made by the first fp8 call; its weight cache serves the fp8 forward and the fp8 backward (the
+  // rule above ForwardCall in torch_bridge.hpp). The backward's transposed layout is there once a
+  // backward has run on the workspace (fp8_trains): forwards alone keep the forward layout only.
   std::unique_ptr<LayerForwardFp8> fp8;
+  bool fp8_trains = false;
   std::unique_ptr<LayerBackwardFp8> fp8_backward;  // made by the first fp8 backward call
   DeviceWeights fp8_weights;                       // the weights the cache was quantized from
   int64_t fp8_version = -1;                        // and their version then
@@ -304,16 +306,23 @@ void destroy_workspace(int64_t handle) {
   });
 }
 
-// The fp8 forward (LayerForwardFp8) of a workspace, made on first use (by a forward or a
-// backward), its weight cache with the backward's transposed layout too; and that cache holding
-// `given`: quantized anew from them unless it was made from the same addresses at the same known
-// version (the rule above ForwardCall in torch_bridge.hpp).
+// The fp8 forward (LayerForwardFp8) of a workspace, made on first use, and made again with the
+// backward's transposed layout in its cache by the workspace's first backward (the layout then
+// stays); and that cache holding `given`: quantized anew from them unless it was made from the
+// same addresses at the same known version (the rule above ForwardCall in torch_bridge.hpp).
 LayerForwardFp8& fp8_layer_with_weights(Workspace& workspace, const DeviceWeights& given,
                                         int64_t weights_version, cudaStream_t stream) {
+  if (workspace.fp8 != nullptr && workspace.fp8_trains &&
+      !workspace.fp8->weight_cache().has_transposed()) {
+    // NOTE: collective, as every rank's first backward is; cudaFree waits for the last forward.
+    workspace.fp8.reset();
+    workspace.fp8_weights = {};
+    workspace.fp8_version = -1;
+  }
   if (workspace.fp8 == nullptr) {
     LayerForwardFp8Options options;
     options.layer.copy = workspace.layer->options().copy;
-    options.transposed_weights = true;  // one cache for the forward and the backward
+    options.transposed_weights = workspace.fp8_trains;  // one cache for forward and backward
     workspace.fp8 = std::make_unique<LayerForwardFp8>(
         workspace.communicator, core_shape(workspace.shape), workspace.tokens_max, options);
   }
@@ -365,6 +374,7 @@ void backward_fp8(Workspace& workspace, const BackwardCall& call) {
                 "fp8 has no saved context: its backward recomputes the gate/up "
                 "activations from x (recompute mode; pass None)");
   const auto stream = static_cast<cudaStream_t>(call.stream);
+  workspace.fp8_trains = true;
   const LayerForwardFp8& forward =
       fp8_layer_with_weights(workspace, call.weights, call.weights_version, stream);
   if (workspace.fp8_backward == nullptr) {
