@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/quantize/layer_kernels.cuh"
+#include "kernels/quantize/rowwise_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "runtime/device_memory.hpp"
@@ -51,6 +52,17 @@ void free_fp8_operand(Fp8Operand& operand) {
 
 int64_t fp8_operand_bytes(int64_t rows, int64_t cols, int64_t scale_rows) {
   return rows * cols + scale_rows * (cols / kBlock) * 4;
+}
+
+void quantize_fp8_rows(const bf16* x, const Fp8Operand& out, int64_t rows, int64_t cols,
+                       const int32_t* row_bound, int num_sms, cudaStream_t stream) {
+  if (rows == 0) return;
+  constexpr int kVector = quantize::InputVector<uint16_t>::kElements;
+  quantize::quantize_rowwise_kernel<uint16_t, quantize::Format::kFp8, 128>
+      <<<static_cast<unsigned>(num_sms * 8), quantize::kLayerQuantizeThreads, 0, stream>>>(
+          reinterpret_cast<const uint16_t*>(x), out.data, out.scales, rows * cols / kVector,
+          row_bound, cols / kVector);
+  MOK_CUDA_CHECK_LAUNCH();
 }
 
 Fp8WeightCache::Fp8WeightCache(const LayerShape& shape, int64_t experts_per_rank, bool transposed)

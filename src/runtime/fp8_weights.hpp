@@ -11,7 +11,8 @@
 //               2I / 128); down (E_l, I, H), scales (E_l, I / 128, H / 128). A block's scale is
 //               its amax, which transposing does not change: the same blocks, bytes transposed.
 //
-// The shared expert's matrices alike, with E_l = 1 (empty without one).
+// The shared expert's matrices alike, with E_l = 1 (empty without one). Besides, the activations'
+// rowwise quantization both FP8 layers use (quantize_fp8_rows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,6 +40,12 @@ struct Fp8LayerWeights {
 Fp8Operand alloc_fp8_operand(int64_t rows, int64_t cols, int64_t scale_rows);
 void free_fp8_operand(Fp8Operand& operand);
 int64_t fp8_operand_bytes(int64_t rows, int64_t cols, int64_t scale_rows);
+
+// x (rows, cols) bf16 -> out 1 x 128 along cols (quantize::describe(kFp8, 1, rows, cols, 1, 128,
+// false)'s bytes), for the rows below *row_bound (device: a layer's dispatched rows) or, null, all
+// rows; on a grid of num_sms * 8 CTAs. cols a multiple of 128.
+void quantize_fp8_rows(const bf16* x, const Fp8Operand& out, int64_t rows, int64_t cols,
+                       const int32_t* row_bound, int num_sms, cudaStream_t stream);
 
 class Fp8WeightCache {
  public:

@@ -34,14 +34,6 @@ __global__ void collect_d_topk_w_kernel(comm::WorkspaceView view, float* d_topk_
   megakernel::collect_d_topk_w(view, d_topk_w, num_tokens);
 }
 
-WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
-  WorkspaceOptions workspace = options.workspace;
-  workspace.expert_rows = 0;  // every row at once
-  workspace.expert_y = true;  // the dx rows before the combine push
-  workspace.backward = true;
-  return workspace;
-}
-
 __global__ void fill_kernel(float* values, int64_t count, float value) {
   for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
        index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -50,6 +42,14 @@ __global__ void fill_kernel(float* values, int64_t count, float value) {
 }
 
 }  // namespace
+
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
+  WorkspaceOptions workspace = options.workspace;
+  workspace.expert_rows = 0;  // every row at once
+  workspace.expert_y = true;  // the dx rows before the combine push
+  workspace.backward = true;
+  return workspace;
+}
 
 void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
                            const float* topk_w, const bf16* dy, int64_t num_tokens,
@@ -147,6 +147,16 @@ int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num
   // time; beside it, its CTAs would hold SMs from the shared GEMMs for all of it.
   if (options.local_dispatch_on_every_sm && num_ranks == 1) return 0;
   return gemm_sms_beside_copy(num_sms, options.copy.num_ctas, options.gemm.num_sms);
+}
+
+void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
+                       cudaStream_t stream, bool beside) {
+  CopyConfig copy = options.copy;
+  if (!beside && options.local_dispatch_on_every_sm && workspace.num_ranks() == 1) {
+    copy.num_ctas = 0;
+  }
+  dispatch(workspace, copy, stream, comm::DispatchTensor::kX);
+  dispatch(workspace, copy, stream, comm::DispatchTensor::kDy);
 }
 
 void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64_t num_tokens,
@@ -327,12 +337,18 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   mark();
   const bool shared = shape_.has_shared() && tokens > 0;
   shared_expert_and_dispatch(
-      workspace_, options_, side_, num_sms_, shared, stream,
+      side_, stream, shared,
+      shared ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks()) : 0,
+      options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
         run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream,
                           gemm_options);
       },
-      [] {}, mark);
+      [&](cudaStream_t rows_stream, bool beside) {
+        dispatch_x_and_dy(workspace_, options_, rows_stream, beside);
+      },
+      mark);
+  mark();
   run_routed_experts(weights, saved_gate_up, grads, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.

@@ -85,6 +85,9 @@ enum class BackwardPhase : int {
 inline constexpr int kNumBackwardPhases = 11;
 const char* phase_name(BackwardPhase phase);
 
+// A backward's workspace: every row at once, expert_y for the dx rows, the backward's regions.
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options);
+
 // The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
 // x, dy and topk_w into the window and the schedule ...
 void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
@@ -109,38 +112,10 @@ void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64
 int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num_sms,
                                     int num_ranks);
 
-// The phases kSharedExpert and kDispatch (mark() after each): the shared expert (run_shared(gemm
-// options), when `shared`) and the dispatch of x and dy, beside each other where
-// backward_shared_sms_beside_copy allows (the copy CTAs on the side stream; fork and join keep it
-// one stream to the caller and to a graph capture), else the shared expert first and, at EP 1,
-// the copies on every SM; then after_dispatch(), what needs the dispatched rows in kDispatch.
-template <class RunShared, class AfterDispatch, class Mark>
-void shared_expert_and_dispatch(CommWorkspace& workspace, const LayerBackwardOptions& options,
-                                SideStream& side, int num_sms, bool shared, cudaStream_t stream,
-                                const RunShared& run_shared, const AfterDispatch& after_dispatch,
-                                const Mark& mark) {
-  const int shared_sms =
-      shared ? backward_shared_sms_beside_copy(options, num_sms, workspace.num_ranks()) : 0;
-  if (shared_sms > 0) {
-    const cudaStream_t copy_stream = side.fork(stream);
-    dispatch(workspace, options.copy, copy_stream, comm::DispatchTensor::kX);
-    dispatch(workspace, options.copy, copy_stream, comm::DispatchTensor::kDy);
-    gemm::LaunchOptions beside_copy = options.gemm;
-    beside_copy.num_sms = shared_sms;
-    run_shared(beside_copy);
-    mark();
-    side.join(stream);
-  } else {
-    if (shared) run_shared(options.gemm);
-    mark();
-    CopyConfig copy = options.copy;
-    if (options.local_dispatch_on_every_sm && workspace.num_ranks() == 1) copy.num_ctas = 0;
-    dispatch(workspace, copy, stream, comm::DispatchTensor::kX);
-    dispatch(workspace, copy, stream, comm::DispatchTensor::kDy);
-  }
-  after_dispatch();
-  mark();
-}
+// The dispatch of x and dy rows (beside the shared expert: on options.copy's CTAs; else at EP 1,
+// with local_dispatch_on_every_sm, on every SM), for shared_expert_and_dispatch (side_stream.hpp).
+void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
+                       cudaStream_t stream, bool beside);
 
 class LayerBackward {
  public:

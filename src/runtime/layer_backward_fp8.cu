@@ -10,7 +10,6 @@
 #include "kernels/comm/flags.cuh"
 #include "kernels/megakernel/swiglu_backward_fp8.cuh"
 #include "kernels/quantize/layer_kernels.cuh"
-#include "kernels/quantize/rowwise_kernel.cuh"
 #include "kernels/quantize/transposed_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
@@ -37,18 +36,6 @@ __global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
   megakernel::swiglu_backward_fp8_shared(rows, num_rows);
 }
 
-// Rows (rows, cols) bf16 -> 1 x 128 along cols, for the rows below *row_bound (device) or all.
-void quantize_rows(const bf16* x, const Fp8Operand& out, int64_t rows, int64_t cols,
-                   const int32_t* row_bound, int num_sms, cudaStream_t stream) {
-  if (rows == 0) return;
-  constexpr int kVector = quantize::InputVector<uint16_t>::kElements;
-  quantize::quantize_rowwise_kernel<uint16_t, quantize::Format::kFp8, 128>
-      <<<static_cast<unsigned>(num_sms * 8), 256, 0, stream>>>(
-          reinterpret_cast<const uint16_t*>(x), out.data, out.scales, rows * cols / kVector,
-          row_bound, cols / kVector);
-  MOK_CUDA_CHECK_LAUNCH();
-}
-
 // The quantize kernels' view of an input: bf16 as its 16-bit pattern, fp32 as it is.
 const uint16_t* stored(const bf16* x) { return reinterpret_cast<const uint16_t*>(x); }
 const float* stored(const float* x) { return x; }
@@ -72,16 +59,6 @@ void quantize_along_rows(const Input* x, const Fp8Operand& out, int64_t padded_r
           input, out.data, out.scales, padded_rows, cols, /*vector_loads=*/true,
           quantize::ExpertRows{offsets, counts, groups}, columns);
   MOK_CUDA_CHECK_LAUNCH();
-}
-
-WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
-  WorkspaceOptions workspace = options.workspace;
-  MOK_CHECK_ARG(workspace.block_m % kBlock == 0, "workspace.block_m",
-                "the fp8 wgrads need experts on 128-row boundaries, got ", workspace.block_m);
-  workspace.expert_rows = 0;  // every row at once
-  workspace.expert_y = true;  // the dx rows before the combine push
-  workspace.backward = true;
-  return workspace;
 }
 
 }  // namespace
@@ -139,6 +116,9 @@ LayerBackwardFp8::LayerBackwardFp8(const Communicator& comm, const LayerShape& s
       workspace_([&] {
         shape.validate(comm.num_ranks());
         validate_precision(shape, Precision::kFp8);
+        MOK_CHECK_ARG(options.layer.workspace.block_m % kBlock == 0, "workspace.block_m",
+                      "the fp8 wgrads need experts on 128-row boundaries, got ",
+                      options.layer.workspace.block_m);
         return CommWorkspace(comm, shape, tokens_max, backward_workspace(options.layer));
       }()) {
   const int64_t rows = checked_int(workspace_.layout().rows_capacity(), "rows capacity");
@@ -189,8 +169,8 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
   const Operands& op = shared_;
   write_single_group_offsets(shared_offsets_, tokens, stream);
   // This rank's own tokens and their dy, 1 x 128: the bytes the dispatched copies get too.
-  quantize_rows(workspace_.x(), op.x, tokens, hidden, nullptr, num_sms_, stream);
-  quantize_rows(workspace_.dy(), op.dy, tokens, hidden, nullptr, num_sms_, stream);
+  quantize_fp8_rows(workspace_.x(), op.x, tokens, hidden, nullptr, num_sms_, stream);
+  quantize_fp8_rows(workspace_.dy(), op.dy, tokens, hidden, nullptr, num_sms_, stream);
   const gemm::GroupedShape gate_up{1, tokens, 2 * inter, hidden};
   const gemm::GroupedShape down{1, tokens, hidden, inter};
   gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.shared_gate_up.data,
@@ -317,19 +297,23 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
   const int experts = static_cast<int>(workspace_.layout().experts_per_rank());
   const int32_t* row_bound = workspace_.expert_offsets() + experts;  // the dispatched rows' end
   const int64_t rows = workspace_.layout().rows_capacity();
-  const auto quantize_dispatched = [&] {
-    quantize_rows(workspace_.expert_x(), routed_.x, rows, shape_.hidden, row_bound, num_sms_,
-                  stream);
-    quantize_rows(workspace_.expert_dy(), routed_.dy, rows, shape_.hidden, row_bound, num_sms_,
-                  stream);
-  };
   const bool shared = shape_.has_shared() && tokens > 0;
   shared_expert_and_dispatch(
-      workspace_, options_, side_, num_sms_, shared, stream,
+      side_, stream, shared,
+      shared ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks()) : 0,
+      options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
         run_shared_expert(weights, grads, tokens, stream, gemm_options);
       },
-      quantize_dispatched, mark);
+      [&](cudaStream_t rows_stream, bool beside) {
+        dispatch_x_and_dy(workspace_, options_, rows_stream, beside);
+      },
+      mark);
+  quantize_fp8_rows(workspace_.expert_x(), routed_.x, rows, shape_.hidden, row_bound, num_sms_,
+                    stream);
+  quantize_fp8_rows(workspace_.expert_dy(), routed_.dy, rows, shape_.hidden, row_bound, num_sms_,
+                    stream);
+  mark();
   run_routed_experts(weights, grads, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.

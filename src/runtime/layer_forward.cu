@@ -331,24 +331,15 @@ void LayerForward::run_unfused(const DeviceLayerWeights& weights, const bf16* x,
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.intermediate);
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
-  const int shared_sms = has_shared ? shared_gemm_sms_beside_copy() : 0;
-  if (shared_sms > 0) {
-    // NOTE: the copy CTAs and the shared GEMMs' CTAs fill disjoint SMs, so the two run at once:
-    // the shared expert hides the dispatch, as the megakernel's task order will. Fork and join
-    // through events keep it one stream to the caller (and to a graph capture).
-    dispatch(workspace_, options_.copy, side_.fork(stream));
-    gemm::LaunchOptions beside_copy = options_.gemm;
-    beside_copy.num_sms = shared_sms;
-    run_shared_expert(weights, x, num_tokens, stream, beside_copy);
-    phase_done();
-    side_.join(stream);
-    phase_done();
-  } else {
-    if (has_shared) run_shared_expert(weights, x, num_tokens, stream, options_.gemm);
-    phase_done();
-    dispatch(workspace_, options_.copy, stream);
-    phase_done();
-  }
+  // NOTE: beside it, the shared expert hides the dispatch, as the megakernel's task order will.
+  shared_expert_and_dispatch(
+      side_, stream, has_shared, has_shared ? shared_gemm_sms_beside_copy() : 0, options_.gemm,
+      [&](const gemm::LaunchOptions& gemm_options) {
+        run_shared_expert(weights, x, num_tokens, stream, gemm_options);
+      },
+      [&](cudaStream_t rows_stream, bool) { dispatch(workspace_, options_.copy, rows_stream); },
+      phase_done);
+  phase_done();
   // expert_x (rows, H) -> routed_hidden (rows, I): each expert's rows start at a tile boundary;
   // padding rows are computed but never combined.
   gemm::grouped_forward({experts_local, rows, 2 * inter, hidden}, workspace_.expert_x(),

@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include "kernels/quantize/layer_kernels.cuh"
-#include "kernels/quantize/rowwise_kernel.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "mok/gemm_fp8.hpp"
@@ -156,30 +155,17 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   phase_done();  // kSchedule
   phase_done();  // kFused: not run
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
-  const int shared_sms = has_shared ? shared_gemm_sms_beside_copy() : 0;
-  if (shared_sms > 0) {
-    // The copy CTAs and the shared GEMMs fill disjoint SMs (as in the bf16 forward); fork and
-    // join through events keep it one stream to the caller and to a graph capture.
-    dispatch(workspace_, options_.copy, side_.fork(stream));
-    gemm::LaunchOptions beside_copy = options_.gemm;
-    beside_copy.num_sms = shared_sms;
-    run_shared_expert(num_tokens, stream, beside_copy);
-    phase_done();
-    side_.join(stream);
-  } else {
-    if (has_shared) run_shared_expert(num_tokens, stream, options_.gemm);
-    phase_done();
-    dispatch(workspace_, options_.copy, stream);
-  }
+  shared_expert_and_dispatch(
+      side_, stream, has_shared, has_shared ? shared_gemm_sms_beside_copy() : 0, options_.gemm,
+      [&](const gemm::LaunchOptions& gemm_options) {
+        run_shared_expert(num_tokens, stream, gemm_options);
+      },
+      [&](cudaStream_t rows_stream, bool) { dispatch(workspace_, options_.copy, rows_stream); },
+      phase_done);
   // The dispatched rows (below row_bound) 1 x 128 along H: the bytes each token's own
   // quantization gives.
-  constexpr int kVector = quantize::InputVector<uint16_t>::kElements;
-  quantize::quantize_rowwise_kernel<uint16_t, quantize::Format::kFp8, 128>
-      <<<loop_grid(num_sms_, 8), quantize::kLayerQuantizeThreads, 0, stream>>>(
-          reinterpret_cast<const uint16_t*>(workspace_.expert_x()), routed_x_.data,
-          routed_x_.scales, int64_t{rows} * shape_.hidden / kVector, row_bound,
-          shape_.hidden / kVector);
-  MOK_CUDA_CHECK_LAUNCH();
+  quantize_fp8_rows(workspace_.expert_x(), routed_x_, rows, shape_.hidden, row_bound, num_sms_,
+                    stream);
   phase_done();  // kDispatch (with the routed rows' quantization)
   // Only each expert's real rows: the padding rows are neither computed nor quantized.
   gemm::GroupedShape gate_up{experts, rows, 2 * inter, hidden};

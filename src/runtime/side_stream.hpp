@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include "mok/gemm.hpp"
+
 namespace mok {
 
 class SideStream {
@@ -35,6 +37,29 @@ inline int gemm_sms_beside_copy(int num_sms, int copy_ctas, int gemm_sms) {
   if (copy_ctas <= 0 || copy_ctas >= num_sms) return 0;
   const int free_sms = num_sms - copy_ctas;
   return gemm_sms > 0 && gemm_sms < free_sms ? gemm_sms : free_sms;
+}
+
+// A layer's shared expert and its dispatch: with shared_sms > 0 (gemm_sms_beside_copy's), the
+// dispatch (dispatch(side stream, true)) beside the shared expert (run_shared(gemm options on
+// shared_sms SMs)), joined after it; else the shared expert first (when `shared`), then the
+// dispatch on the stream (dispatch(stream, false)). mark() once the shared expert is enqueued.
+template <class RunShared, class Dispatch, class Mark>
+void shared_expert_and_dispatch(SideStream& side, cudaStream_t stream, bool shared, int shared_sms,
+                                const gemm::LaunchOptions& gemm_options,
+                                const RunShared& run_shared, const Dispatch& dispatch,
+                                const Mark& mark) {
+  if (shared_sms > 0) {
+    dispatch(side.fork(stream), /*beside=*/true);
+    gemm::LaunchOptions beside_copy = gemm_options;
+    beside_copy.num_sms = shared_sms;
+    run_shared(beside_copy);
+    mark();
+    side.join(stream);
+  } else {
+    if (shared) run_shared(gemm_options);
+    mark();
+    dispatch(stream, /*beside=*/false);
+  }
 }
 
 }  // namespace mok
