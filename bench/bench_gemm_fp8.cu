@@ -64,11 +64,11 @@ constexpr const char* kPhases[] = {"gemm-gateup",
 
 constexpr char kUsage[] =
     R"(bench_gemm_fp8: the FP8 blockwise-scaled grouped GEMM (DeepSeek-V3 recipe) at deepseek-v3,
-one rank of EP2 with balanced routing (65,536 rows over 128 experts), beside the bf16 engine on
-the same values; one Hopper GPU.
+one rank of EP N with balanced routing (65,536 rows over 256 / N experts), beside the bf16
+engine on the same values; one Hopper GPU.
 
 usage: bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHASE]
-                      [--variants LIST] [--rounds N]
+                      [--variants LIST] [--rounds N] [--ep N]
 
   --out FILE       results, one JSON object per case and precision (default gemm-fp8-mok.json)
   --iterations N   timed iterations per case, median reported (default 20)
@@ -82,6 +82,8 @@ usage: bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHA
                    forward and dgrad phases, comma-separated cCsS (C CTAs per cluster, S stages,
                    0 = the default), e.g. c1s3,c2s4 (default c0s0)
   --rounds N       time every case N times in turn, variants alternating (default 1)
+  --ep N           the EP degree whose one rank is timed: 1, 2, 4 or 8 (default 2; 256, 512,
+                   1024 or 2048 rows an expert)
 )";
 
 // "cCsS" -> the pipeline it names.
@@ -102,7 +104,7 @@ struct CaseResult {
 
 int run(int argc, char** argv) {
   std::string out_path = "gemm-fp8-mok.json", only;
-  int iterations = 20, rounds = 1;
+  int iterations = 20, rounds = 1, ep = 2;
   double warmup_ms = 300;
   std::vector<std::string> variants;
   const bool go = mok::bench::parse_options(
@@ -117,6 +119,8 @@ int run(int argc, char** argv) {
           only = value;
         else if (name == "--rounds")
           rounds = static_cast<int>(mok::bench::integer_option(name, value));
+        else if (name == "--ep")
+          ep = static_cast<int>(mok::bench::integer_option(name, value));
         else if (name == "--variants") {
           variants.clear();
           for (size_t begin = 0; begin <= value.size();) {
@@ -131,6 +135,8 @@ int run(int argc, char** argv) {
   if (!go) return 0;
   if (iterations < 1) throw mok::bench::UsageError("--iterations", "must be >= 1");
   if (rounds < 1) throw mok::bench::UsageError("--rounds", "must be >= 1");
+  if (ep != 1 && ep != 2 && ep != 4 && ep != 8)
+    throw mok::bench::UsageError("--ep", "must be 1, 2, 4 or 8");
   if (variants.empty()) variants.push_back("c0s0");
   std::vector<Fp8Pipeline> pipelines;
   for (const std::string& variant : variants) pipelines.push_back(parse_variant(variant));
@@ -144,9 +150,9 @@ int run(int argc, char** argv) {
   if (gpus.num_hopper_gpus < 1)
     throw mok::Error("", "needs a Hopper GPU; found " + gpus.description);
 
-  constexpr int kEp = 2, kTokensPerRank = 8192;
+  constexpr int kTokensPerRank = 8192;
   const mok::LayerShape& layer = mok::find_preset("deepseek-v3").shape;
-  const int experts = static_cast<int>(layer.num_experts / kEp);
+  const int experts = static_cast<int>(layer.num_experts) / ep;
   const int rows_total = static_cast<int>(kTokensPerRank * layer.top_k);
   const int rows = rows_total / experts;
   const int hidden = static_cast<int>(layer.hidden), inter = static_cast<int>(layer.intermediate);
@@ -281,9 +287,10 @@ int run(int argc, char** argv) {
     const CaseResult& r = results[i];
     file << "  {\"preset\": \"deepseek-v3\", \"phase\": \"" << r.phase << "\", \"precision\": \""
          << r.precision << "\", \"variant\": \"" << r.variant << "\", \"round\": " << r.round
-         << ", \"num_experts\": " << experts << ", \"rows_per_expert\": " << rows
-         << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"mok_ms\": " << r.ms
-         << ", \"useful_tflops\": " << r.tflops << "}" << (i + 1 < results.size() ? ",\n" : "\n");
+         << ", \"ep\": " << ep << ", \"num_experts\": " << experts
+         << ", \"rows_per_expert\": " << rows << ", \"n\": " << r.n << ", \"k\": " << r.k
+         << ", \"mok_ms\": " << r.ms << ", \"useful_tflops\": " << r.tflops << "}"
+         << (i + 1 < results.size() ? ",\n" : "\n");
   }
   file << "]\n";
   return 0;

@@ -51,7 +51,7 @@ void check_common(const GroupedShape& shape, const int* expert_offsets,
                 "must be 16-byte aligned, got address ", output);
 }
 
-using Fp8Kernel = void (*)(CUtensorMap, CUtensorMap, Fp8GemmParams);
+using Fp8Kernel = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, Fp8GemmParams);
 
 // One instance of the kernel and what its launch needs.
 struct KernelLaunch {
@@ -74,15 +74,18 @@ void set_smem_attribute(const KernelLaunch& launch) {
                                       static_cast<int>(launch.smem_bytes)));
 }
 
+// map_c: C as a tensor map for the epilogues that store tiles by TMA (Fp8Epilogue::kBoxStores),
+// else unused.
 void launch(const KernelLaunch& launch, const CUtensorMap& map_a, const CUtensorMap& map_b,
-            const Fp8GemmParams& params, int num_ctas, cudaStream_t stream) {
+            const Fp8GemmParams& params, int num_ctas, cudaStream_t stream,
+            const CUtensorMap& map_c = {}) {
   set_smem_attribute(launch);
   if (launch.cluster_size == 1) {
-    launch.kernel<<<num_ctas, Fp8TileConfig::kNumThreads, launch.smem_bytes, stream>>>(map_a, map_b,
-                                                                                       params);
+    launch.kernel<<<num_ctas, Fp8TileConfig::kNumThreads, launch.smem_bytes, stream>>>(
+        map_a, map_b, map_c, params);
   } else {
     runtime::launch_on_clusters(launch.kernel, num_ctas, Fp8TileConfig::kNumThreads,
-                                launch.smem_bytes, launch.cluster_size, stream, map_a, map_b,
+                                launch.smem_bytes, launch.cluster_size, stream, map_a, map_b, map_c,
                                 params);
   }
   MOK_CUDA_CHECK_LAUNCH();
@@ -90,8 +93,8 @@ void launch(const KernelLaunch& launch, const CUtensorMap& map_a, const CUtensor
 
 template <EpilogueKind kEpilogue, GemmKind kKind>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const Fp8GemmParams& params,
-            int num_ctas, cudaStream_t stream) {
-  launch(kernel_launch<kEpilogue, kKind>(), map_a, map_b, params, num_ctas, stream);
+            int num_ctas, cudaStream_t stream, const CUtensorMap& map_c = {}) {
+  launch(kernel_launch<kEpilogue, kKind>(), map_a, map_b, params, num_ctas, stream, map_c);
 }
 
 // Clusters of a clustered kernel that fit on the current device at once (0: run single CTAs).
@@ -287,9 +290,14 @@ void grouped_wgrad_fp8(const GroupedShape& shape, const uint8_t* dy_t, const flo
     case WgradOutput::kFp32:
       launch<EpilogueKind::kStoreFp32, GemmKind::kWgrad>(map_a, map_b, params, num_ctas, stream);
       break;
-    case WgradOutput::kBf16:
-      launch<EpilogueKind::kStoreBf16, GemmKind::kWgrad>(map_a, map_b, params, num_ctas, stream);
+    case WgradOutput::kBf16: {
+      // The epilogue's tile stores (Fp8Epilogue::kBoxStores): boxes of 16 rows x 64 columns.
+      const CUtensorMap map_c =
+          make_tensor_map_3d(dw, shape.num_experts, shape.n, shape.k, 16, 64, "dw");
+      launch<EpilogueKind::kStoreBf16, GemmKind::kWgrad>(map_a, map_b, params, num_ctas, stream,
+                                                         map_c);
       break;
+    }
     case WgradOutput::kAccumulateFp32:
       launch<EpilogueKind::kAccumulateFp32, GemmKind::kWgrad>(map_a, map_b, params, num_ctas,
                                                               stream);

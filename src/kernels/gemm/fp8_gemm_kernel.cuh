@@ -30,12 +30,14 @@ static_assert(register_split_fits(kFp8ProducerRegisters, kFp8ConsumerRegisters,
 inline __device__ __noinline__ void fp8_shared_base_misaligned() { __trap(); }
 
 // kStages, kClusterSize: Fp8SharedLayout's; kClusterSize > 1 (forward only) is launched on
-// clusters of that many CTAs, with map_b's box one 128-column piece of the weight tile.
+// clusters of that many CTAs, with map_b's box one 128-column piece of the weight tile. map_c:
+// wgrad's bf16 output as a tensor map for the epilogue's tile stores (Fp8Epilogue::store).
 template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward,
           int kStages = fp8_stages(kKind, kEpilogue), int kClusterSize = 1>
 __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                            const __grid_constant__ CUtensorMap map_b, const Fp8GemmParams params) {
+                            const __grid_constant__ CUtensorMap map_b,
+                            const __grid_constant__ CUtensorMap map_c, const Fp8GemmParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Layout = Fp8SharedLayout<kEpilogue, kKind, kStages, kClusterSize>;
   using Loop = Fp8Mainloop<Layout>;
@@ -53,6 +55,7 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&map_a);
     ptx::prefetch_tensor_map(&map_b);
+    if constexpr (Store::kBoxStores) ptx::prefetch_tensor_map(&map_c);
     Loop::init_barriers(smem);
   }
   // NOTE: on a cluster, no CTA may multicast into (or arrive on) a peer's barriers before the
@@ -83,8 +86,10 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
       }
       Store::init(params.grouped, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
-      Store::store(params.grouped, tile, consumer_idx, smem.staging, accum);
+      Store::store(params.grouped, tile, consumer_idx, smem.staging, accum,
+                   Store::kBoxStores ? &map_c : nullptr);
     }
+    Store::drain();
   }
 #endif
 }

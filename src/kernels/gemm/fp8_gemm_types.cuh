@@ -11,7 +11,8 @@
 //   transposed copies of dY and X, scaled per 1 x 128 along the rows (sa (M, capacity_rows / 128),
 //   sb (N, capacity_rows / 128)), the scale sa[m, kb] · sb[n, kb] per element; a group's rows
 //   start on a 128-row boundary, and rows of its last block past its count are zeroed in shared
-//   memory before the MMAs (they may be padding or another group's).
+//   memory before the MMAs (they may be padding or another group's); that block's wgmma steps
+//   (32 rows each) past the count are skipped.
 // The layouts are those of mok::quantize's kFp8 quantizers. Each P is summed by wgmma in a fresh
 // register set and promoted into the fp32 accumulators, accum = fma(P, fp32(sa · sb), accum), in
 // k-block order: one order per output element, whatever the grid.

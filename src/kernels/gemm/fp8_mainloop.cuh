@@ -269,11 +269,12 @@ struct Fp8Mainloop {
   // (BLOCK_N) rows, so that the group's last, partial block sums its own rows only (the rest of
   // the block may be padding or the next group's rows, even E4M3 NaNs). All consumer threads take
   // part; the stage is swizzled by 128 bytes (16-byte unit u of row r at u ^ (r % 8)).
-  __device__ static void mask_group_tail(const Storage& smem, int stage, int rows_valid) {
-    constexpr int kUnits = Config::BLOCK_K / 16;  // 16-byte units of a 128-byte row
+  // Only the units the k-block's wgmma steps read (end_unit on) are touched.
+  __device__ static void mask_group_tail(const Storage& smem, int stage, int rows_valid,
+                                         int end_unit) {
     constexpr int kRows = Config::BLOCK_M + Config::BLOCK_N;
     const int first_unit = rows_valid / 16;  // units before it are wholly valid
-    const int units_to_mask = kUnits - first_unit;
+    const int units_to_mask = end_unit - first_unit;
     const int consumer_thread = static_cast<int>(threadIdx.x) - kWarpgroupThreads;
     for (int item = consumer_thread; item < kRows * units_to_mask; item += kNumConsumerThreads) {
       const int row = item / units_to_mask;
@@ -313,9 +314,14 @@ struct Fp8Mainloop {
     for (int i = 0; i < kPieceAccumulators; ++i) partial[i] = 0.0f;
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
       fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      int k_steps = kKSteps;  // wgmma steps of 32 along K
       if constexpr (kWgrad) {
         const int rows_valid = tile.row_count - k_block * Config::BLOCK_K;
-        if (rows_valid < Config::BLOCK_K) mask_group_tail(smem, state.index, rows_valid);
+        if (rows_valid < Config::BLOCK_K) {
+          // A group's last, partial block: the steps past its rows would multiply zeros.
+          k_steps = ceil_div(rows_valid, 32);
+          mask_group_tail(smem, state.index, rows_valid, 2 * k_steps);
+        }
       }
       const float a_scale_low = smem.scale_a_stage(state.index)[row];
       const float a_scale_high = smem.scale_a_stage(state.index)[row + 8];
@@ -328,15 +334,26 @@ struct Fp8Mainloop {
                                 (first_piece + piece) * Config::kPieceBytes;
 #pragma unroll
         for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int k32 = 0; k32 < Config::BLOCK_K / 32; ++k32) {
-          // K-major: +32 B per 32 k inside the swizzle row.
-          const uint64_t desc_a = ptx::make_smem_descriptor(a_base + k32 * 32, 0, 1024);
-          const uint64_t desc_b = ptx::make_smem_descriptor(b_base + k32 * 32, 0, 1024);
-          Mma::mma(desc_a, desc_b, k32 > 0 ? 1u : 0u, partial);
+        if constexpr (kWgrad) {
+          // NOTE: one whole unrolled sequence per step count, chosen before the first wgmma: a
+          // condition on each wgmma made ptxas serialize them (perf-notes/backward.md v7).
+          switch (k_steps) {
+            case 1:
+              issue_k_steps<1>(a_base, b_base, partial);
+              break;
+            case 2:
+              issue_k_steps<2>(a_base, b_base, partial);
+              break;
+            case 3:
+              issue_k_steps<3>(a_base, b_base, partial);
+              break;
+            default:
+              issue_k_steps<kKSteps>(a_base, b_base, partial);
+              break;
+          }
+        } else {
+          issue_k_steps<kKSteps>(a_base, b_base, partial);
         }
-        ptx::wgmma_commit_group();
         ptx::wgmma_wait_group<0>();
 #pragma unroll
         for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
@@ -357,6 +374,24 @@ struct Fp8Mainloop {
       }
       state.advance();
     }
+  }
+
+  static constexpr int kKSteps = Config::BLOCK_K / 32;  // wgmma steps of a whole k-block
+
+  // The first kSteps wgmma steps (32 of K each) of one piece, summed into a fresh `partial`: one
+  // whole wgmma group, fence to commit.
+  template <int kSteps>
+  __device__ static void issue_k_steps(uint32_t a_base, uint32_t b_base,
+                                       float (&partial)[kPieceAccumulators]) {
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k32 = 0; k32 < kSteps; ++k32) {
+      // K-major: +32 B per 32 k inside the swizzle row.
+      const uint64_t desc_a = ptx::make_smem_descriptor(a_base + k32 * 32, 0, 1024);
+      const uint64_t desc_b = ptx::make_smem_descriptor(b_base + k32 * 32, 0, 1024);
+      Mma::mma(desc_a, desc_b, k32 > 0 ? 1u : 0u, partial);
+    }
+    ptx::wgmma_commit_group();
   }
 
   // NOTE: the warp sync orders every lane's shared loads of the stage before lane 0's arrival.
