@@ -76,8 +76,10 @@ usage: bench_layer [options]
   --precision bf16|fp8      fp8: after the bf16 forward, the forward in precision fp8 (the
                             DeepSeek-V3 recipe; not yet fused) on the same inputs and weights,
                             timed alike, and with --backward 1 the fp8 training step (weights
-                            quantized + forward + backward, recompute mode); the JSON's cases then
-                            carry the fp8 figures (mok_ms, backward_ms, fwdbwd_ms) with
+                            quantized + forward + backward, recompute mode), and the same on the
+                            cached weights (a gradient-accumulation step: forward + backward); the
+                            JSON's cases then carry the fp8 figures (mok_ms, backward_ms,
+                            fwdbwd_ms, fwdbwd_cached_weights_ms) with
                             "precision": "fp8" and the bf16 ones as bf16_forward_ms,
                             bf16_backward_ms, bf16_fwdbwd_ms (default bf16)
   --fp8-cluster N           CTAs per cluster of the fp8 forward's GEMMs: 1 or 2 (same bits;
@@ -313,6 +315,11 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
           "", result.fp8_step_ms, result.forward_backward_ms / result.fp8_step_ms,
           result.fp8_backward_ms, result.backward_ms / result.fp8_backward_ms,
           result.fp8_backward_buffer_bytes_per_rank / 1e9);
+      std::printf(
+          "%-26s fp8 step on the cached weights (forward + backward: gradient accumulation) "
+          "%8.3f ms/rank (%.2fx the bf16 step)\n",
+          "", result.fp8_step_cached_weights_ms,
+          result.forward_backward_ms / result.fp8_step_cached_weights_ms);
       for (size_t phase = 0; phase < result.fp8_backward_phase_ms.size(); ++phase) {
         std::printf("%s%s %.3f", phase == 0 ? "    fp8 backward phases (ms, slowest rank): " : ", ",
                     result.backward_phase_names[phase].c_str(),
@@ -360,9 +367,11 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   }
   if (args.backward && args.fp8) {
     // The fp8 training step (recompute mode, the weights' quantization inside each step), the
-    // bf16 one (save mode) beside it as bf16_*.
+    // same on the cached weights (gradient accumulation), the bf16 one (save mode) beside them as
+    // bf16_*.
     out << ", \"backward_ms\": " << result.fp8_backward_ms
         << ", \"fwdbwd_ms\": " << result.fp8_step_ms
+        << ", \"fwdbwd_cached_weights_ms\": " << result.fp8_step_cached_weights_ms
         << ", \"backward_buffer_bytes_per_rank\": " << result.fp8_backward_buffer_bytes_per_rank
         << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank
         << ", \"context\": \"recompute\", \"weight_gradients\": \"bf16\""

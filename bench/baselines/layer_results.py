@@ -29,8 +29,9 @@ figures for phases mok has none for yet go to `baseline_without_mok`, and every 
 FP8 (issue 24), with --mok-fp8 (bench_layer --precision fp8: the same case fields, mok_ms its
 FP8 forward, bf16_forward_ms its bf16 forward in the same process, weight_quantize_ms; with
 --backward 1 also fwdbwd_ms, its FP8 training step (the weights quantized to e4m3 in both layouts +
-FP8 forward + FP8 backward: an optimizer step changes the weights every step), backward_ms, its
-FP8 backward, both in recompute mode (context "recompute", fp8's only mode), and bf16_fwdbwd_ms,
+FP8 forward + FP8 backward: an optimizer step changes the weights every step),
+fwdbwd_cached_weights_ms, the same step on weights quantized before (forward + backward: a
+gradient-accumulation step after the first), backward_ms, its FP8 backward, all in recompute mode (context "recompute", fp8's only mode), and bf16_fwdbwd_ms,
 bf16_backward_ms, its bf16 ones in save mode) and --torch-fp8 (torch_native.py measure
 --precision fp8, forwards only): per case and phase (as above; fwdbwd and bwd where bench_layer
 timed them) one more entry after the bf16 ones, precision "fp8", named as the case with "-fp8"
@@ -42,7 +43,9 @@ dense_gemm_tflops against the dense FP8 GEMM rate of the torch FP8 run, mok's me
 and bwd with the bf16 weights and both e4m3 layouts, and besides: mok_bf16_ms (bf16_forward_ms,
 bf16_fwdbwd_ms, bf16_backward_ms), vs_mok_bf16 = mok_bf16_ms / mok_ms (mok's FP8 layer's speedup
 over its own bf16 one), mok_bf16_context ("save" for fwdbwd and bwd), mok_weight_quantize_ms
-(inside fwdbwd's mok_ms, outside fwd's and bwd's), baseline_weight_quantize_ms, and the fastest
+(inside fwdbwd's mok_ms, outside fwd's and bwd's), baseline_weight_quantize_ms, for fwdbwd
+mok_cached_weights_ms (fwdbwd_cached_weights_ms) and vs_mok_bf16_cached_weights (mok_bf16_ms over
+it), and the fastest
 torch-native bf16 variant of the same case and phase (--torch; the case's name without "-fp8") as
 baseline_bf16, baseline_bf16_ms and speedup_vs_baseline_bf16, since torch's FP8 layer is not
 always faster than its bf16 one (bench/report.py shows the faster of the two). Without --mok-fp8
@@ -232,6 +235,10 @@ def fp8_entry(case, phase, mok_ms, torch_case, bf16_torch_case, dense_tflops):
     })
     if phase != "fwd":  # mok's bf16 step beside the fp8 one (recompute mode) is save mode's
         entry["mok_bf16_context"] = "save"
+    cached_ms = case.get("fwdbwd_cached_weights_ms") if phase == "fwdbwd" else None
+    if cached_ms:
+        entry["mok_cached_weights_ms"] = rounded(cached_ms, 4)
+        entry["vs_mok_bf16_cached_weights"] = round(bf16_ms / cached_ms, 3) if bf16_ms else None
     return entry
 
 

@@ -61,7 +61,8 @@ def mok_fp8_training_fixture():
     """bench_layer --precision fp8 --backward 1's form: tiny-ep1 also carries the fp8 training
     step (recompute mode) and backward, and mok's bf16 ones (save mode) beside them."""
     data = mok_fp8_fixture()
-    data["cases"][0].update({"fwdbwd_ms": 4.0, "backward_ms": 2.5, "context": "recompute",
+    data["cases"][0].update({"fwdbwd_ms": 4.0, "fwdbwd_cached_weights_ms": 3.0,
+                             "backward_ms": 2.5, "context": "recompute",
                              "bf16_fwdbwd_ms": 6.0, "bf16_backward_ms": 4.0,
                              "backward_buffer_bytes_per_rank": 300_000,
                              "weight_bytes_per_rank": 2 * (16 * 3 * 128 * 256 + 3 * 256 * 128),
@@ -235,6 +236,9 @@ def test_fp8_training_step_entries(tmp_path, torch_paths):
     assert step["peak_memory_gb"]["mok"] == round(
         (800_000 + 300_000 + bf16_weights + 250_000) / 1e9, 3)
     assert "fp8_weight_bytes_per_rank" in step["memory_note"]
+    # The step on the cached weights beside it (gradient accumulation), on fwdbwd alone.
+    assert step["mok_cached_weights_ms"] == 3.0 and step["vs_mok_bf16_cached_weights"] == 2.0
+    assert "mok_cached_weights_ms" not in backward
     assert backward["mok_ms"] == 2.5 and backward["vs_mok_bf16"] == 1.6
     assert backward["baseline_bf16_ms"] == 8.0 and backward["speedup_vs_baseline_bf16"] == 3.2
     assert backward["useful_tflops"] == round(2 * flops / 2.5e-3 / 1e12, 2)

@@ -259,30 +259,33 @@ BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t strea
 // into the forward's cache (both layouts), the fp8 forward, LayerBackwardFp8 on a dy as
 // run_backward's, bf16 weight gradients; warmed up and timed as run_backward's pairs, each pair
 // from the weights' quantization (an optimizer step changes them every step) to the backward's
-// end.
+// end. Then the same pairs on the cached weights (`cached`): a gradient-accumulation step after
+// the first, whose weights have not changed since the last quantization.
 void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
                       LayerForwardFp8& forward_layer, const DeviceLayerWeights& weights,
                       const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
                       cudaStream_t stream, WarmUp& warm_up, BackwardTiming& timing,
-                      int64_t& buffer_bytes, LayerRunResult& result) {
+                      BackwardTiming& cached, int64_t& buffer_bytes, LayerRunResult& result) {
   const int64_t tokens = spec.tokens_per_rank;
   LayerBackwardFp8 layer(comm, spec.shape, tokens);
   buffer_bytes = layer.buffer_bytes();
   BackwardBuffers io(spec, rank, weights, gemm::WgradOutput::kBf16);
+  const auto step = [&](bool quantize, const cudaEvent_t* marks) {
+    if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+    if (quantize) forward_layer.quantize_weights(weights, stream);
+    forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream);
+    layer.backward(forward_layer.weight_cache(), x, topk_idx, topk_w, io.dy.get(), io.dx.get(),
+                   io.d_topk_w.get(), io.grads, tokens, stream,
+                   marks != nullptr ? marks + 1 : nullptr);
+  };
+  const auto check = [&] {
+    forward_layer.check(stream);
+    layer.check(stream);
+  };
   timing = time_pairs(
-      spec, rank, stream, warm_up,
-      [&](const cudaEvent_t* marks) {
-        if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
-        forward_layer.quantize_weights(weights, stream);
-        forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream);
-        layer.backward(forward_layer.weight_cache(), x, topk_idx, topk_w, io.dy.get(), io.dx.get(),
-                       io.d_topk_w.get(), io.grads, tokens, stream,
-                       marks != nullptr ? marks + 1 : nullptr);
-      },
-      [&] {
-        forward_layer.check(stream);
-        layer.check(stream);
-      });
+      spec, rank, stream, warm_up, [&](const cudaEvent_t* marks) { step(true, marks); }, check);
+  cached = time_pairs(
+      spec, rank, stream, warm_up, [&](const cudaEvent_t* marks) { step(false, marks); }, check);
   if (!spec.keep_y) return;
   io.dx.download(result.fp8_dx.data() + rank * tokens * spec.shape.hidden);
   io.d_topk_w.download(result.fp8_d_topk_w.data() + rank * tokens * spec.shape.top_k);
@@ -381,7 +384,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   }
   WarmUp warm_up_pairs(spec.ep);
   WarmUp warm_up_fp8(spec.ep), warm_up_fp8_pairs(spec.ep);
-  std::vector<BackwardTiming> fp8_steps(spec.ep);
+  std::vector<BackwardTiming> fp8_steps(spec.ep), fp8_cached_steps(spec.ep);
   std::vector<int64_t> fp8_backward_bytes(spec.ep);
   std::vector<ForwardTiming> fp8_timings(spec.ep);
   std::vector<double> fp8_quantize_ms(spec.ep);
@@ -516,7 +519,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       if (spec.backward) {
         run_fp8_backward(spec, rank, comms[rank], fp8, weights, x.get(), topk_idx.get(),
                          topk_w.get(), y.get(), stream, warm_up_fp8_pairs, fp8_steps[rank],
-                         fp8_backward_bytes[rank], result);
+                         fp8_cached_steps[rank], fp8_backward_bytes[rank], result);
       }
     }
     if (spec.backward) {
@@ -581,6 +584,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
         const BackwardTiming& step = fp8_steps[rank];
         result.fp8_backward_ms = std::max(result.fp8_backward_ms, step.backward_ms);
         result.fp8_step_ms = std::max(result.fp8_step_ms, step.pair_ms);
+        result.fp8_step_cached_weights_ms =
+            std::max(result.fp8_step_cached_weights_ms, fp8_cached_steps[rank].pair_ms);
         result.fp8_backward_buffer_bytes_per_rank =
             std::max(result.fp8_backward_buffer_bytes_per_rank, fp8_backward_bytes[rank]);
         for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
