@@ -48,11 +48,10 @@ void quantize_along_rows(const Input* x, const Fp8Operand& out, int64_t padded_r
                          const int32_t* offsets, const int32_t* counts, int groups,
                          cudaStream_t stream, Columns columns = {}) {
   if (padded_rows == 0) return;
-  const int64_t tiles =
-      padded_rows / quantize::kTileRows * ((cols + quantize::kTileCols - 1) / quantize::kTileCols);
-  MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "rows", "too many tiles: ", tiles);
   const auto* input = stored(x);
   using Stored = std::remove_cv_t<std::remove_pointer_t<decltype(input)>>;
+  const int64_t tiles = quantize::TransposedTile<Stored>::tiles_per_matrix(padded_rows, cols);
+  MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "rows", "too many tiles: ", tiles);
   quantize::quantize_transposed_kernel<Stored, quantize::Format::kFp8, 128, quantize::ExpertRows,
                                        Columns>
       <<<static_cast<unsigned>(tiles), quantize::kTransposedThreads, 0, stream>>>(

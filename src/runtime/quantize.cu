@@ -37,8 +37,8 @@ void launch(const Layout& layout, const Input* x, uint8_t* data, void* scales,
   constexpr int kElements = InputVector<Input>::kElements;
   if (layout.transposed) {
     const int64_t in_rows = layout.input_rows(), in_cols = layout.input_cols();
-    const int64_t num_ctas = layout.batch * ((in_rows + kTileRows - 1) / kTileRows) *
-                             ((in_cols + kTileCols - 1) / kTileCols);
+    const int64_t num_ctas =
+        layout.batch * TransposedTile<Input>::tiles_per_matrix(in_rows, in_cols);
     const bool vector_loads = in_cols % kElements == 0;
     if (layout.format == Format::kFp8) {
       quantize_transposed_kernel<Input, Format::kFp8, 128>

@@ -1,6 +1,6 @@
 // Non-bulk asynchronous copies (cp.async, sm_80+) global -> shared whose completion an mbarrier
 // tracks: how the FP8 GEMM's producer stages each k-block's scales beside the TMA tiles without
-// waiting for them itself.
+// waiting for them itself; and the transposed quantizer's tile loads (cp_async_wait_all).
 #pragma once
 
 #include <cstdint>
@@ -14,6 +14,14 @@ namespace mok::ptx {
 __device__ __forceinline__ void cp_async_4(void* destination, const void* source, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_address(destination)),
                "l"(reinterpret_cast<uint64_t>(source)), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+// 16 bytes from `source` to `destination`, through L2 only (.cg: a streaming read). Both 16-byte
+// aligned.
+__device__ __forceinline__ void cp_async_16(void* destination, const void* source) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_address(destination)),
+               "l"(reinterpret_cast<uint64_t>(source))
                : "memory");
 }
 
