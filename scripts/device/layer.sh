@@ -19,7 +19,8 @@
 #   layer-ring.json            bench_layer's own JSONs
 #   layer-torch-ep1.json, layer-torch-ep2.json   torch_native.py's figures (every variant)
 #   layer-mok-fp8.json         bench_layer --precision fp8 --backward 1: mok's FP8 forward
-#                              (mok_ms), training step (fwdbwd_ms) and backward (backward_ms),
+#                              (mok_ms), training step (fwdbwd_ms; on cached weights:
+#                              fwdbwd_cached_weights_ms) and backward (backward_ms),
 #                              its bf16 ones beside them (bf16_forward_ms, bf16_fwdbwd_ms,
 #                              bf16_backward_ms); layer.json's "-fp8" entries, phases fwd, fwdbwd
 #                              and bwd
