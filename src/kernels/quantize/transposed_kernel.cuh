@@ -138,23 +138,26 @@ __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
   const int word_idx = threadIdx.x % Tile::kWords;
   const int segment = threadIdx.x / Tile::kWords;
   const int first_row = segment * kSegment;
-  // Rows [first_row + 4 group, + 4) of input column `part` of the thread's word column.
-  const auto read_group = [&](int group, int part, float(&values)[4]) {
+  // f(group, part, values) for each group of 4 rows [first_row + 4 group, + 4) and input column
+  // `part` of the thread's word column, read from the tile.
+  const auto for_each_group = [&](const auto& f) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      values[i] = staged_element<Input>(tile[first_row + 4 * group + i][word_idx], part);
+    for (int group = 0; group < kGroups; ++group) {
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        float values[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          values[i] = staged_element<Input>(tile[first_row + 4 * group + i][word_idx], part);
+        }
+        f(group, part, values);
+      }
     }
   };
   uint32_t amax_bits[kParts] = {};
-#pragma unroll
-  for (int group = 0; group < kGroups; ++group) {
-#pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      float values[4];
-      read_group(group, part, values);
-      amax_bits[part] = max(amax_bits[part], finite_amax_bits(values));
-    }
-  }
+  for_each_group([&](int /*group*/, int part, const float(&values)[4]) {
+    amax_bits[part] = max(amax_bits[part], finite_amax_bits(values));
+  });
   if constexpr (kBlock == Tile::kRows) {
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
@@ -181,17 +184,11 @@ __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
     inverse[part] = block_inverse<kFormat>(__uint_as_float(amax_bits[part]));
   }
   uint32_t codes[kParts][kGroups];  // (kParts, kSegment / 4) a data row segment per input column
-#pragma unroll
-  for (int group = 0; group < kGroups; ++group) {
-#pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      float values[4];
-      read_group(group, part, values);
-      uint32_t word[1];
-      encode_scaled(values, inverse[part], word);
-      codes[part][group] = word[0];
-    }
-  }
+  for_each_group([&](int group, int part, const float(&values)[4]) {
+    uint32_t word[1];
+    encode_scaled(values, inverse[part], word);
+    codes[part][group] = word[0];
+  });
   // data (batch, in_cols, in_rows); scales (batch, in_cols, in_rows / kBlock)
 #pragma unroll
   for (int part = 0; part < kParts; ++part) {
