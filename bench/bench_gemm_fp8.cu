@@ -68,7 +68,7 @@ one rank of EP N with balanced routing (65,536 rows over 256 / N experts), besid
 engine on the same values; one Hopper GPU.
 
 usage: bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHASE]
-                      [--variants LIST] [--rounds N] [--ep N]
+                      [--variants LIST] [--rounds N] [--ep N] [--jitter R]
 
   --out FILE       results, one JSON object per case and precision (default gemm-fp8-mok.json)
   --iterations N   timed iterations per case, median reported (default 20)
@@ -84,6 +84,10 @@ usage: bench_gemm_fp8 [--out FILE] [--iterations N] [--warmup-ms MS] [--only PHA
   --rounds N       time every case N times in turn, variants alternating (default 1)
   --ep N           the EP degree whose one rank is timed: 1, 2, 4 or 8 (default 2; 256, 512,
                    1024 or 2048 rows an expert)
+  --jitter R       experts of R rows more and R rows fewer in turn, each starting on a
+                   128-row boundary, as the layer lays out its experts (a short last block
+                   in most tiles); 0 < R < the rows an expert (default 0: every expert the
+                   same rows, packed)
 )";
 
 // "cCsS" -> the pipeline it names.
@@ -104,7 +108,7 @@ struct CaseResult {
 
 int run(int argc, char** argv) {
   std::string out_path = "gemm-fp8-mok.json", only;
-  int iterations = 20, rounds = 1, ep = 2;
+  int iterations = 20, rounds = 1, ep = 2, jitter = 0;
   double warmup_ms = 300;
   std::vector<std::string> variants;
   const bool go = mok::bench::parse_options(
@@ -121,6 +125,8 @@ int run(int argc, char** argv) {
           rounds = static_cast<int>(mok::bench::integer_option(name, value));
         else if (name == "--ep")
           ep = static_cast<int>(mok::bench::integer_option(name, value));
+        else if (name == "--jitter")
+          jitter = static_cast<int>(mok::bench::integer_option(name, value));
         else if (name == "--variants") {
           variants.clear();
           for (size_t begin = 0; begin <= value.size();) {
@@ -146,50 +152,61 @@ int run(int argc, char** argv) {
                        }) == std::end(kPhases)) {
     throw mok::bench::UsageError("--only", "no phase is called '" + only + "'");
   }
+  constexpr int kTokensPerRank = 8192;
+  const mok::LayerShape& layer = mok::find_preset("deepseek-v3").shape;
+  const int experts = static_cast<int>(layer.num_experts) / ep;
+  const int rows = static_cast<int>(kTokensPerRank * layer.top_k) / experts;
+  if (jitter < 0 || jitter >= rows) {
+    throw mok::bench::UsageError("--jitter", "must be >= 0 and below " + std::to_string(rows));
+  }
   const mok::GpuSummary gpus = mok::query_gpus();
   if (gpus.num_hopper_gpus < 1)
     throw mok::Error("", "needs a Hopper GPU; found " + gpus.description);
 
-  constexpr int kTokensPerRank = 8192;
-  const mok::LayerShape& layer = mok::find_preset("deepseek-v3").shape;
-  const int experts = static_cast<int>(layer.num_experts) / ep;
-  const int rows_total = static_cast<int>(kTokensPerRank * layer.top_k);
-  const int rows = rows_total / experts;
   const int hidden = static_cast<int>(layer.hidden), inter = static_cast<int>(layer.intermediate);
-  std::vector<int> offsets(experts + 1);
-  for (int e = 0; e <= experts; ++e) offsets[e] = e * rows;
-  Buffer offsets_device(offsets.size() * sizeof(int));
+  // Expert e's rows (counts) from offsets[e]; with jitter, each expert's span rounded up to 128
+  // rows (the rest padding, which no tile reads into a result). rows_total: the real rows.
+  std::vector<int> offsets(experts + 1, 0), counts(experts);
+  int rows_total = 0;
+  for (int e = 0; e < experts; ++e) {
+    counts[e] = rows + (e % 2 == 0 ? jitter : -jitter);
+    rows_total += counts[e];
+    offsets[e + 1] = offsets[e] + (jitter > 0 ? (counts[e] + 127) / 128 * 128 : counts[e]);
+  }
+  const int capacity = offsets[experts];
+  Buffer offsets_device(offsets.size() * sizeof(int)), counts_device(counts.size() * sizeof(int));
   MOK_CUDA_CHECK(cudaMemcpy(offsets_device.data, offsets.data(), offsets.size() * sizeof(int),
+                            cudaMemcpyHostToDevice));
+  MOK_CUDA_CHECK(cudaMemcpy(counts_device.data, counts.data(), counts.size() * sizeof(int),
                             cudaMemcpyHostToDevice));
   const int* offs = offsets_device.as<int>();
   using mok::quantize::describe;
   using mok::quantize::Format;
-  const Operand x(describe(Format::kFp8, 1, rows_total, hidden, 1, 128, false), 1, 1.0f);
+  const Operand x(describe(Format::kFp8, 1, capacity, hidden, 1, 128, false), 1, 1.0f);
   const Operand w_gate_up(describe(Format::kFp8, experts, 2 * inter, hidden, 128, 128, false), 2,
                           0.05f);
-  const Operand h(describe(Format::kFp8, 1, rows_total, inter, 1, 128, false), 4, 1.0f);
+  const Operand h(describe(Format::kFp8, 1, capacity, inter, 1, 128, false), 4, 1.0f);
   const Operand w_down(describe(Format::kFp8, experts, hidden, inter, 128, 128, false), 3, 0.05f);
   // Backward operands: the gradients 1 x 128 along their features (dgrad) and on their
   // transposed copies (wgrad), the weights transposed (E, k, n) per 128 x 128 block.
-  const Operand d_gate_up(describe(Format::kFp8, 1, rows_total, 2 * inter, 1, 128, false), 5, 1.0f);
-  const Operand dy(describe(Format::kFp8, 1, rows_total, hidden, 1, 128, false), 6, 1.0f);
+  const Operand d_gate_up(describe(Format::kFp8, 1, capacity, 2 * inter, 1, 128, false), 5, 1.0f);
+  const Operand dy(describe(Format::kFp8, 1, capacity, hidden, 1, 128, false), 6, 1.0f);
   const Operand w_gate_up_t(describe(Format::kFp8, experts, hidden, 2 * inter, 128, 128, false), 7,
                             0.05f);
   const Operand w_down_t(describe(Format::kFp8, experts, inter, hidden, 128, 128, false), 8, 0.05f);
-  const Operand d_gate_up_t(describe(Format::kFp8, 1, rows_total, 2 * inter, 1, 128, true), 9,
-                            1.0f);
-  const Operand x_t(describe(Format::kFp8, 1, rows_total, hidden, 1, 128, true), 10, 1.0f);
-  const Operand dy_t(describe(Format::kFp8, 1, rows_total, hidden, 1, 128, true), 11, 1.0f);
-  const Operand h_t(describe(Format::kFp8, 1, rows_total, inter, 1, 128, true), 12, 1.0f);
-  const size_t out_bytes =
-      std::max(static_cast<size_t>(rows_total) * std::max(2 * inter, hidden) * 2,
-               static_cast<size_t>(experts) * 2 * inter * hidden * 4);
+  const Operand d_gate_up_t(describe(Format::kFp8, 1, capacity, 2 * inter, 1, 128, true), 9, 1.0f);
+  const Operand x_t(describe(Format::kFp8, 1, capacity, hidden, 1, 128, true), 10, 1.0f);
+  const Operand dy_t(describe(Format::kFp8, 1, capacity, hidden, 1, 128, true), 11, 1.0f);
+  const Operand h_t(describe(Format::kFp8, 1, capacity, inter, 1, 128, true), 12, 1.0f);
+  const size_t out_bytes = std::max(static_cast<size_t>(capacity) * std::max(2 * inter, hidden) * 2,
+                                    static_cast<size_t>(experts) * 2 * inter * hidden * 4);
   Buffer out(out_bytes);
   void* const out_data = out.data;
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 
-  const GroupedShape gate_up{experts, rows_total, 2 * inter, hidden};
-  const GroupedShape down{experts, rows_total, hidden, inter};
+  GroupedShape gate_up{experts, capacity, 2 * inter, hidden};
+  GroupedShape down{experts, capacity, hidden, inter};
+  if (jitter > 0) gate_up.expert_counts = down.expert_counts = counts_device.as<int>();
   // The FP8 launch of a case with a forward pipeline (which the wgrad does not use).
   using Fp8Launch = std::function<void(const Fp8Pipeline&)>;
   const auto forward = [&](const Operand& a, const Operand& w, const GroupedShape& shape,
@@ -288,9 +305,9 @@ int run(int argc, char** argv) {
     file << "  {\"preset\": \"deepseek-v3\", \"phase\": \"" << r.phase << "\", \"precision\": \""
          << r.precision << "\", \"variant\": \"" << r.variant << "\", \"round\": " << r.round
          << ", \"ep\": " << ep << ", \"num_experts\": " << experts
-         << ", \"rows_per_expert\": " << rows << ", \"n\": " << r.n << ", \"k\": " << r.k
-         << ", \"mok_ms\": " << r.ms << ", \"useful_tflops\": " << r.tflops << "}"
-         << (i + 1 < results.size() ? ",\n" : "\n");
+         << ", \"rows_per_expert\": " << rows << ", \"jitter\": " << jitter << ", \"n\": " << r.n
+         << ", \"k\": " << r.k << ", \"mok_ms\": " << r.ms << ", \"useful_tflops\": " << r.tflops
+         << "}" << (i + 1 < results.size() ? ",\n" : "\n");
   }
   file << "]\n";
   return 0;

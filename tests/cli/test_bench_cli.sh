@@ -32,6 +32,8 @@ expect 2 "--methods: vector:THREADS needs a multiple of 32 in .32, 1024., got 48
   "$bin/bench_comm" --methods vector:1024,vector:48
 expect 2 "--methods: unknown method 'tma'" -- "$bin/bench_comm" --methods tma
 expect 2 "--l2-tickets: expected an integer, got 'on'" -- "$bin/bench_layer" --l2-tickets on
+expect 2 "--ep: must be 1, 2, 4 or 8" -- "$bin/bench_gemm_fp8" --ep 3
+expect 2 "--jitter: must be >= 0 and below 256" -- "$bin/bench_gemm_fp8" --ep 1 --jitter 256
 # Nothing was written by any of these.
 expect 0 '^$' -- find . -type f
 
