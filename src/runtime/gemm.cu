@@ -269,9 +269,8 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
       launch<GemmKind::kWgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);
       break;
     case WgradOutput::kBf16: {
-      // dW [experts, n, k] bf16, stored a (16 rows, 64 columns) box at a time (warp_boxes.cuh).
-      const CUtensorMap map_c =
-          make_tensor_map_3d(dw, shape.num_experts, shape.n, shape.k, 16, 64, "dw");
+      // dW [experts, n, k] bf16, stored a box at a time (warp_boxes.cuh).
+      const CUtensorMap map_c = make_warp_box_map(dw, shape.num_experts, shape.n, shape.k, "dw");
       launch<GemmKind::kWgrad, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream,
                                                          map_c);
       break;

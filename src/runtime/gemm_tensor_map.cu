@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/gemm/warp_boxes.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 
@@ -64,6 +65,11 @@ CUtensorMap make_tensor_map_3d(const void* base, uint64_t batch, uint64_t rows, 
   const cuuint64_t strides[2] = {columns * 2, rows * columns * 2};
   const cuuint32_t box[3] = {box_columns, box_rows, 1};
   return encode(base, 3, dims, strides, box, argument);
+}
+
+CUtensorMap make_warp_box_map(const void* base, uint64_t batch, uint64_t rows, uint64_t columns,
+                              const char* argument) {
+  return make_tensor_map_3d(base, batch, rows, columns, kWarpBoxRows, kWarpBoxColumns, argument);
 }
 
 }  // namespace mok::gemm

@@ -17,4 +17,9 @@ CUtensorMap make_tensor_map_2d(const void* base, uint64_t rows, uint64_t columns
 CUtensorMap make_tensor_map_3d(const void* base, uint64_t batch, uint64_t rows, uint64_t columns,
                                uint32_t box_rows, uint32_t box_columns, const char* argument);
 
+// A wgrad's bf16 output [batch, rows, columns] as the epilogues' tile stores write it, one warp
+// box at a time (kernels/gemm/warp_boxes.cuh).
+CUtensorMap make_warp_box_map(const void* base, uint64_t batch, uint64_t rows, uint64_t columns,
+                              const char* argument);
+
 }  // namespace mok::gemm

@@ -269,7 +269,7 @@ struct Fp8Mainloop {
   // (BLOCK_N) rows, so that the group's last, partial block sums its own rows only (the rest of
   // the block may be padding or the next group's rows, even E4M3 NaNs). All consumer threads take
   // part; the stage is swizzled by 128 bytes (16-byte unit u of row r at u ^ (r % 8)).
-  // Only the units the k-block's wgmma steps read (end_unit on) are touched.
+  // Only the units before end_unit (those the k-block's wgmma steps read) are touched.
   __device__ static void mask_group_tail(const Storage& smem, int stage, int rows_valid,
                                          int end_unit) {
     constexpr int kRows = Config::BLOCK_M + Config::BLOCK_N;

@@ -24,13 +24,17 @@
 
 namespace mok::gemm {
 
+// A box, and so the box of C's tensor map: the 16 rows of a warp's fragment, 64 bf16 columns.
+inline constexpr int kWarpBoxRows = 16;
+inline constexpr int kWarpBoxColumns = 64;
+
 template <int kColumns>
 struct WarpBoxes {
   using Rows = WarpRows<kColumns, /*kSwiGlu=*/false>;
-  static constexpr int kBoxColumns = 64;
+  static constexpr int kBoxColumns = kWarpBoxColumns;
   static constexpr int kBoxVectors = kBoxColumns / 8;  // 16-byte vectors per line
   static constexpr uint32_t kLineBytes = kBoxColumns * 2;
-  static constexpr uint32_t kBoxBytes = 16 * kLineBytes;
+  static constexpr uint32_t kBoxBytes = kWarpBoxRows * kLineBytes;
   static constexpr int kBoxes = kColumns / kBoxColumns;
   static_assert(kColumns % kBoxColumns == 0, "whole boxes");
   static_assert(2 * kBoxBytes == kWarpStagingBytes, "two boxes fill a warp's staging rows");
