@@ -76,10 +76,11 @@ usage: bench_layer [options]
   --precision bf16|fp8      fp8: after the bf16 forward, the forward in precision fp8 (the
                             DeepSeek-V3 recipe; not yet fused) on the same inputs and weights,
                             timed alike, and with --backward 1 the fp8 training step (weights
-                            quantized + forward + backward, recompute mode), and the same on the
-                            cached weights (a gradient-accumulation step: forward + backward); the
-                            JSON's cases then carry the fp8 figures (mok_ms, backward_ms,
-                            fwdbwd_ms, fwdbwd_cached_weights_ms) with
+                            quantized + forward + backward) in save mode and recompute mode, and
+                            the save mode step on the cached weights (a gradient-accumulation
+                            step: forward + backward); the JSON's cases then carry the fp8 figures
+                            (mok_ms, backward_ms, fwdbwd_ms, fwdbwd_cached_weights_ms, and
+                            *_recompute_ms) with
                             "precision": "fp8" and the bf16 ones as bf16_forward_ms,
                             bf16_backward_ms, bf16_fwdbwd_ms (default bf16)
   --fp8-cluster N           CTAs per cluster of the fp8 forward's GEMMs: 1 or 2 (same bits;
@@ -309,17 +310,20 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     std::printf("\n");
     if (args.backward) {
       std::printf(
-          "%-26s fp8 training step (weights quantized + forward + backward) %8.3f ms/rank "
-          "(%.2fx the bf16 step); backward %8.3f ms/rank (%.2fx the bf16 backward), buffers %.2f "
-          "GB/rank\n",
+          "%-26s fp8 training step (weights quantized + forward + backward, save mode) %8.3f "
+          "ms/rank (%.2fx the bf16 step); backward %8.3f ms/rank (%.2fx the bf16 backward), "
+          "buffers %.2f GB/rank, context %.2f GB/rank\n",
           "", result.fp8_step_ms, result.forward_backward_ms / result.fp8_step_ms,
           result.fp8_backward_ms, result.backward_ms / result.fp8_backward_ms,
-          result.fp8_backward_buffer_bytes_per_rank / 1e9);
+          result.fp8_backward_buffer_bytes_per_rank / 1e9,
+          result.fp8_saved_context_bytes_per_rank / 1e9);
       std::printf(
           "%-26s fp8 step on the cached weights (forward + backward: gradient accumulation) "
-          "%8.3f ms/rank (%.2fx the bf16 step)\n",
+          "%8.3f ms/rank (%.2fx the bf16 step); recompute mode: step %8.3f, backward %8.3f "
+          "ms/rank\n",
           "", result.fp8_step_cached_weights_ms,
-          result.forward_backward_ms / result.fp8_step_cached_weights_ms);
+          result.forward_backward_ms / result.fp8_step_cached_weights_ms,
+          result.fp8_step_recompute_ms, result.fp8_backward_recompute_ms);
       for (size_t phase = 0; phase < result.fp8_backward_phase_ms.size(); ++phase) {
         std::printf("%s%s %.3f", phase == 0 ? "    fp8 backward phases (ms, slowest rank): " : ", ",
                     result.backward_phase_names[phase].c_str(),
@@ -366,15 +370,18 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     out << "}";
   }
   if (args.backward && args.fp8) {
-    // The fp8 training step (recompute mode, the weights' quantization inside each step), the
-    // same on the cached weights (gradient accumulation), the bf16 one (save mode) beside them as
-    // bf16_*.
+    // The fp8 training step (save mode, the weights' quantization inside each step), the same on
+    // the cached weights (gradient accumulation), recompute mode's beside them, and the bf16 one
+    // (save mode) as bf16_*.
     out << ", \"backward_ms\": " << result.fp8_backward_ms
         << ", \"fwdbwd_ms\": " << result.fp8_step_ms
         << ", \"fwdbwd_cached_weights_ms\": " << result.fp8_step_cached_weights_ms
+        << ", \"backward_recompute_ms\": " << result.fp8_backward_recompute_ms
+        << ", \"fwdbwd_recompute_ms\": " << result.fp8_step_recompute_ms
         << ", \"backward_buffer_bytes_per_rank\": " << result.fp8_backward_buffer_bytes_per_rank
+        << ", \"saved_context_bytes_per_rank\": " << result.fp8_saved_context_bytes_per_rank
         << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank
-        << ", \"context\": \"recompute\", \"weight_gradients\": \"bf16\""
+        << ", \"context\": \"save\", \"weight_gradients\": \"bf16\""
         << ", \"bf16_backward_ms\": " << result.backward_ms
         << ", \"bf16_fwdbwd_ms\": " << result.forward_backward_ms;
     out << ", \"backward_phases_ms\": {";

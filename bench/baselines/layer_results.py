@@ -31,10 +31,10 @@ FP8 forward, bf16_forward_ms its bf16 forward in the same process, weight_quanti
 --backward 1 also fwdbwd_ms, its FP8 training step (the weights quantized to e4m3 in both layouts +
 FP8 forward + FP8 backward: an optimizer step changes the weights every step),
 fwdbwd_cached_weights_ms, the same step on weights quantized before (forward + backward: a
-gradient-accumulation step after the first), backward_ms, its FP8 backward, all in recompute
-mode (context "recompute", fp8's only mode), and bf16_fwdbwd_ms, bf16_backward_ms, its bf16 ones
-in save mode) and --torch-fp8 (torch_native.py measure
---precision fp8, forwards only): per case and phase (as above; fwdbwd and bwd where bench_layer
+gradient-accumulation step after the first), backward_ms, its FP8 backward, all in save mode
+(context "save"; fwdbwd_recompute_ms and backward_recompute_ms recompute mode's), and
+bf16_fwdbwd_ms, bf16_backward_ms, its bf16 ones in save mode) and --torch-fp8 (torch_native.py
+measure --precision fp8, forwards only): per case and phase (as above; fwdbwd and bwd where bench_layer
 timed them) one more entry after the bf16 ones, precision "fp8", named as the case with "-fp8"
 appended (unless its name says fp8 already) so that tables keyed by name keep both precisions
 apart; the baseline is the fastest checked torch-native FP8 variant of that phase (activation

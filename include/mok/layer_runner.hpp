@@ -118,12 +118,16 @@ struct LayerRunResult {
   int64_t fp8_weight_bytes_per_rank = 0;
   std::vector<bf16> fp8_y;  // (T_global, H) when keep_y
   // spec.fp8_forward and spec.backward: the fp8 backward's median and phases (backward_phase_names)
-  // and the whole step's (weights quantized, forward, backward), slowest rank; its buffers. And
-  // the step on the cached weights (forward, backward): a gradient-accumulation step after the
-  // first, the weights unchanged since their quantization.
+  // and the whole step's (weights quantized, forward, backward), slowest rank, in save mode (the
+  // forward keeps its context, fp8_saved_context_bytes_per_rank), and in recompute mode; its
+  // buffers. And the save mode step on the cached weights (forward, backward): a
+  // gradient-accumulation step after the first, the weights unchanged since their quantization.
   double fp8_backward_ms = 0;
   double fp8_step_ms = 0;
   double fp8_step_cached_weights_ms = 0;
+  double fp8_backward_recompute_ms = 0;
+  double fp8_step_recompute_ms = 0;
+  int64_t fp8_saved_context_bytes_per_rank = 0;
   std::vector<double> fp8_backward_phase_ms;
   int64_t fp8_backward_buffer_bytes_per_rank = 0;
   std::vector<bf16> fp8_dx;                // (T_global, H) when keep_y

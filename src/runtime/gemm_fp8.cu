@@ -61,9 +61,9 @@ struct KernelLaunch {
 };
 
 template <EpilogueKind kEpilogue, GemmKind kKind, int kStages = fp8_stages(kKind, kEpilogue),
-          int kClusterSize = 1>
+          int kClusterSize = 1, bool kGateUp = false>
 KernelLaunch kernel_launch() {
-  return {&fp8_grouped_gemm_kernel<kEpilogue, kKind, kStages, kClusterSize>,
+  return {&fp8_grouped_gemm_kernel<kEpilogue, kKind, kStages, kClusterSize, kGateUp>,
           Fp8SharedLayout<kEpilogue, kKind, kStages, kClusterSize>::kLaunchBytes, kClusterSize};
 }
 
@@ -104,8 +104,9 @@ int max_active_clusters(const KernelLaunch& launch) {
                                       launch.cluster_size);
 }
 
-// The forward kernel for an epilogue, a ring depth (bf16 outputs) and a cluster size.
-template <EpilogueKind kEpilogue>
+// The forward kernel for an epilogue, a ring depth (bf16 outputs) and a cluster size; kGateUp:
+// kSwiGluFp8's instance that also stores the gate/up sums.
+template <EpilogueKind kEpilogue, bool kGateUp = false>
 KernelLaunch forward_kernel(int stages, int cluster_size) {
   constexpr GemmKind kForward = GemmKind::kForward;
   if constexpr (uses_staged_store(kEpilogue)) {
@@ -115,11 +116,12 @@ KernelLaunch forward_kernel(int stages, int cluster_size) {
     }
   }
   constexpr int kStages = fp8_stages(kForward, kEpilogue);
-  return cluster_size == 1 ? kernel_launch<kEpilogue, kForward>()
-                           : kernel_launch<kEpilogue, kForward, kStages, kFp8ClusterSize>();
+  return cluster_size == 1
+             ? kernel_launch<kEpilogue, kForward, kStages, 1, kGateUp>()
+             : kernel_launch<kEpilogue, kForward, kStages, kFp8ClusterSize, kGateUp>();
 }
 
-KernelLaunch forward_kernel(EpilogueKind epilogue, int stages, int cluster_size) {
+KernelLaunch forward_kernel(EpilogueKind epilogue, int stages, int cluster_size, bool gate_up) {
   switch (epilogue) {
     case EpilogueKind::kStoreBf16:
       return forward_kernel<EpilogueKind::kStoreBf16>(stages, cluster_size);
@@ -128,7 +130,8 @@ KernelLaunch forward_kernel(EpilogueKind epilogue, int stages, int cluster_size)
     case EpilogueKind::kStoreFp32:
       return forward_kernel<EpilogueKind::kStoreFp32>(stages, cluster_size);
     case EpilogueKind::kSwiGluFp8:
-      return forward_kernel<EpilogueKind::kSwiGluFp8>(stages, cluster_size);
+      return gate_up ? forward_kernel<EpilogueKind::kSwiGluFp8, true>(stages, cluster_size)
+                     : forward_kernel<EpilogueKind::kSwiGluFp8>(stages, cluster_size);
     case EpilogueKind::kAccumulateFp32:
       break;
   }
@@ -147,7 +150,8 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
                         const uint8_t* b, const float* b_scales, const int* expert_offsets, void* c,
                         EpilogueKind epilogue, const char* a_name, const char* b_name,
                         cudaStream_t stream, const LaunchOptions& options,
-                        const Fp8Pipeline& pipeline, float* c_scales = nullptr) {
+                        const Fp8Pipeline& pipeline, float* c_scales = nullptr,
+                        void* gate_up = nullptr) {
   MOK_CHECK_ARG(
       pipeline.cluster == 0 || pipeline.cluster == 1 || pipeline.cluster == kFp8ClusterSize,
       "pipeline.cluster", "must be 0, 1 or ", kFp8ClusterSize, ", got ", pipeline.cluster);
@@ -155,10 +159,11 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
                 "pipeline.stages", "must be 0, 3 or 4, got ", pipeline.stages);
   const int stages = pipeline.stages == 0 ? kFp8ForwardStages : pipeline.stages;
   int num_ctas = grid_size(options);
-  KernelLaunch kernel = forward_kernel(epilogue, stages, 1);
+  KernelLaunch kernel = forward_kernel(epilogue, stages, 1, gate_up != nullptr);
   if ((pipeline.cluster == 0 ? kFp8ForwardCluster : pipeline.cluster) == kFp8ClusterSize) {
     // Whole clusters: of the CTAs asked for, as many as fit at once.
-    const KernelLaunch clustered = forward_kernel(epilogue, stages, kFp8ClusterSize);
+    const KernelLaunch clustered =
+        forward_kernel(epilogue, stages, kFp8ClusterSize, gate_up != nullptr);
     const int clusters = std::min(num_ctas / kFp8ClusterSize, max_active_clusters(clustered));
     if (clusters >= 1) {
       kernel = clustered;
@@ -177,6 +182,7 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
   Fp8GemmParams params;
   params.grouped = {expert_offsets,      shape.num_experts, 0, shape.n, shape.k, c,
                     shape.expert_counts, c_scales};
+  params.gate_up = gate_up;
   params.a_scales = a_scales;
   params.b_scales = b_scales;
   launch(kernel, map_a, map_b, params, num_ctas, stream);
@@ -208,7 +214,7 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
 void grouped_swiglu_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
                         const uint8_t* w, const float* w_scales, const int* expert_offsets,
                         uint8_t* h, float* h_scales, cudaStream_t stream,
-                        const LaunchOptions& options, const Fp8Pipeline& pipeline) {
+                        const LaunchOptions& options, const Fp8Pipeline& pipeline, bf16* gate_up) {
   MOK_CHECK_ARG(shape.k > 0 && shape.k % Fp8TileConfig::kScaleBlock == 0, "shape.k",
                 "must be a positive multiple of 128 (one FP8 scale block), got ", shape.k);
   MOK_CHECK_ARG(shape.n > 0 && shape.n % (2 * kSwiGluFp8Interleave) == 0, "shape.n",
@@ -222,9 +228,11 @@ void grouped_swiglu_fp8(const GroupedShape& shape, const uint8_t* x, const float
                 {w_scales, "w_scales", 4},
                 {h_scales, "h_scales", 4}},
                h, "h", options);
+  MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(gate_up) % 16 == 0, "gate_up",
+                "must be 16-byte aligned, got address ", static_cast<void*>(gate_up));
   if (shape.num_experts == 0) return;
   run_forward_kernel(shape, x, x_scales, w, w_scales, expert_offsets, h, EpilogueKind::kSwiGluFp8,
-                     "x", "w", stream, options, pipeline, h_scales);
+                     "x", "w", stream, options, pipeline, h_scales, gate_up);
 }
 
 void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float* dy_scales,

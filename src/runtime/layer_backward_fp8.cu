@@ -160,7 +160,8 @@ int64_t LayerBackwardFp8::buffer_bytes() const {
 void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
                                          const DeviceLayerGradients& grads, int tokens,
                                          cudaStream_t stream,
-                                         const gemm::LaunchOptions& gemm_options) {
+                                         const gemm::LaunchOptions& gemm_options,
+                                         const bf16* saved_gate_up) {
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.shared_intermediate);
   const Fp8LayerWeights& forward = weights.forward();
@@ -168,17 +169,20 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
   const Operands& op = shared_;
   write_single_group_offsets(shared_offsets_, tokens, stream);
   // This rank's own tokens and their dy, 1 x 128: the bytes the dispatched copies get too.
-  quantize_fp8_rows(workspace_.x(), op.x, tokens, hidden, nullptr, num_sms_, stream);
-  quantize_fp8_rows(workspace_.dy(), op.dy, tokens, hidden, nullptr, num_sms_, stream);
   const gemm::GroupedShape gate_up{1, tokens, 2 * inter, hidden};
   const gemm::GroupedShape down{1, tokens, hidden, inter};
-  gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.shared_gate_up.data,
-                            forward.shared_gate_up.scales, shared_offsets_, op.gate_up,
-                            gemm::ForwardOutput::kBf16, stream, gemm_options, pipeline_);
+  if (saved_gate_up == nullptr) {
+    quantize_fp8_rows(workspace_.x(), op.x, tokens, hidden, nullptr, num_sms_, stream);
+    gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.shared_gate_up.data,
+                              forward.shared_gate_up.scales, shared_offsets_, op.gate_up,
+                              gemm::ForwardOutput::kBf16, stream, gemm_options, pipeline_);
+  }
+  quantize_fp8_rows(workspace_.dy(), op.dy, tokens, hidden, nullptr, num_sms_, stream);
   gemm::grouped_dgrad_fp8(down, op.dy.data, op.dy.scales, transposed.shared_down.data,
                           transposed.shared_down.scales, shared_offsets_, op.grad_hidden,
                           gemm::DgradOutput::kFp32, stream, gemm_options, pipeline_);
-  const megakernel::SwiGluBackwardFp8Rows rows = swiglu_rows(op, inter);
+  const megakernel::SwiGluBackwardFp8Rows rows =
+      swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, inter);
   const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
   const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
   const int ctas = static_cast<int>(
@@ -226,7 +230,8 @@ void LayerBackwardFp8::weight_gradients(const Operands& op, const bf16* x, const
 
 template <class Mark>
 void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
-                                          const DeviceLayerGradients& grads, cudaStream_t stream,
+                                          const DeviceLayerGradients& grads,
+                                          const bf16* saved_gate_up, cudaStream_t stream,
                                           const Mark& mark) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   const int experts = static_cast<int>(layout.experts_per_rank());
@@ -245,9 +250,11 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
   gate_up.expert_counts = counts;
   gemm::GroupedShape down{experts, rows, hidden, inter};
   down.expert_counts = counts;
-  gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.gate_up.data,
-                            forward.gate_up.scales, offsets, op.gate_up, gemm::ForwardOutput::kBf16,
-                            stream, gemm_options, pipeline_);
+  if (saved_gate_up == nullptr) {
+    gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.gate_up.data,
+                              forward.gate_up.scales, offsets, op.gate_up,
+                              gemm::ForwardOutput::kBf16, stream, gemm_options, pipeline_);
+  }
   mark();
   // g = dy · W_down on the unscaled dy rows, fp32.
   gemm::grouped_dgrad_fp8(down, op.dy.data, op.dy.scales, transposed.down.data,
@@ -255,7 +262,9 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
                           stream, gemm_options, pipeline_);
   mark();
   swiglu_backward_fp8_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0,
-                                      stream>>>(workspace_.view(), swiglu_rows(op, inter));
+                                      stream>>>(
+      workspace_.view(),
+      swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, inter));
   MOK_CUDA_CHECK_LAUNCH();
   mark();
   // dx rows (bf16) into expert_y for the push.
@@ -278,7 +287,7 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
                                 const int32_t* topk_idx, const float* topk_w, const bf16* dy,
                                 bf16* dx, float* d_topk_w, const DeviceLayerGradients& grads,
                                 int64_t num_tokens, cudaStream_t stream,
-                                const cudaEvent_t* phase_events) {
+                                const cudaEvent_t* phase_events, const Fp8SavedContext* saved) {
   MOK_CHECK_ARG(weights.has_weights(), "weights",
                 "the fp8 backward reads quantized weights: the cache has none yet (quantize it "
                 "first)");
@@ -288,6 +297,13 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
       " with the transposed layout");
   check_backward_arguments(shape_, tokens_max_, num_tokens, x, topk_idx, topk_w, dy, dx, d_topk_w,
                            grads);
+  if (saved != nullptr) {
+    MOK_CHECK_ARG(saved->gate_up != nullptr, "saved->gate_up", "is null");
+    MOK_CHECK_ARG(!shape_.has_shared() || saved->shared_gate_up != nullptr, "saved->shared_gate_up",
+                  "is null (the layer has a shared expert)");
+  }
+  const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
+  const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);
   const PhaseMarks mark(phase_events, stream);
   mark();
@@ -302,18 +318,21 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
       shared ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks()) : 0,
       options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
-        run_shared_expert(weights, grads, tokens, stream, gemm_options);
+        run_shared_expert(weights, grads, tokens, stream, gemm_options, saved_shared_gate_up);
       },
       [&](cudaStream_t rows_stream, bool beside) {
         dispatch_x_and_dy(workspace_, options_, rows_stream, beside);
       },
       mark);
-  quantize_fp8_rows(workspace_.expert_x(), routed_.x, rows, shape_.hidden, row_bound, num_sms_,
-                    stream);
+  // (the x rows 1 x 128 feed the gate/up recompute only)
+  if (saved_gate_up == nullptr) {
+    quantize_fp8_rows(workspace_.expert_x(), routed_.x, rows, shape_.hidden, row_bound, num_sms_,
+                      stream);
+  }
   quantize_fp8_rows(workspace_.expert_dy(), routed_.dy, rows, shape_.hidden, row_bound, num_sms_,
                     stream);
   mark();
-  run_routed_experts(weights, grads, stream, mark);
+  run_routed_experts(weights, grads, saved_gate_up, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
   combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);

@@ -1,8 +1,9 @@
 // The GPU backward of one MoE layer in precision mode fp8 (DESIGN.md §3, the DeepSeek-V3 recipe) on
 // one expert-parallel rank, composed from the tested engines as the bf16 backward is
 // (layer_backward.hpp), at the CPU reference's rounding points (src/reference/quantized_engine.cpp,
-// backward): recompute mode (the forward's inputs alone; the gate/up pre-activations are computed
-// again from the FP8 operands).
+// backward), in recompute mode (the forward's inputs alone; the gate/up pre-activations are
+// computed again from the FP8 operands) or save mode (LayerForwardFp8 kept them: Fp8SavedContext;
+// the same bits).
 //
 //   stage x, dy, topk_w; schedule     as bf16
 //   shared expert                     the routed steps below on this rank's own tokens (w = 1),
@@ -10,7 +11,8 @@
 //   dispatch x, dy                    bf16 rows into expert_x, expert_dy; then each quantized 1 x
 //                                     128 along H (a row gets the bytes its token's own rank's
 //                                     quantization gives)
-//   routed gate/up                    FP8 GEMM, fp32 sums rounded to bf16 (a, b)
+//   routed gate/up                    FP8 GEMM, fp32 sums rounded to bf16 (a, b); save mode: read
+//                                     from the context (nor are the x rows quantized 1 x 128)
 //   routed down dgrad                 g = W_downᵀ dy: FP8 GEMM on the transposed weight, fp32
 //   SwiGLU backward                   d_topk_w = <g, h> into the owner's window; d_a, d_b in fp32
 //                                     and quantized 1 x 128 along 2I; w·h in fp32
@@ -42,6 +44,7 @@
 #include "runtime/comm.hpp"
 #include "runtime/fp8_weights.hpp"
 #include "runtime/layer_backward.hpp"
+#include "runtime/layer_forward_fp8.hpp"
 #include "runtime/side_stream.hpp"
 #include "runtime/workspace.hpp"
 
@@ -67,12 +70,15 @@ class LayerBackwardFp8 {
   // this rank's experts of this layer's shape): x, dy, dx (T, H) bf16; topk_idx (T, k) int32;
   // topk_w, d_topk_w (T, k) fp32; grads in DeviceLayerGradients' layouts (any of its outputs).
   // phase_events: kNumBackwardPhases + 1 events (BackwardPhase; the quantizations of the dispatched
-  // rows count to kDispatch, those of the wgrads' operands to their wgrad). Throws mok::Error
-  // before enqueueing anything when the cache has no weights or no transposed layout.
+  // rows count to kDispatch, those of the wgrads' operands to their wgrad). saved: save mode, the
+  // context a LayerForwardFp8 of the same shape, tokens_max and communicator kept in the forward
+  // of these inputs (Fp8SavedContext; rows_capacity rows, as its saved_context_rows()); null:
+  // recompute mode. Throws mok::Error before enqueueing anything when the cache has no weights or
+  // no transposed layout.
   void backward(const Fp8WeightCache& weights, const bf16* x, const int32_t* topk_idx,
                 const float* topk_w, const bf16* dy, bf16* dx, float* d_topk_w,
                 const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream,
-                const cudaEvent_t* phase_events = nullptr);
+                const cudaEvent_t* phase_events = nullptr, const Fp8SavedContext* saved = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
@@ -94,9 +100,11 @@ class LayerBackwardFp8 {
     float* weighted_hidden = nullptr;             // (rows, I) fp32
     Fp8Operand x_t, dy_t, d_gate_up_t, hidden_t;  // (H | H | 2I | I, padded_rows), 128 x 1
   };
-  // The SwiGLU backward's view of a group's rows.
-  static megakernel::SwiGluBackwardFp8Rows swiglu_rows(const Operands& op, int inter) {
-    return {reinterpret_cast<const __nv_bfloat16*>(op.gate_up),
+  // The SwiGLU backward's view of a group's rows, their pre-activations in gate_up (op.gate_up
+  // recomputed, or the saved context's).
+  static megakernel::SwiGluBackwardFp8Rows swiglu_rows(const Operands& op, const bf16* gate_up,
+                                                       int inter) {
+    return {reinterpret_cast<const __nv_bfloat16*>(gate_up),
             op.grad_hidden,
             op.d_gate_up,
             op.d_gate_up_rows.data,
@@ -108,9 +116,11 @@ class LayerBackwardFp8 {
   static void free_operands(Operands& operands);
   static int64_t operand_bytes(int64_t rows, int64_t padded_rows, int64_t hidden, int64_t inter);
 
-  // The shared expert's backward over `tokens` of this rank's tokens.
+  // The shared expert's backward over `tokens` of this rank's tokens; saved_gate_up: its saved
+  // pre-activations, or null to recompute them.
   void run_shared_expert(const Fp8WeightCache& weights, const DeviceLayerGradients& grads,
-                         int tokens, cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
+                         int tokens, cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
+                         const bf16* saved_gate_up);
   // Both wgrads of one group of experts (the routed ones, or the shared expert as one group), their
   // operands quantized 128 x 1 down each expert's rows first: down, then between(), then gate/up.
   template <class Between>
@@ -121,7 +131,7 @@ class LayerBackwardFp8 {
                         const Between& between);
   template <class Mark>
   void run_routed_experts(const Fp8WeightCache& weights, const DeviceLayerGradients& grads,
-                          cudaStream_t stream, const Mark& mark);
+                          const bf16* saved_gate_up, cudaStream_t stream, const Mark& mark);
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;

@@ -93,10 +93,11 @@ int64_t LayerForwardFp8::buffer_bytes() const {
 void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8Operand& x,
                                      const Fp8Operand& w, const int32_t* offsets, float* sums,
                                      const Fp8Operand& h, const int32_t* row_bound,
-                                     cudaStream_t stream, const gemm::LaunchOptions& gemm_options) {
+                                     cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
+                                     bf16* saved) {
   if (swiglu_ == Fp8SwiGlu::kInGemm) {
     gemm::grouped_swiglu_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, h.data, h.scales,
-                             stream, gemm_options, pipeline_);
+                             stream, gemm_options, pipeline_, saved);
     return;
   }
   gemm::grouped_forward_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, sums,
@@ -113,7 +114,8 @@ int LayerForwardFp8::shared_gemm_sms_beside_copy() const {
 }
 
 void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
-                                        const gemm::LaunchOptions& gemm_options) {
+                                        const gemm::LaunchOptions& gemm_options,
+                                        bf16* saved_gate_up) {
   const int tokens = checked_int(num_tokens, "num_tokens");
   const int hidden = static_cast<int>(shape_.hidden);
   const int shared_inter = static_cast<int>(shape_.shared_intermediate);
@@ -125,7 +127,7 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
   write_single_group_offsets(shared_offsets_, tokens, stream);
   gate_up_swiglu({1, tokens, 2 * shared_inter, hidden}, shared_x_,
                  weights_.forward().shared_gate_up, shared_offsets_, shared_gate_up_,
-                 shared_hidden_, nullptr, stream, gemm_options);
+                 shared_hidden_, nullptr, stream, gemm_options, saved_gate_up);
   gemm::grouped_forward_fp8({1, tokens, hidden, shared_inter}, shared_hidden_.data,
                             shared_hidden_.scales, weights_.forward().shared_down.data,
                             weights_.forward().shared_down.scales, shared_offsets_, shared_output_,
@@ -134,10 +136,18 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
 
 void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
                               int64_t num_tokens, cudaStream_t stream,
-                              const cudaEvent_t* phase_events) {
+                              const cudaEvent_t* phase_events, const Fp8SavedContext* save) {
   MOK_CHECK_ARG(weights_.has_weights(), "weights",
                 "the fp8 forward reads the quantized weights: call quantize_weights first");
   check_forward_arguments(num_tokens, tokens_max_, x, topk_idx, topk_w, y);
+  if (save != nullptr) {
+    MOK_CHECK_ARG(swiglu_ == Fp8SwiGlu::kInGemm, "save",
+                  "save mode keeps the gate/up GEMM's sums from its epilogue: it needs "
+                  "Fp8SwiGlu::kInGemm");
+    MOK_CHECK_ARG(save->gate_up != nullptr, "save->gate_up", "is null");
+    MOK_CHECK_ARG(!shape_.has_shared() || save->shared_gate_up != nullptr, "save->shared_gate_up",
+                  "is null (the layer has a shared expert)");
+  }
   int recorded = 0;
   const std::function<void()> phase_done = [&] {
     if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));
@@ -158,7 +168,8 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   shared_expert_and_dispatch(
       side_, stream, has_shared, has_shared ? shared_gemm_sms_beside_copy() : 0, options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
-        run_shared_expert(num_tokens, stream, gemm_options);
+        run_shared_expert(num_tokens, stream, gemm_options,
+                          save != nullptr ? save->shared_gate_up : nullptr);
       },
       [&](cudaStream_t rows_stream, bool) { dispatch(workspace_, options_.copy, rows_stream); },
       phase_done);
@@ -171,7 +182,8 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   gemm::GroupedShape gate_up{experts, rows, 2 * inter, hidden};
   gate_up.expert_counts = workspace_.expert_counts();
   gate_up_swiglu(gate_up, routed_x_, weights_.forward().gate_up, workspace_.expert_offsets(),
-                 routed_gate_up_, routed_hidden_, row_bound, stream, options_.gemm);
+                 routed_gate_up_, routed_hidden_, row_bound, stream, options_.gemm,
+                 save != nullptr ? save->gate_up : nullptr);
   phase_done();  // kGateUp
   gemm::GroupedShape down{experts, rows, hidden, inter};
   down.expert_counts = workspace_.expert_counts();

@@ -255,37 +255,56 @@ BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t strea
   return timing;
 }
 
+// The fp8 training step's timings on one rank: save mode (the forward keeps the context) from
+// the weights' quantization on, the same on cached weights, and recompute mode.
+struct Fp8StepTimings {
+  BackwardTiming save, cached, recompute;
+};
+
 // The fp8 training step on one rank (spec.fp8_forward and spec.backward): the weights quantized
 // into the forward's cache (both layouts), the fp8 forward, LayerBackwardFp8 on a dy as
 // run_backward's, bf16 weight gradients; warmed up and timed as run_backward's pairs, each pair
 // from the weights' quantization (an optimizer step changes them every step) to the backward's
-// end. Then the same pairs on the cached weights (`cached`): a gradient-accumulation step after
-// the first, whose weights have not changed since the last quantization.
+// end, in save mode (the forward keeps its context for the backward) and in recompute mode; and
+// the save mode pairs on the cached weights: a gradient-accumulation step after the first, whose
+// weights have not changed since the last quantization.
 void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
                       LayerForwardFp8& forward_layer, const DeviceLayerWeights& weights,
                       const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
-                      cudaStream_t stream, WarmUp& warm_up, BackwardTiming& timing,
-                      BackwardTiming& cached, int64_t& buffer_bytes, LayerRunResult& result) {
+                      cudaStream_t stream, WarmUp& warm_up, Fp8StepTimings& timings,
+                      int64_t& buffer_bytes, int64_t& context_bytes, LayerRunResult& result) {
+  const LayerShape& shape = spec.shape;
   const int64_t tokens = spec.tokens_per_rank;
-  LayerBackwardFp8 layer(comm, spec.shape, tokens);
+  LayerBackwardFp8 layer(comm, shape, tokens);
   buffer_bytes = layer.buffer_bytes();
   BackwardBuffers io(spec, rank, weights, gemm::WgradOutput::kBf16);
-  const auto step = [&](bool quantize, const cudaEvent_t* marks) {
+  DeviceBuffer<bf16> saved_gate_up(forward_layer.saved_context_rows() * 2 * shape.intermediate);
+  DeviceBuffer<bf16> saved_shared_gate_up(tokens * 2 * shape.shared_intermediate);
+  context_bytes = static_cast<int64_t>(saved_gate_up.bytes() + saved_shared_gate_up.bytes());
+  const Fp8SavedContext context{saved_gate_up.get(),
+                                shape.has_shared() ? saved_shared_gate_up.get() : nullptr};
+  // One step: the weights quantized (or cached), the forward, the backward; save mode (saved: the
+  // context) or recompute mode (null).
+  const auto step = [&](bool quantize, const Fp8SavedContext* saved, const cudaEvent_t* marks) {
     if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
     if (quantize) forward_layer.quantize_weights(weights, stream);
-    forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream);
+    forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream, nullptr, saved);
     layer.backward(forward_layer.weight_cache(), x, topk_idx, topk_w, io.dy.get(), io.dx.get(),
                    io.d_topk_w.get(), io.grads, tokens, stream,
-                   marks != nullptr ? marks + 1 : nullptr);
+                   marks != nullptr ? marks + 1 : nullptr, saved);
   };
   const auto check = [&] {
     forward_layer.check(stream);
     layer.check(stream);
   };
-  timing = time_pairs(
-      spec, rank, stream, warm_up, [&](const cudaEvent_t* marks) { step(true, marks); }, check);
-  cached = time_pairs(
-      spec, rank, stream, warm_up, [&](const cudaEvent_t* marks) { step(false, marks); }, check);
+  const auto time_steps = [&](bool quantize, const Fp8SavedContext* saved) {
+    return time_pairs(
+        spec, rank, stream, warm_up,
+        [&](const cudaEvent_t* marks) { step(quantize, saved, marks); }, check);
+  };
+  timings.recompute = time_steps(true, nullptr);
+  timings.cached = time_steps(false, &context);
+  timings.save = time_steps(true, &context);  // last: its outputs are the ones kept
   if (!spec.keep_y) return;
   io.dx.download(result.fp8_dx.data() + rank * tokens * spec.shape.hidden);
   io.d_topk_w.download(result.fp8_d_topk_w.data() + rank * tokens * spec.shape.top_k);
@@ -384,7 +403,8 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   }
   WarmUp warm_up_pairs(spec.ep);
   WarmUp warm_up_fp8(spec.ep), warm_up_fp8_pairs(spec.ep);
-  std::vector<BackwardTiming> fp8_steps(spec.ep), fp8_cached_steps(spec.ep);
+  std::vector<Fp8StepTimings> fp8_steps(spec.ep);
+  std::vector<int64_t> fp8_context_bytes(spec.ep, 0);
   std::vector<int64_t> fp8_backward_bytes(spec.ep);
   std::vector<ForwardTiming> fp8_timings(spec.ep);
   std::vector<double> fp8_quantize_ms(spec.ep);
@@ -519,7 +539,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
       if (spec.backward) {
         run_fp8_backward(spec, rank, comms[rank], fp8, weights, x.get(), topk_idx.get(),
                          topk_w.get(), y.get(), stream, warm_up_fp8_pairs, fp8_steps[rank],
-                         fp8_cached_steps[rank], fp8_backward_bytes[rank], result);
+                         fp8_backward_bytes[rank], fp8_context_bytes[rank], result);
       }
     }
     if (spec.backward) {
@@ -581,11 +601,17 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     if (spec.backward) {
       result.fp8_backward_phase_ms.assign(kNumBackwardPhases, 0.0);
       for (int rank = 0; rank < spec.ep; ++rank) {
-        const BackwardTiming& step = fp8_steps[rank];
+        const BackwardTiming& step = fp8_steps[rank].save;
         result.fp8_backward_ms = std::max(result.fp8_backward_ms, step.backward_ms);
         result.fp8_step_ms = std::max(result.fp8_step_ms, step.pair_ms);
         result.fp8_step_cached_weights_ms =
-            std::max(result.fp8_step_cached_weights_ms, fp8_cached_steps[rank].pair_ms);
+            std::max(result.fp8_step_cached_weights_ms, fp8_steps[rank].cached.pair_ms);
+        result.fp8_backward_recompute_ms =
+            std::max(result.fp8_backward_recompute_ms, fp8_steps[rank].recompute.backward_ms);
+        result.fp8_step_recompute_ms =
+            std::max(result.fp8_step_recompute_ms, fp8_steps[rank].recompute.pair_ms);
+        result.fp8_saved_context_bytes_per_rank =
+            std::max(result.fp8_saved_context_bytes_per_rank, fp8_context_bytes[rank]);
         result.fp8_backward_buffer_bytes_per_rank =
             std::max(result.fp8_backward_buffer_bytes_per_rank, fp8_backward_bytes[rank]);
         for (int phase = 0; phase < kNumBackwardPhases; ++phase) {

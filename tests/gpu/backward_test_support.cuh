@@ -13,6 +13,7 @@
 #include "layer_test_support.cuh"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_backward_fp8.hpp"
+#include "runtime/layer_forward_fp8.hpp"
 
 namespace mok::comm_test {
 
@@ -44,12 +45,13 @@ struct BackwardRun {
   bool use_graph = false;
   GradMode mode = GradMode::kOverwrite;
   float main_grad_start = 0.0f;  // kAccumulate: every gradient starts from this value
-  // Save mode: each run is the fused forward (these options) keeping its context, then the
-  // backward reading it; otherwise the backward alone, recomputing.
+  // Save mode: each run is the forward (bf16: the fused one with these options; fp8:
+  // LayerForwardFp8) keeping its context, then the backward reading it; otherwise the backward
+  // alone, recomputing.
   bool save = false;
   FusedForwardOptions forward;
-  // kFp8: LayerBackwardFp8 (recompute mode; layer's options and this pipeline), its weight cache
-  // made once before the runs.
+  // kFp8: LayerBackwardFp8 (layer's options and this pipeline), its weight cache made once before
+  // the runs (and the save mode forward's own).
   Precision precision = Precision::kBf16;
   gemm::Fp8Pipeline fp8_pipeline{/*cluster=*/1, /*stages=*/0};
 };
@@ -103,7 +105,15 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
     const auto check = [&] { fp8 ? fp8_layer->check(stream) : bf16_layer->check(stream); };
     // Save mode: the forward that keeps the context, and the context (empty otherwise).
     std::unique_ptr<LayerForward> forward;
-    if (run.save) {
+    std::unique_ptr<LayerForwardFp8> fp8_forward;
+    if (run.save && fp8) {
+      LayerForwardFp8Options options;
+      options.layer.allocate_weights = false;
+      options.pipeline = run.fp8_pipeline;
+      fp8_forward = std::make_unique<LayerForwardFp8>(comms[rank], shape, tokens, options);
+      fp8_forward->quantize_weights(weights, stream);
+      MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    } else if (run.save) {
       LayerForwardOptions options;
       options.allocate_weights = false;
       options.fused = run.forward;
@@ -111,11 +121,14 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
     }
     const int64_t save_tokens = run.save ? tokens : 0;
     DeviceBuffer<bf16> y(static_cast<size_t>(save_tokens * hidden));
-    DeviceBuffer<bf16> saved_gate_up(static_cast<size_t>(
-        saved_context_rows(ep, save_tokens, shape.top_k, save_tokens) * 2 * inter));
+    const int64_t saved_rows = fp8_forward != nullptr
+                                   ? fp8_forward->saved_context_rows()
+                                   : saved_context_rows(ep, save_tokens, shape.top_k, save_tokens);
+    DeviceBuffer<bf16> saved_gate_up(static_cast<size_t>(saved_rows * 2 * inter));
     DeviceBuffer<bf16> saved_shared_gate_up(
         static_cast<size_t>(shared ? save_tokens * 2 * shared_inter : 0));
     const SavedContext saved{saved_gate_up.get(), shared ? saved_shared_gate_up.get() : nullptr};
+    const Fp8SavedContext fp8_saved{saved.gate_up, saved.shared_gate_up};
     auto prepare = [&] {  // poison every output (accumulate: start every gradient from a value)
       dx.poison();
       d_topk_w.poison();
@@ -143,13 +156,17 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
       comms[rank].host_barrier();
     };
     auto enqueue = [&] {
-      if (run.save) {
+      if (fp8_forward != nullptr) {
+        fp8_forward->forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream,
+                             nullptr, &fp8_saved);
+      } else if (run.save) {
         forward->forward(weights, x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream,
                          nullptr, &saved);
       }
       if (fp8) {
         fp8_layer->backward(*fp8_weights, x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(),
-                            d_topk_w.get(), grads, tokens, stream);
+                            d_topk_w.get(), grads, tokens, stream, nullptr,
+                            run.save ? &fp8_saved : nullptr);
       } else {
         bf16_layer->backward(weights, x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(),
                              d_topk_w.get(), grads, tokens, stream, nullptr,
@@ -173,6 +190,7 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
     prepare();
     enqueue();
     if (forward != nullptr) forward->check(stream);
+    if (fp8_forward != nullptr) fp8_forward->check(stream);
     check();
     const BackwardOutputs first = collect();
     for (int repeat = 0; repeat < run.repeats; ++repeat) {

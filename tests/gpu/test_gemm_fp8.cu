@@ -360,6 +360,40 @@ TEST_F(GroupedGemmFp8, PipelinesBitwiseEqual) {
   expect_pipelines_equal<bf16>(random, ForwardOutput::kSwiGluBf16, false, "random, SwiGLU");
 }
 
+// grouped_swiglu_fp8's gate/up sums (a training forward's saved context): the bytes of
+// grouped_forward_fp8's bf16 output on the same operands (poisoned rows outside the experts'
+// included: nothing written there), and h and its scales unchanged by asking for them; on the full
+// grid and on 3 CTAs, whose tiles fall elsewhere.
+TEST_F(GroupedGemmFp8, SwiGluGateUpSumsAreTheBf16Forward) {
+  const Fp8Problem problem = random_problem(512, 640, 5);
+  upload(problem);
+  const std::vector<bf16> expected = run<bf16>(problem, ForwardOutput::kBf16, false);
+  const GroupedShape shape{problem.num_experts, problem.capacity, problem.n, problem.k};
+  const size_t rows = static_cast<size_t>(problem.capacity), inter = problem.n / 2;
+  for (const int num_sms : {0, 3}) {
+    DeviceBuffer<uint8_t> h(rows * inter), h_alone(rows * inter);
+    DeviceBuffer<float> h_scales(rows * inter / kScaleBlock),
+        h_scales_alone(rows * inter / kScaleBlock);
+    DeviceBuffer<bf16> gate_up(rows * problem.n);
+    for (auto* buffer : {&h, &h_alone}) buffer->poison();
+    for (auto* buffer : {&h_scales, &h_scales_alone}) buffer->poison();
+    gate_up.poison();
+    grouped_swiglu_fp8(shape, x_->get(), x_scales_->get(), w_->get(), w_scales_->get(),
+                       offsets_->get(), h_alone.get(), h_scales_alone.get(), nullptr,
+                       LaunchOptions{num_sms});
+    grouped_swiglu_fp8(shape, x_->get(), x_scales_->get(), w_->get(), w_scales_->get(),
+                       offsets_->get(), h.get(), h_scales.get(), nullptr, LaunchOptions{num_sms},
+                       {}, gate_up.get());
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::string grid = num_sms == 0 ? "full grid" : "3 CTAs";
+    EXPECT_TRUE(bitwise_equal(gate_up.download(), expected))
+        << grid << ": the gate/up sums differ from grouped_forward_fp8's bf16 output";
+    EXPECT_TRUE(bitwise_equal(h.download(), h_alone.download())) << grid << ": h changed";
+    EXPECT_TRUE(bitwise_equal(h_scales.download(), h_scales_alone.download()))
+        << grid << ": h's scales changed";
+  }
+}
+
 // Host stand-ins for the argument checks, which run before anything is launched (no GPU needed).
 alignas(16) uint8_t bytes[64];
 alignas(16) float scales[16];
@@ -392,6 +426,11 @@ TEST(GroupedGemmFp8Arguments, RejectsBadShapesAndPointers) {
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("shape.k"), std::string::npos) << error.what();
   }
+  // grouped_swiglu_fp8's gate/up sums, when asked for, 16-byte aligned like its other outputs.
+  alignas(16) bf16 sums[16];
+  EXPECT_THROW(grouped_swiglu_fp8({1, 1, 256, 128}, bytes, scales, bytes, scales, offsets, bytes,
+                                  scales, nullptr, {}, {}, sums + 1),
+               Error);
 }
 
 }  // namespace

@@ -258,6 +258,30 @@ TEST(LayerBackwardFp8, KnobsGraphAndEpDoNotChangeABit) {
   }
 }
 
+// Save mode (LayerForwardFp8 keeps the gate/up pre-activations from its SwiGLU epilogue, the
+// backward reads them): the recompute's bits in every output, shared expert included, at EP 1
+// and EP 2, with repeats (each run's forward writes the poisoned context again).
+TEST(LayerBackwardFp8, SaveModeGivesRecomputesBits) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  for (const Case& routing :
+       {Case{"skewed:1.2", 0.1, true, true}, Case{"uniform", 0.0, false, false}}) {
+    const Problem problem = fp8_problem(routing, 2 * 97, 61);
+    BackwardRun save = fp8_run();
+    save.save = true;
+    save.repeats = 1;
+    for (int ep : {1, 2}) {
+      const BackwardOutputs recomputed = run_gpu_backward(problem, ep, fp8_run());
+      const BackwardOutputs saved = run_gpu_backward(problem, ep, save);
+      EXPECT_EQ(first_different_tensor(saved, recomputed), "")
+          << case_name(routing) << ", EP " << ep << ": save mode differs from recompute mode";
+      EXPECT_TRUE(same_bits(saved.grad_shared_gate, recomputed.grad_shared_gate) &&
+                  same_bits(saved.grad_shared_up, recomputed.grad_shared_up) &&
+                  same_bits(saved.grad_shared_down, recomputed.grad_shared_down))
+          << case_name(routing) << ", EP " << ep << ": shared expert gradients differ";
+    }
+  }
+}
+
 TEST(LayerBackwardFp8, RefusesCachesItCannotRead) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   const Problem problem = fp8_problem({"uniform", 0.0, false, true}, 8, 3);

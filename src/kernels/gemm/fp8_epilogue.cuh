@@ -17,7 +17,9 @@
 
 namespace mok::gemm {
 
-template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward>
+// kGateUp (kSwiGluFp8 only): the gate/up sums go out in bf16 too (Fp8GemmParams::gate_up), in an
+// instance of its own, so that the inference kernel's registers stay as they are.
+template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward, bool kGateUp = false>
 struct Fp8Epilogue {
   using Config = Fp8TileConfig;
   static constexpr int kNumAccumulators = Config::BLOCK_N / 2;
@@ -26,6 +28,8 @@ struct Fp8Epilogue {
   static_assert((kEpilogue != EpilogueKind::kSwiGluBf16 && kEpilogue != EpilogueKind::kSwiGluFp8) ||
                     kKind == GemmKind::kForward,
                 "SwiGLU belongs to the forward");
+  static_assert(!kGateUp || kEpilogue == EpilogueKind::kSwiGluFp8,
+                "the gate/up sums beside h are kSwiGluFp8's");
 
   // The accumulators a tile starts from: zero, or (kAccumulateFp32) the consumer's slice of C.
   __device__ static void init(const GroupedGemmParams& params, const GroupedTile& tile,
@@ -49,14 +53,15 @@ struct Fp8Epilogue {
   // A consumer covers rows 64 c .. 64 c + 63 and all columns of a full tile, rows 0-63 and
   // columns 128 c .. 128 c + 127 (piece c) of a half tile (is_half_tile). Rows past the group's end
   // and columns past N are never written. map_c: wgrad's bf16 C as a [groups, M, N] tensor map
-  // with (16, 64) boxes, or null.
+  // with (16, 64) boxes, or null. gate_up (kGateUp): where the gate/up sums go in bf16
+  // (Fp8GemmParams::gate_up).
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging, float (&accum)[kNumAccumulators],
-                               const CUtensorMap* map_c = nullptr) {
+                               const CUtensorMap* map_c = nullptr, void* gate_up = nullptr) {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     if constexpr (kEpilogue == EpilogueKind::kSwiGluFp8) {
-      store_swiglu_fp8(params, tile, consumer_idx, staging, accum);
+      store_swiglu_fp8(params, tile, consumer_idx, staging, accum, gate_up);
       return;
     }
     const bool half = fp8_is_half_tile<kKind, kEpilogue>(tile);
@@ -100,7 +105,7 @@ struct Fp8Epilogue {
   // stores of whole rows. Rows past the group's end are not written.
   __device__ static void store_swiglu_fp8(const GroupedGemmParams& params, const GroupedTile& tile,
                                           int consumer_idx, uint8_t* staging,
-                                          float (&accum)[kNumAccumulators]) {
+                                          float (&accum)[kNumAccumulators], void* gate_up) {
     constexpr int kHalf = kNumAccumulators / 2;     // gate accumulators: 32 per fragment row
     constexpr int kRowBytes = Config::BLOCK_N / 2;  // h columns of the tile, one byte each
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
@@ -111,6 +116,11 @@ struct Fp8Epilogue {
     const int64_t tile_first_row =
         tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M;
     const int scales_per_row = params.n / Config::BLOCK_N;
+    if constexpr (kGateUp) {
+      store_gate_up(static_cast<char*>(gate_up) +
+                        (tile_first_row * params.n + tile.n_block * Config::BLOCK_N) * 2,
+                    int64_t{params.n} * 2, place.rows_valid, warp_first_row, warp_staging, accum);
+    }
     swiglu_halves_in_place<kHalf>(accum);
     __syncwarp();  // the previous tile's rows have left the staging rows
 #pragma unroll
@@ -149,6 +159,31 @@ struct Fp8Epilogue {
             *reinterpret_cast<const uint4*>(warp_staging +
                                             row * static_cast<int>(kStagingRowBytes) + 16 * chunk);
       }
+    }
+  }
+
+  // kSwiGluFp8's gate/up sums (gate_up): the consumer's 256 columns rounded to bf16, the gate
+  // piece then the up piece, through the warp's staging rows as kStoreBf16 writes them (so the
+  // same bytes), 128 columns at a time, so that one piece's pairs are live beside the accumulators
+  // the SwiGLU still needs. tile_base: the tile's row 0, column 0; rows from rows_valid on are not
+  // written.
+  __device__ static void store_gate_up(char* tile_base, int64_t row_stride, int rows_valid,
+                                       int warp_first_row, uint8_t* warp_staging,
+                                       const float (&accum)[kNumAccumulators]) {
+    using Rows = WarpRows<Config::kPiece, /*kSwiGlu=*/false>;
+    constexpr int kPieceAccumulators = kNumAccumulators / Config::kNumPieces;
+#pragma unroll
+    for (int piece = 0; piece < Config::kNumPieces; ++piece) {
+      uint32_t packed[Rows::kPacked];
+      Rows::pack(
+          *reinterpret_cast<const float(*)[kPieceAccumulators]>(&accum[piece * kPieceAccumulators]),
+          packed);
+      const int first_column = piece * Config::kPiece;
+      Rows::write(warp_staging, packed, Config::kPiece, [&](int warp_row) -> char* {
+        const int row = warp_first_row + warp_row;
+        if (row >= rows_valid) return nullptr;
+        return tile_base + row * row_stride + first_column * 2;
+      });
     }
   }
 

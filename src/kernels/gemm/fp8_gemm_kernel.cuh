@@ -32,8 +32,9 @@ inline __device__ __noinline__ void fp8_shared_base_misaligned() { __trap(); }
 // kStages, kClusterSize: Fp8SharedLayout's; kClusterSize > 1 (forward only) is launched on
 // clusters of that many CTAs, with map_b's box one 128-column piece of the weight tile. map_c:
 // wgrad's bf16 output as a tensor map for the epilogue's tile stores (Fp8Epilogue::store).
+// kGateUp: kSwiGluFp8 also stores the gate/up sums in bf16 (Fp8GemmParams::gate_up).
 template <EpilogueKind kEpilogue, GemmKind kKind = GemmKind::kForward,
-          int kStages = fp8_stages(kKind, kEpilogue), int kClusterSize = 1>
+          int kStages = fp8_stages(kKind, kEpilogue), int kClusterSize = 1, bool kGateUp = false>
 __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
     fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
@@ -41,7 +42,7 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Layout = Fp8SharedLayout<kEpilogue, kKind, kStages, kClusterSize>;
   using Loop = Fp8Mainloop<Layout>;
-  using Store = Fp8Epilogue<kEpilogue, kKind>;
+  using Store = Fp8Epilogue<kEpilogue, kKind, kGateUp>;
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
   // NOTE: the 128-byte swizzle pattern repeats every 1024 B; the descriptors assume stage
   // buffers start on that boundary. On a cluster the padding is the same in every CTA, so that
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
       Store::init(params.grouped, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
       Store::store(params.grouped, tile, consumer_idx, smem.staging, accum,
-                   Store::kBoxStores ? &map_c : nullptr);
+                   Store::kBoxStores ? &map_c : nullptr, params.gate_up);
     }
     Store::drain();
   }

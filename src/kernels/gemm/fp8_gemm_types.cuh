@@ -110,6 +110,9 @@ struct Fp8GemmParams {
   const float*
       b_scales;  // forward (num_groups, ceil(n / 128), k / 128); wgrad (n, capacity_rows / 128)
   int num_row_blocks = 0;  // wgrad: capacity_rows / 128, the scales' row stride
+  // kSwiGluFp8 in the kernel's kGateUp instance: the gate/up sums rounded to bf16 as well,
+  // (rows, N) in W's row order (kStoreBf16's bytes; a training forward's context for the backward).
+  void* gate_up = nullptr;
 };
 
 // K-blocks of a tile: all of K (forward), or the group's rows in blocks of 128 (wgrad).
