@@ -60,14 +60,15 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
 // up rows), quantized per 128 x 128 block as grouped_forward_fp8's w, so that each block is one
 // of W_gate's or W_up's own. shape.n = 2I a positive multiple of 256, shape.k a positive multiple
 // of 128; rows as in grouped_forward (rows outside the experts' are not written). gate_up, unless
-// null: the sums rounded to bf16 too, (capacity_rows, 2I) in W's row order, the same bytes as
-// grouped_forward_fp8's ForwardOutput::kBf16 (a training forward keeps them for the backward).
-// x, w, h, gate_up 16-byte aligned.
+// null: the sums rounded to bf16 too, 2I columns in W's row order, the same bytes as
+// grouped_forward_fp8's ForwardOutput::kBf16 (a training forward keeps them for the backward):
+// row r at gate_up row gate_up_rows[r] (device, capacity_rows; < 0: not stored), or at row r
+// when gate_up_rows is null. x, w, h, gate_up 16-byte aligned.
 void grouped_swiglu_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
                         const uint8_t* w, const float* w_scales, const int* expert_offsets,
                         uint8_t* h, float* h_scales, cudaStream_t stream,
                         const LaunchOptions& options = {}, const Fp8Pipeline& pipeline = {},
-                        bf16* gate_up = nullptr);
+                        bf16* gate_up = nullptr, const int32_t* gate_up_rows = nullptr);
 
 // dx_e = dy_e · W_e from FP8 operands: the forward kernel with K = n, N = k, on the transposed
 // weight (E, k, n):

@@ -151,7 +151,7 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
                         EpilogueKind epilogue, const char* a_name, const char* b_name,
                         cudaStream_t stream, const LaunchOptions& options,
                         const Fp8Pipeline& pipeline, float* c_scales = nullptr,
-                        void* gate_up = nullptr) {
+                        void* gate_up = nullptr, const int32_t* gate_up_rows = nullptr) {
   MOK_CHECK_ARG(
       pipeline.cluster == 0 || pipeline.cluster == 1 || pipeline.cluster == kFp8ClusterSize,
       "pipeline.cluster", "must be 0, 1 or ", kFp8ClusterSize, ", got ", pipeline.cluster);
@@ -183,6 +183,7 @@ void run_forward_kernel(const GroupedShape& shape, const uint8_t* a, const float
   params.grouped = {expert_offsets,      shape.num_experts, 0, shape.n, shape.k, c,
                     shape.expert_counts, c_scales};
   params.gate_up = gate_up;
+  params.gate_up_rows = gate_up_rows;
   params.a_scales = a_scales;
   params.b_scales = b_scales;
   launch(kernel, map_a, map_b, params, num_ctas, stream);
@@ -214,7 +215,8 @@ void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const floa
 void grouped_swiglu_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,
                         const uint8_t* w, const float* w_scales, const int* expert_offsets,
                         uint8_t* h, float* h_scales, cudaStream_t stream,
-                        const LaunchOptions& options, const Fp8Pipeline& pipeline, bf16* gate_up) {
+                        const LaunchOptions& options, const Fp8Pipeline& pipeline, bf16* gate_up,
+                        const int32_t* gate_up_rows) {
   MOK_CHECK_ARG(shape.k > 0 && shape.k % Fp8TileConfig::kScaleBlock == 0, "shape.k",
                 "must be a positive multiple of 128 (one FP8 scale block), got ", shape.k);
   MOK_CHECK_ARG(shape.n > 0 && shape.n % (2 * kSwiGluFp8Interleave) == 0, "shape.n",
@@ -232,7 +234,7 @@ void grouped_swiglu_fp8(const GroupedShape& shape, const uint8_t* x, const float
                 "must be 16-byte aligned, got address ", static_cast<void*>(gate_up));
   if (shape.num_experts == 0) return;
   run_forward_kernel(shape, x, x_scales, w, w_scales, expert_offsets, h, EpilogueKind::kSwiGluFp8,
-                     "x", "w", stream, options, pipeline, h_scales, gate_up);
+                     "x", "w", stream, options, pipeline, h_scales, gate_up, gate_up_rows);
 }
 
 void grouped_dgrad_fp8(const GroupedShape& shape, const uint8_t* dy, const float* dy_scales,

@@ -182,7 +182,7 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
                           transposed.shared_down.scales, shared_offsets_, op.grad_hidden,
                           gemm::DgradOutput::kFp32, stream, gemm_options, pipeline_);
   const megakernel::SwiGluBackwardFp8Rows rows =
-      swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, inter);
+      swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, false, inter);
   const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
   const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
   const int ctas = static_cast<int>(
@@ -263,8 +263,8 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
   mark();
   swiglu_backward_fp8_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0,
                                       stream>>>(
-      workspace_.view(),
-      swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, inter));
+      workspace_.view(), swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up,
+                                     saved_gate_up != nullptr, inter));
   MOK_CUDA_CHECK_LAUNCH();
   mark();
   // dx rows (bf16) into expert_y for the push.
@@ -287,7 +287,7 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
                                 const int32_t* topk_idx, const float* topk_w, const bf16* dy,
                                 bf16* dx, float* d_topk_w, const DeviceLayerGradients& grads,
                                 int64_t num_tokens, cudaStream_t stream,
-                                const cudaEvent_t* phase_events, const Fp8SavedContext* saved) {
+                                const cudaEvent_t* phase_events, const SavedContext* saved) {
   MOK_CHECK_ARG(weights.has_weights(), "weights",
                 "the fp8 backward reads quantized weights: the cache has none yet (quantize it "
                 "first)");
@@ -297,7 +297,7 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
       " with the transposed layout");
   check_backward_arguments(shape_, tokens_max_, num_tokens, x, topk_idx, topk_w, dy, dx, d_topk_w,
                            grads);
-  if (saved != nullptr) {
+  if (saved != nullptr && num_tokens > 0) {
     MOK_CHECK_ARG(saved->gate_up != nullptr, "saved->gate_up", "is null");
     MOK_CHECK_ARG(!shape_.has_shared() || saved->shared_gate_up != nullptr, "saved->shared_gate_up",
                   "is null (the layer has a shared expert)");

@@ -2,8 +2,8 @@
 // one expert-parallel rank, composed from the tested engines as the bf16 backward is
 // (layer_backward.hpp), at the CPU reference's rounding points (src/reference/quantized_engine.cpp,
 // backward), in recompute mode (the forward's inputs alone; the gate/up pre-activations are
-// computed again from the FP8 operands) or save mode (LayerForwardFp8 kept them: Fp8SavedContext;
-// the same bits).
+// computed again from the FP8 operands) or save mode (LayerForwardFp8 kept them: SavedContext; the
+// same bits).
 //
 //   stage x, dy, topk_w; schedule     as bf16
 //   shared expert                     the routed steps below on this rank's own tokens (w = 1),
@@ -44,7 +44,6 @@
 #include "runtime/comm.hpp"
 #include "runtime/fp8_weights.hpp"
 #include "runtime/layer_backward.hpp"
-#include "runtime/layer_forward_fp8.hpp"
 #include "runtime/side_stream.hpp"
 #include "runtime/workspace.hpp"
 
@@ -71,14 +70,13 @@ class LayerBackwardFp8 {
   // topk_w, d_topk_w (T, k) fp32; grads in DeviceLayerGradients' layouts (any of its outputs).
   // phase_events: kNumBackwardPhases + 1 events (BackwardPhase; the quantizations of the dispatched
   // rows count to kDispatch, those of the wgrads' operands to their wgrad). saved: save mode, the
-  // context a LayerForwardFp8 of the same shape, tokens_max and communicator kept in the forward
-  // of these inputs (Fp8SavedContext; rows_capacity rows, as its saved_context_rows()); null:
-  // recompute mode. Throws mok::Error before enqueueing anything when the cache has no weights or
-  // no transposed layout.
+  // context LayerForwardFp8 kept in the forward of these inputs (SavedContext); null: recompute
+  // mode. Throws mok::Error before enqueueing anything when the cache has no weights or no
+  // transposed layout.
   void backward(const Fp8WeightCache& weights, const bf16* x, const int32_t* topk_idx,
                 const float* topk_w, const bf16* dy, bf16* dx, float* d_topk_w,
                 const DeviceLayerGradients& grads, int64_t num_tokens, cudaStream_t stream,
-                const cudaEvent_t* phase_events = nullptr, const Fp8SavedContext* saved = nullptr);
+                const cudaEvent_t* phase_events = nullptr, const SavedContext* saved = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
@@ -100,11 +98,12 @@ class LayerBackwardFp8 {
     float* weighted_hidden = nullptr;             // (rows, I) fp32
     Fp8Operand x_t, dy_t, d_gate_up_t, hidden_t;  // (H | H | 2I | I, padded_rows), 128 x 1
   };
-  // The SwiGLU backward's view of a group's rows, their pre-activations in gate_up (op.gate_up
-  // recomputed, or the saved context's).
+  // The SwiGLU backward's view of a group's rows, their pre-activations in gate_up: op.gate_up
+  // recomputed, or a saved context's (saved_by_source: the routed rows' by their source slot).
   static megakernel::SwiGluBackwardFp8Rows swiglu_rows(const Operands& op, const bf16* gate_up,
-                                                       int inter) {
+                                                       bool saved_by_source, int inter) {
     return {reinterpret_cast<const __nv_bfloat16*>(gate_up),
+            saved_by_source,
             op.grad_hidden,
             op.d_gate_up,
             op.d_gate_up_rows.data,

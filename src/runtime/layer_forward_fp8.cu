@@ -94,10 +94,10 @@ void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8O
                                      const Fp8Operand& w, const int32_t* offsets, float* sums,
                                      const Fp8Operand& h, const int32_t* row_bound,
                                      cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
-                                     bf16* saved) {
+                                     bf16* saved, const int32_t* saved_rows) {
   if (swiglu_ == Fp8SwiGlu::kInGemm) {
     gemm::grouped_swiglu_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, h.data, h.scales,
-                             stream, gemm_options, pipeline_, saved);
+                             stream, gemm_options, pipeline_, saved, saved_rows);
     return;
   }
   gemm::grouped_forward_fp8(shape, x.data, x.scales, w.data, w.scales, offsets, sums,
@@ -127,7 +127,7 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
   write_single_group_offsets(shared_offsets_, tokens, stream);
   gate_up_swiglu({1, tokens, 2 * shared_inter, hidden}, shared_x_,
                  weights_.forward().shared_gate_up, shared_offsets_, shared_gate_up_,
-                 shared_hidden_, nullptr, stream, gemm_options, saved_gate_up);
+                 shared_hidden_, nullptr, stream, gemm_options, saved_gate_up, nullptr);
   gemm::grouped_forward_fp8({1, tokens, hidden, shared_inter}, shared_hidden_.data,
                             shared_hidden_.scales, weights_.forward().shared_down.data,
                             weights_.forward().shared_down.scales, shared_offsets_, shared_output_,
@@ -136,11 +136,11 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
 
 void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
                               int64_t num_tokens, cudaStream_t stream,
-                              const cudaEvent_t* phase_events, const Fp8SavedContext* save) {
+                              const cudaEvent_t* phase_events, const SavedContext* save) {
   MOK_CHECK_ARG(weights_.has_weights(), "weights",
                 "the fp8 forward reads the quantized weights: call quantize_weights first");
   check_forward_arguments(num_tokens, tokens_max_, x, topk_idx, topk_w, y);
-  if (save != nullptr) {
+  if (save != nullptr && num_tokens > 0) {
     MOK_CHECK_ARG(swiglu_ == Fp8SwiGlu::kInGemm, "save",
                   "save mode keeps the gate/up GEMM's sums from its epilogue: it needs "
                   "Fp8SwiGlu::kInGemm");
@@ -183,7 +183,7 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   gate_up.expert_counts = workspace_.expert_counts();
   gate_up_swiglu(gate_up, routed_x_, weights_.forward().gate_up, workspace_.expert_offsets(),
                  routed_gate_up_, routed_hidden_, row_bound, stream, options_.gemm,
-                 save != nullptr ? save->gate_up : nullptr);
+                 save != nullptr ? save->gate_up : nullptr, workspace_.row_source());
   phase_done();  // kGateUp
   gemm::GroupedShape down{experts, rows, hidden, inter};
   down.expert_counts = workspace_.expert_counts();

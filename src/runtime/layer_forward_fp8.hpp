@@ -44,18 +44,6 @@ enum class Fp8SwiGlu {
   kSeparate,  // gate/up sums to fp32 memory, then a kernel
 };
 
-// Save mode in fp8: what the forward keeps for a LayerBackwardFp8 of the same layer, in buffers the
-// caller owns until that backward has run: the gate/up GEMMs' fp32 sums rounded to bf16, in W's
-// column order (gate and up interleaved in blocks of 128), which the backward would otherwise
-// recompute from the FP8 operands. The same bits either way.
-struct Fp8SavedContext {
-  // (saved_context_rows(), 2I): the rank's dispatched expert rows, where this forward and a
-  // LayerBackwardFp8 of the same shape, tokens_max and communicator place a call's rows (rows
-  // outside the experts' are not written).
-  bf16* gate_up = nullptr;
-  bf16* shared_gate_up = nullptr;  // (T, 2I_s) by token; null without a shared expert
-};
-
 struct LayerForwardFp8Options {
   LayerForwardOptions layer;  // copies, GEMM grid, workspace, overlap (fused: not used)
   Fp8SwiGlu swiglu = Fp8SwiGlu::kInGemm;
@@ -93,13 +81,13 @@ class LayerForwardFp8 {
   // x (T, H) bf16, topk_idx (T, k) int32, topk_w (T, k) fp32, y (T, H) bf16, on this rank's GPU;
   // T <= tokens_max. phase_events, when given: kNumForwardPhases + 1 events, recorded before the
   // first phase and after each (ForwardPhase; kFused takes no time). save: keep the context there
-  // (Fp8SavedContext; Fp8SwiGlu::kInGemm only). Throws mok::Error before enqueueing anything when
+  // for LayerBackwardFp8 (save mode, Fp8SwiGlu::kInGemm only): SavedContext's layout and rows
+  // (saved_context_rows), the gate/up sums rounded to bf16 in the FP8 weight cache's column order
+  // (gate and up interleaved in blocks of 128). Throws mok::Error before enqueueing anything when
   // quantize_weights has not run.
   void forward(const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
                int64_t num_tokens, cudaStream_t stream, const cudaEvent_t* phase_events = nullptr,
-               const Fp8SavedContext* save = nullptr);
-  // Rows of Fp8SavedContext::gate_up.
-  int64_t saved_context_rows() const { return workspace_.layout().rows_capacity(); }
+               const SavedContext* save = nullptr);
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
@@ -117,11 +105,12 @@ class LayerForwardFp8 {
   int shared_gemm_sms_beside_copy() const;
   // x (rows, H) · w (E, 2I, H)ᵀ -> h (rows, I) E4M3 and scales, SwiGLU as swiglu_ says (kSeparate:
   // the sums through `sums`, then h for the rows below *row_bound, or all rows when null); saved:
-  // the sums in bf16 too (save mode), or null.
+  // the sums in bf16 too (save mode; row r at saved_rows[r], or r when null), or null.
   void gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8Operand& x, const Fp8Operand& w,
                       const int32_t* offsets, float* sums, const Fp8Operand& h,
                       const int32_t* row_bound, cudaStream_t stream,
-                      const gemm::LaunchOptions& gemm_options, bf16* saved);
+                      const gemm::LaunchOptions& gemm_options, bf16* saved,
+                      const int32_t* saved_rows);
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;

@@ -278,14 +278,15 @@ void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& co
   LayerBackwardFp8 layer(comm, shape, tokens);
   buffer_bytes = layer.buffer_bytes();
   BackwardBuffers io(spec, rank, weights, gemm::WgradOutput::kBf16);
-  DeviceBuffer<bf16> saved_gate_up(forward_layer.saved_context_rows() * 2 * shape.intermediate);
+  DeviceBuffer<bf16> saved_gate_up(saved_context_rows(spec.ep, tokens, shape.top_k, tokens) * 2 *
+                                   shape.intermediate);
   DeviceBuffer<bf16> saved_shared_gate_up(tokens * 2 * shape.shared_intermediate);
   context_bytes = static_cast<int64_t>(saved_gate_up.bytes() + saved_shared_gate_up.bytes());
-  const Fp8SavedContext context{saved_gate_up.get(),
-                                shape.has_shared() ? saved_shared_gate_up.get() : nullptr};
+  const SavedContext context{saved_gate_up.get(),
+                             shape.has_shared() ? saved_shared_gate_up.get() : nullptr};
   // One step: the weights quantized (or cached), the forward, the backward; save mode (saved: the
   // context) or recompute mode (null).
-  const auto step = [&](bool quantize, const Fp8SavedContext* saved, const cudaEvent_t* marks) {
+  const auto step = [&](bool quantize, const SavedContext* saved, const cudaEvent_t* marks) {
     if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
     if (quantize) forward_layer.quantize_weights(weights, stream);
     forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream, nullptr, saved);
@@ -297,7 +298,7 @@ void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& co
     forward_layer.check(stream);
     layer.check(stream);
   };
-  const auto time_steps = [&](bool quantize, const Fp8SavedContext* saved) {
+  const auto time_steps = [&](bool quantize, const SavedContext* saved) {
     return time_pairs(
         spec, rank, stream, warm_up,
         [&](const cudaEvent_t* marks) { step(quantize, saved, marks); }, check);

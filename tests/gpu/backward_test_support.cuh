@@ -121,14 +121,11 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
     }
     const int64_t save_tokens = run.save ? tokens : 0;
     DeviceBuffer<bf16> y(static_cast<size_t>(save_tokens * hidden));
-    const int64_t saved_rows = fp8_forward != nullptr
-                                   ? fp8_forward->saved_context_rows()
-                                   : saved_context_rows(ep, save_tokens, shape.top_k, save_tokens);
-    DeviceBuffer<bf16> saved_gate_up(static_cast<size_t>(saved_rows * 2 * inter));
+    DeviceBuffer<bf16> saved_gate_up(static_cast<size_t>(
+        saved_context_rows(ep, save_tokens, shape.top_k, save_tokens) * 2 * inter));
     DeviceBuffer<bf16> saved_shared_gate_up(
         static_cast<size_t>(shared ? save_tokens * 2 * shared_inter : 0));
     const SavedContext saved{saved_gate_up.get(), shared ? saved_shared_gate_up.get() : nullptr};
-    const Fp8SavedContext fp8_saved{saved.gate_up, saved.shared_gate_up};
     auto prepare = [&] {  // poison every output (accumulate: start every gradient from a value)
       dx.poison();
       d_topk_w.poison();
@@ -158,7 +155,7 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
     auto enqueue = [&] {
       if (fp8_forward != nullptr) {
         fp8_forward->forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream,
-                             nullptr, &fp8_saved);
+                             nullptr, &saved);
       } else if (run.save) {
         forward->forward(weights, x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream,
                          nullptr, &saved);
@@ -166,7 +163,7 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
       if (fp8) {
         fp8_layer->backward(*fp8_weights, x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(),
                             d_topk_w.get(), grads, tokens, stream, nullptr,
-                            run.save ? &fp8_saved : nullptr);
+                            run.save ? &saved : nullptr);
       } else {
         bf16_layer->backward(weights, x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(),
                              d_topk_w.get(), grads, tokens, stream, nullptr,

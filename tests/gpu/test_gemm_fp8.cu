@@ -15,6 +15,7 @@
 //    kBlockSumTolerance below, and the test prints the measured worst case next to it.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -392,6 +393,27 @@ TEST_F(GroupedGemmFp8, SwiGluGateUpSumsAreTheBf16Forward) {
     EXPECT_TRUE(bitwise_equal(h_scales.download(), h_scales_alone.download()))
         << grid << ": h's scales changed";
   }
+  // With a row map (a layer's row_source): GEMM row r to row (rows - 1 - r), every third row to
+  // none; each mapped row holds its GEMM row's sums, every other row stays poisoned.
+  std::vector<int32_t> map(rows);
+  for (size_t r = 0; r < rows; ++r) map[r] = r % 3 == 2 ? -1 : static_cast<int32_t>(rows - 1 - r);
+  DeviceBuffer<int32_t> map_device(map);
+  DeviceBuffer<uint8_t> h(rows * inter);
+  DeviceBuffer<float> h_scales(rows * inter / kScaleBlock);
+  DeviceBuffer<bf16> mapped(rows * problem.n);
+  mapped.poison();
+  grouped_swiglu_fp8(shape, x_->get(), x_scales_->get(), w_->get(), w_scales_->get(),
+                     offsets_->get(), h.get(), h_scales.get(), nullptr, {}, {}, mapped.get(),
+                     map_device.get());
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16> got = mapped.download();
+  std::vector<bf16> want(got.size());
+  std::memset(want.data(), 0xff, want.size() * sizeof(bf16));  // DeviceBuffer::poison's bytes
+  for (size_t r = 0; r < rows; ++r) {
+    if (map[r] < 0 || is_poison(expected[r * problem.n])) continue;  // unmapped, or no expert's row
+    std::copy_n(expected.begin() + r * problem.n, problem.n, want.begin() + map[r] * problem.n);
+  }
+  EXPECT_TRUE(bitwise_equal(got, want)) << "the row map: rows differ from the mapped bf16 sums";
 }
 
 // Host stand-ins for the argument checks, which run before anything is launched (no GPU needed).

@@ -53,15 +53,16 @@ struct Fp8Epilogue {
   // A consumer covers rows 64 c .. 64 c + 63 and all columns of a full tile, rows 0-63 and
   // columns 128 c .. 128 c + 127 (piece c) of a half tile (is_half_tile). Rows past the group's end
   // and columns past N are never written. map_c: wgrad's bf16 C as a [groups, M, N] tensor map
-  // with (16, 64) boxes, or null. gate_up (kGateUp): where the gate/up sums go in bf16
-  // (Fp8GemmParams::gate_up).
+  // with (16, 64) boxes, or null. gate_up, gate_up_rows (kGateUp): where the gate/up sums go in
+  // bf16 (Fp8GemmParams::gate_up, gate_up_rows).
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging, float (&accum)[kNumAccumulators],
-                               const CUtensorMap* map_c = nullptr, void* gate_up = nullptr) {
+                               const CUtensorMap* map_c = nullptr, void* gate_up = nullptr,
+                               const int32_t* gate_up_rows = nullptr) {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     if constexpr (kEpilogue == EpilogueKind::kSwiGluFp8) {
-      store_swiglu_fp8(params, tile, consumer_idx, staging, accum, gate_up);
+      store_swiglu_fp8(params, tile, consumer_idx, staging, accum, gate_up, gate_up_rows);
       return;
     }
     const bool half = fp8_is_half_tile<kKind, kEpilogue>(tile);
@@ -105,7 +106,8 @@ struct Fp8Epilogue {
   // stores of whole rows. Rows past the group's end are not written.
   __device__ static void store_swiglu_fp8(const GroupedGemmParams& params, const GroupedTile& tile,
                                           int consumer_idx, uint8_t* staging,
-                                          float (&accum)[kNumAccumulators], void* gate_up) {
+                                          float (&accum)[kNumAccumulators], void* gate_up,
+                                          const int32_t* gate_up_rows) {
     constexpr int kHalf = kNumAccumulators / 2;     // gate accumulators: 32 per fragment row
     constexpr int kRowBytes = Config::BLOCK_N / 2;  // h columns of the tile, one byte each
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
@@ -117,9 +119,9 @@ struct Fp8Epilogue {
         tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M;
     const int scales_per_row = params.n / Config::BLOCK_N;
     if constexpr (kGateUp) {
-      store_gate_up(static_cast<char*>(gate_up) +
-                        (tile_first_row * params.n + tile.n_block * Config::BLOCK_N) * 2,
-                    int64_t{params.n} * 2, place.rows_valid, warp_first_row, warp_staging, accum);
+      store_gate_up(static_cast<char*>(gate_up) + tile.n_block * Config::BLOCK_N * 2,
+                    int64_t{params.n} * 2, gate_up_rows, tile_first_row, place.rows_valid,
+                    warp_first_row, warp_staging, accum);
     }
     swiglu_halves_in_place<kHalf>(accum);
     __syncwarp();  // the previous tile's rows have left the staging rows
@@ -165,10 +167,12 @@ struct Fp8Epilogue {
   // kSwiGluFp8's gate/up sums (gate_up): the consumer's 256 columns rounded to bf16, the gate
   // piece then the up piece, through the warp's staging rows as kStoreBf16 writes them (so the
   // same bytes), 128 columns at a time, so that one piece's pairs are live beside the accumulators
-  // the SwiGLU still needs. tile_base: the tile's row 0, column 0; rows from rows_valid on are not
-  // written.
-  __device__ static void store_gate_up(char* tile_base, int64_t row_stride, int rows_valid,
-                                       int warp_first_row, uint8_t* warp_staging,
+  // the SwiGLU still needs. columns_base: the tile's first column in gate_up's row 0; GEMM row r
+  // goes to row rows[r] (not stored when < 0), or r when rows is null; the tile's rows from
+  // rows_valid on are not stored.
+  __device__ static void store_gate_up(char* columns_base, int64_t row_stride, const int32_t* rows,
+                                       int64_t tile_first_row, int rows_valid, int warp_first_row,
+                                       uint8_t* warp_staging,
                                        const float (&accum)[kNumAccumulators]) {
     using Rows = WarpRows<Config::kPiece, /*kSwiGlu=*/false>;
     constexpr int kPieceAccumulators = kNumAccumulators / Config::kNumPieces;
@@ -182,7 +186,10 @@ struct Fp8Epilogue {
       Rows::write(warp_staging, packed, Config::kPiece, [&](int warp_row) -> char* {
         const int row = warp_first_row + warp_row;
         if (row >= rows_valid) return nullptr;
-        return tile_base + row * row_stride + first_column * 2;
+        const int64_t gemm_row = tile_first_row + row;
+        const int64_t destination = rows != nullptr ? rows[gemm_row] : gemm_row;
+        if (destination < 0) return nullptr;
+        return columns_base + destination * row_stride + first_column * 2;
       });
     }
   }

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
       Store::init(params.grouped, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
       Store::store(params.grouped, tile, consumer_idx, smem.staging, accum,
-                   Store::kBoxStores ? &map_c : nullptr, params.gate_up);
+                   Store::kBoxStores ? &map_c : nullptr, params.gate_up, params.gate_up_rows);
     }
     Store::drain();
   }

@@ -110,9 +110,11 @@ struct Fp8GemmParams {
   const float*
       b_scales;  // forward (num_groups, ceil(n / 128), k / 128); wgrad (n, capacity_rows / 128)
   int num_row_blocks = 0;  // wgrad: capacity_rows / 128, the scales' row stride
-  // kSwiGluFp8 in the kernel's kGateUp instance: the gate/up sums rounded to bf16 as well,
-  // (rows, N) in W's row order (kStoreBf16's bytes; a training forward's context for the backward).
+  // kSwiGluFp8 in the kernel's kGateUp instance: the gate/up sums rounded to bf16 as well, N
+  // columns in W's row order (kStoreBf16's bytes; a training forward's context for the backward),
+  // row r of the GEMM at gate_up row gate_up_rows[r] (< 0: not stored), or at row r when null.
   void* gate_up = nullptr;
+  const int32_t* gate_up_rows = nullptr;
 };
 
 // K-blocks of a tile: all of K (forward), or the group's rows in blocks of 128 (wgrad).

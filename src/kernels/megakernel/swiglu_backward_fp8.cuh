@@ -27,13 +27,17 @@
 namespace mok::megakernel {
 
 struct SwiGluBackwardFp8Rows {
-  const __nv_bfloat16* gate_up;  // (rows, 2I) bf16, gate/up interleaved in blocks of 128
-  const float* grad_hidden;      // (rows, I) fp32: g
-  float* d_gate_up;              // (rows, 2I) fp32: gate columns, then up columns
-  uint8_t* d_gate_up_codes;      // (rows, 2I) E4M3, 1 x 128 blocks of d_gate_up
-  float* d_gate_up_scales;       // (rows, 2I / 128)
-  float* weighted_hidden;        // (rows, I) fp32: w · h
-  int intermediate;              // I, a multiple of 128
+  // (rows, 2I) bf16, gate/up interleaved in blocks of 128: by expert row (recomputed), or (save
+  // mode, saved_by_source) a saved context's, by the row's source (t, j) of its rank (row_source's
+  // value), as SwiGluBackwardRows::gate_up.
+  const __nv_bfloat16* gate_up;
+  bool saved_by_source;
+  const float* grad_hidden;  // (rows, I) fp32: g
+  float* d_gate_up;          // (rows, 2I) fp32: gate columns, then up columns
+  uint8_t* d_gate_up_codes;  // (rows, 2I) E4M3, 1 x 128 blocks of d_gate_up
+  float* d_gate_up_scales;   // (rows, 2I / 128)
+  float* weighted_hidden;    // (rows, I) fp32: w · h
+  int intermediate;          // I, a multiple of 128
 };
 
 // Four values of each lane, one 128-value block across the warp, as E4M3 codes and the block's
@@ -48,12 +52,13 @@ __device__ __forceinline__ void quantize_warp_block(const float (&values)[4], ui
   if (lane == 0) quantize::store_scale<Format::kFp8>(scale, 0, amax);
 }
 
-// One row: returns Σ_i g_i · h_i (every lane the same value).
+// One row: returns Σ_i g_i · h_i (every lane the same value). gate_up_row: the row's index in
+// rows.gate_up.
 __device__ inline float swiglu_backward_fp8_row(const SwiGluBackwardFp8Rows& rows, int64_t row,
-                                                float weight, int lane) {
+                                                int64_t gate_up_row, float weight, int lane) {
   const int64_t inter = rows.intermediate;
   const int64_t blocks = inter / 128;
-  const __nv_bfloat16* gate_up = rows.gate_up + row * 2 * inter;
+  const __nv_bfloat16* gate_up = rows.gate_up + gate_up_row * 2 * inter;
   const float* grad_hidden = rows.grad_hidden + row * inter;
   float* d_gate_up = rows.d_gate_up + row * 2 * inter;
   uint8_t* codes = rows.d_gate_up_codes + row * 2 * inter;
@@ -112,8 +117,8 @@ __device__ inline float swiglu_backward_fp8_row(const SwiGluBackwardFp8Rows& row
 __device__ inline void swiglu_backward_fp8_routed(const comm::WorkspaceView& view,
                                                   const SwiGluBackwardFp8Rows& rows) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  for_each_routed_row(view, [&](int64_t row, int32_t /*packed*/, float weight) {
-    return swiglu_backward_fp8_row(rows, row, weight, lane);
+  for_each_routed_row(view, [&](int64_t row, int32_t packed, float weight) {
+    return swiglu_backward_fp8_row(rows, row, rows.saved_by_source ? packed : row, weight, lane);
   });
 }
 
@@ -121,7 +126,7 @@ __device__ inline void swiglu_backward_fp8_shared(const SwiGluBackwardFp8Rows& r
                                                   int64_t num_rows) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   for_each_shared_row(num_rows,
-                      [&](int64_t row) { swiglu_backward_fp8_row(rows, row, 1.0f, lane); });
+                      [&](int64_t row) { swiglu_backward_fp8_row(rows, row, row, 1.0f, lane); });
 }
 
 }  // namespace mok::megakernel
