@@ -118,8 +118,9 @@ struct ForwardCall {
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
-  // "bf16" or "fp8". fp8 keeps no saved context (its backward recomputes: saved_* must be null)
-  // and reads the weights from the workspace's fp8 weight cache (see Fp8 weight cache below).
+  // "bf16" or "fp8". fp8's saved context has bf16's rows (its sums in the fp8 weight cache's
+  // column order), and fp8 reads the weights from the workspace's fp8 weight cache (see Fp8
+  // weight cache below).
   std::string precision = "bf16";
   int64_t weights_version = -1;
 };

@@ -30,8 +30,8 @@ Precision (MoKConfig.precision, from the workspace's config or forward's and bac
              On CUDA its weights are quantized into a cache per workspace, which the forward and
              the backward both read, made anew whenever a call brings other weights or a weight
              changed in place (an optimizer step): a backward always differentiates the layer at
-             the weights passed to it, in an autograd step the forward's. Its autograd context is
-             always the inputs alone (recompute mode, whatever `context` says).
+             the weights passed to it, in an autograd step the forward's. On CPU tensors its
+             autograd context is the inputs alone (recompute mode, whatever `context` says).
     "mxfp8"  E4M3 with E8M0 scales per 1 x 32 (OCP MX); H, I and I_s multiples of 32. CPU only.
     The quantization points are listed in docs/quantize.md; inputs, outputs and gradients keep the
     dtypes above.
@@ -42,7 +42,8 @@ The autograd context, two modes with the same bits (forward's `context`):
                  backward reads them instead of computing them again.
     "recompute"  only the inputs are kept; the backward dispatches x again and recomputes them
                  (less memory, one gate/up GEMM more: for activation checkpointing).
-    The FP8 modes keep the inputs alone in either mode (their backward recomputes).
+    In fp8 on CUDA tensors the same (the sums of the FP8 gate/up GEMM rounded to bf16); mxfp8, and
+    fp8 on CPU tensors, keep the inputs alone in either mode (their backward recomputes).
 """
 
 from __future__ import annotations
@@ -355,8 +356,8 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     needs `workspace` (get_workspace with the group); without one a CUDA call is EP = 1 on an
     automatic workspace. Device faults (an expert id out of range) surface at check_errors().
     context: what autograd keeps for the backward, "save" or "recompute" (module docstring); a
-    call that autograd does not record keeps nothing; the FP8 modes keep the inputs alone either
-    way (recompute). config: the MoKConfig of a call without a workspace (its precision; a
+    call that autograd does not record keeps nothing; mxfp8, and fp8 on CPU tensors, keep the
+    inputs alone either way (recompute). config: the MoKConfig of a call without a workspace (its precision; a
     workspace brings its own). On CUDA tensors bf16 and fp8 run, forward and backward; mxfp8 raises
     NotImplementedError."""
     if context not in CONTEXTS:
@@ -368,9 +369,10 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     if workspace is not None:
         workspace.check(x, topk_idx, fused)
     handle = workspace.handle if workspace is not None else 0
-    # Save mode keeps the gate/up pre-activations for a bf16 backward; the FP8 modes have no such
-    # context (their backward recomputes, on CPU and CUDA alike): forward, recorded, keeps the inputs.
-    if context == "save" and records and precision == "bf16":
+    # Save mode keeps the gate/up pre-activations for the GPU backward in bf16 and fp8; the CPU
+    # backend's FP8 modes have no such context (their backward recomputes): forward, recorded, keeps
+    # the inputs.
+    if context == "save" and records and (precision == "bf16" or (precision == "fp8" and x.is_cuda)):
         return torch.ops.mok.forward_save(x, topk_idx, topk_w, *fused, handle, precision)[0]
     return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, handle, precision)
 

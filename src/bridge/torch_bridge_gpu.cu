@@ -339,15 +339,23 @@ LayerForwardFp8& fp8_layer_with_weights(Workspace& workspace, const DeviceWeight
   return *workspace.fp8;
 }
 
+// The context of save mode (SavedContext) a call gives, or null (recompute mode).
+const SavedContext* saved_context(const void* gate_up, const void* shared_gate_up,
+                                  SavedContext& storage) {
+  if (gate_up == nullptr) return nullptr;
+  storage = {static_cast<bf16*>(const_cast<void*>(gate_up)),
+             static_cast<bf16*>(const_cast<void*>(shared_gate_up))};
+  return &storage;
+}
+
 void forward_fp8(Workspace& workspace, const ForwardCall& call) {
-  MOK_CHECK_ARG(call.saved_gate_up == nullptr && call.saved_shared_gate_up == nullptr, "precision",
-                "fp8 keeps no saved context: its backward recomputes the gate/up activations "
-                "from x (recompute mode; pass no saved_gate_up)");
   const auto stream = static_cast<cudaStream_t>(call.stream);
   LayerForwardFp8& layer =
       fp8_layer_with_weights(workspace, call.weights, call.weights_version, stream);
+  SavedContext save;
   layer.forward(static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
-                static_cast<bf16*>(call.y), call.num_tokens, stream);
+                static_cast<bf16*>(call.y), call.num_tokens, stream, nullptr,
+                saved_context(call.saved_gate_up, call.saved_shared_gate_up, save));
 }
 
 // The layer's weight gradients as the call asks for them.
@@ -366,13 +374,10 @@ LayerBackwardOptions backward_options(const Workspace& workspace) {
   return options;
 }
 
-// The fp8 backward (LayerBackwardFp8, recompute mode) on the workspace's fp8 weight cache, made to
-// hold the call's weights first where it does not (the rule above ForwardCall).
+// The fp8 backward (LayerBackwardFp8, save mode with the call's context, else recompute mode) on
+// the workspace's fp8 weight cache, made to hold the call's weights first where it does not (the
+// rule above ForwardCall).
 void backward_fp8(Workspace& workspace, const BackwardCall& call) {
-  MOK_CHECK_ARG(call.saved_gate_up == nullptr && call.saved_shared_gate_up == nullptr,
-                "saved_gate_up",
-                "fp8 has no saved context: its backward recomputes the gate/up "
-                "activations from x (recompute mode; pass None)");
   const auto stream = static_cast<cudaStream_t>(call.stream);
   workspace.fp8_trains = true;
   const LayerForwardFp8& forward =
@@ -383,10 +388,12 @@ void backward_fp8(Workspace& workspace, const BackwardCall& call) {
     workspace.fp8_backward = std::make_unique<LayerBackwardFp8>(
         workspace.communicator, core_shape(workspace.shape), workspace.tokens_max, options);
   }
-  workspace.fp8_backward->backward(forward.weight_cache(), static_cast<const bf16*>(call.x),
-                                   call.topk_idx, call.topk_w, static_cast<const bf16*>(call.dy),
-                                   static_cast<bf16*>(call.dx), call.d_topk_w,
-                                   device_gradients(call), call.num_tokens, stream);
+  SavedContext saved;
+  workspace.fp8_backward->backward(
+      forward.weight_cache(), static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
+      static_cast<const bf16*>(call.dy), static_cast<bf16*>(call.dx), call.d_topk_w,
+      device_gradients(call), call.num_tokens, stream, nullptr,
+      saved_context(call.saved_gate_up, call.saved_shared_gate_up, saved));
 }
 
 // Runs an fp8 call; when it throws (after its weights may have been quantized into the cache),

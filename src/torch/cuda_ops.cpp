@@ -41,8 +41,8 @@ Tensor int32_ids(const Tensor& topk_idx) {
   return topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
 }
 
-// The GPU layer computes bf16 and fp8, forward and backward (fp8 in recompute mode: no saved
-// context); mxfp8 runs on CPU tensors only (the CPU backend).
+// The GPU layer computes bf16 and fp8, forward and backward (save or recompute mode); mxfp8 runs
+// on CPU tensors only (the CPU backend).
 void check_gpu_precision(c10::string_view precision) {
   const std::string name(precision.data(), precision.size());
   MOK_TORCH_CHECK(precision == "bf16" || precision == "fp8", "precision: ", name,
@@ -99,8 +99,8 @@ void remember_fp8_weights(int64_t workspace, int device, const bridge::Shape& sh
 using SaveResult = std::tuple<Tensor, Tensor, Tensor>;
 
 // The forward; save: also the context a save-mode backward reads (y, saved gate/up pre-activations
-// (rows, 2I), the shared expert's (T, 2I_s) or (0,)); otherwise those two are empty. fp8 keeps no
-// context (its backward recomputes, as the CPU backend's does): save or not, those two are empty.
+// (rows, 2I), the shared expert's (T, 2I_s) or (0,)), in bf16 and fp8 alike (fp8: the FP8 gate/up
+// GEMM's sums rounded to bf16, in its weight cache's column order); otherwise those two are empty.
 SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w,
                        const Tensor& w_gate_up, const Tensor& w_down,
                        const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
@@ -132,7 +132,7 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
       fp8_weights = fp8_weight_tensors(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
       call.weights_version = weights_version(fp8_weights);
     }
-    if (save && !fp8) {
+    if (save) {
       const int64_t rows = bridge::saved_context_rows(workspace, call);
       saved_gate_up = at::empty({rows, 2 * layer.shape.intermediate}, x.options());
       call.saved_gate_up = saved_gate_up.data_ptr();
@@ -178,8 +178,8 @@ const void* saved_data(const OptionalTensor& saved, const char* name, const Tens
 
 using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// mok's GPU backward: fresh weight gradients in the weights' layouts, fp32 or (bf16_grads) bf16.
-// fp8: recompute mode always (no saved context: forward_save keeps none in fp8), on the
+// mok's GPU backward: fresh weight gradients in the weights' layouts, fp32 or (bf16_grads) bf16;
+// save mode with a forward_save context of the same precision, else recompute mode. fp8: on the
 // workspace's fp8 weight cache, quantized anew from these weights where they are not the cache's.
 BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& topk_idx,
                              const Tensor& topk_w, const Tensor& w_gate_up, const Tensor& w_down,
@@ -229,21 +229,15 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
     call.precision = std::string(precision.data(), precision.size());
     std::vector<Tensor> fp8_weights;
     if (fp8) {
-      for (const OptionalTensor* saved : {&saved_gate_up, &saved_shared_gate_up}) {
-        MOK_TORCH_CHECK(!saved->has_value() || !(*saved)->defined() || (*saved)->numel() == 0,
-                        "saved_gate_up: fp8 keeps no saved context (its backward recomputes the "
-                        "gate/up activations from x); pass None");
-      }
       fp8_weights = fp8_weight_tensors(w_gate_up, w_down, w_shared_gate_up, w_shared_down);
       call.weights_version = weights_version(fp8_weights);
     }
     bridge::ForwardCall forward_call;  // (what its forward saved: the context's rows)
     forward_call.local_shape = layer.shape;
     forward_call.num_tokens = x.size(0);
-    call.saved_gate_up = fp8 ? nullptr
-                             : saved_data(saved_gate_up, "saved_gate_up", x,
-                                          {bridge::saved_context_rows(workspace, forward_call),
-                                           2 * layer.shape.intermediate});
+    call.saved_gate_up = saved_data(
+        saved_gate_up, "saved_gate_up", x,
+        {bridge::saved_context_rows(workspace, forward_call), 2 * layer.shape.intermediate});
     if (call.saved_gate_up != nullptr && shared) {
       call.saved_shared_gate_up = saved_data(saved_shared_gate_up, "saved_shared_gate_up", x,
                                              {x.size(0), 2 * layer.shape.shared_intermediate});
