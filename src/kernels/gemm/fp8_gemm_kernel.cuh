@@ -80,15 +80,37 @@ __global__ void __launch_bounds__(Fp8TileConfig::kNumThreads, 1)
     ptx::setmaxnreg_increase<kFp8ConsumerRegisters>();
     const int consumer_idx = warpgroup_index() - 1;
     float accum[Loop::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup, promoted
-    while (scheduler.next_tile(tile)) {
-      if (kClusterSize > 1 && fp8_is_empty_tile(tile)) {
-        Loop::skip(smem, params, tile, state);
-        continue;
+    // One piece's k-block sums. NOTE: no initial values: every group's first wgmma step ignores
+    // them (scale-d 0), and copies into these registers would make ptxas serialize the wgmma.
+    float partial[Loop::kPieceAccumulators];
+    if constexpr (Loop::kLookahead) {
+      // Each tile's first wgmma group runs while the previous tile's accumulators leave; the
+      // code between its issue and its wait has no branch (ptxas would wait at one).
+      if (scheduler.next_tile(tile)) {
+        Store::init(params.grouped, tile, consumer_idx, accum);
+        Loop::mma(smem, params, tile, consumer_idx, state, accum, partial, false);
+        GroupedTile next;
+        while (scheduler.next_tile(next)) {
+          const bool issued = Loop::issue_first(smem, params, next, consumer_idx, state, partial);
+          Store::store(params.grouped, tile, consumer_idx, smem.staging, accum, &map_c);
+          Store::init(params.grouped, next, consumer_idx, accum);
+          ptx::wgmma_wait_group<0>();
+          Loop::mma(smem, params, next, consumer_idx, state, accum, partial, issued);
+          tile = next;
+        }
+        Store::store(params.grouped, tile, consumer_idx, smem.staging, accum, &map_c);
       }
-      Store::init(params.grouped, tile, consumer_idx, accum);
-      Loop::mma(smem, params, tile, consumer_idx, state, accum);
-      Store::store(params.grouped, tile, consumer_idx, smem.staging, accum,
-                   Store::kBoxStores ? &map_c : nullptr, params.gate_up, params.gate_up_rows);
+    } else {
+      while (scheduler.next_tile(tile)) {
+        if (kClusterSize > 1 && fp8_is_empty_tile(tile)) {
+          Loop::skip(smem, params, tile, state);
+          continue;
+        }
+        Store::init(params.grouped, tile, consumer_idx, accum);
+        Loop::mma(smem, params, tile, consumer_idx, state, accum, partial, false);
+        Store::store(params.grouped, tile, consumer_idx, smem.staging, accum,
+                     Store::kBoxStores ? &map_c : nullptr, params.gate_up, params.gate_up_rows);
+      }
     }
     Store::drain();
   }

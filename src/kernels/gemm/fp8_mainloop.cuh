@@ -133,19 +133,55 @@ struct Fp8Mainloop {
     }
   }
 
+  using Mma = ptx::WgmmaFp8<Config::kPiece>;
+  static constexpr int kPieceAccumulators = Mma::kNumAccumulators;  // (64, kPiece) fragment
+
+  // The wgrad with bf16 gradients (tile stores, no branch) issues a tile's first wgmma group
+  // (k-block 0, piece 0) before the previous tile's epilogue (issue_first), so that the tensor
+  // cores work while the consumers store: its tiles are a few k-blocks long, and the epilogue is
+  // a large share of each. The partial sums then live across the epilogue, in the caller's
+  // registers. (The fp32 epilogues branch per element: ptxas would wait for the group there.)
+  static constexpr bool kLookahead = kWgrad && Layout::kEpilogue == EpilogueKind::kStoreBf16;
+
   // Consumer side: adds this warpgroup's (64, BLOCK_N) slice of the tile to `accum`; in a half
   // tile (fp8_is_half_tile), rows 0-63 of column piece consumer_idx into accum[0, 64).
+  // first_issued: issue_first has issued the tile's first group into `partial`, and the caller
+  // has waited for it (wgmma_wait_group) after its own work.
   __device__ static void mma(const Storage& smem, const Fp8GemmParams& params,
                              const GroupedTile& tile, int consumer_idx, State& state,
-                             float (&accum)[kNumAccumulators]) {
+                             float (&accum)[kNumAccumulators], float (&partial)[kPieceAccumulators],
+                             bool first_issued) {
     if (fp8_is_half_tile<kKind, Layout::kEpilogue>(tile)) {
       // NOTE: the first piece's fragment is the first 64 accumulators of the whole slice's
       // (fragment.cuh), whichever piece of B it multiplies.
       mma_k_blocks<1>(smem, params, tile, 0, consumer_idx, 0, state,
-                      reinterpret_cast<float(&)[kPieceAccumulators]>(accum));
+                      reinterpret_cast<float(&)[kPieceAccumulators]>(accum), partial, false);
     } else {
       mma_k_blocks<Config::kNumPieces>(smem, params, tile, consumer_idx * (Config::kABytes / 2), 0,
-                                       consumer_idx * 64, state, accum);
+                                       consumer_idx * 64, state, accum, partial, first_issued);
+    }
+  }
+
+  // kLookahead: waits for the tile's first stage and issues its first wgmma group (piece 0 of
+  // k-block 0, masked as mma would) into `partial`, without waiting for it; the caller waits,
+  // then mma goes on from there. The stage stays at `state` (mma advances it). False when there is
+  // nothing to issue.
+  __device__ static bool issue_first(const Storage& smem, const Fp8GemmParams& params,
+                                     const GroupedTile& tile, int consumer_idx, const State& state,
+                                     float (&partial)[kPieceAccumulators]) {
+    if constexpr (!kLookahead) {
+      return false;
+    } else {
+      if (fp8_num_k_blocks<kKind>(params, tile.row_count) == 0) return false;
+      fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      const int k_steps = prepare_k_block(smem, tile, 0, state.index);
+      const uint32_t a_base =
+          ptx::smem_address(smem.a_stage(state.index)) + consumer_idx * (Config::kABytes / 2);
+      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index));
+#pragma unroll
+      for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
+      issue_wgrad_steps(k_steps, a_base, b_base, partial);
+      return true;
     }
   }
 
@@ -163,8 +199,6 @@ struct Fp8Mainloop {
   }
 
  private:
-  using Mma = ptx::WgmmaFp8<Config::kPiece>;
-  static constexpr int kPieceAccumulators = Mma::kNumAccumulators;  // (64, kPiece) fragment
   static constexpr int kNumConsumerThreads = Config::kNumConsumerWarpgroups * kWarpgroupThreads;
 
   // One forward stage: A rows of the tile (k-block along the in features), B rows of the group's
@@ -300,80 +334,117 @@ struct Fp8Mainloop {
 
   // The k-loop of one tile over kPieces pieces of 128 columns, from piece first_piece of B on: A
   // read from a_offset into each stage, this warpgroup's rows starting at tile row first_row.
+  // The wgmma steps (32 along K) of a k-block: all of them, or in the wgrad's group's last,
+  // partial block only those over its rows (the steps past them would multiply zeros), with
+  // that block's tail masked first when `mask`.
+  __device__ static int prepare_k_block(const Storage& smem, const GroupedTile& tile, int k_block,
+                                        int stage, bool mask = true) {
+    if constexpr (kWgrad) {
+      const int rows_valid = tile.row_count - k_block * Config::BLOCK_K;
+      if (rows_valid < Config::BLOCK_K) {
+        const int k_steps = ceil_div(rows_valid, 32);
+        if (mask) mask_group_tail(smem, stage, rows_valid, 2 * k_steps);
+        return k_steps;
+      }
+    }
+    return kKSteps;
+  }
+
+  // One piece's wgmma group of k_steps steps into a fresh `partial`.
+  // NOTE: one whole unrolled sequence per step count, chosen before the first wgmma: a condition
+  // on each wgmma made ptxas serialize them (perf-notes/backward.md v7).
+  __device__ static void issue_wgrad_steps(int k_steps, uint32_t a_base, uint32_t b_base,
+                                           float (&partial)[kPieceAccumulators]) {
+    switch (k_steps) {
+      case 1:
+        issue_k_steps<1>(a_base, b_base, partial);
+        break;
+      case 2:
+        issue_k_steps<2>(a_base, b_base, partial);
+        break;
+      case 3:
+        issue_k_steps<3>(a_base, b_base, partial);
+        break;
+      default:
+        issue_k_steps<kKSteps>(a_base, b_base, partial);
+        break;
+    }
+  }
+
+  // partial: one piece's k-block sums, (64, kPiece) fragment; first_issued: piece 0 of k-block 0
+  // was issued into it (issue_first) and has completed (wgmma_wait_group).
   template <int kPieces>
   __device__ static void mma_k_blocks(const Storage& smem, const Fp8GemmParams& params,
                                       const GroupedTile& tile, uint32_t a_offset, int first_piece,
                                       int first_row, State& state,
-                                      float (&accum)[kPieces * kPieceAccumulators]) {
+                                      float (&accum)[kPieces * kPieceAccumulators],
+                                      float (&partial)[kPieceAccumulators], bool first_issued) {
+    const int num_k_blocks = fp8_num_k_blocks<kKind>(params, tile.row_count);
+    int k_block = 0;
+    if constexpr (kLookahead) {
+      if (first_issued) {
+        k_block_pieces<kPieces, true>(smem, tile, k_block, a_offset, first_piece, first_row, state,
+                                      accum, partial);
+        k_block = 1;
+      }
+    }
+    for (; k_block < num_k_blocks; ++k_block) {
+      fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      k_block_pieces<kPieces, false>(smem, tile, k_block, a_offset, first_piece, first_row, state,
+                                     accum, partial);
+    }
+  }
+
+  // One k-block of a tile (its stage full): each piece's wgmma group, waited for and promoted; the
+  // stage handed back and the ring advanced. kFirstIssued: piece 0's group is in `partial` already
+  // (issue_first, which masked the block's tail too).
+  // NOTE: which groups are issued is fixed at compile time: a branch around a group between its
+  // issue and its wait (or a select on `partial` there) makes ptxas serialize every wgmma (C7515).
+  template <int kPieces, bool kFirstIssued>
+  __device__ static void k_block_pieces(const Storage& smem, const GroupedTile& tile, int k_block,
+                                        uint32_t a_offset, int first_piece, int first_row,
+                                        State& state, float (&accum)[kPieces * kPieceAccumulators],
+                                        float (&partial)[kPieceAccumulators]) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int row = first_row + warp_in_group * 16 + lane_idx / 4;  // and row + 8
-    const int num_k_blocks = fp8_num_k_blocks<kKind>(params, tile.row_count);
-    float partial[kPieceAccumulators];  // one piece's k-block sums, (64, kPiece) fragment
+    const int k_steps = prepare_k_block(smem, tile, k_block, state.index, !kFirstIssued);
+    const float a_scale_low = smem.scale_a_stage(state.index)[row];
+    const float a_scale_high = smem.scale_a_stage(state.index)[row + 8];
+    const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
 #pragma unroll
-    for (int i = 0; i < kPieceAccumulators; ++i) partial[i] = 0.0f;
-    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      fp8_pipeline_wait(&smem.full[state.index], state.phase);
-      int k_steps = kKSteps;  // wgmma steps of 32 along K
-      if constexpr (kWgrad) {
-        const int rows_valid = tile.row_count - k_block * Config::BLOCK_K;
-        if (rows_valid < Config::BLOCK_K) {
-          // A group's last, partial block: the steps past its rows would multiply zeros.
-          k_steps = ceil_div(rows_valid, 32);
-          mask_group_tail(smem, state.index, rows_valid, 2 * k_steps);
-        }
-      }
-      const float a_scale_low = smem.scale_a_stage(state.index)[row];
-      const float a_scale_high = smem.scale_a_stage(state.index)[row + 8];
-      const uint32_t a_base = ptx::smem_address(smem.a_stage(state.index)) + a_offset;
-#pragma unroll
-      for (int piece = 0; piece < kPieces; ++piece) {
-        // Forward: one B scale per piece; the wgrad reads its column scales when promoting.
-        const float b_scale = kWgrad ? 0.0f : smem.scale_b_stage(state.index)[first_piece + piece];
-        const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) +
-                                (first_piece + piece) * Config::kPieceBytes;
+    for (int piece = 0; piece < kPieces; ++piece) {
+      // Forward: one B scale per piece; the wgrad reads its column scales when promoting.
+      const float b_scale = kWgrad ? 0.0f : smem.scale_b_stage(state.index)[first_piece + piece];
+      const uint32_t b_base = ptx::smem_address(smem.b_stage(state.index)) +
+                              (first_piece + piece) * Config::kPieceBytes;
+      if (!kFirstIssued || piece > 0) {
 #pragma unroll
         for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
         if constexpr (kWgrad) {
-          // NOTE: one whole unrolled sequence per step count, chosen before the first wgmma: a
-          // condition on each wgmma made ptxas serialize them (perf-notes/backward.md v7).
-          switch (k_steps) {
-            case 1:
-              issue_k_steps<1>(a_base, b_base, partial);
-              break;
-            case 2:
-              issue_k_steps<2>(a_base, b_base, partial);
-              break;
-            case 3:
-              issue_k_steps<3>(a_base, b_base, partial);
-              break;
-            default:
-              issue_k_steps<kKSteps>(a_base, b_base, partial);
-              break;
-          }
+          issue_wgrad_steps(k_steps, a_base, b_base, partial);
         } else {
           issue_k_steps<kKSteps>(a_base, b_base, partial);
         }
         ptx::wgmma_wait_group<0>();
-#pragma unroll
-        for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
-        float* piece_accum = accum + piece * kPieceAccumulators;
-        if constexpr (kWgrad) {
-          // One scale per element, read from the stage: the stage goes back after the last
-          // piece's promotion.
-          promote_per_column(
-              smem.scale_b_stage(state.index) + (first_piece + piece) * Config::kPiece, lane_idx,
-              a_scale_low, a_scale_high, partial, piece_accum);
-          if (piece == kPieces - 1) release_stage(smem, state.index, lane_idx);
-        } else {
-          // The stage's tiles and scales have been read: hand it back before promoting.
-          if (piece == kPieces - 1) release_stage(smem, state.index, lane_idx);
-          promote(__fmul_rn(a_scale_low, b_scale), __fmul_rn(a_scale_high, b_scale), partial,
-                  piece_accum);
-        }
       }
-      state.advance();
+#pragma unroll
+      for (int i = 0; i < kPieceAccumulators; ++i) ptx::fence_operand(partial[i]);
+      float* piece_accum = accum + piece * kPieceAccumulators;
+      if constexpr (kWgrad) {
+        // One scale per element, read from the stage: the stage goes back after the last
+        // piece's promotion.
+        promote_per_column(smem.scale_b_stage(state.index) + (first_piece + piece) * Config::kPiece,
+                           lane_idx, a_scale_low, a_scale_high, partial, piece_accum);
+        if (piece == kPieces - 1) release_stage(smem, state.index, lane_idx);
+      } else {
+        // The stage's tiles and scales have been read: hand it back before promoting.
+        if (piece == kPieces - 1) release_stage(smem, state.index, lane_idx);
+        promote(__fmul_rn(a_scale_low, b_scale), __fmul_rn(a_scale_high, b_scale), partial,
+                piece_accum);
+      }
     }
+    state.advance();
   }
 
   static constexpr int kKSteps = Config::BLOCK_K / 32;  // wgmma steps of a whole k-block

@@ -48,7 +48,8 @@ struct WarpBoxes {
 #pragma unroll
     for (int box = 0; box < kBoxes; ++box) {
       uint8_t* staging = warp_staging + (box % 2) * kBoxBytes;
-      if (lane_idx == 0) ptx::bulk_wait_group_read<1>();  // the store of box - 2 has read it
+      // The store of box - 2 has read it (lane 0's; the other lanes have no bulk groups).
+      ptx::bulk_wait_group_read<1>();
       __syncwarp();
 #pragma unroll
       for (int vector = 0; vector < kBoxVectors; ++vector) {
@@ -62,10 +63,9 @@ struct WarpBoxes {
       }
       ptx::fence_proxy_async_shared();  // the stores above, before the TMA unit reads them
       __syncwarp();
-      if (lane_idx == 0) {
-        ptx::tma_store_3d(map, staging, column + box * kBoxColumns, row, group);
-        ptx::bulk_commit_group();
-      }
+      // (no branch: the FP8 wgrad's next wgmma group is in flight here, Fp8Mainloop::kLookahead)
+      ptx::tma_store_3d_commit_if(lane_idx == 0, map, staging, column + box * kBoxColumns, row,
+                                  group);
     }
   }
 

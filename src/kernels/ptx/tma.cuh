@@ -81,6 +81,20 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, cons
       : "memory");
 }
 
+// tma_store_3d and its commit_group when `issue`, as one predicated sequence: no branch, so that
+// a warpgroup's wgmma may stay in flight across it (ptxas waits for them before a divergent one).
+__device__ __forceinline__ void tma_store_3d_commit_if(bool issue, const CUtensorMap* tensor_map,
+                                                       const void* source, int32_t inner,
+                                                       int32_t middle, int32_t outer) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+      "@p cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n\t"
+      "@p cp.async.bulk.commit_group;\n\t}" ::"l"(reinterpret_cast<uint64_t>(tensor_map)),
+      "r"(smem_address(source)), "r"(inner), "r"(middle), "r"(outer),
+      "r"(static_cast<uint32_t>(issue))
+      : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
