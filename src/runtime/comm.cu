@@ -1,6 +1,7 @@
 #include "runtime/comm.hpp"
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <map>
@@ -253,9 +254,26 @@ void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn) {
     });
   }
   for (std::thread& thread : threads) thread.join();
-  for (const std::exception_ptr& error : errors) {
-    if (error) std::rethrow_exception(error);
+  // The first failure is rethrown; the other ranks' go to stderr first: when one rank stalls, its
+  // own error (not its peers' timeouts waiting for it) says where.
+  int first = -1;
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    const std::exception_ptr& error = errors[static_cast<size_t>(rank)];
+    if (!error) continue;
+    if (first < 0) {
+      first = rank;
+      continue;
+    }
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& other) {
+      std::fprintf(stderr, "mok: rank %d of %d failed too: %s\n", rank, num_ranks, other.what());
+    } catch (...) {
+      std::fprintf(stderr, "mok: rank %d of %d failed too (not a std::exception)\n", rank,
+                   num_ranks);
+    }
   }
+  if (first >= 0) std::rethrow_exception(errors[static_cast<size_t>(first)]);
 }
 
 }  // namespace mok

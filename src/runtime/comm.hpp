@@ -84,7 +84,7 @@ const std::vector<Communicator>& local_communicators(int ep);
 const std::vector<Communicator>& emulated_communicators(int ep);
 
 // Runs fn(rank) for rank = 0..num_ranks-1 on one host thread each, joins them, and rethrows the
-// first exception (in rank order).
+// first exception (in rank order), after writing the other ranks' failures to stderr.
 void for_each_rank(int num_ranks, const std::function<void(int rank)>& fn);
 
 namespace detail {

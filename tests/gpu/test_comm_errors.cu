@@ -22,6 +22,25 @@ Problem small_problem() {
   return Problem::generate(spec);
 }
 
+// (host only) A stalled rank's own error is not hidden behind its peers' timeouts: the first
+// failure is rethrown as it was, every other one is written to stderr.
+TEST(ForEachRank, RethrowsTheFirstFailureAndReportsTheOthers) {
+  ::testing::internal::CaptureStderr();
+  std::string thrown;
+  try {
+    for_each_rank(4, [](int rank) {
+      if (rank == 1 || rank == 3) throw Error("test", "rank " + std::to_string(rank) + " stalled");
+    });
+  } catch (const Error& error) {
+    thrown = error.what();
+  }
+  const std::string reported = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(thrown, "test: rank 1 stalled");
+  EXPECT_NE(reported.find("rank 3 of 4 failed too: test: rank 3 stalled"), std::string::npos)
+      << reported;
+  EXPECT_EQ(reported.find("rank 1 stalled"), std::string::npos) << reported;
+}
+
 TEST(CommErrors, ExpertIdOutOfRangeBecomesHostError) {
   MOK_REQUIRE_GPUS(2);
   const Problem problem = small_problem();
