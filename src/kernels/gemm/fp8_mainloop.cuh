@@ -332,8 +332,6 @@ struct Fp8Mainloop {
     ptx::named_barrier_sync<static_cast<uint32_t>(NamedBarrier::kConsumers), kNumConsumerThreads>();
   }
 
-  // The k-loop of one tile over kPieces pieces of 128 columns, from piece first_piece of B on: A
-  // read from a_offset into each stage, this warpgroup's rows starting at tile row first_row.
   // The wgmma steps (32 along K) of a k-block: all of them, or in the wgrad's group's last,
   // partial block only those over its rows (the steps past them would multiply zeros), with
   // that block's tail masked first when `mask`.
@@ -371,6 +369,8 @@ struct Fp8Mainloop {
     }
   }
 
+  // The k-loop of one tile over kPieces pieces of 128 columns, from piece first_piece of B on: A
+  // read from a_offset into each stage, this warpgroup's rows starting at tile row first_row.
   // partial: one piece's k-block sums, (64, kPiece) fragment; first_issued: piece 0 of k-block 0
   // was issued into it (issue_first) and has completed (wgmma_wait_group).
   template <int kPieces>
