@@ -339,7 +339,8 @@ LayerForwardFp8& fp8_layer_with_weights(Workspace& workspace, const DeviceWeight
   return *workspace.fp8;
 }
 
-// The context of save mode (SavedContext) a call gives, or null (recompute mode).
+// The context of save mode (SavedContext) a call gives, or null (recompute mode). (const only in
+// a backward call: the backward reads the context)
 const SavedContext* saved_context(const void* gate_up, const void* shared_gate_up,
                                   SavedContext& storage) {
   if (gate_up == nullptr) return nullptr;
@@ -424,13 +425,12 @@ void forward(int64_t handle, const ForwardCall& call) {
       with_fp8_cache_forgotten_on_error(*workspace, [&] { forward_fp8(*workspace, call); });
       return;
     }
-    const SavedContext save{static_cast<bf16*>(call.saved_gate_up),
-                            static_cast<bf16*>(call.saved_shared_gate_up)};
+    SavedContext save;
     workspace->layer->forward(device_weights(*workspace->layer, call.weights),
                               static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
                               static_cast<bf16*>(call.y), call.num_tokens,
                               static_cast<cudaStream_t>(call.stream), nullptr,
-                              call.saved_gate_up != nullptr ? &save : nullptr);
+                              saved_context(call.saved_gate_up, call.saved_shared_gate_up, save));
   });
 }
 
@@ -468,15 +468,12 @@ void backward(int64_t handle, const BackwardCall& call) {
                                           workspace->tokens_max, backward_options(*workspace));
     }
     const DeviceLayerGradients grads = device_gradients(call);
-    // (const only in the call: the backward reads the context)
-    const SavedContext saved{
-        const_cast<bf16*>(static_cast<const bf16*>(call.saved_gate_up)),
-        const_cast<bf16*>(static_cast<const bf16*>(call.saved_shared_gate_up))};
+    SavedContext saved;
     workspace->backward->backward(
         device_weights(*workspace->layer, call.weights), static_cast<const bf16*>(call.x),
         call.topk_idx, call.topk_w, static_cast<const bf16*>(call.dy), static_cast<bf16*>(call.dx),
         call.d_topk_w, grads, call.num_tokens, static_cast<cudaStream_t>(call.stream), nullptr,
-        call.saved_gate_up != nullptr ? &saved : nullptr);
+        saved_context(call.saved_gate_up, call.saved_shared_gate_up, saved));
   });
 }
 

@@ -321,11 +321,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   MOK_CHECK_ARG(
       !shape_.has_shared() || (weights.shared_gate_up != nullptr && weights.shared_down != nullptr),
       "weights", "null shared expert weights (I_s = ", shape_.shared_intermediate, ")");
-  if (saved != nullptr && num_tokens > 0) {
-    MOK_CHECK_ARG(saved->gate_up != nullptr, "saved.gate_up", "null pre-activation buffer");
-    MOK_CHECK_ARG(!shape_.has_shared() || saved->shared_gate_up != nullptr, "saved.shared_gate_up",
-                  "null shared pre-activation buffer (I_s = ", shape_.shared_intermediate, ")");
-  }
+  check_saved_context(shape_, num_tokens, saved, "saved");
   if (saved == nullptr) allocate_recompute_buffers();
   const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
   const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;

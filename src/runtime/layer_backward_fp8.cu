@@ -297,11 +297,7 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
       " with the transposed layout");
   check_backward_arguments(shape_, tokens_max_, num_tokens, x, topk_idx, topk_w, dy, dx, d_topk_w,
                            grads);
-  if (saved != nullptr && num_tokens > 0) {
-    MOK_CHECK_ARG(saved->gate_up != nullptr, "saved->gate_up", "is null");
-    MOK_CHECK_ARG(!shape_.has_shared() || saved->shared_gate_up != nullptr, "saved->shared_gate_up",
-                  "is null (the layer has a shared expert)");
-  }
+  check_saved_context(shape_, num_tokens, saved, "saved");
   const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
   const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);

@@ -222,12 +222,8 @@ void LayerForward::forward(const DeviceLayerWeights& weights, const bf16* x,
   if (save != nullptr) {
     MOK_CHECK_ARG(options_.fused.enabled, "save",
                   "save mode runs on the fused forward; the unfused composition keeps nothing");
-    MOK_CHECK_ARG(num_tokens == 0 || save->gate_up != nullptr, "save.gate_up",
-                  "null pre-activation buffer");
-    MOK_CHECK_ARG(num_tokens == 0 || !shape_.has_shared() || save->shared_gate_up != nullptr,
-                  "save.shared_gate_up",
-                  "null shared pre-activation buffer (I_s = ", shape_.shared_intermediate, ")");
   }
+  check_saved_context(shape_, num_tokens, save, "save");
   check_forward_arguments(num_tokens, tokens_max_, x, topk_idx, topk_w, y);
   int recorded = 0;
   const std::function<void()> phase_done = [&] {
@@ -283,6 +279,16 @@ void check_forward_arguments(int64_t num_tokens, int64_t tokens_max, const void*
   MOK_CHECK_ARG(
       num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr && y != nullptr),
       "forward", "null x, topk_idx, topk_w or y for ", num_tokens, " tokens");
+}
+
+void check_saved_context(const LayerShape& shape, int64_t num_tokens, const SavedContext* context,
+                         const char* name) {
+  if (context == nullptr || num_tokens == 0) return;
+  const std::string prefix(name);
+  MOK_CHECK_ARG(context->gate_up != nullptr, prefix + ".gate_up", "null pre-activation buffer");
+  MOK_CHECK_ARG(!shape.has_shared() || context->shared_gate_up != nullptr,
+                prefix + ".shared_gate_up",
+                "null shared pre-activation buffer (I_s = ", shape.shared_intermediate, ")");
 }
 
 int64_t saved_context_rows(int num_ranks, int64_t tokens_max, int64_t top_k, int64_t num_tokens) {

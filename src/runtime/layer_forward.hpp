@@ -96,6 +96,10 @@ struct SavedContext {
 // Rows of SavedContext::gate_up for a call of num_tokens tokens on one of num_ranks ranks: at
 // EP 1, num_tokens * k (every row is this rank's own); at EP > 1, R * T_max * k.
 int64_t saved_context_rows(int num_ranks, int64_t tokens_max, int64_t top_k, int64_t num_tokens);
+// Throws mok::Error naming `name`.gate_up or `name`.shared_gate_up when a call of num_tokens > 0
+// tokens passes a context (context non-null) without a buffer the shape needs.
+void check_saved_context(const LayerShape& shape, int64_t num_tokens, const SavedContext* context,
+                         const char* name);
 
 // The steps of one forward, for a per-phase timing breakdown. The unfused path runs kSchedule to
 // kCombineReduce but kFused; the fused one kSchedule, kFused, kCombineReduce (the phases a path

@@ -144,10 +144,8 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
     MOK_CHECK_ARG(swiglu_ == Fp8SwiGlu::kInGemm, "save",
                   "save mode keeps the gate/up GEMM's sums from its epilogue: it needs "
                   "Fp8SwiGlu::kInGemm");
-    MOK_CHECK_ARG(save->gate_up != nullptr, "save->gate_up", "is null");
-    MOK_CHECK_ARG(!shape_.has_shared() || save->shared_gate_up != nullptr, "save->shared_gate_up",
-                  "is null (the layer has a shared expert)");
   }
+  check_saved_context(shape_, num_tokens, save, "save");
   int recorded = 0;
   const std::function<void()> phase_done = [&] {
     if (phase_events != nullptr) MOK_CUDA_CHECK(cudaEventRecord(phase_events[recorded++], stream));

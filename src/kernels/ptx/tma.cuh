@@ -69,20 +69,11 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* destination,
       : "memory");
 }
 
-// Shared -> global: the box at (inner, middle, outer) element coordinates, from `source` (laid out
-// as the map's box, with its swizzle), in this thread's current bulk async-group. The writes of
-// the generic proxy to `source` must be fenced (fence_proxy_async_shared) before.
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, const void* source,
-                                             int32_t inner, int32_t middle, int32_t outer) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-          reinterpret_cast<uint64_t>(tensor_map)),
-      "r"(smem_address(source)), "r"(inner), "r"(middle), "r"(outer)
-      : "memory");
-}
-
-// tma_store_3d and its commit_group when `issue`, as one predicated sequence: no branch, so that
-// a warpgroup's wgmma may stay in flight across it (ptxas waits for them before a divergent one).
+// Shared -> global when `issue`: the box at (inner, middle, outer) element coordinates, from
+// `source` (laid out as the map's box, with its swizzle), then commits this thread's bulk
+// async-group. The writes of the generic proxy to `source` must be fenced
+// (fence_proxy_async_shared) before. One predicated sequence, no branch, so that a warpgroup's
+// wgmma may stay in flight across it (ptxas waits for them before a divergent one).
 __device__ __forceinline__ void tma_store_3d_commit_if(bool issue, const CUtensorMap* tensor_map,
                                                        const void* source, int32_t inner,
                                                        int32_t middle, int32_t outer) {
@@ -93,10 +84,6 @@ __device__ __forceinline__ void tma_store_3d_commit_if(bool issue, const CUtenso
       "r"(smem_address(source)), "r"(inner), "r"(middle), "r"(outer),
       "r"(static_cast<uint32_t>(issue))
       : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit_group() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
 // Until at most kPending of this thread's bulk groups still read their shared source.
