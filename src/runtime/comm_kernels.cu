@@ -38,6 +38,30 @@ __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
 }
 
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
+    dispatch_fp8_kernel(comm::WorkspaceView view, comm::Fp8RowsOut out) {
+  comm::dispatch_pull_fp8(view, out);
+}
+
+// Token t's packed row into its x slot: H E4M3 bytes, then H / 128 scales.
+__global__ void stage_fp8_tokens_kernel(comm::WorkspaceView view, const uint8_t* data,
+                                        const float* scales, int64_t num_tokens) {
+  const int64_t hidden = view.layout.hidden;
+  const int64_t num_scales = hidden / 128;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps_per_cta = blockDim.x / 32;
+  for (int64_t token = blockIdx.x * warps_per_cta + threadIdx.x / 32; token < num_tokens;
+       token += gridDim.x * warps_per_cta) {
+    char* slot = view.x_row(view.rank, token);
+    comm::copy_row_warp<comm::RowLoad::kReadOnly>(
+        reinterpret_cast<const char*>(data + token * hidden), slot, hidden, lane);
+    float* slot_scales = reinterpret_cast<float*>(slot + hidden);
+    for (int64_t i = lane; i < num_scales; i += 32) {
+      slot_scales[i] = scales[token * num_scales + i];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
     combine_push_kernel(comm::WorkspaceView view) {
   comm::combine_push(view);
 }
@@ -86,6 +110,21 @@ void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStre
                                  cudaMemcpyDeviceToDevice, stream));
 }
 
+void stage_fp8_tokens(CommWorkspace& ws, const uint8_t* data, const float* scales,
+                      int64_t num_tokens, cudaStream_t stream) {
+  check_num_tokens(ws, num_tokens);
+  MOK_CHECK_ARG(num_tokens == 0 || (data != nullptr && scales != nullptr), "data",
+                "null pointer for ", num_tokens, " tokens");
+  MOK_CHECK_ARG(ws.layout().hidden % 128 == 0, "workspace",
+                "fp8 rows need H a multiple of 128, got ", ws.layout().hidden);
+  if (num_tokens == 0) return;
+  constexpr int kThreads = 256;
+  const int ctas = static_cast<int>(std::clamp<int64_t>(
+      ceil_div(num_tokens, int64_t{kThreads / 32}), 1, 4 * int64_t{ws.num_sms()}));
+  stage_fp8_tokens_kernel<<<ctas, kThreads, 0, stream>>>(ws.view(), data, scales, num_tokens);
+  MOK_CUDA_CHECK_LAUNCH();
+}
+
 void begin_call(CommWorkspace& ws, cudaStream_t stream) {
   begin_call_kernel<<<1, 256, 0, stream>>>(ws.view());
   MOK_CUDA_CHECK_LAUNCH();
@@ -126,6 +165,21 @@ void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
   } else {
     launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kX>);
   }
+}
+
+void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream, uint8_t* data,
+                  float* scales) {
+  MOK_CHECK_ARG(data != nullptr && scales != nullptr, "data", "null destination");
+  MOK_CHECK_ARG(ws.layout().hidden % 128 == 0, "workspace",
+                "fp8 rows need H a multiple of 128, got ", ws.layout().hidden);
+  const int num_ctas = resolve_ctas(ws, config);
+  MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
+                    config.threads_per_cta % 32 == 0,
+                "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
+                "], got ", config.threads_per_cta);
+  dispatch_fp8_kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(
+      ws.view(), comm::Fp8RowsOut{data, scales});
+  MOK_CUDA_CHECK_LAUNCH();
 }
 
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {

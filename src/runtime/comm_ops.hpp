@@ -2,9 +2,9 @@
 // no host synchronisation (so the whole sequence can be captured in a CUDA graph). Every rank
 // enqueues the same sequence; the kernels meet through flags in the windows.
 //
-//   x written to ws.x()  (or stage_tokens)
+//   x written to ws.x()  (or stage_tokens; fp8: stage_fp8_tokens)
 //   schedule            all-gather topk_idx, order each local expert's rows
-//   dispatch            pull the rows into ws.expert_x()
+//   dispatch            pull the rows into ws.expert_x() (fp8: dispatch_fp8, into E4M3 rows)
 //   ... the experts compute ws.expert_y() from ws.expert_x() ...
 //   combine_push        push every output row to its owner's slot
 //   combine_reduce      the owner's fixed-order weighted sum, + shared output, -> y (bf16)
@@ -30,6 +30,11 @@ struct CopyConfig {
 // x (T, H) bf16 on this device -> ws.x().
 void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStream_t stream);
 
+// The fp8 forward's tokens: x (T, H) quantized 1 x 128 along H (data (T, H) E4M3, scales (T, H /
+// 128) fp32) -> ws.x() as packed rows, H bytes then H / 128 scales in each row's 2H (dispatch_fp8).
+void stage_fp8_tokens(CommWorkspace& ws, const uint8_t* data, const float* scales,
+                      int64_t num_tokens, cudaStream_t stream);
+
 // The first step of a call (bumps the epoch, zeroes the counters); `schedule` begins with it, the
 // fused forward (fused_forward.hpp) needs it before its launch.
 void begin_call(CommWorkspace& ws, cudaStream_t stream);
@@ -41,6 +46,11 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
 // or, in a workspace with the backward's regions, into ws.expert_dy() (kDy: their dy).
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
               comm::DispatchTensor tensor = comm::DispatchTensor::kX);
+
+// After stage_fp8_tokens on every rank: pulls every routed row's packed fp8 row into data (rows,
+// H) E4M3 and scales (rows, H / 128) fp32 (the rows' order as dispatch's; ws.expert_x() unused).
+void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream, uint8_t* data,
+                  float* scales);
 
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream);
 

@@ -35,7 +35,9 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
         shape.validate(comm.num_ranks());
         validate_precision(shape, Precision::kFp8);
         WorkspaceOptions workspace = options.layer.workspace;
-        workspace.expert_rows = 0;  // every row a call can route here: no ring
+        // The routed rows arrive as E4M3 rows in routed_x_ (dispatch_fp8), not in expert_x: one
+        // row block of it, the least a layout takes, instead of every row.
+        workspace.expert_rows = workspace.block_m;
         workspace.expert_y = true;
         return CommWorkspace(comm, shape, tokens_max, workspace);
       }()),
@@ -51,8 +53,8 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
     MOK_CUDA_CHECK(cudaMemset(routed_gate_up_, 0, static_cast<size_t>(rows * 2 * inter) * 4));
   }
   routed_hidden_ = alloc_fp8_operand(rows, inter, rows);
+  token_x_ = alloc_fp8_operand(tokens_max, hidden, tokens_max);
   if (shape.has_shared()) {
-    shared_x_ = alloc_fp8_operand(tokens_max, hidden, tokens_max);
     if (swiglu_ == Fp8SwiGlu::kSeparate) {
       shared_gate_up_ = device_alloc<float>(tokens_max * 2 * shared_inter);
     }
@@ -65,7 +67,7 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
 }
 
 LayerForwardFp8::~LayerForwardFp8() {
-  for (Fp8Operand* operand : {&routed_x_, &routed_hidden_, &shared_x_, &shared_hidden_}) {
+  for (Fp8Operand* operand : {&routed_x_, &routed_hidden_, &token_x_, &shared_hidden_}) {
     free_fp8_operand(*operand);
   }
   for (void* memory : {static_cast<void*>(routed_gate_up_), static_cast<void*>(shared_gate_up_),
@@ -81,11 +83,12 @@ int64_t LayerForwardFp8::buffer_bytes() const {
   int64_t bytes = layout.window_bytes + layout.local_bytes;
   const int64_t sums = swiglu_ == Fp8SwiGlu::kSeparate ? 2 * 4 : 0;  // fp32 gate/up sums
   bytes += fp8_operand_bytes(rows, hidden, rows) + rows * inter * sums +
-           fp8_operand_bytes(rows, inter, rows);
+           fp8_operand_bytes(rows, inter, rows) +
+           fp8_operand_bytes(tokens_max_, hidden, tokens_max_);
   if (shape_.has_shared()) {
-    bytes +=
-        fp8_operand_bytes(tokens_max_, hidden, tokens_max_) + tokens_max_ * shared_inter * sums +
-        fp8_operand_bytes(tokens_max_, shared_inter, tokens_max_) + tokens_max_ * hidden * 4 + 8;
+    bytes += tokens_max_ * shared_inter * sums +
+             fp8_operand_bytes(tokens_max_, shared_inter, tokens_max_) + tokens_max_ * hidden * 4 +
+             8;
   }
   return bytes;
 }
@@ -119,15 +122,10 @@ void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
   const int tokens = checked_int(num_tokens, "num_tokens");
   const int hidden = static_cast<int>(shape_.hidden);
   const int shared_inter = static_cast<int>(shape_.shared_intermediate);
-  // This rank's own tokens, 1 x 128: the bytes the dispatched copies of them get too.
-  const quantize::Layout layout =
-      quantize::describe(quantize::Format::kFp8, 1, num_tokens, shape_.hidden, 1, 128, false);
-  quantize::quantize_gpu(layout, workspace_.x(), quantize::InputType::kBf16, shared_x_.data,
-                         shared_x_.scales, stream);
   write_single_group_offsets(shared_offsets_, tokens, stream);
-  gate_up_swiglu({1, tokens, 2 * shared_inter, hidden}, shared_x_,
-                 weights_.forward().shared_gate_up, shared_offsets_, shared_gate_up_,
-                 shared_hidden_, nullptr, stream, gemm_options, saved_gate_up, nullptr);
+  gate_up_swiglu({1, tokens, 2 * shared_inter, hidden}, token_x_, weights_.forward().shared_gate_up,
+                 shared_offsets_, shared_gate_up_, shared_hidden_, nullptr, stream, gemm_options,
+                 saved_gate_up, nullptr);
   gemm::grouped_forward_fp8({1, tokens, hidden, shared_inter}, shared_hidden_.data,
                             shared_hidden_.scales, weights_.forward().shared_down.data,
                             weights_.forward().shared_down.scales, shared_offsets_, shared_output_,
@@ -158,7 +156,15 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   const int32_t* row_bound = workspace_.expert_offsets() + experts;  // the dispatched rows' end
 
   phase_done();
-  stage_tokens(workspace_, x, num_tokens, stream);
+  // This rank's tokens 1 x 128 (the shared expert's operand, and the bytes every dispatched copy
+  // of them gets), staged as packed rows for the pulls (half the bf16 rows' bytes).
+  if (num_tokens > 0) {
+    const quantize::Layout layout =
+        quantize::describe(quantize::Format::kFp8, 1, num_tokens, shape_.hidden, 1, 128, false);
+    quantize::quantize_gpu(layout, x, quantize::InputType::kBf16, token_x_.data, token_x_.scales,
+                           stream);
+  }
+  stage_fp8_tokens(workspace_, token_x_.data, token_x_.scales, num_tokens, stream);
   schedule(workspace_, topk_idx, num_tokens, stream);
   phase_done();  // kSchedule
   phase_done();  // kFused: not run
@@ -169,13 +175,11 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
         run_shared_expert(num_tokens, stream, gemm_options,
                           save != nullptr ? save->shared_gate_up : nullptr);
       },
-      [&](cudaStream_t rows_stream, bool) { dispatch(workspace_, options_.copy, rows_stream); },
+      [&](cudaStream_t rows_stream, bool) {
+        dispatch_fp8(workspace_, options_.copy, rows_stream, routed_x_.data, routed_x_.scales);
+      },
       phase_done);
-  // The dispatched rows (below row_bound) 1 x 128 along H: the bytes each token's own
-  // quantization gives.
-  quantize_fp8_rows(workspace_.expert_x(), routed_x_, rows, shape_.hidden, row_bound, num_sms_,
-                    stream);
-  phase_done();  // kDispatch (with the routed rows' quantization)
+  phase_done();  // kDispatch (the E4M3 rows came with the shared expert's phase)
   // Only each expert's real rows: the padding rows are neither computed nor quantized.
   gemm::GroupedShape gate_up{experts, rows, 2 * inter, hidden};
   gate_up.expert_counts = workspace_.expert_counts();

@@ -2,13 +2,15 @@
 // on one expert-parallel rank, composed from the tested engines as the unfused bf16 forward is
 // (layer_forward.hpp), at the CPU reference's rounding points (src/reference/quantized_engine.cpp):
 //
-//   stage_tokens, schedule    as bf16
-//   shared expert             x quantized 1 x 128; gate/up FP8 GEMM with h = swiglu quantized
+//   tokens                    x quantized 1 x 128 along H on its own rank, staged in the window
+//                             as packed rows (stage_fp8_tokens: H E4M3 bytes, then the scales)
+//   schedule                  as bf16
+//   shared expert             gate/up FP8 GEMM on the quantized tokens with h = swiglu quantized
 //                             1 x 128 from fp32 in its epilogue; down FP8 GEMM, fp32 (the combine
 //                             adds it before its one rounding); beside the dispatch where it can be
-//   dispatch                  the routed rows into expert_x (bf16, global token order)
-//   routed x                  expert_x quantized 1 x 128 along H (every row of a token gets the
-//                             bytes its own rank's quantization of the token gives: row-local)
+//   dispatch                  the routed rows' E4M3 bytes and scales pulled from the owners'
+//                             windows (dispatch_fp8; global token order): every copy of a token
+//                             gets its owner's quantization's bytes, half the bf16 rows' bytes
 //   routed gate/up + SwiGLU   FP8 GEMM; its epilogue quantizes h = swiglu(gate, up) 1 x 128 along
 //                             I from the fp32 sums (gemm::grouped_swiglu_fp8)
 //   routed down               FP8 GEMM -> expert_y bf16 (the slot rows' one rounding)
@@ -122,7 +124,7 @@ class LayerForwardFp8 {
   Fp8Operand routed_x_;              // (rows, H), scales (rows, H / 128)
   float* routed_gate_up_ = nullptr;  // (rows, 2I) fp32 (kSeparate only)
   Fp8Operand routed_hidden_;         // (rows, I), scales (rows, I / 128)
-  Fp8Operand shared_x_;              // (T_max, H)
+  Fp8Operand token_x_;               // (T_max, H): this rank's tokens, 1 x 128
   float* shared_gate_up_ = nullptr;  // (T_max, 2I_s) fp32 (kSeparate only)
   Fp8Operand shared_hidden_;         // (T_max, I_s)
   float* shared_output_ = nullptr;   // (T_max, H) fp32
