@@ -15,6 +15,7 @@
 #include "mok/quantize.hpp"
 #include "mok/reference.hpp"
 #include "reference/run.hpp"
+#include "runtime/comm_ops.hpp"
 #include "runtime/layer_forward_fp8.hpp"
 
 namespace mok::comm_test {
@@ -233,6 +234,71 @@ TEST(LayerForwardFp8, KnobsGraphAndEpDoNotChangeABit) {
   for (int ep : {2, 4}) {
     EXPECT_EQ(first_difference(run_gpu_fp8_layer(problem, ep, Fp8Run{}), expected), -1)
         << "EP " << ep << " differs from EP 1";
+  }
+}
+
+// The E4M3 rows on the wire: every routed row the dispatch pulls (dispatch_fp8) is its token's
+// quantization on the token's own rank (quantize_cpu of that token, byte for byte, scales too),
+// at EP 1 and 2, with unused slots and T < T_max.
+TEST(LayerForwardFp8, DispatchedRowsAreTheOwnersQuantization) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const Problem problem = fp8_problem({"skewed:2", 0.2, true, true}, 2 * 53, 51);
+  const int64_t hidden = problem.shape.hidden, top_k = problem.shape.top_k;
+  const int64_t num_scales = hidden / 128;
+  const quantize::Layout all =
+      quantize::describe(quantize::Format::kFp8, 1, problem.num_tokens, hidden, 1, 128, false);
+  std::vector<uint8_t> expected_data(static_cast<size_t>(all.num_elements()));
+  std::vector<float> expected_scales(static_cast<size_t>(all.num_scales()));
+  quantize::quantize_cpu(all, problem.x.data(), quantize::InputType::kBf16, expected_data.data(),
+                         expected_scales.data());
+  for (int ep : {1, 2}) {
+    SCOPED_TRACE("EP " + std::to_string(ep));
+    const std::vector<Communicator>& comms = test_communicators(ep);
+    const int64_t tokens = problem.num_tokens / ep, tokens_max = tokens + 3;
+    for_each_rank(ep, [&](int rank) {
+      MOK_CUDA_CHECK(cudaSetDevice(comms[rank].device()));
+      const reference::RankInputs inputs = problem.rank_inputs(rank, ep);
+      CommWorkspace ws(comms[rank], problem.shape, tokens_max);
+      const int64_t capacity = ws.layout().rows_capacity();
+      const int64_t experts_local = ws.layout().experts_per_rank();
+      DeviceBuffer<bf16> x(host_vector(inputs.tokens.x));
+      DeviceBuffer<int32_t> topk_idx(host_vector(inputs.tokens.topk_idx));
+      DeviceBuffer<uint8_t> data(static_cast<size_t>(tokens * hidden));
+      DeviceBuffer<float> scales(static_cast<size_t>(tokens * num_scales));
+      DeviceBuffer<uint8_t> rows(static_cast<size_t>(capacity * hidden));
+      DeviceBuffer<float> row_scales(static_cast<size_t>(capacity * num_scales));
+      MOK_CUDA_CHECK(cudaMemset(rows.get(), 0xff, rows.bytes()));
+      MOK_CUDA_CHECK(cudaMemset(row_scales.get(), 0xff, row_scales.bytes()));
+      quantize::quantize_gpu(
+          quantize::describe(quantize::Format::kFp8, 1, tokens, hidden, 1, 128, false), x.get(),
+          quantize::InputType::kBf16, data.get(), scales.get(), nullptr);
+      stage_fp8_tokens(ws, data.get(), scales.get(), tokens, nullptr);
+      schedule(ws, topk_idx.get(), tokens, nullptr);
+      dispatch_fp8(ws, {3, 96}, nullptr, rows.get(), row_scales.get());  // a few warps, many rows
+      ws.check(nullptr);
+      std::vector<int32_t> offsets(static_cast<size_t>(experts_local + 1));
+      std::vector<int32_t> row_source(static_cast<size_t>(capacity));
+      MOK_CUDA_CHECK(cudaMemcpy(offsets.data(), ws.expert_offsets(), offsets.size() * 4,
+                                cudaMemcpyDeviceToHost));
+      MOK_CUDA_CHECK(cudaMemcpy(row_source.data(), ws.row_source(), row_source.size() * 4,
+                                cudaMemcpyDeviceToHost));
+      const std::vector<uint8_t> got = rows.download();
+      const std::vector<float> got_scales = row_scales.download();
+      int64_t compared = 0;
+      for (int64_t row = 0; row < offsets[experts_local]; ++row) {
+        const int32_t packed = row_source[row];
+        if (packed < 0) continue;
+        const int64_t source = packed / top_k / tokens_max, token = packed / top_k % tokens_max;
+        const int64_t global = source * tokens + token;
+        ASSERT_EQ(0, std::memcmp(&got[row * hidden], &expected_data[global * hidden], hidden))
+            << "rank " << rank << " row " << row << " (token " << global << "): E4M3 bytes";
+        ASSERT_EQ(0, std::memcmp(&got_scales[row * num_scales],
+                                 &expected_scales[global * num_scales], num_scales * 4))
+            << "rank " << rank << " row " << row << " (token " << global << "): scales";
+        ++compared;
+      }
+      EXPECT_GT(compared, 0) << "rank " << rank << " received no row";
+    });
   }
 }
 
