@@ -267,15 +267,20 @@ TEST(LayerForwardFp8, DispatchedRowsAreTheOwnersQuantization) {
       DeviceBuffer<float> scales(static_cast<size_t>(tokens * num_scales));
       DeviceBuffer<uint8_t> rows(static_cast<size_t>(capacity * hidden));
       DeviceBuffer<float> row_scales(static_cast<size_t>(capacity * num_scales));
-      MOK_CUDA_CHECK(cudaMemset(rows.get(), 0xff, rows.bytes()));
-      MOK_CUDA_CHECK(cudaMemset(row_scales.get(), 0xff, row_scales.bytes()));
+      // Each emulated rank on its own non-blocking stream: on the legacy default stream the
+      // ranks' kernels would queue behind each other while each waits for the other's flags.
+      cudaStream_t stream = nullptr;
+      MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      MOK_CUDA_CHECK(cudaMemsetAsync(rows.get(), 0xff, rows.bytes(), stream));
+      MOK_CUDA_CHECK(cudaMemsetAsync(row_scales.get(), 0xff, row_scales.bytes(), stream));
       quantize::quantize_gpu(
           quantize::describe(quantize::Format::kFp8, 1, tokens, hidden, 1, 128, false), x.get(),
-          quantize::InputType::kBf16, data.get(), scales.get(), nullptr);
-      stage_fp8_tokens(ws, data.get(), scales.get(), tokens, nullptr);
-      schedule(ws, topk_idx.get(), tokens, nullptr);
-      dispatch_fp8(ws, {3, 96}, nullptr, rows.get(), row_scales.get());  // a few warps, many rows
-      ws.check(nullptr);
+          quantize::InputType::kBf16, data.get(), scales.get(), stream);
+      stage_fp8_tokens(ws, data.get(), scales.get(), tokens, stream);
+      schedule(ws, topk_idx.get(), tokens, stream);
+      dispatch_fp8(ws, {3, 96}, stream, rows.get(), row_scales.get());  // a few warps, many rows
+      ws.check(stream);
+      MOK_CUDA_CHECK(cudaStreamDestroy(stream));
       std::vector<int32_t> offsets(static_cast<size_t>(experts_local + 1));
       std::vector<int32_t> row_source(static_cast<size_t>(capacity));
       MOK_CUDA_CHECK(cudaMemcpy(offsets.data(), ws.expert_offsets(), offsets.size() * 4,
