@@ -207,13 +207,27 @@ void CommWorkspace::check(cudaStream_t stream) const {
                          " (it holds ", static_cast<uint32_t>(record.value),
                          "): a CTA of the fused kernel did not run (are other kernels "
                          "holding SMs?) or a peer stalled"));
-    case comm::ErrorCode::kTimeout:
+    case comm::ErrorCode::kTimeout: {
+      // The flag as memory holds it now, after the wait gave up: the epoch there means the
+      // signal landed but the waiter never saw it; the old value, that it never landed here.
+      std::string now;
+      if (record.peer < static_cast<uint32_t>(view_.layout.num_ranks) &&
+          record.flag_kind < static_cast<uint32_t>(comm::kNumFlagKinds)) {
+        uint32_t value = 0;
+        MOK_CUDA_CHECK(
+            cudaMemcpy(&value,
+                       view_.flag(view_.rank, static_cast<comm::FlagKind>(record.flag_kind),
+                                  static_cast<int>(record.peer)),
+                       sizeof(value), cudaMemcpyDeviceToHost));
+        now = detail::concat("; ", value, " in memory after the wait");
+      }
       throw Error("comm", detail::concat(where, ": timed out after ", view_.timeout_ns / 1000000ull,
                                          " ms waiting for rank ", record.peer, "'s ",
                                          flag_kind_name(record.flag_kind), " flag to reach epoch ",
                                          record.expected, " (it holds ",
-                                         static_cast<uint32_t>(record.value),
+                                         static_cast<uint32_t>(record.value), now,
                                          "); did every rank launch this call?"));
+    }
     default:
       throw Error("comm", detail::concat(where, ": device error code ", record.code));
   }
