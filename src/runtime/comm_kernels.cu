@@ -52,12 +52,9 @@ __global__ void stage_fp8_tokens_kernel(comm::WorkspaceView view, const uint8_t*
   for (int64_t token = blockIdx.x * warps_per_cta + threadIdx.x / 32; token < num_tokens;
        token += gridDim.x * warps_per_cta) {
     char* slot = view.x_row(view.rank, token);
-    comm::copy_row_warp<comm::RowLoad::kReadOnly>(
-        reinterpret_cast<const char*>(data + token * hidden), slot, hidden, lane);
-    float* slot_scales = reinterpret_cast<float*>(slot + hidden);
-    for (int64_t i = lane; i < num_scales; i += 32) {
-      slot_scales[i] = scales[token * num_scales + i];
-    }
+    comm::copy_fp8_row_warp<comm::RowLoad::kReadOnly>(
+        data + token * hidden, scales + token * num_scales, reinterpret_cast<uint8_t*>(slot),
+        reinterpret_cast<float*>(slot + hidden), hidden, lane);
   }
 }
 

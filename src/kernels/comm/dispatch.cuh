@@ -35,6 +35,18 @@ struct Fp8RowsOut {
   float* scales;  // (rows, H / 128)
 };
 
+// One token's fp8 row between its two forms, by a warp: H E4M3 bytes (H a multiple of 128, in
+// 16-byte vectors) and H / 128 scales (a multiple of 16 bytes only where H is of 512, so by lane).
+// The packed slot holds the bytes, then the scales.
+template <RowLoad kLoad>
+__device__ inline void copy_fp8_row_warp(const uint8_t* data_in, const float* scales_in,
+                                         uint8_t* data_out, float* scales_out, int64_t hidden,
+                                         int lane) {
+  copy_row_warp<kLoad>(reinterpret_cast<const char*>(data_in), reinterpret_cast<char*>(data_out),
+                       hidden, lane);
+  for (int64_t i = lane; i < hidden / 128; i += 32) scales_out[i] = scales_in[i];
+}
+
 __device__ inline void dispatch_pull_fp8(const WorkspaceView& view, const Fp8RowsOut& out) {
   if (cta_sees_error(view)) return;
   const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
@@ -48,12 +60,9 @@ __device__ inline void dispatch_pull_fp8(const WorkspaceView& view, const Fp8Row
     if (packed < 0) continue;
     const RowSource source = unpack_row_source(view.layout, packed);
     const char* slot = view.x_row(source.rank, source.token);
-    // The E4M3 bytes: H, a multiple of 128, in 16-byte vectors.
-    copy_row_warp<RowLoad::kCoherent>(slot, reinterpret_cast<char*>(out.data + row * hidden),
-                                      hidden, lane);
-    // The scales: H / 128 floats (a multiple of 16 bytes only where H is of 512).
-    const float* scales = reinterpret_cast<const float*>(slot + hidden);
-    for (int64_t i = lane; i < num_scales; i += 32) out.scales[row * num_scales + i] = scales[i];
+    copy_fp8_row_warp<RowLoad::kCoherent>(
+        reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + hidden),
+        out.data + row * hidden, out.scales + row * num_scales, hidden, lane);
   }
 }
 
