@@ -184,16 +184,18 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
       }
       return out;
     };
+    // (prepare ends with the ranks' meeting: the host time named on a failure counts from there)
     prepare();
-    enqueue();
-    if (forward != nullptr) forward->check(stream);
-    if (fp8_forward != nullptr) fp8_forward->check(stream);
-    check();
+    run_and_check([] {}, enqueue,
+                  [&] {
+                    if (forward != nullptr) forward->check(stream);
+                    if (fp8_forward != nullptr) fp8_forward->check(stream);
+                    check();
+                  });
     const BackwardOutputs first = collect();
     for (int repeat = 0; repeat < run.repeats; ++repeat) {
       prepare();
-      enqueue();
-      check();
+      run_and_check([] {}, enqueue, check);
       const std::string differs = first_different_tensor(collect(), first);
       MOK_CHECK_ARG(differs.empty(), "repeat", "rank ", rank, " run ", repeat, ": ", differs,
                     " differs from the first run");

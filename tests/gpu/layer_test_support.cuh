@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -122,6 +123,30 @@ inline void expect_sane_trace(const std::vector<uint64_t>& trace, int fields) {
   EXPECT_GT(tasks, 0u);
 }
 
+// One run of a rank after the ranks met: prepare (poison), enqueue, then check (which throws a
+// device fault). A failure's message adds how long this rank's prepare and launches took on the
+// host after the meeting: a rank held there by a call that waits for the whole device shows
+// seconds (the EP 8 emulation fault, docs/perf-notes/reliability.md).
+template <class Check>
+void run_and_check(const std::function<void()>& prepare, const std::function<void()>& enqueue,
+                   const Check& check) {
+  const auto met = std::chrono::steady_clock::now();
+  prepare();
+  enqueue();
+  const double host_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - met).count();
+  try {
+    check();
+  } catch (const Error& error) {
+    std::string message = error.what();
+    const std::string prefix = error.argument().empty() ? "" : error.argument() + ": ";
+    if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
+    throw Error(error.argument(), message + " [this rank's launches were done " +
+                                      std::to_string(static_cast<int64_t>(host_ms)) +
+                                      " ms after the ranks met]");
+  }
+}
+
 // One rank's runs of a forward test: the first run (its outputs poisoned first), then `repeats`
 // eager runs and, with use_graph, two replays of a captured forward, each of which must give the
 // first run's y bitwise; returns the first run's y. after_first, when given, runs once after the
@@ -140,17 +165,14 @@ std::vector<bf16> first_run_then_repeats(const Communicator& comm, int rank, cud
     MOK_CHECK_ARG(differs < 0, what, "rank ", rank, " run ", index,
                   " differs from the first eager run at element ", differs);
   };
+  const auto check = [&] { layer.check(stream); };
   comm.host_barrier();
-  poison();
-  enqueue();
-  layer.check(stream);
+  run_and_check(poison, enqueue, check);
   const std::vector<bf16> first = y.download();
   if (after_first) after_first();
   for (int repeat = 0; repeat < repeats; ++repeat) {
     comm.host_barrier();
-    poison();
-    enqueue();
-    layer.check(stream);
+    run_and_check(poison, enqueue, check);
     expect_same("repeat", repeat, first);
   }
   if (use_graph) {
