@@ -47,15 +47,12 @@ __global__ void stage_fp8_tokens_kernel(comm::WorkspaceView view, const uint8_t*
                                         const float* scales, int64_t num_tokens) {
   const int64_t hidden = view.layout.hidden;
   const int64_t num_scales = hidden / 128;
-  const int lane = threadIdx.x % 32;
-  const int64_t warps_per_cta = blockDim.x / 32;
-  for (int64_t token = blockIdx.x * warps_per_cta + threadIdx.x / 32; token < num_tokens;
-       token += gridDim.x * warps_per_cta) {
+  comm::for_each_row_warp(num_tokens, [&](int64_t token, int lane) {
     char* slot = view.x_row(view.rank, token);
     comm::copy_fp8_row_warp<comm::RowLoad::kReadOnly>(
         data + token * hidden, scales + token * num_scales, reinterpret_cast<uint8_t*>(slot),
         reinterpret_cast<float*>(slot + hidden), hidden, lane);
-  }
+  });
 }
 
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
@@ -86,15 +83,23 @@ int resolve_ctas(const CommWorkspace& ws, const CopyConfig& config) {
 }
 
 // Launches a copy kernel on the configured CTAs and threads.
+// A copy kernel on config's grid: kernel(ws.view(), args...).
+template <class... Args>
 void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
-                 void (*kernel)(comm::WorkspaceView)) {
+                 void (*kernel)(comm::WorkspaceView, Args...), Args... args) {
   const int num_ctas = resolve_ctas(ws, config);
   MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
                     config.threads_per_cta % 32 == 0,
                 "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
                 "], got ", config.threads_per_cta);
-  kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view());
+  kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view(), args...);
   MOK_CUDA_CHECK_LAUNCH();
+}
+
+// The fp8 rows' packed layout needs whole 128-blocks along H.
+void check_fp8_rows(const CommWorkspace& ws) {
+  MOK_CHECK_ARG(ws.layout().hidden % 128 == 0, "workspace",
+                "fp8 rows need H a multiple of 128, got ", ws.layout().hidden);
 }
 
 }  // namespace
@@ -112,8 +117,7 @@ void stage_fp8_tokens(CommWorkspace& ws, const uint8_t* data, const float* scale
   check_num_tokens(ws, num_tokens);
   MOK_CHECK_ARG(num_tokens == 0 || (data != nullptr && scales != nullptr), "data",
                 "null pointer for ", num_tokens, " tokens");
-  MOK_CHECK_ARG(ws.layout().hidden % 128 == 0, "workspace",
-                "fp8 rows need H a multiple of 128, got ", ws.layout().hidden);
+  check_fp8_rows(ws);
   if (num_tokens == 0) return;
   constexpr int kThreads = 256;
   const int ctas = static_cast<int>(std::clamp<int64_t>(
@@ -167,16 +171,8 @@ void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
 void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream, uint8_t* data,
                   float* scales) {
   MOK_CHECK_ARG(data != nullptr && scales != nullptr, "data", "null destination");
-  MOK_CHECK_ARG(ws.layout().hidden % 128 == 0, "workspace",
-                "fp8 rows need H a multiple of 128, got ", ws.layout().hidden);
-  const int num_ctas = resolve_ctas(ws, config);
-  MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
-                    config.threads_per_cta % 32 == 0,
-                "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
-                "], got ", config.threads_per_cta);
-  dispatch_fp8_kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(
-      ws.view(), comm::Fp8RowsOut{data, scales});
-  MOK_CUDA_CHECK_LAUNCH();
+  check_fp8_rows(ws);
+  launch_copy(ws, config, stream, dispatch_fp8_kernel, comm::Fp8RowsOut{data, scales});
 }
 
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {

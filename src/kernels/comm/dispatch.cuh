@@ -49,21 +49,17 @@ __device__ inline void copy_fp8_row_warp(const uint8_t* data_in, const float* sc
 
 __device__ inline void dispatch_pull_fp8(const WorkspaceView& view, const Fp8RowsOut& out) {
   if (cta_sees_error(view)) return;
-  const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
   const int64_t hidden = view.layout.hidden;
   const int64_t num_scales = hidden / 128;
-  const int lane = threadIdx.x % 32;
-  const int64_t warps_per_cta = blockDim.x / 32;
-  for (int64_t row = blockIdx.x * warps_per_cta + threadIdx.x / 32; row < num_rows;
-       row += gridDim.x * warps_per_cta) {
+  for_each_row_warp(view.offsets()[view.layout.experts_per_rank()], [&](int64_t row, int lane) {
     const int32_t packed = view.row_source()[row];
-    if (packed < 0) continue;
+    if (packed < 0) return;
     const RowSource source = unpack_row_source(view.layout, packed);
     const char* slot = view.x_row(source.rank, source.token);
     copy_fp8_row_warp<RowLoad::kCoherent>(
         reinterpret_cast<const uint8_t*>(slot), reinterpret_cast<const float*>(slot + hidden),
         out.data + row * hidden, out.scales + row * num_scales, hidden, lane);
-  }
+  });
 }
 
 // Every row of every local expert; the gather flags were acquired by the schedule, and a kernel

@@ -62,18 +62,26 @@ __device__ inline void copy_row_warp(const char* from, char* to, int64_t row_byt
   }
 }
 
-// Every row, dealt to the grid's warps in turn.
-template <bool kSourceReadOnly, class RowAt>
-__device__ inline void copy_rows_vector(int64_t num_rows, int64_t row_bytes, const RowAt& row_at) {
+// Rows [0, num_rows) dealt to the grid's warps in turn: per_row(row, lane) by each warp's lanes.
+template <class PerRow>
+__device__ inline void for_each_row_warp(int64_t num_rows, const PerRow& per_row) {
   const int lane = threadIdx.x % 32;
   const int64_t warps_per_cta = blockDim.x / 32;
   for (int64_t row = blockIdx.x * warps_per_cta + threadIdx.x / 32; row < num_rows;
        row += gridDim.x * warps_per_cta) {
+    per_row(row, lane);
+  }
+}
+
+// Every row, dealt to the grid's warps in turn.
+template <bool kSourceReadOnly, class RowAt>
+__device__ inline void copy_rows_vector(int64_t num_rows, int64_t row_bytes, const RowAt& row_at) {
+  for_each_row_warp(num_rows, [&](int64_t row, int lane) {
     const RowCopy copy = row_at(row);
-    if (copy.source == nullptr) continue;
+    if (copy.source == nullptr) return;
     copy_row_warp<kSourceReadOnly ? RowLoad::kReadOnly : RowLoad::kCoherent>(
         copy.source, copy.destination, row_bytes, lane);
-  }
+  });
 }
 
 #endif  // __CUDACC__
