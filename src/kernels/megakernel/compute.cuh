@@ -125,7 +125,7 @@ __device__ inline void run_tile(const gemm::GroupedGemmParams& gemm_params, cons
   }
   if constexpr (kCanSave) {
     if (save != nullptr) {
-      save_pre_activations(gemm_params, task.tile, consumer_idx, accum, *save);
+      save_pre_activations(gemm_params, task.tile, consumer_idx, smem.staging, accum, *save);
     }
   }
   Store::store(gemm_params, task.tile, consumer_idx, smem.staging, accum, row_destination);
