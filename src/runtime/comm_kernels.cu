@@ -33,8 +33,8 @@ __global__ void __launch_bounds__(comm::kOrderThreads, 1)
 
 template <comm::DispatchTensor kTensor>
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
-    dispatch_kernel(comm::WorkspaceView view) {
-  comm::dispatch_pull(view, kTensor);
+    dispatch_kernel(comm::WorkspaceView view, const char* own) {
+  comm::dispatch_pull(view, kTensor, own);
 }
 
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
@@ -154,7 +154,7 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
 }
 
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
-              comm::DispatchTensor tensor) {
+              comm::DispatchTensor tensor, const bf16* own) {
   MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace",
                 "the standalone dispatch needs expert_x for every row (",
                 ws.layout().rows_capacity(), "), this one has ", ws.layout().expert_rows,
@@ -162,9 +162,11 @@ void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
   if (tensor == comm::DispatchTensor::kDy) {
     MOK_CHECK_ARG(ws.layout().backward, "workspace",
                   "dispatching dy needs a workspace with the backward's regions");
-    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kDy>);
+    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kDy>,
+                reinterpret_cast<const char*>(own));
   } else {
-    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kX>);
+    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kX>,
+                reinterpret_cast<const char*>(own));
   }
 }
 

@@ -43,9 +43,11 @@ void begin_call(CommWorkspace& ws, cudaStream_t stream);
 void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream);
 
 // Pulls every routed row into ws.expert_x() (tensor kX: the tokens' x from the owners' windows)
-// or, in a workspace with the backward's regions, into ws.expert_dy() (kDy: their dy).
+// or, in a workspace with the backward's regions, into ws.expert_dy() (kDy: their dy). own: this
+// rank's tokens' rows of that tensor (T, H) on this device, read in place of its own window's (so
+// that one rank alone need not stage them), or null.
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
-              comm::DispatchTensor tensor = comm::DispatchTensor::kX);
+              comm::DispatchTensor tensor = comm::DispatchTensor::kX, const bf16* own = nullptr);
 
 // After stage_fp8_tokens on every rank: pulls every routed row's packed fp8 row into data (rows,
 // H) E4M3 and scales (rows, H / 128) fp32 (the rows' order as dispatch's; ws.expert_x() unused).

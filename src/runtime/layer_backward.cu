@@ -53,11 +53,13 @@ WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
 
 void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
                            const float* topk_w, const bf16* dy, int64_t num_tokens,
-                           cudaStream_t stream) {
-  stage_tokens(workspace, x, num_tokens, stream);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.dy(), dy,
-                                 static_cast<size_t>(num_tokens * workspace.layout().row_bytes()),
-                                 cudaMemcpyDeviceToDevice, stream));
+                           cudaStream_t stream, bool stage_rows) {
+  if (stage_rows) {
+    stage_tokens(workspace, x, num_tokens, stream);
+    MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.dy(), dy,
+                                   static_cast<size_t>(num_tokens * workspace.layout().row_bytes()),
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
   MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.topk_w(), topk_w,
                                  static_cast<size_t>(num_tokens * workspace.layout().top_k * 4),
                                  cudaMemcpyDeviceToDevice, stream));
@@ -149,14 +151,15 @@ int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num
   return gemm_sms_beside_copy(num_sms, options.copy.num_ctas, options.gemm.num_sms);
 }
 
+// This rank's own rows come from the caller's x and dy (with one rank, nothing is staged).
 void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
-                       cudaStream_t stream, bool beside) {
+                       cudaStream_t stream, bool beside, const bf16* x, const bf16* dy) {
   CopyConfig copy = options.copy;
   if (!beside && options.local_dispatch_on_every_sm && workspace.num_ranks() == 1) {
     copy.num_ctas = 0;
   }
-  dispatch(workspace, copy, stream, comm::DispatchTensor::kX);
-  dispatch(workspace, copy, stream, comm::DispatchTensor::kDy);
+  dispatch(workspace, copy, stream, comm::DispatchTensor::kX, x);
+  dispatch(workspace, copy, stream, comm::DispatchTensor::kDy, dy);
 }
 
 void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64_t num_tokens,
@@ -328,8 +331,10 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   const int tokens = static_cast<int>(num_tokens);
   const PhaseMarks mark(phase_events, stream);
   mark();
-  // This rank's x, dy and router weights into its window, for the expert ranks.
-  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
+  // This rank's x, dy and router weights into its window, for the expert ranks (one rank alone
+  // dispatches its rows from x and dy in place).
+  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream,
+                        /*stage_rows=*/workspace_.num_ranks() > 1);
   mark();
   const bool shared = shape_.has_shared() && tokens > 0;
   shared_expert_and_dispatch(
@@ -341,7 +346,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
                           gemm_options);
       },
       [&](cudaStream_t rows_stream, bool beside) {
-        dispatch_x_and_dy(workspace_, options_, rows_stream, beside);
+        dispatch_x_and_dy(workspace_, options_, rows_stream, beside, x, dy);
       },
       mark);
   mark();

@@ -89,10 +89,10 @@ const char* phase_name(BackwardPhase phase);
 WorkspaceOptions backward_workspace(const LayerBackwardOptions& options);
 
 // The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
-// x, dy and topk_w into the window and the schedule ...
+// x, dy (with stage_rows) and topk_w into the window and the schedule ...
 void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
                            const float* topk_w, const bf16* dy, int64_t num_tokens,
-                           cudaStream_t stream);
+                           cudaStream_t stream, bool stage_rows = true);
 // ... (no token) the shared expert's gradients zero, unless they accumulate ...
 void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& grads,
                            cudaStream_t stream);
@@ -113,9 +113,10 @@ int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num
                                     int num_ranks);
 
 // The dispatch of x and dy rows (beside the shared expert: on options.copy's CTAs; else at EP 1,
-// with local_dispatch_on_every_sm, on every SM), for shared_expert_and_dispatch (side_stream.hpp).
+// with local_dispatch_on_every_sm, on every SM), for shared_expert_and_dispatch (side_stream.hpp);
+// this rank's own rows from the caller's x and dy (T, H).
 void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
-                       cudaStream_t stream, bool beside);
+                       cudaStream_t stream, bool beside, const bf16* x, const bf16* dy);
 
 class LayerBackward {
  public:

@@ -317,7 +317,7 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
         run_shared_expert(weights, grads, tokens, stream, gemm_options, saved_shared_gate_up);
       },
       [&](cudaStream_t rows_stream, bool beside) {
-        dispatch_x_and_dy(workspace_, options_, rows_stream, beside);
+        dispatch_x_and_dy(workspace_, options_, rows_stream, beside, x, dy);
       },
       mark);
   // (the x rows 1 x 128 feed the gate/up recompute only)
