@@ -38,6 +38,11 @@ __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
 }
 
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
+    dispatch_tokens_kernel(comm::WorkspaceView view, const char* x, const char* dy) {
+  comm::dispatch_tokens_local(view, x, dy);
+}
+
+__global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
     dispatch_fp8_kernel(comm::WorkspaceView view, comm::Fp8RowsOut out) {
   comm::dispatch_pull_fp8(view, out);
 }
@@ -168,6 +173,21 @@ void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
     launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kX>,
                 reinterpret_cast<const char*>(own));
   }
+}
+
+void dispatch_tokens(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
+                     const bf16* x, const bf16* dy) {
+  MOK_CHECK_ARG(ws.num_ranks() == 1, "workspace",
+                "the dispatch by tokens is one rank's alone; this workspace has ", ws.num_ranks(),
+                " ranks");
+  MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace",
+                "the dispatch by tokens needs expert_x for every row (",
+                ws.layout().rows_capacity(), "), this one has ", ws.layout().expert_rows,
+                " (a fused forward's ring)");
+  MOK_CHECK_ARG(dy == nullptr || ws.layout().backward, "workspace",
+                "dispatching dy needs a workspace with the backward's regions");
+  launch_copy(ws, config, stream, dispatch_tokens_kernel, reinterpret_cast<const char*>(x),
+              reinterpret_cast<const char*>(dy));
 }
 
 void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream, uint8_t* data,

@@ -49,6 +49,12 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
               comm::DispatchTensor tensor = comm::DispatchTensor::kX, const bf16* own = nullptr);
 
+// One rank alone (after schedule): ws.expert_x() from x (T, H), and with dy, ws.expert_dy() from
+// dy, by token: each token's row is read once and written to each of its slots' rows (dispatch
+// reads it once per slot). The same rows as dispatch's.
+void dispatch_tokens(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
+                     const bf16* x, const bf16* dy = nullptr);
+
 // After stage_fp8_tokens on every rank: pulls every routed row's packed fp8 row into data (rows,
 // H) E4M3 and scales (rows, H / 128) fp32 (the rows' order as dispatch's; ws.expert_x() unused).
 void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream, uint8_t* data,

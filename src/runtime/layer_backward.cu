@@ -151,12 +151,17 @@ int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num
   return gemm_sms_beside_copy(num_sms, options.copy.num_ctas, options.gemm.num_sms);
 }
 
-// This rank's own rows come from the caller's x and dy (with one rank, nothing is staged).
+// This rank's own rows come from the caller's x and dy (with one rank, nothing is staged, and the
+// rows are copied by token: dispatch_tokens).
 void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
                        cudaStream_t stream, bool beside, const bf16* x, const bf16* dy) {
   CopyConfig copy = options.copy;
   if (!beside && options.local_dispatch_on_every_sm && workspace.num_ranks() == 1) {
     copy.num_ctas = 0;
+  }
+  if (workspace.num_ranks() == 1) {
+    dispatch_tokens(workspace, copy, stream, x, dy);
+    return;
   }
   dispatch(workspace, copy, stream, comm::DispatchTensor::kX, x);
   dispatch(workspace, copy, stream, comm::DispatchTensor::kDy, dy);

@@ -138,7 +138,11 @@ std::vector<bf16> run_layer(const Problem& problem, const std::vector<Communicat
     auto enqueue = [&] {
       stage_tokens(ws, x.get(), tokens, stream);
       schedule(ws, topk_idx.get(), tokens, stream);
-      dispatch(ws, options.copy, stream);
+      if (options.dispatch_by_tokens) {
+        dispatch_tokens(ws, options.copy, stream, x.get());
+      } else {
+        dispatch(ws, options.copy, stream);
+      }
       reference_expert_hidden<<<blocks_for(capacity * inter), 256, 0, stream>>>(
           routed_rows, as_device(ws.expert_x()), as_device(gate.get()), as_device(up.get()), hidden,
           inter, capacity, as_device_out(routed_hidden.get()));

@@ -45,6 +45,8 @@ struct RunOptions {
   int graph_replays = 3;
   int64_t extra_capacity = 0;  // tokens_max = tokens per rank + this
   WorkspaceOptions workspace;
+  // One rank: the rows copied by token (dispatch_tokens) instead of pulled by row (dispatch).
+  bool dispatch_by_tokens = false;
   // Called on each rank after the inputs are on the device, before the run (e.g. to corrupt one).
   std::function<void(int rank, int32_t* topk_idx_device)> tamper;
 };

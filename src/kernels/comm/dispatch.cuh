@@ -70,6 +70,59 @@ __device__ inline void dispatch_pull_fp8(const WorkspaceView& view, const Fp8Row
   });
 }
 
+// One rank alone (EP 1), every routed row is one of its own tokens', so the dispatch can walk the
+// tokens instead of the rows: a warp reads token t's row once and writes it to the expert row of
+// each of its slots (local_row, from the schedule). The pull reads a token's row once per slot, in
+// the experts' order, where the (T, H) rows do not stay in L2; this reads each once
+// (perf-notes/backward.md v12). x, dy: the caller's (T, H) tensors (dy null: x only).
+__device__ inline void dispatch_tokens_local(const WorkspaceView& view, const char* x,
+                                             const char* dy) {
+  if (cta_sees_error(view)) return;
+  constexpr int kUnroll = 4;  // 16-byte vectors a lane holds
+  const WorkspaceLayout& layout = view.layout;
+  const int32_t* ids = view.topk(view.rank, view.rank);
+  const int32_t* local_row = view.local_row();
+  const int64_t top_k = layout.top_k, row_bytes = layout.row_bytes();
+  const int64_t num_vectors = row_bytes / 16;
+  // One tensor's row of `token` to the expert rows that lanes [0, slots) hold (-1: none).
+  const auto scatter = [&](const char* rows, char* expert_rows, int64_t token, int32_t row,
+                           int slots, int lane) {
+    const int4* source = reinterpret_cast<const int4*>(rows + token * row_bytes);
+    // (the same trip counts in every lane: the shuffles below take the whole warp)
+    for (int64_t base = 0; base < num_vectors; base += 32 * kUnroll) {
+      int4 values[kUnroll];
+#pragma unroll
+      for (int unroll = 0; unroll < kUnroll; ++unroll) {
+        const int64_t index = base + unroll * 32 + lane;
+        if (index < num_vectors) values[unroll] = __ldg(source + index);
+      }
+      for (int slot = 0; slot < slots; ++slot) {
+        const int32_t destination = __shfl_sync(0xffffffffu, row, slot);
+        if (destination < 0) continue;
+        int4* to = reinterpret_cast<int4*>(expert_rows + destination * row_bytes);
+#pragma unroll
+        for (int unroll = 0; unroll < kUnroll; ++unroll) {
+          const int64_t index = base + unroll * 32 + lane;
+          if (index < num_vectors) to[index] = values[unroll];
+        }
+      }
+    }
+  };
+  const int64_t num_tokens = view.token_counts(view.rank)[view.rank];
+  for_each_row_warp(num_tokens, [&](int64_t token, int lane) {
+    for (int64_t first = 0; first < top_k; first += 32) {
+      const int slots = static_cast<int>(top_k - first < 32 ? top_k - first : 32);
+      int32_t row = -1;  // lane i: the expert row of slot first + i
+      if (lane < slots) {
+        const int64_t index = token * top_k + first + lane;
+        if (ids[index] >= 0) row = local_row[index];
+      }
+      scatter(x, view.expert_x_row(0), token, row, slots, lane);
+      if (dy != nullptr) scatter(dy, view.expert_dy_row(0), token, row, slots, lane);
+    }
+  });
+}
+
 // Every row of every local expert; the gather flags were acquired by the schedule, and a kernel
 // boundary separates it from this pull. own: DispatchRows's.
 __device__ inline void dispatch_pull(const WorkspaceView& view,
