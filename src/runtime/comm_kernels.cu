@@ -33,8 +33,8 @@ __global__ void __launch_bounds__(comm::kOrderThreads, 1)
 
 template <comm::DispatchTensor kTensor>
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
-    dispatch_kernel(comm::WorkspaceView view, const char* own) {
-  comm::dispatch_pull(view, kTensor, own);
+    dispatch_kernel(comm::WorkspaceView view) {
+  comm::dispatch_pull(view, kTensor);
 }
 
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
@@ -87,8 +87,7 @@ int resolve_ctas(const CommWorkspace& ws, const CopyConfig& config) {
   return config.num_ctas == 0 ? ws.num_sms() : config.num_ctas;
 }
 
-// Launches a copy kernel on the configured CTAs and threads.
-// A copy kernel on config's grid: kernel(ws.view(), args...).
+// A copy kernel on config's CTAs and threads: kernel(ws.view(), args...).
 template <class... Args>
 void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
                  void (*kernel)(comm::WorkspaceView, Args...), Args... args) {
@@ -99,6 +98,13 @@ void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t
                 "], got ", config.threads_per_cta);
   kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view(), args...);
   MOK_CUDA_CHECK_LAUNCH();
+}
+
+// The standalone dispatches write every row into expert_x (not a fused forward's ring of rows).
+void check_every_expert_row(const CommWorkspace& ws, const char* which) {
+  MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace", which,
+                " needs expert_x for every row (", ws.layout().rows_capacity(), "), this one has ",
+                ws.layout().expert_rows, " (a fused forward's ring)");
 }
 
 // The fp8 rows' packed layout needs whole 128-blocks along H.
@@ -159,19 +165,14 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
 }
 
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
-              comm::DispatchTensor tensor, const bf16* own) {
-  MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace",
-                "the standalone dispatch needs expert_x for every row (",
-                ws.layout().rows_capacity(), "), this one has ", ws.layout().expert_rows,
-                " (a fused forward's ring)");
+              comm::DispatchTensor tensor) {
+  check_every_expert_row(ws, "the standalone dispatch");
   if (tensor == comm::DispatchTensor::kDy) {
     MOK_CHECK_ARG(ws.layout().backward, "workspace",
                   "dispatching dy needs a workspace with the backward's regions");
-    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kDy>,
-                reinterpret_cast<const char*>(own));
+    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kDy>);
   } else {
-    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kX>,
-                reinterpret_cast<const char*>(own));
+    launch_copy(ws, config, stream, dispatch_kernel<comm::DispatchTensor::kX>);
   }
 }
 
@@ -180,10 +181,7 @@ void dispatch_tokens(CommWorkspace& ws, const CopyConfig& config, cudaStream_t s
   MOK_CHECK_ARG(ws.num_ranks() == 1, "workspace",
                 "the dispatch by tokens is one rank's alone; this workspace has ", ws.num_ranks(),
                 " ranks");
-  MOK_CHECK_ARG(ws.layout().expert_rows == ws.layout().rows_capacity(), "workspace",
-                "the dispatch by tokens needs expert_x for every row (",
-                ws.layout().rows_capacity(), "), this one has ", ws.layout().expert_rows,
-                " (a fused forward's ring)");
+  check_every_expert_row(ws, "the dispatch by tokens");
   MOK_CHECK_ARG(dy == nullptr || ws.layout().backward, "workspace",
                 "dispatching dy needs a workspace with the backward's regions");
   launch_copy(ws, config, stream, dispatch_tokens_kernel, reinterpret_cast<const char*>(x),

@@ -43,11 +43,9 @@ void begin_call(CommWorkspace& ws, cudaStream_t stream);
 void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream);
 
 // Pulls every routed row into ws.expert_x() (tensor kX: the tokens' x from the owners' windows)
-// or, in a workspace with the backward's regions, into ws.expert_dy() (kDy: their dy). own: this
-// rank's tokens' rows of that tensor (T, H) on this device, read in place of its own window's (so
-// that one rank alone need not stage them), or null.
+// or, in a workspace with the backward's regions, into ws.expert_dy() (kDy: their dy).
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
-              comm::DispatchTensor tensor = comm::DispatchTensor::kX, const bf16* own = nullptr);
+              comm::DispatchTensor tensor = comm::DispatchTensor::kX);
 
 // One rank alone (after schedule): ws.expert_x() from x (T, H), and with dy, ws.expert_dy() from
 // dy, by token: each token's row is read once and written to each of its slots' rows (dispatch

@@ -151,20 +151,17 @@ int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num
   return gemm_sms_beside_copy(num_sms, options.copy.num_ctas, options.gemm.num_sms);
 }
 
-// This rank's own rows come from the caller's x and dy (with one rank, nothing is staged, and the
-// rows are copied by token: dispatch_tokens).
 void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
                        cudaStream_t stream, bool beside, const bf16* x, const bf16* dy) {
-  CopyConfig copy = options.copy;
-  if (!beside && options.local_dispatch_on_every_sm && workspace.num_ranks() == 1) {
-    copy.num_ctas = 0;
-  }
-  if (workspace.num_ranks() == 1) {
-    dispatch_tokens(workspace, copy, stream, x, dy);
+  if (workspace.num_ranks() > 1) {
+    dispatch(workspace, options.copy, stream, comm::DispatchTensor::kX);
+    dispatch(workspace, options.copy, stream, comm::DispatchTensor::kDy);
     return;
   }
-  dispatch(workspace, copy, stream, comm::DispatchTensor::kX, x);
-  dispatch(workspace, copy, stream, comm::DispatchTensor::kDy, dy);
+  // One rank alone: by token, from the caller's x and dy (nothing was staged).
+  CopyConfig copy = options.copy;
+  if (!beside && options.local_dispatch_on_every_sm) copy.num_ctas = 0;
+  dispatch_tokens(workspace, copy, stream, x, dy);
 }
 
 void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64_t num_tokens,

@@ -114,7 +114,7 @@ int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num
 
 // The dispatch of x and dy rows (beside the shared expert: on options.copy's CTAs; else at EP 1,
 // with local_dispatch_on_every_sm, on every SM), for shared_expert_and_dispatch (side_stream.hpp);
-// this rank's own rows from the caller's x and dy (T, H).
+// one rank alone copies its rows by token from the caller's x and dy (T, H) (dispatch_tokens).
 void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
                        cudaStream_t stream, bool beside, const bf16* x, const bf16* dy);
 

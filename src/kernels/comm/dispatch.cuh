@@ -1,8 +1,7 @@
 // Dispatch: the expert's rank pulls each of its rows from the token owner's window.
 // Row `row` of the local expert buffer is token t of rank r (row_source), copied from
-// window(r).x[t] (or, for this rank's own tokens, from the caller's tensor when it is given: one
-// rank alone then stages nothing). Padding rows are left unwritten: consumers stop at each
-// expert's count.
+// window(r).x[t]. Padding rows are left unwritten: consumers stop at each expert's count. One
+// rank alone copies by token instead (dispatch_tokens_local), from the caller's tensors.
 #pragma once
 
 #include <cstdint>
@@ -16,16 +15,10 @@ namespace mok::comm {
 struct DispatchRows {
   WorkspaceView view;
   DispatchTensor tensor = DispatchTensor::kX;
-  const char* own = nullptr;  // this rank's tokens' rows (T, H) of `tensor`, or null
   __device__ RowCopy operator()(int64_t row) const {
     const int32_t packed = view.row_source()[row];
     if (packed < 0) return {nullptr, nullptr};
     const RowSource source = unpack_row_source(view.layout, packed);
-    char* destination =
-        tensor == DispatchTensor::kDy ? view.expert_dy_row(row) : view.expert_x_row(row);
-    if (own != nullptr && source.rank == view.rank) {
-      return {own + source.token * view.layout.row_bytes(), destination};
-    }
     if (tensor == DispatchTensor::kDy) {
       return {view.dy_row(source.rank, source.token), view.expert_dy_row(row)};
     }
@@ -124,13 +117,12 @@ __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const ch
 }
 
 // Every row of every local expert; the gather flags were acquired by the schedule, and a kernel
-// boundary separates it from this pull. own: DispatchRows's.
+// boundary separates it from this pull.
 __device__ inline void dispatch_pull(const WorkspaceView& view,
-                                     DispatchTensor tensor = DispatchTensor::kX,
-                                     const char* own = nullptr) {
+                                     DispatchTensor tensor = DispatchTensor::kX) {
   if (cta_sees_error(view)) return;
   const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
-  const DispatchRows rows{view, tensor, own};
+  const DispatchRows rows{view, tensor};
   copy_rows_vector</*kSourceReadOnly=*/false>(num_rows, view.layout.row_bytes(), rows);
 }
 
