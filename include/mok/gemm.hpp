@@ -29,6 +29,12 @@ struct GroupedShape {
   // a result (a tile-padded row layout, as the layer's schedule makes). Null: every row up to
   // expert_offsets[e + 1] is the expert's.
   const int* expert_counts = nullptr;
+  // Optional (device, capacity_rows int32), for bf16 results of grouped_forward and grouped_dgrad
+  // only: row r of the result is written to row output_rows[r] of y / dx instead of row r (a
+  // scatter: e.g. each expert row straight to its token's slot, rows t · k + j); y / dx then needs
+  // as many rows as the largest index + 1. Rows past the experts' counts are never written either
+  // way. Null: row r.
+  const int* output_rows = nullptr;
 };
 
 // Which kernel runs a grouped GEMM. Both sum every output element over the same k-blocks in the

@@ -196,7 +196,7 @@ void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stre
 }
 
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream) {
-  MOK_CHECK_ARG(ws.layout().has_expert_y(), "workspace",
+  MOK_CHECK_ARG(ws.layout().has_expert_y() || ws.layout().num_ranks == 1, "workspace",
                 "the standalone combine push needs expert_y; this workspace (a fused forward's) "
                 "has none");
   // One rank: no row to push (combine.cuh), one CTA raises the flag.

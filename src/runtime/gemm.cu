@@ -176,8 +176,11 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
       make_tensor_map_2d(x, shape.capacity_rows, shape.k, config.block_m(), "x");
   const CUtensorMap map_b =
       make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k, config.block_n(), 64, "w");
-  const GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.n, shape.k, y,
-                                 shape.expert_counts};
+  MOK_CHECK_ARG(shape.output_rows == nullptr || output != ForwardOutput::kFp32, "shape.output_rows",
+                "scatters bf16 results only, not ForwardOutput::kFp32");
+  GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.n, shape.k, y,
+                           shape.expert_counts};
+  params.output_rows = shape.output_rows;
   switch (output) {
     case ForwardOutput::kBf16:
       launch<GemmKind::kForward, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
@@ -210,8 +213,11 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
       make_tensor_map_2d(dy, shape.capacity_rows, shape.n, config.block_m(), "dy");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
                                                TileConfig::BLOCK_K, TileConfig::kPanel, "w");
-  const GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.k, shape.n, dx,
-                                 shape.expert_counts};
+  MOK_CHECK_ARG(shape.output_rows == nullptr || output == DgradOutput::kBf16, "shape.output_rows",
+                "scatters bf16 results only, not DgradOutput::kFp32");
+  GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.k, shape.n, dx,
+                           shape.expert_counts};
+  params.output_rows = shape.output_rows;
   if (output == DgradOutput::kFp32) {
     launch<GemmKind::kDgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);
   } else {
@@ -223,6 +229,8 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
                    const int* expert_offsets, void* dw, WgradOutput output, cudaStream_t stream,
                    const LaunchOptions& options) {
   check_shape(shape, expert_offsets);
+  MOK_CHECK_ARG(shape.output_rows == nullptr, "shape.output_rows",
+                "is for forward and dgrad results; wgrad's rows are the weights'");
   if (shape.num_experts == 0) return;
   check_output(dw, "dw");
   // C[n, k] = dYᵀ[n, rows] · X[rows, k]: both operands are read rows-of-the-expert by 64 columns.

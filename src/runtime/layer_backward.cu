@@ -43,10 +43,10 @@ __global__ void fill_kernel(float* values, int64_t count, float value) {
 
 }  // namespace
 
-WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options, bool dx_rows_in_slots) {
   WorkspaceOptions workspace = options.workspace;
-  workspace.expert_rows = 0;  // every row at once
-  workspace.expert_y = true;  // the dx rows before the combine push
+  workspace.expert_rows = 0;               // every row at once
+  workspace.expert_y = !dx_rows_in_slots;  // the dx rows before the combine push
   workspace.backward = true;
   return workspace;
 }
@@ -100,7 +100,8 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     : shape_(shape),
       tokens_max_(tokens_max),
       options_(options),
-      workspace_(comm, shape, tokens_max, backward_workspace(options)) {
+      workspace_(comm, shape, tokens_max,
+                 backward_workspace(options, /*dx_rows_in_slots=*/comm.num_ranks() == 1)) {
   MOK_CHECK_ARG(shape.intermediate % 8 == 0, "intermediate",
                 "the GPU layer needs a multiple of 8, got ", shape.intermediate);
   MOK_CHECK_ARG(shape.shared_intermediate % 8 == 0, "shared_intermediate",
@@ -182,7 +183,8 @@ void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64
 
 int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
                                     const LayerBackwardOptions& options, bool recompute) {
-  const WorkspaceOptions workspace = backward_workspace(options);
+  const WorkspaceOptions workspace =
+      backward_workspace(options, /*dx_rows_in_slots=*/num_ranks == 1);
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
       num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, workspace.block_m,
       workspace.expert_rows, workspace.expert_y, workspace.backward);
@@ -298,10 +300,15 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
       workspace_.view(), swiglu_rows);
   MOK_CUDA_CHECK_LAUNCH();
   mark();
-  // dx rows = d_gate_up · W_gate_up: (rows, 2I) -> (rows, H) bf16, into expert_y for the push.
-  gemm::grouped_dgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_, weights.gate_up,
-                      offsets, workspace_.expert_y(), gemm::DgradOutput::kBf16, stream,
-                      gemm_options);
+  // dx rows = d_gate_up · W_gate_up: (rows, 2I) -> (rows, H) bf16, into expert_y for the push;
+  // one rank alone, straight into its slots (row t · k + j, the row's source), where the reduce
+  // reads each token's k rows side by side.
+  const bool into_slots = !workspace_.layout().has_expert_y();
+  gemm::GroupedShape gate_up_dgrad{experts, rows, 2 * inter, hidden, counts};
+  if (into_slots) gate_up_dgrad.output_rows = workspace_.row_source();
+  gemm::grouped_dgrad(gate_up_dgrad, d_gate_up_, weights.gate_up, offsets,
+                      into_slots ? workspace_.slots() : workspace_.expert_y(),
+                      gemm::DgradOutput::kBf16, stream, gemm_options);
   mark();
   combine_push(workspace_, options_.copy, stream);
   mark();

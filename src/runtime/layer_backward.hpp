@@ -86,7 +86,10 @@ inline constexpr int kNumBackwardPhases = 11;
 const char* phase_name(BackwardPhase phase);
 
 // A backward's workspace: every row at once, expert_y for the dx rows, the backward's regions.
-WorkspaceOptions backward_workspace(const LayerBackwardOptions& options);
+// dx_rows_in_slots (one rank alone, the bf16 backward): no expert_y; the gate/up dgrad writes each
+// dx row straight into its slot.
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options,
+                                    bool dx_rows_in_slots = false);
 
 // The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
 // x, dy (with stage_rows) and topk_w into the window and the schedule ...

@@ -3,6 +3,9 @@
 // wgrad fresh fp32 / bf16 and accumulated into an fp32 main_grad; wgrad bitwise equal whatever
 // the number of SMs.
 #include <algorithm>
+#include <numeric>
+#include <random>
+#include <utility>
 #include <vector>
 
 #include "gemm_test_support.hpp"
@@ -223,6 +226,65 @@ TEST_F(GroupedGemmBackward, PingpongEqualsCooperativeBitwise) {
                                                             &main_grad, kPingpong)))
         << "wgrad accumulate: ping-pong on " << num_sms << " CTAs differs from cooperative";
   }
+}
+
+// dgrad's bf16 rows scattered by output_rows (a permutation of the rows plus spare rows, as the
+// layer's schedule sends each expert row to its token's slot): each row lands bitwise where the
+// plain result's row lies, on both engines and any grid; rows past the experts' ends and the
+// spare output rows stay poisoned; fp32 results and wgrad refuse a scatter.
+TEST_F(GroupedGemmBackward, DgradScattersRowsByOutputRows) {
+  const auto plain = run_dgrad(0, GemmEngine::kCooperative);
+  const int rows = p_->capacity, out_rows = rows + 17;
+  // Distinct destinations among out_rows rows, in random order: 17 output rows get none.
+  std::vector<int> destination(static_cast<size_t>(out_rows));
+  std::iota(destination.begin(), destination.end(), 0);
+  std::mt19937 generator(31);
+  std::shuffle(destination.begin(), destination.end(), generator);
+  destination.resize(static_cast<size_t>(rows));
+  DeviceBuffer<int> map(destination.size());
+  map.upload(destination);
+  GroupedShape shape = p_->shape();
+  shape.output_rows = map.get();
+  for (const auto& [engine, num_sms] :
+       {std::pair{GemmEngine::kCooperative, 0}, std::pair{GemmEngine::kCooperative, 3},
+        std::pair{GemmEngine::kPingpong, 0}, std::pair{GemmEngine::kPingpong, 5}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "engine " << static_cast<int>(engine) << ", " << num_sms << " CTAs");
+    DeviceBuffer<bf16> out(static_cast<size_t>(out_rows) * kIn);
+    out.poison();
+    grouped_dgrad(shape, dy_->get(), w_->get(), offsets_->get(), out.get(), nullptr,
+                  LaunchOptions{num_sms, engine});
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<bf16> scattered = out.download();
+    std::vector<bool> target(static_cast<size_t>(out_rows), false);
+    int64_t wrong = 0;
+    for (int row = 0; row < rows; ++row) {
+      const bool real = row < p_->total_rows;  // rows past the experts' ends are never written
+      target[destination[row]] = real;
+      for (int column = 0; column < kIn; ++column) {
+        const bf16 got = scattered[static_cast<size_t>(destination[row]) * kIn + column];
+        if (real) {
+          wrong += got.bits != plain[static_cast<size_t>(row) * kIn + column].bits ? 1 : 0;
+        } else {
+          wrong += is_poison(got) ? 0 : 1;
+        }
+      }
+    }
+    for (int row = 0; row < out_rows; ++row) {
+      if (target[row]) continue;
+      for (int column = 0; column < kIn; ++column) {
+        wrong += is_poison(scattered[static_cast<size_t>(row) * kIn + column]) ? 0 : 1;
+      }
+    }
+    EXPECT_EQ(wrong, 0) << "elements not where the plain dgrad's rows point";
+  }
+  DeviceBuffer<float> fp32(static_cast<size_t>(out_rows) * kIn);
+  EXPECT_THROW(grouped_dgrad(shape, dy_->get(), w_->get(), offsets_->get(), fp32.get(),
+                             DgradOutput::kFp32, nullptr),
+               Error);
+  EXPECT_THROW(grouped_wgrad(shape, dy_->get(), x_->get(), offsets_->get(), fp32.get(),
+                             WgradOutput::kFp32, nullptr),
+               Error);
 }
 
 // wgrad on clusters of two CTAs (each loading half of the shared x tile into both) sums every

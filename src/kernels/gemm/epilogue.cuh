@@ -29,15 +29,28 @@ struct Epilogue {
     int staging_row;   // first of the warp's 16 staging rows (its own in either kind of tile)
   };
 
-  // Where row `tile_row` of a staged tile goes: row-major C, rows tile_base + row * row_stride.
-  // A caller may pass another destination per row (the fused forward's combine, which sends each
-  // row to its token's owner).
+  // Where row `tile_row` of a staged tile goes: row-major C, rows tile_base + row * row_stride,
+  // or, with the params' output_rows, row output_rows[r] of C for the call's row r. A caller may
+  // pass another destination per row (the fused forward's combine, which sends each row to its
+  // token's owner).
   struct RowMajorRows {
-    __device__ char* operator()(const Fragment& f, const GroupedTile&, int tile_row) const {
-      return f.tile_base + tile_row * f.row_stride;
+    const int32_t* output_rows = nullptr;  // GroupedGemmParams::output_rows
+    char* output = nullptr;                // C, with output_rows
+
+    __device__ static RowMajorRows of(const GroupedGemmParams& params) {
+      return {params.output_rows, static_cast<char*>(params.output)};
     }
-    // The same for the tile of the row block `blocks` on (its Fragment places it).
-    __device__ RowMajorRows block(int /*blocks*/) const { return {}; }
+    __device__ char* operator()(const Fragment& f, const GroupedTile& tile, int tile_row) const {
+      // (wgrad's C rows are the weights': the host refuses output_rows there)
+      if (kKind == GemmKind::kWgrad || output_rows == nullptr) {
+        return f.tile_base + tile_row * f.row_stride;
+      }
+      const int64_t row =
+          tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M + tile_row;
+      return output + static_cast<int64_t>(output_rows[row]) * f.row_stride + f.column_bytes;
+    }
+    // The same for the tile of the row block `blocks` on (its Fragment and tile place it).
+    __device__ RowMajorRows block(int /*blocks*/) const { return *this; }
   };
 
   __device__ static Fragment fragment(const GroupedGemmParams& params, const GroupedTile& tile,

@@ -144,6 +144,9 @@ struct GroupedGemmParams {
   const int* group_counts = nullptr;
   // kSwiGluFp8: h's fp32 scales, (rows, N / 256), one per row and 128 columns of h.
   float* output_scales = nullptr;
+  // forward/dgrad, staged bf16 outputs: row r of the call's rows goes to output row
+  // output_rows[r] (device, [rows]); null: row r.
+  const int32_t* output_rows = nullptr;
 };
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -85,8 +85,13 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     while (scheduler.next_tile(tile)) {
       Store::init(params, tile, consumer_idx, accum);
       Loop::mma(smem, params, tile, consumer_idx, state, accum);
-      Store::store(params, tile, consumer_idx, smem.staging, accum, {},
-                   Store::kBoxStores ? &map_c : nullptr);
+      if constexpr (kKind == GemmKind::kWgrad) {
+        Store::store(params, tile, consumer_idx, smem.staging, accum, {},
+                     Store::kBoxStores ? &map_c : nullptr);
+      } else {
+        Store::store(params, tile, consumer_idx, smem.staging, accum,
+                     Store::RowMajorRows::of(params));
+      }
     }
     Store::drain();
   }
