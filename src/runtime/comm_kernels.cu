@@ -14,7 +14,6 @@ namespace mok {
 namespace {
 
 constexpr int kGatherThreads = 256;
-constexpr int kCountThreads = 256;
 
 __global__ void begin_call_kernel(comm::WorkspaceView view) { comm::begin_call(view); }
 
@@ -23,12 +22,49 @@ __global__ void gather_push_kernel(comm::WorkspaceView view, const int32_t* topk
   comm::gather_push(view, topk_idx, num_tokens);
 }
 
-__global__ void count_rows_kernel(comm::WorkspaceView view) { comm::count_rows(view); }
+// The schedule's sliced passes (token_schedule.cuh), one kernel each, so that kernel boundaries
+// are their barriers. Shared memory: E_l row counters per warp, after place_rows' E_l + 1 offsets.
+constexpr int kSliceThreads = 256;
 
-// One block per SM as the bound: left to aim at four, ptxas kept it to 32 registers and spilled.
-__global__ void __launch_bounds__(comm::kOrderThreads, 1)
-    order_rows_kernel(comm::WorkspaceView view) {
-  comm::order_rows(view, blockIdx.x);
+__global__ void __launch_bounds__(kSliceThreads) count_kernel(comm::WorkspaceView view) {
+  extern __shared__ int32_t counters[];
+  const int cta = static_cast<int>(blockIdx.x), num_ctas = static_cast<int>(gridDim.x);
+  comm::count_rows(view, cta, num_ctas);
+  comm::count_slices(view, cta, num_ctas, counters);
+}
+
+__global__ void __launch_bounds__(kSliceThreads) scan_slices_kernel(comm::WorkspaceView view) {
+  comm::scan_slices(view, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+}
+
+__global__ void __launch_bounds__(kSliceThreads) place_rows_kernel(comm::WorkspaceView view) {
+  extern __shared__ int32_t scratch[];
+  comm::place_rows(view, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), scratch,
+                   scratch + view.layout.experts_per_rank() + 1);
+}
+
+// Dynamic shared memory of the sliced passes for E_l local experts; above the default 48 KB
+// (E_l > ~1,300) the kernels are allowed more, up to the device's limit.
+size_t slice_pass_bytes(const CommWorkspace& ws) {
+  const int64_t experts = ws.layout().experts_per_rank();
+  const size_t bytes = static_cast<size_t>((experts + 1 + kSliceThreads / 32 * experts) * 4);
+  constexpr size_t kDefaultLimit = 48 * 1024;
+  if (bytes > kDefaultLimit) {
+    static const int limit = [] {
+      int device = 0, optin = 0;
+      MOK_CUDA_CHECK(cudaGetDevice(&device));
+      MOK_CUDA_CHECK(
+          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      return optin;
+    }();
+    MOK_CHECK_ARG(bytes <= static_cast<size_t>(limit), "num_experts", "the schedule's ", experts,
+                  " local experts need ", bytes, " bytes of shared memory, more than ", limit);
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(
+        place_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+  return bytes;
 }
 
 template <comm::DispatchTensor kTensor>
@@ -154,13 +190,24 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
   gather_push_kernel<<<gather_ctas, kGatherThreads, 0, stream>>>(ws.view(), topk_idx,
                                                                  static_cast<int32_t>(num_tokens));
   MOK_CUDA_CHECK_LAUNCH();
+  // Every id counted and checked, and each slice's rows per local expert; the rows before each
+  // slice; every row placed (global token order within an expert, padding -1).
+  const size_t shared_bytes = slice_pass_bytes(ws);
+  const int64_t slice_warps = layout.num_ranks * layout.slices_per_source();
   const int64_t all_ids = layout.num_ranks * layout.tokens_max * layout.top_k;
-  const int count_ctas =
-      static_cast<int>(std::clamp<int64_t>(ceil_div(all_ids, kCountThreads * 8), 1, ws.num_sms()));
-  count_rows_kernel<<<count_ctas, kCountThreads, 0, stream>>>(ws.view());
+  const int64_t warps_per_cta = kSliceThreads / 32;
+  const int count_ctas = static_cast<int>(std::clamp<int64_t>(
+      std::max(ceil_div(all_ids, int64_t{kSliceThreads} * 8), ceil_div(slice_warps, warps_per_cta)),
+      1, ws.num_sms()));
+  count_kernel<<<count_ctas, kSliceThreads, shared_bytes, stream>>>(ws.view());
   MOK_CUDA_CHECK_LAUNCH();
-  order_rows_kernel<<<static_cast<int>(layout.experts_per_rank()), comm::kOrderThreads, 0,
-                      stream>>>(ws.view());
+  const int scan_ctas = static_cast<int>(
+      std::clamp<int64_t>(ceil_div(layout.experts_per_rank(), warps_per_cta), 1, ws.num_sms()));
+  scan_slices_kernel<<<scan_ctas, kSliceThreads, 0, stream>>>(ws.view());
+  MOK_CUDA_CHECK_LAUNCH();
+  const int place_ctas =
+      static_cast<int>(std::clamp<int64_t>(ceil_div(slice_warps, warps_per_cta), 1, ws.num_sms()));
+  place_rows_kernel<<<place_ctas, kSliceThreads, shared_bytes, stream>>>(ws.view());
   MOK_CUDA_CHECK_LAUNCH();
 }
 

@@ -3,6 +3,9 @@
 // CPU reference at EP = 2, and EP = 1 against EP = 2, for several routings.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <random>
 #include <string>
 
 #include "routing_cases.hpp"
@@ -87,6 +90,90 @@ INSTANTIATE_TEST_SUITE_P(Routings, CommDispatch,
                              if (c == ':' || c == '-') c = '_';
                            return routing;
                          });
+
+// ---- the schedule on one GPU, against the host's construction -------------------------------
+
+// The standalone schedule's sliced passes (count, scan, place) at EP 1 give offsets on block_m
+// boundaries, each expert's rows in token then slot order, padding -1, and the row of every used
+// slot (local_row: a backward workspace without expert_y, which the dispatch by tokens reads).
+// The ids span 18 slices of kScheduleSlice, slice boundaries fall inside tokens' slots, ~10 % of
+// the slots are unused, and there are fewer experts than a warp's lanes and more than a CTA's
+// threads; the outputs are poisoned before each call, and a second call takes new ids.
+TEST(CommSchedule, SlicedPassesPlaceRowsInTokenOrder) {
+  MOK_REQUIRE_GPUS(1);
+  const Communicator& comm = local_communicators(1)[0];
+  MOK_CUDA_CHECK(cudaSetDevice(comm.device()));
+  const int64_t tokens = 3001, top_k = 6, block_m = 64;
+  static_assert(3001 * 6 > 17 * comm::kScheduleSlice, "the ids should span 18 slices");
+  for (const int64_t experts : {8, 300}) {
+    SCOPED_TRACE("experts " + std::to_string(experts));
+    LayerShape shape;
+    shape.hidden = 128;
+    shape.intermediate = 128;
+    shape.num_experts = experts;
+    shape.top_k = top_k;
+    WorkspaceOptions options;
+    options.block_m = block_m;
+    options.expert_y = false;
+    options.backward = true;
+    CommWorkspace ws(comm, shape, tokens + 7, options);  // T < T_max on purpose
+    std::vector<double> weights(static_cast<size_t>(experts));
+    for (int64_t e = 0; e < experts; ++e) weights[e] = 1.0 / std::pow(1.0 + e, 1.2);
+    for (uint32_t call = 0; call < 2; ++call) {
+      SCOPED_TRACE("call " + std::to_string(call));
+      std::mt19937 rng(static_cast<uint32_t>(experts) * 7 + call);
+      std::discrete_distribution<int32_t> skewed(weights.begin(), weights.end());
+      std::bernoulli_distribution unused(0.1);
+      std::vector<int32_t> ids(static_cast<size_t>(tokens * top_k));
+      for (int64_t t = 0; t < tokens; ++t) {
+        int32_t* row = ids.data() + t * top_k;
+        for (int64_t j = 0; j < top_k; ++j) {
+          do row[j] = skewed(rng);
+          while (std::find(row, row + j, row[j]) != row + j);
+        }
+        for (int64_t j = 0; j < top_k; ++j) {
+          if (unused(rng)) row[j] = -1;
+        }
+      }
+      DeviceBuffer<int32_t> topk_idx(ids);
+      const int64_t capacity = ws.layout().rows_capacity();
+      MOK_CUDA_CHECK(cudaMemset(ws.view().row_source(), 0x7f, capacity * 4));
+      MOK_CUDA_CHECK(cudaMemset(ws.view().local_row(), 0x7f, tokens * top_k * 4));
+      MOK_CUDA_CHECK(cudaMemset(ws.view().offsets(), 0x7f, (experts + 1) * 4));
+      schedule(ws, topk_idx.get(), tokens, nullptr);
+      ws.check(nullptr);
+      MOK_CUDA_CHECK(cudaDeviceSynchronize());
+      auto download = [](const int32_t* device, int64_t count) {
+        std::vector<int32_t> host(static_cast<size_t>(count));
+        MOK_CUDA_CHECK(cudaMemcpy(host.data(), device, host.size() * 4, cudaMemcpyDeviceToHost));
+        return host;
+      };
+      const std::vector<int32_t> offsets = download(ws.expert_offsets(), experts + 1);
+      const std::vector<int32_t> counts = download(ws.expert_counts(), experts);
+      const std::vector<int32_t> row_source = download(ws.row_source(), capacity);
+      const std::vector<int32_t> local_row = download(ws.view().local_row(), tokens * top_k);
+      int64_t first = 0, placed = 0;
+      for (int64_t e = 0; e < experts; ++e) {
+        ASSERT_EQ(offsets[e], first) << "expert " << e;
+        int64_t row = first;
+        for (int64_t index = 0; index < tokens * top_k; ++index) {  // token order, then slot
+          if (ids[index] != e) continue;
+          ASSERT_EQ(row_source[row], index) << "expert " << e << " row " << row;
+          ASSERT_EQ(local_row[index], row)
+              << "token " << index / top_k << " slot " << index % top_k;
+          ++row;
+        }
+        ASSERT_EQ(counts[e], row - first) << "expert " << e;
+        placed += row - first;
+        const int64_t end = first + (row - first + block_m - 1) / block_m * block_m;
+        for (; row < end; ++row) ASSERT_EQ(row_source[row], -1) << "padding row " << row;
+        first = end;
+      }
+      EXPECT_EQ(offsets[experts], first);
+      EXPECT_EQ(placed, std::count_if(ids.begin(), ids.end(), [](int32_t id) { return id >= 0; }));
+    }
+  }
+}
 
 // ---- the whole path, bitwise ------------------------------------------------------------------
 

@@ -177,9 +177,10 @@ TEST(FusedForwardEp1Rings, RingBoundsTheBuffers) {
   EXPECT_THROW(LayerForward(comm, shape, tokens, too_small), Error);
 }
 
-// The fused schedule (slice counts, their scan, placement: token_schedule.cuh) gives the rows of
-// the standalone schedule's order_rows bitwise: the same offsets, counts, rows in global token
-// order within each expert, and padding. Over several routings, token counts that are not
+// The fused schedule (slice counts, their scan, placement: token_schedule.cuh, between grid
+// barriers) gives the rows of the standalone schedule's kernels bitwise: the same offsets, counts,
+// rows in global token order within each expert, and padding (CommSchedule checks those against
+// the host's construction). Over several routings, token counts that are not
 // multiples of the slice, and slice boundaries inside a token's slots (T k = 300 * 6).
 TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
   MOK_REQUIRE_HOPPER_GPUS(1);  // (EP 2 emulated on one GPU where there is one)
@@ -204,7 +205,7 @@ TEST(FusedForwardEp2Schedule, PlacesRowsAsTheOrderedSchedule) {
       const std::vector<int32_t> counts = download(ws.view().counts(), experts);
       const std::vector<int32_t> placed = download(ws.view().row_source(), offsets[experts]);
       MOK_CUDA_CHECK(cudaMemset(ws.view().row_source(), 0x7f, ws.layout().rows_capacity() * 4));
-      schedule(ws, topk_idx, tokens, stream);  // the standalone kernels: order_rows
+      schedule(ws, topk_idx, tokens, stream);  // the standalone kernels
       ws.check(stream);
       rows[rank] = offsets[experts];
       EXPECT_EQ(download(ws.view().offsets(), experts + 1), offsets) << "rank " << rank;

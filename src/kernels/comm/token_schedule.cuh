@@ -4,18 +4,19 @@
 //                      signal the gather flag (its x is in the window too: pulls may start)
 //   3. count_rows      wait for every rank's gather flag, validate every id (in range, distinct
 //                      within its row), count the rows of each local expert
-//   4. order_rows      one CTA per local expert: offsets (each expert starts at a multiple of
-//                      block_m) and the expert's rows in global token order (rank * T_max + t,
-//                      then slot j), padding marked -1; for this rank's own tokens, the row of
-//                      each (t, j) (local_row), so the combine can read it in place
-//      count_slices, scan_slices, place_rows
-//                      (the fused forward's instead) the same offsets, rows and padding as
-//                      order_rows in three passes over the ids, however many experts (order_rows
-//                      scans every id once per expert): each warp counts the rows of every local
-//                      expert in its slices of kScheduleSlice ids, one warp per expert turns the
-//                      counts into the rows before each slice (in global order), and each warp
-//                      places its slices' rows from there, in order.
-// Kernel boundaries separate the steps; within a step nothing depends on timing.
+//   4. count_slices, scan_slices, place_rows
+//                      the offsets (each local expert starts at a multiple of block_m) and each
+//                      expert's rows in global token order (rank * T_max + t, then slot j),
+//                      padding marked -1, in three passes over the ids however many experts: each
+//                      warp counts the rows of every local expert in its slices of kScheduleSlice
+//                      ids, one warp per expert turns the counts into the rows before each slice
+//                      (in global order), and each warp places its slices' rows from there, in
+//                      order; for this rank's own tokens, the row of each (t, j) (local_row) where
+//                      the combine reads rows in place or the backward dispatches by token.
+//                      The standalone schedule runs them as kernels, the fused forward inside its
+//                      kernel with grid barriers between them.
+// Kernel boundaries (grid barriers in the fused forward) separate the steps; within a step
+// nothing depends on timing.
 #pragma once
 
 #include <cstdint>
@@ -24,9 +25,6 @@
 #include "kernels/comm/workspace_layout.cuh"
 
 namespace mok::comm {
-
-inline constexpr int kOrderThreads = 512;
-inline constexpr int kOrderTokensPerThread = 4;
 
 __device__ inline void begin_call(const WorkspaceView& view) {
   DeviceState* state = view.state();
@@ -169,72 +167,6 @@ __device__ inline int32_t exclusive_scan_cta(int32_t value, int32_t& total) {
   total = warp_sums[num_warps - 1];
   __syncthreads();  // warp_sums is reused by the next call
   return warp_base + inclusive - value;
-}
-
-// The whole CTA orders the rows of one local expert (any number of threads, a multiple of 32).
-__device__ inline void order_rows(const WorkspaceView& view, int64_t local_expert) {
-  DeviceState* state = view.state();
-  if (cta_sees_error(view)) return;
-  const WorkspaceLayout& layout = view.layout;
-  const int64_t experts_per_rank = layout.experts_per_rank();
-  const int32_t expert = static_cast<int32_t>(view.rank * experts_per_rank + local_expert);
-  const int32_t* counts = view.counts();
-
-  __shared__ int64_t first_row_shared;
-  if (threadIdx.x < 32) {
-    int64_t sum = 0;
-    for (int64_t other = threadIdx.x; other < local_expert; other += 32) {
-      sum += padded_rows(counts[other], layout.block_m);
-    }
-#pragma unroll
-    for (int delta = 16; delta > 0; delta /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, delta);
-    if (threadIdx.x == 0) first_row_shared = sum;
-  }
-  __syncthreads();
-  const int64_t first_row = first_row_shared;
-  const int64_t count = counts[local_expert];
-  const int64_t padded = padded_rows(count, layout.block_m);
-  if (threadIdx.x == 0) {
-    view.offsets()[local_expert] = static_cast<int32_t>(first_row);
-    if (local_expert == experts_per_rank - 1) {
-      view.offsets()[experts_per_rank] = static_cast<int32_t>(first_row + padded);
-    }
-  }
-
-  int32_t* row_source = view.row_source();
-  int64_t placed = 0;
-  const int64_t tokens_per_pass = static_cast<int64_t>(blockDim.x) * kOrderTokensPerThread;
-  for (int source = 0; source < layout.num_ranks; ++source) {
-    const int64_t num_tokens = view.token_counts(view.rank)[source];
-    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k)
-    for (int64_t pass_first = 0; pass_first < num_tokens; pass_first += tokens_per_pass) {
-      // Each thread takes kOrderTokensPerThread consecutive tokens, so thread order is token order.
-      const int64_t my_first = pass_first + threadIdx.x * kOrderTokensPerThread;
-      int32_t matches = 0;
-      for (int64_t token = my_first; token < my_first + kOrderTokensPerThread && token < num_tokens;
-           ++token) {
-        for (int64_t slot = 0; slot < layout.top_k; ++slot) {
-          matches += ids[token * layout.top_k + slot] == expert ? 1 : 0;
-        }
-      }
-      int32_t pass_total = 0;
-      int64_t row = first_row + placed + exclusive_scan_cta(matches, pass_total);
-      for (int64_t token = my_first;
-           matches > 0 && token < my_first + kOrderTokensPerThread && token < num_tokens; ++token) {
-        for (int64_t slot = 0; slot < layout.top_k; ++slot) {
-          if (ids[token * layout.top_k + slot] == expert) {
-            if (source == view.rank)
-              view.local_row()[token * layout.top_k + slot] = static_cast<int32_t>(row);
-            row_source[row++] = pack_row_source(layout, source, token, slot);
-          }
-        }
-      }
-      placed += pass_total;
-    }
-  }
-  for (int64_t pad = count + threadIdx.x; pad < padded; pad += blockDim.x) {
-    row_source[first_row + pad] = -1;
-  }
 }
 
 // The slices of the schedule: slice c of source rank r covers ids [c, c + 1) * kScheduleSlice of
@@ -390,8 +322,11 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
         const int32_t row = placed[local_expert] + __popc(same & ((1u << me.lane) - 1u));
         row_source[row] =
             pack_row_source(layout, source, index / layout.top_k, index % layout.top_k);
-        // Read in place by the reduce only from a workspace with expert_y.
-        if (source == view.rank && layout.has_expert_y()) view.local_row()[index] = row;
+        // Read by the reduce in place (a workspace with expert_y) and by the backward's dispatch
+        // by token; the fused forward needs none.
+        if (source == view.rank && (layout.has_expert_y() || layout.backward)) {
+          view.local_row()[index] = row;
+        }
       }
       __syncwarp();
       if (mine && me.lane == __ffs(same) - 1) placed[local_expert] += __popc(same);

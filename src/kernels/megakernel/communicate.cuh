@@ -25,12 +25,11 @@ inline constexpr int kProducerDispatchUnroll = 4;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh (its sliced
-// passes count_slices, scan_slices, place_rows for the rows' order, the same as order_rows'), with
-// barriers across those CTAs in place of kernel boundaries, while the other CTAs run shared gate/up
-// tiles. Ends by publishing
-// schedule_epoch, which the compute producers also wait for before their first routed task (a
-// failed schedule publishes it too: they then find the error and skip the routed tasks).
+// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh, the same as
+// the standalone schedule's kernels, with barriers across those CTAs in place of kernel
+// boundaries, while the other CTAs run shared gate/up tiles. Ends by publishing schedule_epoch,
+// which the compute producers also wait for before their first routed task (a failed schedule
+// publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
 // scratch: shared memory for (E_l + 1) + warps * E_l ints (the dynamic shared memory, unused until
 // compute).
