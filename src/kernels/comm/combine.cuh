@@ -75,8 +75,7 @@ __device__ inline void combine_reduce(const WorkspaceView& view, const float* to
     // keeps kReduceSlotBatch loads in flight (one at a time left the reduce latency-bound); the
     // adds then run in slot order, as before. What a row's place depends on (its expert, its row
     // in expert_y) and its weight are loaded side by side first, so that a row load waits for one
-    // round trip, not two (the in-place rows' reduce took 0.29 ms where the slots' took 0.17 at
-    // qwen3-30b-a3b, perf-notes/backward.md v12).
+    // round trip, not two.
     const bool in_place = layout.has_expert_y();
     for (int64_t batch = 0; batch < layout.top_k; batch += kReduceSlotBatch) {
       int4 packed[kReduceSlotBatch];

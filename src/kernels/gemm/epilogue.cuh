@@ -42,12 +42,8 @@ struct Epilogue {
     }
     __device__ char* operator()(const Fragment& f, const GroupedTile& tile, int tile_row) const {
       // (wgrad's C rows are the weights': the host refuses output_rows there)
-      if (kKind == GemmKind::kWgrad || output_rows == nullptr) {
-        return f.tile_base + tile_row * f.row_stride;
-      }
-      const int64_t row =
-          tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M + tile_row;
-      return output + static_cast<int64_t>(output_rows[row]) * f.row_stride + f.column_bytes;
+      if constexpr (kKind == GemmKind::kWgrad) return f.tile_base + tile_row * f.row_stride;
+      return tile_row_in_c<Config>(f, tile, tile_row, output_rows, output);
     }
     // The same for the tile of the row block `blocks` on (its Fragment and tile place it).
     __device__ RowMajorRows block(int /*blocks*/) const { return *this; }

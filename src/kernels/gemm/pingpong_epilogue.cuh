@@ -82,13 +82,9 @@ struct PingpongEpilogue {
         Rows::pack(accum[r], packed);
         Rows::write(warp_staging, packed, f.columns_valid, [&](int warp_row) -> char* {
           const int row = 64 * r + warp_first_row + warp_row;
-          if (row >= f.rows_valid) return nullptr;
-          if (params.output_rows == nullptr) return f.tile_base + row * f.row_stride;
-          // (params.output_rows: the call's row r to output row output_rows[r])
-          const int64_t call_row =
-              tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M + row;
-          return static_cast<char*>(params.output) +
-                 static_cast<int64_t>(params.output_rows[call_row]) * f.row_stride + f.column_bytes;
+          return row < f.rows_valid
+                     ? tile_row_in_c<Config>(f, tile, row, params.output_rows, params.output)
+                     : nullptr;
         });
       }
     }

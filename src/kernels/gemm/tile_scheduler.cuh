@@ -68,6 +68,19 @@ __host__ __device__ inline TileInC tile_in_c(const GroupedGemmParams& params,
   return place;
 }
 
+// Where row `tile_row` of a forward or dgrad tile placed by tile_in_c starts in C (its first
+// column): row-major from tile_base, or, with output_rows (GroupedGemmParams::output_rows), row
+// output_rows[r] of C (`output`) for the call's row r.
+template <class Config>
+__device__ inline char* tile_row_in_c(const TileInC& place, const GroupedTile& tile, int tile_row,
+                                      const int32_t* output_rows, void* output) {
+  if (output_rows == nullptr) return place.tile_base + tile_row * place.row_stride;
+  const int64_t row =
+      tile.row_begin + static_cast<int64_t>(tile.mblock) * Config::BLOCK_M + tile_row;
+  return static_cast<char*>(output) + static_cast<int64_t>(output_rows[row]) * place.row_stride +
+         place.column_bytes;
+}
+
 // kClusterSize > 1: the CTAs of a cluster walk the cluster's tiles together, CTA r taking M block
 // kClusterSize * p + r of the tile's M group p at one N block, so that they share the group (hence
 // the k-blocks) and the B tile. An M block past M, or past the group's rows (a count that is not a

@@ -45,8 +45,8 @@ struct RowsToSavedContext {
 // rounded to bf16 as Epilogue<kForward, kStoreBf16> rounds them. Each warp passes its 16 fragment
 // rows through its staging rows (`staging`, the epilogue's, free until the tile's own stores) 8
 // rows and 128 columns at a time, then stores whole rows, so that every store writes full 32-byte
-// sectors: stored straight from the fragment (a bf16 pair, half a sector of a row per store) the
-// saved rows cost the step's forward 0.2-0.6 ms (perf-notes/backward.md v10). The staged rows are
+// sectors: stored straight from the fragment, a bf16 pair per store writes half a sector of a row
+// (perf-notes/backward.md v10 has what it cost the forward). The staged rows are
 // 272 bytes apart, so that the fragment's stores (8 rows, one 16-byte vector each) hit every bank
 // once with offsets known at compile time: the epilogue's XOR-swizzled rows, or packed pairs beside
 // the accumulators (which the SwiGLU epilogue still needs), spilled registers.
