@@ -136,11 +136,33 @@ TEST(LayerBackwardFp8, TransposedWeightsAreTheForwardBlocksTransposed) {
   const Problem problem = fp8_problem({"uniform", 0.0, false, true}, 64, 51);
   const LayerShape& shape = problem.shape;
   const reference::RankInputs inputs = problem.rank_inputs(0, 1);
-  const RankDeviceWeights weights(inputs.weights, shape);
+  const int64_t experts = shape.num_experts, hidden = shape.hidden, inter = shape.intermediate;
+  // Special values in some blocks (the quantizer's packed maximum and its general path for the
+  // threads that hold a non-finite value): NaN, +-Inf, +-the largest finite bf16, a block of
+  // zeros, a block of subnormals of both signs.
+  std::vector<bf16> gate = host_vector(inputs.weights.gate), up = host_vector(inputs.weights.up),
+                    down = host_vector(inputs.weights.down);
+  gate[5] = bf16::from_bits(0x7fc1);                                 // NaN, expert 0
+  gate[(3 * inter + 200) * hidden + 130] = bf16::from_bits(0xff80);  // -Inf, expert 3
+  gate[(1 * inter + 7) * hidden + 9] = bf16::from_bits(0x7f7f);      // largest finite
+  down[(2 * hidden + 140) * inter + 3] = bf16::from_bits(0x7f80);    // +Inf, expert 2
+  down[(5 * hidden + 1) * inter + 250] = bf16::from_bits(0xff7f);    // -largest
+  for (int64_t r = 128; r < 256; ++r) {
+    for (int64_t c = 0; c < 128; ++c) {
+      down[(4 * hidden + r) * inter + c] =
+          bf16::from_bits(static_cast<uint16_t>(0x8000 * (c % 2)));  // +-0
+      up[(6 * inter + r) * hidden + 128 + c] =
+          bf16::from_bits(static_cast<uint16_t>(0x8000 * (r % 2) + 1 + (r * 7 + c) % 127));
+    }
+  }
+  LayerWeights special = inputs.weights;
+  special.gate = View<const bf16>(gate.data(), inputs.weights.gate.shape);
+  special.up = View<const bf16>(up.data(), inputs.weights.up.shape);
+  special.down = View<const bf16>(down.data(), inputs.weights.down.shape);
+  const RankDeviceWeights weights(special, shape);
   Fp8WeightCache cache(shape, shape.num_experts, /*transposed=*/true);
   cache.quantize(weights.view(), nullptr);
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
-  const int64_t experts = shape.num_experts, hidden = shape.hidden, inter = shape.intermediate;
   // Each transposed matrix is quantize_cpu of the bf16 matrix transposed (128 x 128 blocks: the
   // same squares): gate/up's columns the gate rows, then the up rows.
   const auto expect_transposed = [&](const std::vector<bf16>& first,
@@ -178,10 +200,8 @@ TEST(LayerBackwardFp8, TransposedWeightsAreTheForwardBlocksTransposed) {
     EXPECT_EQ(std::memcmp(got_scales.data(), expected_scales.data(), got_scales.size() * 4), 0);
   };
   const Fp8LayerWeights& transposed = cache.transposed();
-  expect_transposed(host_vector(inputs.weights.gate), host_vector(inputs.weights.up), experts,
-                    inter, hidden, transposed.gate_up, "gate/up");
-  expect_transposed(host_vector(inputs.weights.down), {}, experts, hidden, inter, transposed.down,
-                    "down");
+  expect_transposed(gate, up, experts, inter, hidden, transposed.gate_up, "gate/up");
+  expect_transposed(down, {}, experts, hidden, inter, transposed.down, "down");
   expect_transposed(host_vector(inputs.weights.shared_gate), host_vector(inputs.weights.shared_up),
                     1, shape.shared_intermediate, hidden, transposed.shared_gate_up,
                     "shared gate/up");

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/ptx/fp8.cuh"
+#include "kernels/ptx/math.cuh"
 #include "mok/detail/fp8_numerics.hpp"
 #include "mok/quantize.hpp"
 
@@ -57,6 +58,21 @@ __device__ __forceinline__ uint32_t finite_amax_bits(const float (&values)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) amax_bits = max(amax_bits, fp8::finite_magnitude_bits(values[i]));
   return amax_bits;
+}
+
+// The largest magnitude of bf16 values packed two to a word, as float bits, and whether every
+// one of them is finite; when one is not, finite_amax_bits of the widened values is the answer.
+// A bf16 magnitude's bits order as its value does, so two 16-bit maxima a word replace the
+// widen, the mask, the finiteness test and the maximum of each value.
+template <int kWords>
+__device__ __forceinline__ uint32_t packed_bf16_amax_bits(const uint32_t (&words)[kWords],
+                                                          bool& finite) {
+  uint32_t halves = 0;
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) halves = ptx::max_u16x2(halves, words[w] & 0x7fff7fffu);
+  const uint32_t magnitude = max(halves >> 16, halves & 0xffffu);
+  finite = magnitude < 0x7f80u;  // bf16 +Inf; above it, NaNs
+  return magnitude << 16;
 }
 
 // The maximum over the `kLanes` consecutive lanes (a power of two, aligned) this lane belongs to.
@@ -126,6 +142,21 @@ __device__ __forceinline__ void encode_scaled(const float (&values)[N], float in
       }
     }
     words[w] = word;
+  }
+}
+
+// encode_scaled for values known to be finite: no patch for NaN or +-Inf (the same codes).
+template <int N>
+__device__ __forceinline__ void encode_scaled_finite(const float (&values)[N], float inverse,
+                                                     uint32_t (&words)[N / 4]) {
+  static_assert(N % 4 == 0, "whole 32-bit words of codes");
+#pragma unroll
+  for (int w = 0; w < N / 4; ++w) {
+    float scaled[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) scaled[j] = __fmul_rn(values[4 * w + j], inverse);
+    words[w] = static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[0], scaled[1])) |
+               (static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[2], scaled[3])) << 16);
   }
 }
 

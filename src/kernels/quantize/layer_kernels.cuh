@@ -169,18 +169,33 @@ __global__ void __launch_bounds__(kWeightBlockThreads)
   const int64_t col = col_block * 128 + vector * 8;
 
   uint4 raw[kPasses];  // rows first_row + 16 pass, 8 bf16 each
-  uint32_t amax_bits = 0;
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int64_t row = row_block * 128 + first_row + pass * 16;
     raw[pass] =
         *reinterpret_cast<const uint4*>(x + matrix_offset + RowMap{}(row, rows) * cols + col);
   }
+  // NOTE: the kernel runs at the SMs' issue rate, not DRAM's (ncu: 92 % SM throughput, 63 %
+  // DRAM): the maximum comes from the packed bf16 pairs, and values known finite skip the
+  // encoding's NaN and Inf patch; a thread holding a non-finite value takes the general path.
+  uint32_t words[4 * kPasses];
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
-    float values[8];
-    InputVector<uint16_t>::widen(raw[pass], values);
-    amax_bits = max(amax_bits, finite_amax_bits(values));
+    words[4 * pass] = raw[pass].x;
+    words[4 * pass + 1] = raw[pass].y;
+    words[4 * pass + 2] = raw[pass].z;
+    words[4 * pass + 3] = raw[pass].w;
+  }
+  bool finite = true;
+  uint32_t amax_bits = packed_bf16_amax_bits(words, finite);
+  if (!finite) {
+    amax_bits = 0;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      float values[8];
+      InputVector<uint16_t>::widen(raw[pass], values);
+      amax_bits = max(amax_bits, finite_amax_bits(values));
+    }
   }
   const float amax = __uint_as_float(cta_max<kWarps>(amax_bits, warp_amax_bits));
   const fp8::Fp8BlockScale scale = fp8::fp8_block_scale(amax);
@@ -191,12 +206,16 @@ __global__ void __launch_bounds__(kWeightBlockThreads)
     const int row = first_row + pass * 16;
     float values[8];
     InputVector<uint16_t>::widen(raw[pass], values);
-    uint32_t words[2];
-    encode_scaled(values, scale.inverse, words);
-    store_codes<8>(data + matrix_offset + (row_block * 128 + row) * cols + col, words);
+    uint32_t codes_of_row[2];
+    if (finite) {
+      encode_scaled_finite(values, scale.inverse, codes_of_row);
+    } else {
+      encode_scaled(values, scale.inverse, codes_of_row);
+    }
+    store_codes<8>(data + matrix_offset + (row_block * 128 + row) * cols + col, codes_of_row);
     if (data_t != nullptr) {
       const int word = (2 * vector) ^ swizzle(row);
-      *reinterpret_cast<uint2*>(&codes[row][word]) = make_uint2(words[0], words[1]);
+      *reinterpret_cast<uint2*>(&codes[row][word]) = make_uint2(codes_of_row[0], codes_of_row[1]);
     }
   }
   if (data_t == nullptr) return;
