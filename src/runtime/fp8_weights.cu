@@ -59,9 +59,9 @@ void quantize_fp8_rows(const bf16* x, const Fp8Operand& out, int64_t rows, int64
   if (rows == 0) return;
   constexpr int kVector = quantize::InputVector<uint16_t>::kElements;
   quantize::quantize_rowwise_kernel<uint16_t, quantize::Format::kFp8, 128>
-      <<<static_cast<unsigned>(num_sms * 8), quantize::kLayerQuantizeThreads, 0, stream>>>(
-          reinterpret_cast<const uint16_t*>(x), out.data, out.scales, rows * cols / kVector,
-          row_bound, cols / kVector);
+      <<<static_cast<unsigned>(num_sms * quantize::kRowwiseCtasPerSm), quantize::kRowwiseThreads, 0,
+         stream>>>(reinterpret_cast<const uint16_t*>(x), out.data, out.scales,
+                   rows * cols / kVector, row_bound, cols / kVector);
   MOK_CUDA_CHECK_LAUNCH();
 }
 

@@ -16,10 +16,6 @@ namespace mok::quantize {
 
 namespace {
 
-constexpr int kRowwiseThreads = 256;
-// The rowwise kernel loops over the vectors: a few CTAs per SM cover any size.
-constexpr int kRowwiseCtasPerSm = 8;
-
 // A grid of `num_ctas` CTAs, within CUDA's limit of 2^31 - 1.
 unsigned grid_of(int64_t num_ctas) {
   MOK_CHECK_ARG(num_ctas < (int64_t{1} << 31), "x", "too large: ", num_ctas,

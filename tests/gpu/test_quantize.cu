@@ -87,12 +87,16 @@ std::vector<Case> cases() {
   return {
       {"fp8 1x128", Format::kFp8, 1, 128, false, 3, 200, 384},
       {"fp8 1x128 grid-stride", Format::kFp8, 1, 128, false, 1, 4096, 1024},
+      // (rowwise: a thread's kUnroll vectors a grid stride apart, the last warp half full)
+      {"fp8 1x128 grid-stride, a half warp at the end", Format::kFp8, 1, 128, false, 1, 42001, 128},
       {"fp8 128x128 partial rows", Format::kFp8, 128, 128, false, 2, 200, 384},
       {"fp8 128x128 one block", Format::kFp8, 128, 128, false, 1, 128, 128},
       {"fp8 transposed partial column tile", Format::kFp8, 1, 128, true, 2, 256, 200},
       {"fp8 transposed odd columns", Format::kFp8, 1, 128, true, 1, 384, 37},
       {"mxfp8 1x32", Format::kMxfp8, 1, 32, false, 3, 200, 96},
       {"mxfp8 1x32 grid-stride", Format::kMxfp8, 1, 32, false, 1, 4096, 1024},
+      {"mxfp8 1x32 two grid strides, a partial warp at the end", Format::kMxfp8, 1, 32, false, 1,
+       200001, 32},
       {"mxfp8 transposed partial tiles", Format::kMxfp8, 1, 32, true, 2, 96, 200},
       {"mxfp8 transposed columns not a multiple of 8", Format::kMxfp8, 1, 32, true, 1, 160, 100},
       {"mxfp8 transposed odd columns", Format::kMxfp8, 1, 32, true, 2, 64, 37},

@@ -21,8 +21,12 @@ struct InputVector;
 template <>
 struct InputVector<uint16_t> {
   static constexpr int kElements = 8;  // per 16 bytes
+  using Raw = uint4;                   // the 16 bytes as loaded
   __device__ __forceinline__ static void load(const uint16_t* address, float (&values)[8]) {
     widen(*reinterpret_cast<const uint4*>(address), values);
+  }
+  __device__ __forceinline__ static Raw load_raw(const uint16_t* address) {
+    return *reinterpret_cast<const uint4*>(address);
   }
   // 16 bytes of bf16 as floats (exact).
   __device__ __forceinline__ static void widen(const uint4& raw, float (&values)[8]) {
@@ -41,8 +45,14 @@ struct InputVector<uint16_t> {
 template <>
 struct InputVector<float> {
   static constexpr int kElements = 4;
+  using Raw = float4;
   __device__ __forceinline__ static void load(const float* address, float (&values)[4]) {
-    const float4 raw = *reinterpret_cast<const float4*>(address);
+    widen(*reinterpret_cast<const float4*>(address), values);
+  }
+  __device__ __forceinline__ static Raw load_raw(const float* address) {
+    return *reinterpret_cast<const float4*>(address);
+  }
+  __device__ __forceinline__ static void widen(const float4& raw, float (&values)[4]) {
     values[0] = raw.x;
     values[1] = raw.y;
     values[2] = raw.z;
@@ -73,6 +83,20 @@ __device__ __forceinline__ uint32_t packed_bf16_amax_bits(const uint32_t (&words
   const uint32_t magnitude = max(halves >> 16, halves & 0xffffu);
   finite = magnitude < 0x7f80u;  // bf16 +Inf; above it, NaNs
   return magnitude << 16;
+}
+
+// A 16-byte input vector's finite_amax_bits, and whether all its values are finite: for bf16
+// from the packed pairs (the general way only when one is not); fp32 is not looked at (false).
+__device__ __forceinline__ uint32_t vector_amax_bits(const uint4& raw, const float (&values)[8],
+                                                     bool& finite) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  const uint32_t bits = packed_bf16_amax_bits(words, finite);
+  return finite ? bits : finite_amax_bits(values);
+}
+__device__ __forceinline__ uint32_t vector_amax_bits(const float4& /*raw*/,
+                                                     const float (&values)[4], bool& finite) {
+  finite = false;
+  return finite_amax_bits(values);
 }
 
 // The maximum over the `kLanes` consecutive lanes (a power of two, aligned) this lane belongs to.
