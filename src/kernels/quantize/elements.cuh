@@ -142,34 +142,8 @@ __device__ __forceinline__ void store_scale(void* scales, int64_t index, float a
 }
 
 // values[i] * inverse as E4M3, value i in byte i % 4 of word i / 4 (little-endian: the bytes in
-// memory order). Equal to fp8::encode_e4m3(mul_rn(values[i], inverse)) for every float (checked
-// exhaustively by tests/gpu/test_quantize.cu): the hardware rounds and saturates the same way,
-// and NaN or +-Inf inputs (which it would turn into NaN and +-448) are patched to sign | 0x7f.
-// Finite inputs never scale to a non-finite value: |x| <= amax keeps |x * inverse| near 448.
-template <int N>
-__device__ __forceinline__ void encode_scaled(const float (&values)[N], float inverse,
-                                              uint32_t (&words)[N / 4]) {
-  static_assert(N % 4 == 0, "whole 32-bit words of codes");
-#pragma unroll
-  for (int w = 0; w < N / 4; ++w) {
-    float scaled[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) scaled[j] = __fmul_rn(values[4 * w + j], inverse);
-    uint32_t word = static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[0], scaled[1])) |
-                    (static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[2], scaled[3])) << 16);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t bits = __float_as_uint(values[4 * w + j]);
-      if ((bits & fp8::kFloatExponentMask) == fp8::kFloatExponentMask) {
-        const uint32_t code = ((bits >> 24) & fp8::kSignBit) | fp8::kE4M3NanCode;
-        word = (word & ~(0xffu << (8 * j))) | (code << (8 * j));
-      }
-    }
-    words[w] = word;
-  }
-}
-
-// encode_scaled for values known to be finite: no patch for NaN or +-Inf (the same codes).
+// memory order), for values known to be finite: the hardware rounds and saturates as
+// fp8::encode_e4m3(mul_rn(values[i], inverse)) does, and |x| <= amax keeps |x * inverse| near 448.
 template <int N>
 __device__ __forceinline__ void encode_scaled_finite(const float (&values)[N], float inverse,
                                                      uint32_t (&words)[N / 4]) {
@@ -181,6 +155,24 @@ __device__ __forceinline__ void encode_scaled_finite(const float (&values)[N], f
     for (int j = 0; j < 4; ++j) scaled[j] = __fmul_rn(values[4 * w + j], inverse);
     words[w] = static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[0], scaled[1])) |
                (static_cast<uint32_t>(ptx::cvt_e4m3x2(scaled[2], scaled[3])) << 16);
+  }
+}
+
+// The same for any floats: equal to fp8::encode_e4m3(mul_rn(values[i], inverse)) for every float
+// (checked exhaustively by tests/gpu/test_quantize.cu): NaN or +-Inf inputs (which the hardware
+// would turn into NaN and +-448) are patched to sign | 0x7f.
+template <int N>
+__device__ __forceinline__ void encode_scaled(const float (&values)[N], float inverse,
+                                              uint32_t (&words)[N / 4]) {
+  encode_scaled_finite(values, inverse, words);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const uint32_t bits = __float_as_uint(values[i]);
+    if ((bits & fp8::kFloatExponentMask) == fp8::kFloatExponentMask) {
+      const uint32_t code = ((bits >> 24) & fp8::kSignBit) | fp8::kE4M3NanCode;
+      const int shift = 8 * (i % 4);
+      words[i / 4] = (words[i / 4] & ~(0xffu << shift)) | (code << shift);
+    }
   }
 }
 
