@@ -175,8 +175,8 @@ __global__ void __launch_bounds__(kWeightBlockThreads)
     raw[pass] =
         *reinterpret_cast<const uint4*>(x + matrix_offset + RowMap{}(row, rows) * cols + col);
   }
-  // NOTE: the kernel runs at the SMs' issue rate, not DRAM's (ncu: 92 % SM throughput, 63 %
-  // DRAM): the maximum comes from the packed bf16 pairs, and values known finite skip the
+  // NOTE: at the clocks a training step leaves, the instructions per value, not DRAM, bound this
+  // kernel: the maximum comes from the packed bf16 pairs, and values known finite skip the
   // encoding's NaN and Inf patch; a thread holding a non-finite value takes the general path.
   uint32_t words[4 * kPasses];
 #pragma unroll

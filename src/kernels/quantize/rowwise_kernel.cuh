@@ -13,7 +13,7 @@
 namespace mok::quantize {
 
 inline constexpr int kRowwiseThreads = 256;
-// CTAs an SM holds (48 registers a thread, kUnroll vectors in flight): launchers make grids of
+// CTAs an SM holds with the registers kUnroll vectors in flight take: launchers make grids of
 // num_sms times this, one wave (a second, partial one would leave SMs idle at its end).
 inline constexpr int kRowwiseCtasPerSm = 5;
 
@@ -21,8 +21,8 @@ inline constexpr int kRowwiseCtasPerSm = 5;
 // any grid.
 // row_bound, when given: only the rows below *row_bound (read on the device) of rows of
 // vectors_per_row vectors (the FP8 layer's dispatched rows, runtime/layer_forward_fp8.cu).
-// NOTE: each thread loads kUnroll vectors (a grid stride apart) before it quantizes any: with one
-// 16-byte load in flight a thread, the bf16 quantizers ran at ~2 TB/s (perf-notes/fp8.md v8).
+// NOTE: each thread loads kUnroll vectors (a grid stride apart) before it quantizes any: one
+// 16-byte load in flight a thread leaves DRAM's bandwidth unused.
 template <class Input, Format kFormat, int kBlock>
 __global__ void __launch_bounds__(kRowwiseThreads, kRowwiseCtasPerSm)
     quantize_rowwise_kernel(const Input* __restrict__ x, uint8_t* __restrict__ data,
