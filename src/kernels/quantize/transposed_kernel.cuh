@@ -155,9 +155,33 @@ __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
     }
   };
   uint32_t amax_bits[kParts] = {};
-  for_each_group([&](int /*group*/, int part, const float(&values)[4]) {
-    amax_bits[part] = max(amax_bits[part], finite_amax_bits(values));
-  });
+  bool finite[kParts] = {};  // every value of the thread's segment of the column (bf16 only)
+  bool general = true;
+  if constexpr (sizeof(Input) == 2) {
+    // NOTE: bf16 words hold both columns: their maxima come from the packed pairs, two values an
+    // instruction, and only a column with a NaN or Inf takes the general way below.
+    static_assert(kParts == 2, "a bf16 word is two input columns");
+    uint32_t halves = 0;
+#pragma unroll
+    for (int row = 0; row < kSegment; ++row) {
+      halves = ptx::max_u16x2(halves, tile[first_row + row][word_idx] & 0x7fff7fffu);
+    }
+    const uint32_t magnitudes[kParts] = {halves & 0xffffu, halves >> 16};
+    general = false;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      finite[part] = magnitudes[part] < 0x7f80u;  // bf16 +Inf; above it, NaNs
+      amax_bits[part] = magnitudes[part] << 16;
+      general = general || !finite[part];
+    }
+  }
+  if (general) {
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) amax_bits[part] = 0;
+    for_each_group([&](int /*group*/, int part, const float(&values)[4]) {
+      amax_bits[part] = max(amax_bits[part], finite_amax_bits(values));
+    });
+  }
   if constexpr (kBlock == Tile::kRows) {
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
@@ -186,7 +210,11 @@ __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
   uint32_t codes[kParts][kGroups];  // (kParts, kSegment / 4) a data row segment per input column
   for_each_group([&](int group, int part, const float(&values)[4]) {
     uint32_t word[1];
-    encode_scaled(values, inverse[part], word);
+    if (finite[part]) {
+      encode_scaled_finite(values, inverse[part], word);
+    } else {
+      encode_scaled(values, inverse[part], word);
+    }
     codes[part][group] = word[0];
   });
   // data (batch, in_cols, in_rows); scales (batch, in_cols, in_rows / kBlock)
