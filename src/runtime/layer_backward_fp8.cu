@@ -3,7 +3,6 @@
 #include "runtime/layer_backward_fp8.hpp"
 
 #include <algorithm>
-#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -24,39 +23,49 @@ constexpr int64_t kBlock = 128;  // the recipe's activation blocks: 1 x 128, and
 
 int64_t round_up_to_block(int64_t rows) { return (rows + kBlock - 1) / kBlock * kBlock; }
 
-__global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
+// The SwiGLU backward with its outputs' quantizations, a CTA per 128-row block
+// (swiglu_backward_fp8.cuh).
+__global__ void __launch_bounds__(megakernel::kSwiGluBackwardFp8Threads, 1)
     swiglu_backward_fp8_routed_kernel(comm::WorkspaceView view,
                                       megakernel::SwiGluBackwardFp8Rows rows) {
   if (comm::cta_sees_error(view)) return;
-  megakernel::swiglu_backward_fp8_routed(view, rows);
+  extern __shared__ float4 staged[];
+  megakernel::swiglu_backward_fp8_routed(view, rows, reinterpret_cast<float*>(staged));
 }
 
-__global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
-    swiglu_backward_fp8_shared_kernel(megakernel::SwiGluBackwardFp8Rows rows, int32_t num_rows) {
-  megakernel::swiglu_backward_fp8_shared(rows, num_rows);
+__global__ void __launch_bounds__(megakernel::kSwiGluBackwardFp8Threads, 1)
+    swiglu_backward_fp8_shared_kernel(megakernel::SwiGluBackwardFp8Rows rows) {
+  extern __shared__ float4 staged[];
+  megakernel::swiglu_backward_fp8_shared(rows, reinterpret_cast<float*>(staged));
 }
 
-// The quantize kernels' view of an input: bf16 as its 16-bit pattern, fp32 as it is.
-const uint16_t* stored(const bf16* x) { return reinterpret_cast<const uint16_t*>(x); }
-const float* stored(const float* x) { return x; }
+void allow_swiglu_backward_shared_memory() {
+  for (const void* kernel : {reinterpret_cast<const void*>(swiglu_backward_fp8_routed_kernel),
+                             reinterpret_cast<const void*>(swiglu_backward_fp8_shared_kernel)}) {
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        megakernel::kSwiGluBackwardFp8SharedBytes));
+  }
+}
 
-// x (padded_rows, cols) -> out (cols, padded_rows), 128 x 1 down the rows of each group of
+// rows.padded_rows / 128 CTAs: one per 128-row block of the transposed operands.
+unsigned swiglu_backward_ctas(const megakernel::SwiGluBackwardFp8Rows& rows) {
+  return static_cast<unsigned>(rows.padded_rows / megakernel::kSwiGluFp8Block);
+}
+
+// x (padded_rows, cols) bf16 -> out (cols, padded_rows), 128 x 1 down the rows of each group of
 // `groups` (expert_offsets on 128-row boundaries, counts or null), the rows past a group's count
-// as zeros; input column c to data row columns(c).
-template <class Input, class Columns = quantize::SameColumns>
-void quantize_along_rows(const Input* x, const Fp8Operand& out, int64_t padded_rows, int64_t cols,
+// as zeros.
+void quantize_along_rows(const bf16* x, const Fp8Operand& out, int64_t padded_rows, int64_t cols,
                          const int32_t* offsets, const int32_t* counts, int groups,
-                         cudaStream_t stream, Columns columns = {}) {
+                         cudaStream_t stream) {
   if (padded_rows == 0) return;
-  const auto* input = stored(x);
-  using Stored = std::remove_cv_t<std::remove_pointer_t<decltype(input)>>;
-  const int64_t tiles = quantize::TransposedTile<Stored>::tiles_per_matrix(padded_rows, cols);
+  const auto* input = reinterpret_cast<const uint16_t*>(x);  // bf16 as its 16-bit pattern
+  const int64_t tiles = quantize::TransposedTile<uint16_t>::tiles_per_matrix(padded_rows, cols);
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "rows", "too many tiles: ", tiles);
-  quantize::quantize_transposed_kernel<Stored, quantize::Format::kFp8, 128, quantize::ExpertRows,
-                                       Columns>
+  quantize::quantize_transposed_kernel<uint16_t, quantize::Format::kFp8, 128, quantize::ExpertRows>
       <<<static_cast<unsigned>(tiles), quantize::kTransposedThreads, 0, stream>>>(
           input, out.data, out.scales, padded_rows, cols, /*vector_loads=*/true,
-          quantize::ExpertRows{offsets, counts, groups}, columns);
+          quantize::ExpertRows{offsets, counts, groups});
   MOK_CUDA_CHECK_LAUNCH();
 }
 
@@ -69,9 +78,7 @@ LayerBackwardFp8::Operands LayerBackwardFp8::alloc_operands(int64_t rows, int64_
   out.dy = alloc_fp8_operand(rows, hidden, rows);
   out.gate_up = device_alloc<bf16>(rows * 2 * inter);
   out.grad_hidden = device_alloc<float>(rows * inter);
-  out.d_gate_up = device_alloc<float>(rows * 2 * inter);
   out.d_gate_up_rows = alloc_fp8_operand(rows, 2 * inter, rows);
-  out.weighted_hidden = device_alloc<float>(rows * inter);
   // (features, padded_rows) with a scale per (feature, 128 rows): scale_rows features.
   const auto transposed = [&](int64_t features) {
     return Fp8Operand{device_alloc<uint8_t>(features * padded_rows),
@@ -90,8 +97,7 @@ void LayerBackwardFp8::free_operands(Operands& operands) {
     free_fp8_operand(*operand);
   }
   for (void* memory :
-       {static_cast<void*>(operands.gate_up), static_cast<void*>(operands.grad_hidden),
-        static_cast<void*>(operands.d_gate_up), static_cast<void*>(operands.weighted_hidden)}) {
+       {static_cast<void*>(operands.gate_up), static_cast<void*>(operands.grad_hidden)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
   operands = {};
@@ -100,7 +106,7 @@ void LayerBackwardFp8::free_operands(Operands& operands) {
 int64_t LayerBackwardFp8::operand_bytes(int64_t rows, int64_t padded_rows, int64_t hidden,
                                         int64_t inter) {
   const int64_t row_operands = 2 * fp8_operand_bytes(rows, hidden, rows) +
-                               rows * inter * (2 * 2 + 4 + 2 * 4 + 4) +
+                               rows * inter * (2 * 2 + 4) +
                                fp8_operand_bytes(rows, 2 * inter, rows);
   const int64_t features = 2 * hidden + 3 * inter;  // x_t, dy_t, d_gate_up_t, hidden_t
   return row_operands + features * padded_rows + features * (padded_rows / kBlock) * 4;
@@ -132,6 +138,7 @@ LayerBackwardFp8::LayerBackwardFp8(const Communicator& comm, const LayerShape& s
   }
   ones_ = make_ones(tokens_max * shape.top_k, comm.device());
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
+  allow_swiglu_backward_shared_memory();
 }
 
 LayerBackwardFp8::~LayerBackwardFp8() {
@@ -181,14 +188,13 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
   gemm::grouped_dgrad_fp8(down, op.dy.data, op.dy.scales, transposed.shared_down.data,
                           transposed.shared_down.scales, shared_offsets_, op.grad_hidden,
                           gemm::DgradOutput::kFp32, stream, gemm_options, pipeline_);
+  // The tokens as one group, their 128 x 1 blocks down the tokens.
   const megakernel::SwiGluBackwardFp8Rows rows =
-      swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, false, inter);
-  const int warps_per_cta = megakernel::kSwiGluBackwardThreads / 32;
-  const int sms = gemm_options.num_sms > 0 ? gemm_options.num_sms : num_sms_;
-  const int ctas = static_cast<int>(
-      std::clamp<int64_t>((tokens + warps_per_cta - 1) / warps_per_cta, 1, int64_t{sms} * 8));
-  swiglu_backward_fp8_shared_kernel<<<ctas, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
-      rows, tokens);
+      swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, false, inter,
+                  round_up_to_block(tokens), quantize::ExpertRows{shared_offsets_, nullptr, 1});
+  swiglu_backward_fp8_shared_kernel<<<swiglu_backward_ctas(rows),
+                                      megakernel::kSwiGluBackwardFp8Threads,
+                                      megakernel::kSwiGluBackwardFp8SharedBytes, stream>>>(rows);
   MOK_CUDA_CHECK_LAUNCH();
   // dx_shared (T, H) fp32, added by the combine's reduce.
   gemm::grouped_dgrad_fp8(gate_up, op.d_gate_up_rows.data, op.d_gate_up_rows.scales,
@@ -211,16 +217,13 @@ void LayerBackwardFp8::weight_gradients(const Operands& op, const bf16* x, const
                                         const gemm::LaunchOptions& gemm_options,
                                         const Between& between) {
   const int hidden = static_cast<int>(shape_.hidden);
+  // (hidden_t and d_gate_up_t come from the SwiGLU backward)
   quantize_along_rows(dy, op.dy_t, padded_rows, hidden, offsets, counts, groups, stream);
-  quantize_along_rows(op.weighted_hidden, op.hidden_t, padded_rows, inter, offsets, counts, groups,
-                      stream);
   gemm::GroupedShape down{groups, padded_rows, hidden, inter};
   down.expert_counts = counts;
   gemm::grouped_wgrad_fp8(down, op.dy_t.data, op.dy_t.scales, op.hidden_t.data, op.hidden_t.scales,
                           offsets, grad_down, output, stream, gemm_options);
   between();
-  quantize_along_rows(op.d_gate_up, op.d_gate_up_t, padded_rows, 2 * inter, offsets, counts, groups,
-                      stream, quantize::GateUp8Columns{inter});
   quantize_along_rows(x, op.x_t, padded_rows, hidden, offsets, counts, groups, stream);
   gemm::GroupedShape gate_up{groups, padded_rows, 2 * inter, hidden};
   gate_up.expert_counts = counts;
@@ -261,10 +264,13 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
                           transposed.down.scales, offsets, op.grad_hidden, gemm::DgradOutput::kFp32,
                           stream, gemm_options, pipeline_);
   mark();
-  swiglu_backward_fp8_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0,
-                                      stream>>>(
-      workspace_.view(), swiglu_rows(op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up,
-                                     saved_gate_up != nullptr, inter));
+  const megakernel::SwiGluBackwardFp8Rows swiglu = swiglu_rows(
+      op, saved_gate_up != nullptr ? saved_gate_up : op.gate_up, saved_gate_up != nullptr, inter,
+      padded, quantize::ExpertRows{offsets, counts, experts});
+  swiglu_backward_fp8_routed_kernel<<<swiglu_backward_ctas(swiglu),
+                                      megakernel::kSwiGluBackwardFp8Threads,
+                                      megakernel::kSwiGluBackwardFp8SharedBytes, stream>>>(
+      workspace_.view(), swiglu);
   MOK_CUDA_CHECK_LAUNCH();
   mark();
   // dx rows (bf16) into expert_y for the push.

@@ -14,16 +14,16 @@
 //   routed gate/up                    FP8 GEMM, fp32 sums rounded to bf16 (a, b); save mode: read
 //                                     from the context (nor are the x rows quantized 1 x 128)
 //   routed down dgrad                 g = W_downᵀ dy: FP8 GEMM on the transposed weight, fp32
-//   SwiGLU backward                   d_topk_w = <g, h> into the owner's window; d_a, d_b in fp32
-//                                     and quantized 1 x 128 along 2I; w·h in fp32
+//   SwiGLU backward                   d_topk_w = <g, h> into the owner's window; d_a, d_b
+//                                     quantized 1 x 128 along 2I and 128 x 1 down the rows, w·h
+//                                     128 x 1, from fp32 values that stay in shared memory
 //                                     (kernels/megakernel/swiglu_backward_fp8.cuh)
 //   routed gate/up dgrad              dx rows (bf16) into expert_y
 //   combine push
-//   wgrads                            the operands quantized 128 x 1 down each expert's rows (x,
-//   dy,
-//                                     w·h, d_a/d_b; blocks from the expert's first row, the rows
-//                                     past its count as zeros); FP8 wgrad GEMMs, each expert's rows
-//                                     in global token order
+//   wgrads                            x and dy quantized 128 x 1 down each expert's rows (blocks
+//                                     from the expert's first row, the rows past its count as
+//                                     zeros); FP8 wgrad GEMMs, each expert's rows in global token
+//                                     order
 //   combine reduce, d_topk_w          as bf16
 //
 // The weights come quantized 128 x 128 in a cache with both layouts (fp8_weights.hpp: the forward
@@ -93,23 +93,28 @@ class LayerBackwardFp8 {
     Fp8Operand x, dy;                             // (rows, H), 1 x 128
     bf16* gate_up = nullptr;                      // (rows, 2I) bf16, 128-interleaved
     float* grad_hidden = nullptr;                 // (rows, I) fp32
-    float* d_gate_up = nullptr;                   // (rows, 2I) fp32, gate then up
     Fp8Operand d_gate_up_rows;                    // (rows, 2I), 1 x 128
-    float* weighted_hidden = nullptr;             // (rows, I) fp32
     Fp8Operand x_t, dy_t, d_gate_up_t, hidden_t;  // (H | H | 2I | I, padded_rows), 128 x 1
   };
   // The SwiGLU backward's view of a group's rows, their pre-activations in gate_up: op.gate_up
-  // recomputed, or a saved context's (saved_by_source: the routed rows' by their source slot).
+  // recomputed, or a saved context's (saved_by_source: the routed rows' by their source slot);
+  // its 128 x 1 outputs over padded_rows in `groups`' blocks.
   static megakernel::SwiGluBackwardFp8Rows swiglu_rows(const Operands& op, const bf16* gate_up,
-                                                       bool saved_by_source, int inter) {
+                                                       bool saved_by_source, int inter,
+                                                       int64_t padded_rows,
+                                                       quantize::ExpertRows groups) {
     return {reinterpret_cast<const __nv_bfloat16*>(gate_up),
             saved_by_source,
             op.grad_hidden,
-            op.d_gate_up,
             op.d_gate_up_rows.data,
             op.d_gate_up_rows.scales,
-            op.weighted_hidden,
-            inter};
+            op.d_gate_up_t.data,
+            op.d_gate_up_t.scales,
+            op.hidden_t.data,
+            op.hidden_t.scales,
+            padded_rows,
+            inter,
+            groups};
   }
   static Operands alloc_operands(int64_t rows, int64_t padded_rows, int64_t hidden, int64_t inter);
   static void free_operands(Operands& operands);

@@ -1,5 +1,6 @@
-// The SwiGLU backward of the FP8 layer (precision mode fp8, DESIGN.md §3), one warp per expert row,
-// at the CPU reference's rounding points (src/reference/quantized_engine.cpp, backward_row):
+// The SwiGLU backward of the FP8 layer (precision mode fp8, DESIGN.md §3) with the quantizations
+// of its three outputs, at the CPU reference's rounding points (src/reference/quantized_engine.cpp,
+// backward_row):
 //
 // Given a row's gate/up pre-activations (a, b: the FP8 gate/up GEMM's fp32 sums rounded to bf16,
 // gate and up columns interleaved in blocks of 128 as the FP8 weight cache's rows are) and
@@ -7,14 +8,18 @@
 //   h = silu(a) · b                  fp32 (no bf16 rounding, as the reference)
 //   d_topk_w = Σ_i g_i · h_i         fp32; no division by w
 //   d_h = w · g;  (d_a, d_b) = numerics::swiglu_backward(a, b, d_h)
-//                                    -> fp32 (the gate/up wgrad's operand, quantized along the
-//                                       rows later) and E4M3 1 x 128 along 2I from fp32 (the
-//                                       gate/up dgrad's operand), the I gate columns, then the I up
-//                                       columns
-//   w · h                            -> fp32, the down wgrad's operand
-// Lane l holds columns 4 l .. 4 l + 3 of each 128-column block, so a block's amax is one warp
-// maximum. d_topk_w's sum runs in another order than the reference's (lanes over blocks, then a
-// fixed shuffle tree), the same for every row.
+//                                    fp32 -> E4M3 1 x 128 along 2I (the gate/up dgrad's operand,
+//                                    the I gate columns, then the I up columns), and E4M3
+//                                    128 x 1 down the rows (the gate/up wgrad's operand)
+//   w · h                            fp32 -> E4M3 128 x 1 down the rows (the down wgrad's operand)
+// One CTA takes a 128-row block of a group (an expert's rows, or the shared expert's tokens), one
+// 128-column block of I at a time: its warps compute the block's rows (lane l holds columns
+// 4 l .. 4 l + 3, so a row's 1 x 128 amax is one warp maximum) and leave the fp32 values in shared
+// memory, where a thread per column takes its 128 x 1 block. The bytes are those of
+// quantize_transposed_kernel over the fp32 values (the same amax, scale and encoding; rows past
+// the group's count read as zeros), without the fp32 round trip through memory. d_topk_w's sum
+// runs in another order than the reference's (lanes over column blocks, then a fixed shuffle
+// tree), the same for every row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,110 +28,231 @@
 
 #include "kernels/megakernel/swiglu_backward.cuh"
 #include "kernels/quantize/elements.cuh"
+#include "kernels/quantize/layer_kernels.cuh"
 
 namespace mok::megakernel {
 
+inline constexpr int kSwiGluFp8Block = 128;  // rows of a CTA, columns of a pass, 1 x 128 blocks
+inline constexpr int kSwiGluBackwardFp8Threads = 512;
+inline constexpr int kSwiGluFp8RowsPerWarp = kSwiGluFp8Block / (kSwiGluBackwardFp8Threads / 32);
+// The three outputs of a column block: (d_a, d_b, w·h) x (128 rows, 128 columns) fp32.
+inline constexpr int kSwiGluFp8Outputs = 3;
+inline constexpr size_t kSwiGluBackwardFp8SharedBytes =
+    size_t{kSwiGluFp8Outputs} * kSwiGluFp8Block * kSwiGluFp8Block * sizeof(float);
+static_assert(kSwiGluFp8Outputs * kSwiGluFp8Block <= kSwiGluBackwardFp8Threads,
+              "a thread per output column of a column block");
+
 struct SwiGluBackwardFp8Rows {
-  // (rows, 2I) bf16, gate/up interleaved in blocks of 128: by expert row (recomputed), or (save
+  // (rows, 2I) bf16, gate/up interleaved in blocks of 128: by group row (recomputed), or (save
   // mode, saved_by_source) a saved context's, by the row's source (t, j) of its rank (row_source's
   // value), as SwiGluBackwardRows::gate_up.
   const __nv_bfloat16* gate_up;
   bool saved_by_source;
   const float* grad_hidden;  // (rows, I) fp32: g
-  float* d_gate_up;          // (rows, 2I) fp32: gate columns, then up columns
-  uint8_t* d_gate_up_codes;  // (rows, 2I) E4M3, 1 x 128 blocks of d_gate_up
+  uint8_t* d_gate_up_codes;  // (rows, 2I) E4M3, 1 x 128 blocks of (d_a | d_b)
   float* d_gate_up_scales;   // (rows, 2I / 128)
-  float* weighted_hidden;    // (rows, I) fp32: w · h
-  int intermediate;          // I, a multiple of 128
+  // (2I, padded_rows) E4M3 and (2I, padded_rows / 128) scales: (d_a | d_b) 128 x 1, column c to
+  // data row GateUp8Columns(c) (the gradient's gate/up rows interleaved in blocks of 8)
+  uint8_t* d_gate_up_t;
+  float* d_gate_up_t_scales;
+  uint8_t* hidden_t;  // (I, padded_rows) E4M3 and (I, padded_rows / 128) scales: w · h 128 x 1
+  float* hidden_t_scales;
+  int64_t padded_rows;          // a multiple of 128: the transposed operands' row count
+  int intermediate;             // I, a multiple of 128
+  quantize::ExpertRows groups;  // where each 128-row block's real rows end
 };
 
-// Four values of each lane, one 128-value block across the warp, as E4M3 codes and the block's
-// scale (quantize::Format::kFp8's rule, the reference's bytes).
-__device__ __forceinline__ void quantize_warp_block(const float (&values)[4], uint8_t* codes,
-                                                    float* scale, int lane) {
+// Column block `block` of one row, the lane's four columns: d_a, d_b and w·h, the row's 1 x 128
+// codes and scales of d_a and d_b, and Σ g · h of the four columns added to `dot` in column
+// order. Every lane of the warp takes part (the blocks' amax is a warp maximum).
+__device__ inline void swiglu_backward_fp8_columns(const SwiGluBackwardFp8Rows& rows, int64_t row,
+                                                   int64_t gate_up_row, float weight, int64_t block,
+                                                   int lane, float& dot, float (&d_gate)[4],
+                                                   float (&d_up)[4], float (&weighted)[4]) {
   using quantize::Format;
-  const float amax = __uint_as_float(quantize::lanes_max<32>(quantize::finite_amax_bits(values)));
-  uint32_t words[1];
-  quantize::encode_scaled(values, quantize::block_inverse<Format::kFp8>(amax), words);
-  quantize::store_codes<4>(codes, words);
-  if (lane == 0) quantize::store_scale<Format::kFp8>(scale, 0, amax);
-}
-
-// One row: returns Σ_i g_i · h_i (every lane the same value). gate_up_row: the row's index in
-// rows.gate_up.
-__device__ inline float swiglu_backward_fp8_row(const SwiGluBackwardFp8Rows& rows, int64_t row,
-                                                int64_t gate_up_row, float weight, int lane) {
   const int64_t inter = rows.intermediate;
-  const int64_t blocks = inter / 128;
-  const __nv_bfloat16* gate_up = rows.gate_up + gate_up_row * 2 * inter;
-  const float* grad_hidden = rows.grad_hidden + row * inter;
-  float* d_gate_up = rows.d_gate_up + row * 2 * inter;
-  uint8_t* codes = rows.d_gate_up_codes + row * 2 * inter;
-  float* scales = rows.d_gate_up_scales + row * (2 * blocks);
-  float* weighted_hidden = rows.weighted_hidden + row * inter;
-  float dot = 0.0f;
-  for (int64_t block = 0; block < blocks; ++block) {
-    const int64_t col = block * 128 + lane * 4;
-    const uint2 gate_bits = *reinterpret_cast<const uint2*>(gate_up + block * 256 + lane * 4);
-    const uint2 up_bits = *reinterpret_cast<const uint2*>(gate_up + block * 256 + 128 + lane * 4);
-    const float4 grad_vector = *reinterpret_cast<const float4*>(grad_hidden + col);
-    const float gates[4] = {
-        __uint_as_float(gate_bits.x << 16), __uint_as_float(gate_bits.x & 0xffff0000u),
-        __uint_as_float(gate_bits.y << 16), __uint_as_float(gate_bits.y & 0xffff0000u)};
-    const float ups[4] = {
-        __uint_as_float(up_bits.x << 16), __uint_as_float(up_bits.x & 0xffff0000u),
-        __uint_as_float(up_bits.y << 16), __uint_as_float(up_bits.y & 0xffff0000u)};
-    const float grads[4] = {grad_vector.x, grad_vector.y, grad_vector.z, grad_vector.w};
-    // sigmoid(a) once per element, branch-free where the gates allow it (the same bits as
-    // numerics::sigmoid: gemm/swiglu.cuh).
-    bool all_fast = true;
+  const int64_t blocks = inter / kSwiGluFp8Block;
+  const int64_t col = block * kSwiGluFp8Block + lane * 4;
+  const __nv_bfloat16* gate_up = rows.gate_up + gate_up_row * 2 * inter + block * 256 + lane * 4;
+  const uint2 gate_bits = *reinterpret_cast<const uint2*>(gate_up);
+  const uint2 up_bits = *reinterpret_cast<const uint2*>(gate_up + 128);
+  const float4 grad_vector = *reinterpret_cast<const float4*>(rows.grad_hidden + row * inter + col);
+  const float gates[4] = {
+      __uint_as_float(gate_bits.x << 16), __uint_as_float(gate_bits.x & 0xffff0000u),
+      __uint_as_float(gate_bits.y << 16), __uint_as_float(gate_bits.y & 0xffff0000u)};
+  const float ups[4] = {__uint_as_float(up_bits.x << 16), __uint_as_float(up_bits.x & 0xffff0000u),
+                        __uint_as_float(up_bits.y << 16), __uint_as_float(up_bits.y & 0xffff0000u)};
+  const float grads[4] = {grad_vector.x, grad_vector.y, grad_vector.z, grad_vector.w};
+  // sigmoid(a) once per element, branch-free where the gates allow it (the same bits as
+  // numerics::sigmoid: gemm/swiglu.cuh).
+  bool all_fast = true;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) all_fast &= gemm::swiglu_gate_is_fast(gates[i]);
-    float sigmoids[4];
+  for (int i = 0; i < 4; ++i) all_fast &= gemm::swiglu_gate_is_fast(gates[i]);
+  float sigmoids[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      sigmoids[i] = all_fast ? gemm::sigmoid_fast(gates[i]) : numerics::sigmoid(gates[i]);
-    }
-    float d_gate[4], d_up[4], weighted[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float hidden = numerics::swiglu_from_sigmoid(gates[i], ups[i], sigmoids[i]);
-      dot = numerics::add_rn(dot, numerics::mul_rn(grads[i], hidden));
-      const numerics::SwiGluGrad d = numerics::swiglu_backward_from_sigmoid(
-          gates[i], ups[i], numerics::mul_rn(weight, grads[i]), sigmoids[i]);
-      d_gate[i] = d.d_gate;
-      d_up[i] = d.d_up;
-      weighted[i] = numerics::mul_rn(weight, hidden);
-    }
-    *reinterpret_cast<float4*>(d_gate_up + col) =
-        make_float4(d_gate[0], d_gate[1], d_gate[2], d_gate[3]);
-    *reinterpret_cast<float4*>(d_gate_up + inter + col) =
-        make_float4(d_up[0], d_up[1], d_up[2], d_up[3]);
-    *reinterpret_cast<float4*>(weighted_hidden + col) =
-        make_float4(weighted[0], weighted[1], weighted[2], weighted[3]);
-    quantize_warp_block(d_gate, codes + col, scales + block, lane);
-    quantize_warp_block(d_up, codes + inter + col, scales + blocks + block, lane);
+  for (int i = 0; i < 4; ++i) {
+    sigmoids[i] = all_fast ? gemm::sigmoid_fast(gates[i]) : numerics::sigmoid(gates[i]);
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    dot = numerics::add_rn(dot, __shfl_xor_sync(0xffffffffu, dot, offset));
+  for (int i = 0; i < 4; ++i) {
+    const float hidden = numerics::swiglu_from_sigmoid(gates[i], ups[i], sigmoids[i]);
+    dot = numerics::add_rn(dot, numerics::mul_rn(grads[i], hidden));
+    const numerics::SwiGluGrad d = numerics::swiglu_backward_from_sigmoid(
+        gates[i], ups[i], numerics::mul_rn(weight, grads[i]), sigmoids[i]);
+    d_gate[i] = d.d_gate;
+    d_up[i] = d.d_up;
+    weighted[i] = numerics::mul_rn(weight, hidden);
   }
-  return dot;
+  uint8_t* codes = rows.d_gate_up_codes + row * 2 * inter + col;
+  float* scales = rows.d_gate_up_scales + row * (2 * blocks) + block;
+  const float values[2][4] = {{d_gate[0], d_gate[1], d_gate[2], d_gate[3]},
+                              {d_up[0], d_up[1], d_up[2], d_up[3]}};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float amax =
+        __uint_as_float(quantize::lanes_max<32>(quantize::finite_amax_bits(values[half])));
+    uint32_t words[1];
+    quantize::encode_scaled(values[half], quantize::block_inverse<Format::kFp8>(amax), words);
+    quantize::store_codes<4>(codes + half * inter, words);
+    if (lane == 0) quantize::store_scale<Format::kFp8>(scales + half * blocks, 0, amax);
+  }
 }
 
+// Column `column` of the staged (128, 128) output `values` (row stride 128) as one 128 x 1 block:
+// its codes at data row `data_row` of an (in_cols, padded_rows) operand, from row0 on.
+__device__ inline void quantize_staged_column(const float* values, uint8_t* data, float* scales,
+                                              int64_t data_row, int64_t padded_rows, int64_t row0) {
+  using quantize::Format;
+  constexpr int kGroups = kSwiGluFp8Block / 4;
+  uint32_t amax_bits = 0;
+#pragma unroll 8
+  for (int group = 0; group < kGroups; ++group) {
+    const float four[4] = {
+        values[(4 * group) * kSwiGluFp8Block], values[(4 * group + 1) * kSwiGluFp8Block],
+        values[(4 * group + 2) * kSwiGluFp8Block], values[(4 * group + 3) * kSwiGluFp8Block]};
+    amax_bits = max(amax_bits, quantize::finite_amax_bits(four));
+  }
+  const float amax = __uint_as_float(amax_bits);
+  const float inverse = quantize::block_inverse<Format::kFp8>(amax);
+  uint32_t codes[kGroups];
+#pragma unroll
+  for (int group = 0; group < kGroups; ++group) {
+    const float four[4] = {
+        values[(4 * group) * kSwiGluFp8Block], values[(4 * group + 1) * kSwiGluFp8Block],
+        values[(4 * group + 2) * kSwiGluFp8Block], values[(4 * group + 3) * kSwiGluFp8Block]};
+    uint32_t word[1];
+    quantize::encode_scaled(four, inverse, word);
+    codes[group] = word[0];
+  }
+  quantize::store_codes<kSwiGluFp8Block>(data + data_row * padded_rows + row0, codes);
+  quantize::store_scale<Format::kFp8>(
+      scales, data_row * (padded_rows / kSwiGluFp8Block) + row0 / kSwiGluFp8Block, amax);
+}
+
+// RowInfo(row, &gate_up_row, &weight) -> whether the row is computed (else its outputs are zeros);
+// Finish(row, dot): after the last column block, every lane holding the row's Σ g · h.
+// grid: padded_rows / 128 CTAs of kSwiGluBackwardFp8Threads, kSwiGluBackwardFp8SharedBytes of
+// dynamic shared memory. A block whose group has no rows there is skipped (neither read nor
+// written), as quantize_transposed_kernel skips it.
+template <class RowInfo, class Finish>
+__device__ inline void swiglu_backward_fp8_block(const SwiGluBackwardFp8Rows& rows, float* staged,
+                                                 const RowInfo& row_info, const Finish& finish) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  constexpr int kWarps = kSwiGluBackwardFp8Threads / 32;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSwiGluFp8Block;
+  const int64_t row_end = rows.groups.end(row0, rows.padded_rows);
+  if (row_end <= row0) return;  // (the whole CTA: before any barrier)
+  int64_t gate_up_row[kSwiGluFp8RowsPerWarp];
+  float weight[kSwiGluFp8RowsPerWarp], dot[kSwiGluFp8RowsPerWarp];
+  bool computed[kSwiGluFp8RowsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kSwiGluFp8RowsPerWarp; ++j) {
+    const int64_t row = row0 + warp + kWarps * j;
+    computed[j] = row < row_end && row_info(row, gate_up_row[j], weight[j]);
+    dot[j] = 0.0f;
+  }
+  const int64_t inter = rows.intermediate;
+  const quantize::GateUp8Columns gate_up_columns{inter};
+  for (int64_t block = 0; block < inter / kSwiGluFp8Block; ++block) {
+#pragma unroll
+    for (int j = 0; j < kSwiGluFp8RowsPerWarp; ++j) {
+      const int tile_row = warp + kWarps * j;
+      float d_gate[4] = {}, d_up[4] = {}, weighted[4] = {};
+      if (computed[j]) {
+        swiglu_backward_fp8_columns(rows, row0 + tile_row, gate_up_row[j], weight[j], block, lane,
+                                    dot[j], d_gate, d_up, weighted);
+      }
+      float* staged_row = staged + tile_row * kSwiGluFp8Block + lane * 4;
+      constexpr int kOutput = kSwiGluFp8Block * kSwiGluFp8Block;
+      *reinterpret_cast<float4*>(staged_row) =
+          make_float4(d_gate[0], d_gate[1], d_gate[2], d_gate[3]);
+      *reinterpret_cast<float4*>(staged_row + kOutput) =
+          make_float4(d_up[0], d_up[1], d_up[2], d_up[3]);
+      *reinterpret_cast<float4*>(staged_row + 2 * kOutput) =
+          make_float4(weighted[0], weighted[1], weighted[2], weighted[3]);
+    }
+    __syncthreads();
+    const int output = static_cast<int>(threadIdx.x) / kSwiGluFp8Block;
+    if (output < kSwiGluFp8Outputs) {
+      const int column = static_cast<int>(threadIdx.x) % kSwiGluFp8Block;
+      const int64_t col = block * kSwiGluFp8Block + column;  // of I
+      const float* values = staged + output * kSwiGluFp8Block * kSwiGluFp8Block + column;
+      if (output == 2) {
+        quantize_staged_column(values, rows.hidden_t, rows.hidden_t_scales, col, rows.padded_rows,
+                               row0);
+      } else {
+        quantize_staged_column(values, rows.d_gate_up_t, rows.d_gate_up_t_scales,
+                               gate_up_columns(output * inter + col), rows.padded_rows, row0);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int j = 0; j < kSwiGluFp8RowsPerWarp; ++j) {
+    if (!computed[j]) continue;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      dot[j] = numerics::add_rn(dot[j], __shfl_xor_sync(0xffffffffu, dot[j], offset));
+    }
+    finish(row0 + warp + kWarps * j, dot[j]);
+  }
+}
+
+// The routed rows: each row's source (its weight, and in save mode its pre-activations), d_topk_w
+// into the source rank's window.
 __device__ inline void swiglu_backward_fp8_routed(const comm::WorkspaceView& view,
-                                                  const SwiGluBackwardFp8Rows& rows) {
+                                                  const SwiGluBackwardFp8Rows& rows,
+                                                  float* staged) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  for_each_routed_row(view, [&](int64_t row, int32_t packed, float weight) {
-    return swiglu_backward_fp8_row(rows, row, rows.saved_by_source ? packed : row, weight, lane);
-  });
+  swiglu_backward_fp8_block(
+      rows, staged,
+      [&](int64_t row, int64_t& gate_up_row, float& weight) {
+        const int32_t packed = view.row_source()[row];
+        if (packed < 0) return false;
+        const comm::RowSource source = comm::unpack_row_source(view.layout, packed);
+        weight = view.topk_w(source.rank)[source.token * view.layout.top_k + source.slot];
+        gate_up_row = rows.saved_by_source ? packed : row;
+        return true;
+      },
+      [&](int64_t row, float dot) {
+        if (lane != 0) return;
+        const comm::RowSource source = comm::unpack_row_source(view.layout, view.row_source()[row]);
+        view.d_topk_w(source.rank)[source.token * view.layout.top_k + source.slot] = dot;
+      });
 }
 
+// The shared expert: this rank's tokens as one group (rows.groups), w = 1, no d_topk_w.
 __device__ inline void swiglu_backward_fp8_shared(const SwiGluBackwardFp8Rows& rows,
-                                                  int64_t num_rows) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  for_each_shared_row(num_rows,
-                      [&](int64_t row) { swiglu_backward_fp8_row(rows, row, row, 1.0f, lane); });
+                                                  float* staged) {
+  swiglu_backward_fp8_block(
+      rows, staged,
+      [](int64_t row, int64_t& gate_up_row, float& weight) {
+        gate_up_row = row;
+        weight = 1.0f;
+        return true;
+      },
+      [](int64_t /*row*/, float /*dot*/) {});
 }
 
 }  // namespace mok::megakernel
