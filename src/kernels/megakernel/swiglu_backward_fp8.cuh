@@ -62,6 +62,18 @@ struct SwiGluBackwardFp8Rows {
   quantize::ExpertRows groups;  // where each 128-row block's real rows end
 };
 
+// Four values of each lane, one 128-value block across the warp, as E4M3 codes and the block's
+// scale (quantize::Format::kFp8's rule, the reference's bytes).
+__device__ __forceinline__ void quantize_warp_block(const float (&values)[4], uint8_t* codes,
+                                                    float* scale, int lane) {
+  using quantize::Format;
+  const float amax = __uint_as_float(quantize::lanes_max<32>(quantize::finite_amax_bits(values)));
+  uint32_t words[1];
+  quantize::encode_scaled(values, quantize::block_inverse<Format::kFp8>(amax), words);
+  quantize::store_codes<4>(codes, words);
+  if (lane == 0) quantize::store_scale<Format::kFp8>(scale, 0, amax);
+}
+
 // Column block `block` of one row, the lane's four columns: d_a, d_b and w·h, the row's 1 x 128
 // codes and scales of d_a and d_b, and Σ g · h of the four columns added to `dot` in column
 // order. Every lane of the warp takes part (the blocks' amax is a warp maximum).
@@ -69,7 +81,6 @@ __device__ inline void swiglu_backward_fp8_columns(const SwiGluBackwardFp8Rows& 
                                                    int64_t gate_up_row, float weight, int64_t block,
                                                    int lane, float& dot, float (&d_gate)[4],
                                                    float (&d_up)[4], float (&weighted)[4]) {
-  using quantize::Format;
   const int64_t inter = rows.intermediate;
   const int64_t blocks = inter / kSwiGluFp8Block;
   const int64_t col = block * kSwiGluFp8Block + lane * 4;
@@ -105,17 +116,8 @@ __device__ inline void swiglu_backward_fp8_columns(const SwiGluBackwardFp8Rows& 
   }
   uint8_t* codes = rows.d_gate_up_codes + row * 2 * inter + col;
   float* scales = rows.d_gate_up_scales + row * (2 * blocks) + block;
-  const float values[2][4] = {{d_gate[0], d_gate[1], d_gate[2], d_gate[3]},
-                              {d_up[0], d_up[1], d_up[2], d_up[3]}};
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float amax =
-        __uint_as_float(quantize::lanes_max<32>(quantize::finite_amax_bits(values[half])));
-    uint32_t words[1];
-    quantize::encode_scaled(values[half], quantize::block_inverse<Format::kFp8>(amax), words);
-    quantize::store_codes<4>(codes + half * inter, words);
-    if (lane == 0) quantize::store_scale<Format::kFp8>(scales + half * blocks, 0, amax);
-  }
+  quantize_warp_block(d_gate, codes, scales, lane);
+  quantize_warp_block(d_up, codes + inter, scales + blocks, lane);
 }
 
 // Column `column` of the staged (128, 128) output `values` (row stride 128) as one 128 x 1 block:

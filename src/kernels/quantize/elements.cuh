@@ -74,14 +74,21 @@ __device__ __forceinline__ uint32_t finite_amax_bits(const float (&values)[N]) {
 // one of them is finite; when one is not, finite_amax_bits of the widened values is the answer.
 // A bf16 magnitude's bits order as its value does, so two 16-bit maxima a word replace the
 // widen, the mask, the finiteness test and the maximum of each value.
+inline constexpr uint32_t kBf16InfBits = 0x7f80u;  // bf16 +Inf; magnitudes above it are NaNs
+
+// The running maxima of the magnitudes of a word's two bf16 halves, each in its own half.
+__device__ __forceinline__ uint32_t max_bf16_magnitudes(uint32_t halves, uint32_t word) {
+  return ptx::max_u16x2(halves, word & 0x7fff7fffu);
+}
+
 template <int kWords>
 __device__ __forceinline__ uint32_t packed_bf16_amax_bits(const uint32_t (&words)[kWords],
                                                           bool& finite) {
   uint32_t halves = 0;
 #pragma unroll
-  for (int w = 0; w < kWords; ++w) halves = ptx::max_u16x2(halves, words[w] & 0x7fff7fffu);
+  for (int w = 0; w < kWords; ++w) halves = max_bf16_magnitudes(halves, words[w]);
   const uint32_t magnitude = max(halves >> 16, halves & 0xffffu);
-  finite = magnitude < 0x7f80u;  // bf16 +Inf; above it, NaNs
+  finite = magnitude < kBf16InfBits;
   return magnitude << 16;
 }
 
@@ -158,6 +165,11 @@ __device__ __forceinline__ void encode_scaled_finite(const float (&values)[N], f
   }
 }
 
+// encode_scaled, or encode_scaled_finite when every value is known to be finite (the same bytes).
+template <int N>
+__device__ __forceinline__ void encode_scaled(const float (&values)[N], float inverse,
+                                              bool all_finite, uint32_t (&words)[N / 4]);
+
 // The same for any floats: equal to fp8::encode_e4m3(mul_rn(values[i], inverse)) for every float
 // (checked exhaustively by tests/gpu/test_quantize.cu): NaN or +-Inf inputs (which the hardware
 // would turn into NaN and +-448) are patched to sign | 0x7f.
@@ -173,6 +185,16 @@ __device__ __forceinline__ void encode_scaled(const float (&values)[N], float in
       const int shift = 8 * (i % 4);
       words[i / 4] = (words[i / 4] & ~(0xffu << shift)) | (code << shift);
     }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void encode_scaled(const float (&values)[N], float inverse,
+                                              bool all_finite, uint32_t (&words)[N / 4]) {
+  if (all_finite) {
+    encode_scaled_finite(values, inverse, words);
+  } else {
+    encode_scaled(values, inverse, words);
   }
 }
 

@@ -15,10 +15,11 @@
 //                                 (for the dgrads) the transposed one from one read of the bf16
 //                                 block (GateUpBlocks takes the gate/up blocks out of the
 //                                 128-interleave)
-//   ExpertRows, GateUp8Columns    quantize_transposed_kernel's policies for the weight gradients'
-//                                 operands: 128 x 1 blocks down each expert's own rows (the rows
-//                                 past its count read as zeros), and d_gate_up's columns to the
-//                                 gradient's gate/up rows interleaved in blocks of 8
+//   ExpertRows, GateUp8Columns    the weight gradients' operands: 128 x 1 blocks down each
+//                                 expert's own rows (the rows past its count read as zeros;
+//                                 quantize_transposed_kernel's Rows policy), and d_gate_up's
+//                                 columns to the gradient's gate/up rows interleaved in blocks of
+//                                 8 (the fp8 SwiGLU backward's 128 x 1 outputs)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -207,11 +208,7 @@ __global__ void __launch_bounds__(kWeightBlockThreads)
     float values[8];
     InputVector<uint16_t>::widen(raw[pass], values);
     uint32_t codes_of_row[2];
-    if (finite) {
-      encode_scaled_finite(values, scale.inverse, codes_of_row);
-    } else {
-      encode_scaled(values, scale.inverse, codes_of_row);
-    }
+    encode_scaled(values, scale.inverse, finite, codes_of_row);
     store_codes<8>(data + matrix_offset + (row_block * 128 + row) * cols + col, codes_of_row);
     if (data_t != nullptr) {
       const int word = (2 * vector) ^ swizzle(row);

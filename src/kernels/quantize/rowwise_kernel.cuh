@@ -63,11 +63,7 @@ __global__ void __launch_bounds__(kRowwiseThreads, kRowwiseCtasPerSm)
           __uint_as_float(lanes_max<kLanesPerBlock>(vector_amax_bits(raw[u], values, finite)));
       if (vector_idx >= num_vectors) continue;
       uint32_t words[kElements / 4];
-      if (finite) {
-        encode_scaled_finite(values, block_inverse<kFormat>(amax), words);
-      } else {
-        encode_scaled(values, block_inverse<kFormat>(amax), words);
-      }
+      encode_scaled(values, block_inverse<kFormat>(amax), finite, words);
       store_codes<kElements>(data + vector_idx * kElements, words);
       if (vector_idx % kLanesPerBlock == 0) {
         store_scale<kFormat>(scales, vector_idx / kLanesPerBlock, amax);

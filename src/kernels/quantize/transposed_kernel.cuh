@@ -51,11 +51,6 @@ struct AllRows {
   }
 };
 
-// The data row of input column `col`: the same.
-struct SameColumns {
-  __device__ __forceinline__ int64_t operator()(int64_t col) const { return col; }
-};
-
 // An input element's bits, in the low bits of a word.
 __device__ __forceinline__ uint32_t input_bits(uint16_t value) { return value; }
 __device__ __forceinline__ uint32_t input_bits(float value) { return __float_as_uint(value); }
@@ -73,15 +68,12 @@ __device__ __forceinline__ float staged_element(uint32_t word, int part) {
 // grid: batch * TransposedTile<Input>::tiles_per_matrix(in_rows, in_cols) CTAs of
 // kTransposedThreads. in_rows is a multiple of kBlock (describe checks it), so a segment is whole
 // or absent. vector_loads: in_cols is a multiple of the input vector (else element loads). Rows:
-// where each tile's real rows end (AllRows; the FP8 layer's ExpertRows); Columns: the data row
-// each input column goes to, a permutation of [0, in_cols) (SameColumns; the layer's
-// GateUp8Columns).
-template <class Input, Format kFormat, int kBlock, class Rows = AllRows,
-          class Columns = SameColumns>
+// where each tile's real rows end (AllRows; the FP8 layer's ExpertRows).
+template <class Input, Format kFormat, int kBlock, class Rows = AllRows>
 __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
     quantize_transposed_kernel(const Input* __restrict__ x, uint8_t* __restrict__ data,
                                void* __restrict__ scales, int64_t in_rows, int64_t in_cols,
-                               bool vector_loads, Rows rows = {}, Columns columns = {}) {
+                               bool vector_loads, Rows rows = {}) {
   using Tile = TransposedTile<Input>;
   constexpr int kSegment = Tile::kSegment;
   static_assert(Tile::kWords * Tile::kSegments == kTransposedThreads && kSegment % 16 == 0,
@@ -164,13 +156,13 @@ __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
     uint32_t halves = 0;
 #pragma unroll
     for (int row = 0; row < kSegment; ++row) {
-      halves = ptx::max_u16x2(halves, tile[first_row + row][word_idx] & 0x7fff7fffu);
+      halves = max_bf16_magnitudes(halves, tile[first_row + row][word_idx]);
     }
     const uint32_t magnitudes[kParts] = {halves & 0xffffu, halves >> 16};
     general = false;
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
-      finite[part] = magnitudes[part] < 0x7f80u;  // bf16 +Inf; above it, NaNs
+      finite[part] = magnitudes[part] < kBf16InfBits;
       amax_bits[part] = magnitudes[part] << 16;
       general = general || !finite[part];
     }
@@ -210,11 +202,7 @@ __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
   uint32_t codes[kParts][kGroups];  // (kParts, kSegment / 4) a data row segment per input column
   for_each_group([&](int group, int part, const float(&values)[4]) {
     uint32_t word[1];
-    if (finite[part]) {
-      encode_scaled_finite(values, inverse[part], word);
-    } else {
-      encode_scaled(values, inverse[part], word);
-    }
+    encode_scaled(values, inverse[part], finite[part], word);
     codes[part][group] = word[0];
   });
   // data (batch, in_cols, in_rows); scales (batch, in_cols, in_rows / kBlock)
@@ -222,7 +210,7 @@ __global__ void __launch_bounds__(kTransposedThreads, kTransposedCtasPerSm)
   for (int part = 0; part < kParts; ++part) {
     const int64_t data_row = col0 + word_idx * kParts + part;  // the input column
     if (data_row >= in_cols) continue;
-    const int64_t data_row_global = matrix * in_cols + columns(data_row);
+    const int64_t data_row_global = matrix * in_cols + data_row;
     store_codes<kSegment>(data + data_row_global * in_rows + data_col, codes[part]);
     if (data_col % kBlock == 0) {
       store_scale<kFormat>(scales, data_row_global * (in_rows / kBlock) + data_col / kBlock,
