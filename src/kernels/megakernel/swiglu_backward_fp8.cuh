@@ -33,14 +33,23 @@
 namespace mok::megakernel {
 
 inline constexpr int kSwiGluFp8Block = 128;  // rows of a CTA, columns of a pass, 1 x 128 blocks
-inline constexpr int kSwiGluBackwardFp8Threads = 512;
+// 32 warps of 4 rows: the kernel is bound by latency (fp8.md v10), so as many warps as the
+// register file holds at 64 registers a thread.
+inline constexpr int kSwiGluBackwardFp8Threads = 1024;
 inline constexpr int kSwiGluFp8RowsPerWarp = kSwiGluFp8Block / (kSwiGluBackwardFp8Threads / 32);
 // The three outputs of a column block: (d_a, d_b, w·h) x (128 rows, 128 columns) fp32.
 inline constexpr int kSwiGluFp8Outputs = 3;
-inline constexpr size_t kSwiGluBackwardFp8SharedBytes =
+inline constexpr size_t kSwiGluFp8StagedBytes =
     size_t{kSwiGluFp8Outputs} * kSwiGluFp8Block * kSwiGluFp8Block * sizeof(float);
-static_assert(kSwiGluFp8Outputs * kSwiGluFp8Block <= kSwiGluBackwardFp8Threads,
-              "a thread per output column of a column block");
+// The column phase: each output column's 128 x 1 block is split into kColumnParts parts of rows, a
+// thread each, so that more warps share the shared-memory loads and the encoding; the parts'
+// amax bits follow the staged values.
+inline constexpr int kColumnParts = 2;
+inline constexpr int kColumnPartRows = kSwiGluFp8Block / kColumnParts;
+inline constexpr int kColumnJobs = kSwiGluFp8Outputs * kSwiGluFp8Block * kColumnParts;
+static_assert(kColumnJobs <= kSwiGluBackwardFp8Threads, "a thread per part of a column");
+inline constexpr size_t kSwiGluBackwardFp8SharedBytes =
+    kSwiGluFp8StagedBytes + kColumnJobs * sizeof(uint32_t);
 
 struct SwiGluBackwardFp8Rows {
   // (rows, 2I) bf16, gate/up interleaved in blocks of 128: by group row (recomputed), or (save
@@ -120,38 +129,20 @@ __device__ inline void swiglu_backward_fp8_columns(const SwiGluBackwardFp8Rows& 
   quantize_warp_block(d_up, codes + inter, scales + blocks, lane);
 }
 
-// Column `column` of the staged (128, 128) output `values` (row stride 128) as one 128 x 1 block:
-// its codes at data row `data_row` of an (in_cols, padded_rows) operand, from row0 on.
-__device__ inline void quantize_staged_column(const float* values, uint8_t* data, float* scales,
-                                              int64_t data_row, int64_t padded_rows, int64_t row0) {
-  using quantize::Format;
-  constexpr int kGroups = kSwiGluFp8Block / 4;
-  uint32_t amax_bits = 0;
-#pragma unroll 8
-  for (int group = 0; group < kGroups; ++group) {
-    const float four[4] = {
-        values[(4 * group) * kSwiGluFp8Block], values[(4 * group + 1) * kSwiGluFp8Block],
-        values[(4 * group + 2) * kSwiGluFp8Block], values[(4 * group + 3) * kSwiGluFp8Block]};
-    amax_bits = max(amax_bits, quantize::finite_amax_bits(four));
-  }
-  const float amax = __uint_as_float(amax_bits);
-  const float inverse = quantize::block_inverse<Format::kFp8>(amax);
-  uint32_t codes[kGroups];
+// kColumnPartRows staged values down a column (row stride 128), as groups of 4.
+template <class F>
+__device__ __forceinline__ void for_each_part_group(const float* values, const F& f) {
 #pragma unroll
-  for (int group = 0; group < kGroups; ++group) {
+  for (int group = 0; group < kColumnPartRows / 4; ++group) {
     const float four[4] = {
         values[(4 * group) * kSwiGluFp8Block], values[(4 * group + 1) * kSwiGluFp8Block],
         values[(4 * group + 2) * kSwiGluFp8Block], values[(4 * group + 3) * kSwiGluFp8Block]};
-    uint32_t word[1];
-    quantize::encode_scaled(four, inverse, word);
-    codes[group] = word[0];
+    f(group, four);
   }
-  quantize::store_codes<kSwiGluFp8Block>(data + data_row * padded_rows + row0, codes);
-  quantize::store_scale<Format::kFp8>(
-      scales, data_row * (padded_rows / kSwiGluFp8Block) + row0 / kSwiGluFp8Block, amax);
 }
 
-// RowInfo(row, &gate_up_row, &weight) -> whether the row is computed (else its outputs are zeros);
+// RowInfo(row, &gate_up_row, &weight) -> whether the row is computed (else its outputs are zeros;
+// gate_up_row: its index in rows.gate_up, < 2^31 as the workspace's rows);
 // Finish(row, dot): after the last column block, every lane holding the row's Σ g · h.
 // grid: padded_rows / 128 CTAs of kSwiGluBackwardFp8Threads, kSwiGluBackwardFp8SharedBytes of
 // dynamic shared memory. A block whose group has no rows there is skipped (neither read nor
@@ -159,19 +150,24 @@ __device__ inline void quantize_staged_column(const float* values, uint8_t* data
 template <class RowInfo, class Finish>
 __device__ inline void swiglu_backward_fp8_block(const SwiGluBackwardFp8Rows& rows, float* staged,
                                                  const RowInfo& row_info, const Finish& finish) {
+  uint32_t* part_amax = reinterpret_cast<uint32_t*>(staged + kSwiGluFp8Outputs * kSwiGluFp8Block *
+                                                                 kSwiGluFp8Block);  // (kColumnJobs)
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
   constexpr int kWarps = kSwiGluBackwardFp8Threads / 32;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSwiGluFp8Block;
   const int64_t row_end = rows.groups.end(row0, rows.padded_rows);
   if (row_end <= row0) return;  // (the whole CTA: before any barrier)
-  int64_t gate_up_row[kSwiGluFp8RowsPerWarp];
-  float weight[kSwiGluFp8RowsPerWarp], dot[kSwiGluFp8RowsPerWarp];
-  bool computed[kSwiGluFp8RowsPerWarp];
+  // NOTE: only the sums and a mask live across the column blocks; each block asks row_info for a
+  // row's source again (cached loads), which keeps the kernel in 64 registers.
+  float dot[kSwiGluFp8RowsPerWarp];
+  uint32_t computed = 0;  // bit j: row j of the warp is computed
 #pragma unroll
   for (int j = 0; j < kSwiGluFp8RowsPerWarp; ++j) {
     const int64_t row = row0 + warp + kWarps * j;
-    computed[j] = row < row_end && row_info(row, gate_up_row[j], weight[j]);
+    int32_t gate_up_row;
+    float weight;
+    if (row < row_end && row_info(row, gate_up_row, weight)) computed |= 1u << j;
     dot[j] = 0.0f;
   }
   const int64_t inter = rows.intermediate;
@@ -181,9 +177,12 @@ __device__ inline void swiglu_backward_fp8_block(const SwiGluBackwardFp8Rows& ro
     for (int j = 0; j < kSwiGluFp8RowsPerWarp; ++j) {
       const int tile_row = warp + kWarps * j;
       float d_gate[4] = {}, d_up[4] = {}, weighted[4] = {};
-      if (computed[j]) {
-        swiglu_backward_fp8_columns(rows, row0 + tile_row, gate_up_row[j], weight[j], block, lane,
-                                    dot[j], d_gate, d_up, weighted);
+      if ((computed >> j) & 1u) {
+        int32_t gate_up_row;
+        float weight;
+        row_info(row0 + tile_row, gate_up_row, weight);
+        swiglu_backward_fp8_columns(rows, row0 + tile_row, gate_up_row, weight, block, lane, dot[j],
+                                    d_gate, d_up, weighted);
       }
       float* staged_row = staged + tile_row * kSwiGluFp8Block + lane * 4;
       constexpr int kOutput = kSwiGluFp8Block * kSwiGluFp8Block;
@@ -195,24 +194,52 @@ __device__ inline void swiglu_backward_fp8_block(const SwiGluBackwardFp8Rows& ro
           make_float4(weighted[0], weighted[1], weighted[2], weighted[3]);
     }
     __syncthreads();
-    const int output = static_cast<int>(threadIdx.x) / kSwiGluFp8Block;
-    if (output < kSwiGluFp8Outputs) {
-      const int column = static_cast<int>(threadIdx.x) % kSwiGluFp8Block;
+    // Thread `job` takes part `part` of output column `pair` (pair = output * 128 + column).
+    const int job = static_cast<int>(threadIdx.x);
+    const int pair = job % (kSwiGluFp8Outputs * kSwiGluFp8Block);
+    const int part = job / (kSwiGluFp8Outputs * kSwiGluFp8Block);
+    const int output = pair / kSwiGluFp8Block;
+    const int column = pair % kSwiGluFp8Block;
+    const float* values = staged + output * kSwiGluFp8Block * kSwiGluFp8Block +
+                          part * kColumnPartRows * kSwiGluFp8Block + column;
+    if (job < kColumnJobs) {
+      uint32_t amax_bits = 0;
+      for_each_part_group(values, [&](int /*group*/, const float(&four)[4]) {
+        amax_bits = max(amax_bits, quantize::finite_amax_bits(four));
+      });
+      part_amax[job] = amax_bits;
+    }
+    __syncthreads();
+    if (job < kColumnJobs) {
+      uint32_t amax_bits = 0;
+#pragma unroll
+      for (int other = 0; other < kColumnParts; ++other) {
+        amax_bits = max(amax_bits, part_amax[pair + other * kSwiGluFp8Outputs * kSwiGluFp8Block]);
+      }
+      const float amax = __uint_as_float(amax_bits);
+      const float inverse = quantize::block_inverse<quantize::Format::kFp8>(amax);
+      uint32_t codes[kColumnPartRows / 4];
+      for_each_part_group(values, [&](int group, const float(&four)[4]) {
+        uint32_t word[1];
+        quantize::encode_scaled(four, inverse, word);
+        codes[group] = word[0];
+      });
       const int64_t col = block * kSwiGluFp8Block + column;  // of I
-      const float* values = staged + output * kSwiGluFp8Block * kSwiGluFp8Block + column;
-      if (output == 2) {
-        quantize_staged_column(values, rows.hidden_t, rows.hidden_t_scales, col, rows.padded_rows,
-                               row0);
-      } else {
-        quantize_staged_column(values, rows.d_gate_up_t, rows.d_gate_up_t_scales,
-                               gate_up_columns(output * inter + col), rows.padded_rows, row0);
+      uint8_t* data = output == 2 ? rows.hidden_t : rows.d_gate_up_t;
+      float* scales = output == 2 ? rows.hidden_t_scales : rows.d_gate_up_t_scales;
+      const int64_t data_row = output == 2 ? col : gate_up_columns(output * inter + col);
+      quantize::store_codes<kColumnPartRows>(
+          data + data_row * rows.padded_rows + row0 + part * kColumnPartRows, codes);
+      if (part == 0) {
+        quantize::store_scale<quantize::Format::kFp8>(
+            scales, data_row * (rows.padded_rows / kSwiGluFp8Block) + row0 / kSwiGluFp8Block, amax);
       }
     }
     __syncthreads();
   }
 #pragma unroll
   for (int j = 0; j < kSwiGluFp8RowsPerWarp; ++j) {
-    if (!computed[j]) continue;
+    if (((computed >> j) & 1u) == 0) continue;
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
       dot[j] = numerics::add_rn(dot[j], __shfl_xor_sync(0xffffffffu, dot[j], offset));
@@ -229,12 +256,12 @@ __device__ inline void swiglu_backward_fp8_routed(const comm::WorkspaceView& vie
   const int lane = static_cast<int>(threadIdx.x % 32);
   swiglu_backward_fp8_block(
       rows, staged,
-      [&](int64_t row, int64_t& gate_up_row, float& weight) {
+      [&](int64_t row, int32_t& gate_up_row, float& weight) {
         const int32_t packed = view.row_source()[row];
         if (packed < 0) return false;
         const comm::RowSource source = comm::unpack_row_source(view.layout, packed);
         weight = view.topk_w(source.rank)[source.token * view.layout.top_k + source.slot];
-        gate_up_row = rows.saved_by_source ? packed : row;
+        gate_up_row = rows.saved_by_source ? packed : static_cast<int32_t>(row);
         return true;
       },
       [&](int64_t row, float dot) {
@@ -249,8 +276,8 @@ __device__ inline void swiglu_backward_fp8_shared(const SwiGluBackwardFp8Rows& r
                                                   float* staged) {
   swiglu_backward_fp8_block(
       rows, staged,
-      [](int64_t row, int64_t& gate_up_row, float& weight) {
-        gate_up_row = row;
+      [](int64_t row, int32_t& gate_up_row, float& weight) {
+        gate_up_row = static_cast<int32_t>(row);
         weight = 1.0f;
         return true;
       },
