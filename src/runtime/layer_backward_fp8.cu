@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/comm/flags.cuh"
+#include "kernels/megakernel/expert_rows_fp8.cuh"
 #include "kernels/megakernel/swiglu_backward_fp8.cuh"
 #include "kernels/quantize/layer_kernels.cuh"
 #include "kernels/quantize/transposed_kernel.cuh"
@@ -39,12 +40,24 @@ __global__ void __launch_bounds__(megakernel::kSwiGluBackwardFp8Threads, 1)
   megakernel::swiglu_backward_fp8_shared(rows, reinterpret_cast<float*>(staged));
 }
 
-void allow_swiglu_backward_shared_memory() {
+// One rank alone: the expert rows of x and dy gathered from the tokens and quantized both ways
+// (expert_rows_fp8.cuh).
+__global__ void __launch_bounds__(megakernel::kExpertRowsThreads, megakernel::kExpertRowsCtasPerSm)
+    quantize_expert_rows_kernel(comm::WorkspaceView view, megakernel::ExpertRowsFp8 rows) {
+  if (comm::cta_sees_error(view)) return;
+  extern __shared__ uint4 tiles[];
+  megakernel::quantize_expert_rows(view, rows, reinterpret_cast<uint32_t*>(tiles));
+}
+
+void allow_large_shared_memory() {
   for (const void* kernel : {reinterpret_cast<const void*>(swiglu_backward_fp8_routed_kernel),
                              reinterpret_cast<const void*>(swiglu_backward_fp8_shared_kernel)}) {
     MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         megakernel::kSwiGluBackwardFp8SharedBytes));
   }
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(quantize_expert_rows_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      megakernel::kExpertRowsSharedBytes));
 }
 
 // rows.padded_rows / 128 CTAs: one per 128-row block of the transposed operands.
@@ -138,7 +151,7 @@ LayerBackwardFp8::LayerBackwardFp8(const Communicator& comm, const LayerShape& s
   }
   ones_ = make_ones(tokens_max * shape.top_k, comm.device());
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
-  allow_swiglu_backward_shared_memory();
+  allow_large_shared_memory();
 }
 
 LayerBackwardFp8::~LayerBackwardFp8() {
@@ -217,14 +230,19 @@ void LayerBackwardFp8::weight_gradients(const Operands& op, const bf16* x, const
                                         const gemm::LaunchOptions& gemm_options,
                                         const Between& between) {
   const int hidden = static_cast<int>(shape_.hidden);
-  // (hidden_t and d_gate_up_t come from the SwiGLU backward)
-  quantize_along_rows(dy, op.dy_t, padded_rows, hidden, offsets, counts, groups, stream);
+  // (hidden_t and d_gate_up_t come from the SwiGLU backward; x_t and dy_t from
+  // quantize_expert_rows when x and dy are null)
+  if (dy != nullptr) {
+    quantize_along_rows(dy, op.dy_t, padded_rows, hidden, offsets, counts, groups, stream);
+  }
   gemm::GroupedShape down{groups, padded_rows, hidden, inter};
   down.expert_counts = counts;
   gemm::grouped_wgrad_fp8(down, op.dy_t.data, op.dy_t.scales, op.hidden_t.data, op.hidden_t.scales,
                           offsets, grad_down, output, stream, gemm_options);
   between();
-  quantize_along_rows(x, op.x_t, padded_rows, hidden, offsets, counts, groups, stream);
+  if (x != nullptr) {
+    quantize_along_rows(x, op.x_t, padded_rows, hidden, offsets, counts, groups, stream);
+  }
   gemm::GroupedShape gate_up{groups, padded_rows, 2 * inter, hidden};
   gate_up.expert_counts = counts;
   gemm::grouped_wgrad_fp8(gate_up, op.d_gate_up_t.data, op.d_gate_up_t.scales, op.x_t.data,
@@ -283,10 +301,35 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
   mark();
   // While the peers' dx rows arrive: dW_down = dyᵀ · (w·h), dW_gate_up = d_gate_upᵀ · x, their
   // operands 128 x 1 down each expert's rows.
-  weight_gradients(op, workspace_.expert_x(), workspace_.expert_dy(), experts, padded, inter,
-                   offsets, counts, grads.gate_up, grads.down, grads.output, stream, gemm_options,
-                   mark);
+  const bool gathered = workspace_.num_ranks() == 1;  // x_t, dy_t from quantize_expert_rows
+  weight_gradients(op, gathered ? nullptr : workspace_.expert_x(),
+                   gathered ? nullptr : workspace_.expert_dy(), experts, padded, inter, offsets,
+                   counts, grads.gate_up, grads.down, grads.output, stream, gemm_options, mark);
   mark();
+}
+
+void LayerBackwardFp8::quantize_expert_rows(const bf16* x, const bf16* dy, bool x_rows,
+                                            cudaStream_t stream) {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  const Operands& op = routed_;
+  megakernel::ExpertRowsFp8 rows;
+  rows.x = reinterpret_cast<const __nv_bfloat16*>(x);
+  rows.dy = reinterpret_cast<const __nv_bfloat16*>(dy);
+  rows.hidden = static_cast<int>(shape_.hidden);
+  rows.padded_rows = routed_padded_rows_;
+  rows.experts = quantize::ExpertRows{workspace_.expert_offsets(), workspace_.expert_counts(),
+                                      static_cast<int>(layout.experts_per_rank())};
+  rows.dy_rows = {op.dy.data, op.dy.scales};
+  rows.x_rows = x_rows ? megakernel::Fp8Codes{op.x.data, op.x.scales} : megakernel::Fp8Codes{};
+  rows.dy_t = {op.dy_t.data, op.dy_t.scales};
+  rows.x_t = {op.x_t.data, op.x_t.scales};
+  const int64_t ctas = routed_padded_rows_ / kBlock * (shape_.hidden / kBlock);
+  if (ctas == 0) return;
+  MOK_CHECK_ARG(ctas < (int64_t{1} << 31), "rows", "too many tiles: ", ctas);
+  quantize_expert_rows_kernel<<<static_cast<unsigned>(ctas), megakernel::kExpertRowsThreads,
+                                megakernel::kExpertRowsSharedBytes, stream>>>(workspace_.view(),
+                                                                              rows);
+  MOK_CUDA_CHECK_LAUNCH();
 }
 
 void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
@@ -315,24 +358,33 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
   const int32_t* row_bound = workspace_.expert_offsets() + experts;  // the dispatched rows' end
   const int64_t rows = workspace_.layout().rows_capacity();
   const bool shared = shape_.has_shared() && tokens > 0;
+  // One rank alone: no dispatch; its expert rows are gathered from x and dy and quantized in
+  // one pass (quantize_expert_rows) instead of copied and then read by three quantizers.
+  const bool one_rank = workspace_.num_ranks() == 1;
   shared_expert_and_dispatch(
       side_, stream, shared,
-      shared ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks()) : 0,
+      shared && !one_rank
+          ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks())
+          : 0,
       options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
         run_shared_expert(weights, grads, tokens, stream, gemm_options, saved_shared_gate_up);
       },
       [&](cudaStream_t rows_stream, bool beside) {
-        dispatch_x_and_dy(workspace_, options_, rows_stream, beside, x, dy);
+        if (!one_rank) dispatch_x_and_dy(workspace_, options_, rows_stream, beside, x, dy);
       },
       mark);
-  // (the x rows 1 x 128 feed the gate/up recompute only)
-  if (saved_gate_up == nullptr) {
-    quantize_fp8_rows(workspace_.expert_x(), routed_.x, rows, shape_.hidden, row_bound, num_sms_,
+  if (one_rank) {
+    quantize_expert_rows(x, dy, /*x_rows=*/saved_gate_up == nullptr, stream);
+  } else {
+    // (the x rows 1 x 128 feed the gate/up recompute only)
+    if (saved_gate_up == nullptr) {
+      quantize_fp8_rows(workspace_.expert_x(), routed_.x, rows, shape_.hidden, row_bound, num_sms_,
+                        stream);
+    }
+    quantize_fp8_rows(workspace_.expert_dy(), routed_.dy, rows, shape_.hidden, row_bound, num_sms_,
                       stream);
   }
-  quantize_fp8_rows(workspace_.expert_dy(), routed_.dy, rows, shape_.hidden, row_bound, num_sms_,
-                    stream);
   mark();
   run_routed_experts(weights, grads, saved_gate_up, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);

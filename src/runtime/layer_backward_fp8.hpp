@@ -10,7 +10,10 @@
 //                                     its dx in fp32 for the reduce
 //   dispatch x, dy                    bf16 rows into expert_x, expert_dy; then each quantized 1 x
 //                                     128 along H (a row gets the bytes its token's own rank's
-//                                     quantization gives)
+//                                     quantization gives). One rank alone: no dispatch; the expert
+//                                     rows gathered from x and dy straight into their 1 x 128 rows
+//                                     and the wgrads' 128 x 1 operands
+//                                     (kernels/megakernel/expert_rows_fp8.cuh)
 //   routed gate/up                    FP8 GEMM, fp32 sums rounded to bf16 (a, b); save mode: read
 //                                     from the context (nor are the x rows quantized 1 x 128)
 //   routed down dgrad                 g = W_downᵀ dy: FP8 GEMM on the transposed weight, fp32
@@ -125,8 +128,12 @@ class LayerBackwardFp8 {
   void run_shared_expert(const Fp8WeightCache& weights, const DeviceLayerGradients& grads,
                          int tokens, cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
                          const bf16* saved_gate_up);
+  // One rank alone: the routed expert rows of x and dy gathered from the tokens and quantized in
+  // one pass: dy's (and, x_rows, x's) 1 x 128 rows and both 128 x 1 operands of the wgrads.
+  void quantize_expert_rows(const bf16* x, const bf16* dy, bool x_rows, cudaStream_t stream);
   // Both wgrads of one group of experts (the routed ones, or the shared expert as one group), their
-  // operands quantized 128 x 1 down each expert's rows first: down, then between(), then gate/up.
+  // operands quantized 128 x 1 down each expert's rows first (x and dy null: x_t and dy_t are
+  // already there): down, then between(), then gate/up.
   template <class Between>
   void weight_gradients(const Operands& op, const bf16* x, const bf16* dy, int groups,
                         int padded_rows, int inter, const int32_t* offsets, const int32_t* counts,
