@@ -48,8 +48,8 @@ struct ExpertRowsFp8 {
 };
 
 // Row `tile_row` of a staged tile as 1 x 128 codes, a warp: lane l holds columns 4 l .. 4 l + 3.
-__device__ inline void quantize_staged_row(const uint32_t* tile_row, Fp8Codes out, int64_t row,
-                                           int hidden, int chunk, int lane) {
+__device__ inline void quantize_staged_bf16_row(const uint32_t* tile_row, Fp8Codes out, int64_t row,
+                                                int hidden, int chunk, int lane) {
   using quantize::Format;
   const uint32_t low = tile_row[2 * lane], high = tile_row[2 * lane + 1];
   const float values[4] = {__uint_as_float(low << 16), __uint_as_float(low & 0xffff0000u),
@@ -65,8 +65,9 @@ __device__ inline void quantize_staged_row(const uint32_t* tile_row, Fp8Codes ou
 }
 
 // Column `column` of a staged tile (128 rows of bf16 pairs) as one 128 x 1 block.
-__device__ inline void quantize_staged_column(const uint32_t* tile, Fp8Codes out, int64_t data_row,
-                                              int64_t padded_rows, int64_t row0, int column) {
+__device__ inline void quantize_staged_bf16_column(const uint32_t* tile, Fp8Codes out,
+                                                   int64_t data_row, int64_t padded_rows,
+                                                   int64_t row0, int column) {
   using quantize::Format;
   constexpr int kGroups = kExpertRowsBlock / 4;
   const int word = column / 2, shift = column % 2 == 0 ? 16 : 0;
@@ -145,18 +146,18 @@ __device__ inline void quantize_expert_rows(const comm::WorkspaceView& view,
   const int lane = thread % 32, warp = thread / 32;
   for (int tile_row = warp; tile_row < kExpertRowsBlock; tile_row += kExpertRowsThreads / 32) {
     if (tokens[tile_row] < 0) continue;  // (the whole warp)
-    quantize_staged_row(tiles + kTile + tile_row * kExpertRowsWords, rows.dy_rows, row0 + tile_row,
-                        rows.hidden, chunk, lane);
+    quantize_staged_bf16_row(tiles + kTile + tile_row * kExpertRowsWords, rows.dy_rows,
+                             row0 + tile_row, rows.hidden, chunk, lane);
     if (rows.x_rows.data != nullptr) {
-      quantize_staged_row(tiles + tile_row * kExpertRowsWords, rows.x_rows, row0 + tile_row,
-                          rows.hidden, chunk, lane);
+      quantize_staged_bf16_row(tiles + tile_row * kExpertRowsWords, rows.x_rows, row0 + tile_row,
+                               rows.hidden, chunk, lane);
     }
   }
   // 128 x 1: a thread per column of x (threads 0-127) or of dy (128-255).
   const int tensor = thread / kExpertRowsBlock, column = thread % kExpertRowsBlock;
-  quantize_staged_column(tiles + tensor * kTile, tensor == 0 ? rows.x_t : rows.dy_t,
-                         static_cast<int64_t>(chunk) * kExpertRowsBlock + column, rows.padded_rows,
-                         row0, column);
+  quantize_staged_bf16_column(tiles + tensor * kTile, tensor == 0 ? rows.x_t : rows.dy_t,
+                              static_cast<int64_t>(chunk) * kExpertRowsBlock + column,
+                              rows.padded_rows, row0, column);
 }
 
 }  // namespace mok::megakernel
