@@ -233,6 +233,13 @@ void CommWorkspace::check(cudaStream_t stream) const {
   }
 }
 
+uint64_t CommWorkspace::call_began_ns() const {
+  unsigned long long began = 0;
+  MOK_CUDA_CHECK(
+      cudaMemcpy(&began, &view_.state()->call_began_ns, sizeof(began), cudaMemcpyDeviceToHost));
+  return began;
+}
+
 void CommWorkspace::reset_after_error() {
   MOK_CUDA_CHECK(cudaSetDevice(comm_.device()));
   MOK_CUDA_CHECK(cudaDeviceSynchronize());

@@ -48,6 +48,9 @@ class CommWorkspace {
   // SMs of this rank's share of its GPU: all of them, or (ranks emulated on one GPU,
   // Communicator::emulate) 1 / ranks_on_device of them, for the kernels that wait on peers.
   int num_sms() const { return num_sms_; }
+  // The GPU's global timer (ns) when the last call's first kernel began on this rank; reads the
+  // device (a synchronous copy: for reports after a failure, not while peers' kernels wait).
+  uint64_t call_began_ns() const;
   bool shares_device() const { return comm_.ranks_on_device() > 1; }
 
   // (T_max, H): this rank's tokens, in its window. Write x here before `schedule`.

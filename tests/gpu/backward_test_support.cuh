@@ -102,6 +102,7 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
       if (!run.save) bf16_layer->allocate_recompute_buffers();
     }
     CommWorkspace& ws = fp8 ? fp8_layer->workspace() : bf16_layer->workspace();
+    const RegisteredWorkspace registered(rank, ws);  // (for a timeout's report)
     const auto check = [&] { fp8 ? fp8_layer->check(stream) : bf16_layer->check(stream); };
     // Save mode: the forward that keeps the context, and the context (empty otherwise).
     std::unique_ptr<LayerForward> forward;

@@ -5,9 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -123,6 +127,64 @@ inline void expect_sane_trace(const std::vector<uint64_t>& trace, int fields) {
   EXPECT_GT(tasks, 0u);
 }
 
+// The workspaces of the ranks a test runs now, for a failure's report of when each rank's last
+// call began on the device (CommWorkspace::call_began_ns): a rank whose call began seconds after
+// the others' was held before its first kernel (the EP 4/8 emulation fault,
+// docs/perf-notes/reliability.md). A rank is listed while a RegisteredWorkspace of it lives.
+class RankWorkspaces {
+ public:
+  static RankWorkspaces& instance() {
+    static RankWorkspaces registry;
+    return registry;
+  }
+  void add(int rank, const CommWorkspace* workspace) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    workspaces_[rank] = workspace;
+  }
+  void remove(int rank, const CommWorkspace* workspace) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = workspaces_.find(rank);
+    if (found != workspaces_.end() && found->second == workspace) workspaces_.erase(found);
+  }
+  // " [calls began, device clock after the earliest: rank 0 +0.0 ms, ...]", or "" for fewer
+  // than two ranks.
+  std::string describe_call_starts() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (workspaces_.size() < 2) return "";
+    std::map<int, uint64_t> began;
+    for (const auto& [rank, workspace] : workspaces_) began[rank] = workspace->call_began_ns();
+    uint64_t earliest = UINT64_MAX;
+    for (const auto& [rank, ns] : began) earliest = std::min(earliest, ns);
+    std::string text = " [calls began, device clock after the earliest:";
+    for (const auto& [rank, ns] : began) {
+      char item[64];
+      std::snprintf(item, sizeof(item), " rank %d +%.1f ms", rank, (ns - earliest) / 1e6);
+      text += item;
+    }
+    return text + "]";
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int, const CommWorkspace*> workspaces_;
+};
+
+// Lists a rank's workspace in RankWorkspaces for its lifetime.
+class RegisteredWorkspace {
+ public:
+  RegisteredWorkspace(int rank, const CommWorkspace& workspace)
+      : rank_(rank), workspace_(&workspace) {
+    RankWorkspaces::instance().add(rank, workspace_);
+  }
+  ~RegisteredWorkspace() { RankWorkspaces::instance().remove(rank_, workspace_); }
+  RegisteredWorkspace(const RegisteredWorkspace&) = delete;
+  RegisteredWorkspace& operator=(const RegisteredWorkspace&) = delete;
+
+ private:
+  int rank_;
+  const CommWorkspace* workspace_;
+};
+
 // One run of a rank after the ranks met: prepare (poison), enqueue, then check (which throws a
 // device fault). A failure's message adds how long this rank's prepare and launches took on the
 // host after the meeting: a rank held there by a call that waits for the whole device shows
@@ -143,7 +205,8 @@ void run_and_check(const std::function<void()>& prepare, const std::function<voi
     if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
     throw Error(error.argument(), message + " [this rank's launches were done " +
                                       std::to_string(static_cast<int64_t>(host_ms)) +
-                                      " ms after the ranks met]");
+                                      " ms after the ranks met]" +
+                                      RankWorkspaces::instance().describe_call_starts());
   }
 }
 

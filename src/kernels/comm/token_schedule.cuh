@@ -23,6 +23,7 @@
 
 #include "kernels/comm/flags.cuh"
 #include "kernels/comm/workspace_layout.cuh"
+#include "kernels/ptx/special_registers.cuh"
 
 namespace mok::comm {
 
@@ -38,6 +39,7 @@ __device__ inline void begin_call(const WorkspaceView& view) {
     task_counters[index] = 0;
   }
   if (threadIdx.x == 0) {
+    state->call_began_ns = ptx::global_timer_ns();
     state->epoch += 1;
     state->gather_arrivals = 0;
     state->combine_arrivals = 0;

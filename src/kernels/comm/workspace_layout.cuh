@@ -86,6 +86,9 @@ struct DeviceState {
   // The fused forward's ticket grant of each L2 partition: (first ticket + 1) << 32 | tickets
   // taken from it (kernels/megakernel/tickets.cuh).
   alignas(8) unsigned long long task_pool[kMaxL2Partitions];
+  // The GPU's global timer (ns) when this call's first kernel began (begin_call): when a peer
+  // times out waiting for this rank, tells whether the rank's call itself started late.
+  unsigned long long call_began_ns;
   ErrorRecord error;
 };
 
