@@ -102,7 +102,7 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
       if (!run.save) bf16_layer->allocate_recompute_buffers();
     }
     CommWorkspace& ws = fp8 ? fp8_layer->workspace() : bf16_layer->workspace();
-    const RegisteredWorkspace registered(rank, ws);  // (for a timeout's report)
+    const RegisteredWorkspace registered(rank, "backward", ws);  // (for a timeout's report)
     const auto check = [&] { fp8 ? fp8_layer->check(stream) : bf16_layer->check(stream); };
     // Save mode: the forward that keeps the context, and the context (empty otherwise).
     std::unique_ptr<LayerForward> forward;
@@ -119,6 +119,11 @@ inline BackwardOutputs run_gpu_backward(const Problem& problem, int ep, const Ba
       options.allocate_weights = false;
       options.fused = run.forward;
       forward = std::make_unique<LayerForward>(comms[rank], shape, tokens, options);
+    }
+    std::unique_ptr<RegisteredWorkspace> registered_forward;
+    if (forward != nullptr || fp8_forward != nullptr) {
+      registered_forward = std::make_unique<RegisteredWorkspace>(
+          rank, "forward", forward != nullptr ? forward->workspace() : fp8_forward->workspace());
     }
     const int64_t save_tokens = run.save ? tokens : 0;
     DeviceBuffer<bf16> y(static_cast<size_t>(save_tokens * hidden));

@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/megakernel/trace.cuh"
@@ -137,28 +138,29 @@ class RankWorkspaces {
     static RankWorkspaces registry;
     return registry;
   }
-  void add(int rank, const CommWorkspace* workspace) {
+  void add(int rank, const char* label, const CommWorkspace* workspace) {
     std::lock_guard<std::mutex> lock(mutex_);
-    workspaces_[rank] = workspace;
+    workspaces_[{rank, label}] = workspace;
   }
-  void remove(int rank, const CommWorkspace* workspace) {
+  void remove(int rank, const char* label, const CommWorkspace* workspace) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto found = workspaces_.find(rank);
+    const auto found = workspaces_.find({rank, label});
     if (found != workspaces_.end() && found->second == workspace) workspaces_.erase(found);
   }
-  // " [calls began, device clock after the earliest: rank 0 +0.0 ms, ...]", or "" for fewer
-  // than two ranks.
+  // " [calls began, device clock after the earliest: rank 0 backward +0.0 ms, ...]", or "" with
+  // fewer than two listed.
   std::string describe_call_starts() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (workspaces_.size() < 2) return "";
-    std::map<int, uint64_t> began;
-    for (const auto& [rank, workspace] : workspaces_) began[rank] = workspace->call_began_ns();
+    std::map<std::pair<int, std::string>, uint64_t> began;
+    for (const auto& [key, workspace] : workspaces_) began[key] = workspace->call_began_ns();
     uint64_t earliest = UINT64_MAX;
-    for (const auto& [rank, ns] : began) earliest = std::min(earliest, ns);
+    for (const auto& [key, ns] : began) earliest = std::min(earliest, ns);
     std::string text = " [calls began, device clock after the earliest:";
-    for (const auto& [rank, ns] : began) {
-      char item[64];
-      std::snprintf(item, sizeof(item), " rank %d +%.1f ms", rank, (ns - earliest) / 1e6);
+    for (const auto& [key, ns] : began) {
+      char item[96];
+      std::snprintf(item, sizeof(item), " rank %d %s +%.1f ms", key.first, key.second.c_str(),
+                    (ns - earliest) / 1e6);
       text += item;
     }
     return text + "]";
@@ -166,22 +168,24 @@ class RankWorkspaces {
 
  private:
   std::mutex mutex_;
-  std::map<int, const CommWorkspace*> workspaces_;
+  std::map<std::pair<int, std::string>, const CommWorkspace*> workspaces_;
 };
 
-// Lists a rank's workspace in RankWorkspaces for its lifetime.
+// Lists a rank's workspace (of its forward or backward layer: `label`) in RankWorkspaces for its
+// lifetime.
 class RegisteredWorkspace {
  public:
-  RegisteredWorkspace(int rank, const CommWorkspace& workspace)
-      : rank_(rank), workspace_(&workspace) {
-    RankWorkspaces::instance().add(rank, workspace_);
+  RegisteredWorkspace(int rank, const char* label, const CommWorkspace& workspace)
+      : rank_(rank), label_(label), workspace_(&workspace) {
+    RankWorkspaces::instance().add(rank_, label_, workspace_);
   }
-  ~RegisteredWorkspace() { RankWorkspaces::instance().remove(rank_, workspace_); }
+  ~RegisteredWorkspace() { RankWorkspaces::instance().remove(rank_, label_, workspace_); }
   RegisteredWorkspace(const RegisteredWorkspace&) = delete;
   RegisteredWorkspace& operator=(const RegisteredWorkspace&) = delete;
 
  private:
   int rank_;
+  const char* label_;
   const CommWorkspace* workspace_;
 };
 
