@@ -24,11 +24,13 @@ inline constexpr int kExpertRowsBlock = 128;  // rows and columns of a CTA's til
 inline constexpr int kExpertRowsThreads = 256;
 inline constexpr int kExpertRowsCtasPerSm = 3;                 // as many as the shared tiles fit
 inline constexpr int kExpertRowsWords = kExpertRowsBlock / 2;  // bf16 pairs of a tile row
-// x's and dy's tiles: (2, 128 rows, 64 words), then the tile rows' tokens.
+// x's and dy's tiles: (2, 128 rows, 64 words), then the tile rows' tokens, then the 128 x 1
+// pass's exchange (2 tensors, 64 column pairs, 2 halves).
 inline constexpr size_t kExpertRowsSharedBytes =
-    2 * kExpertRowsBlock * kExpertRowsWords * sizeof(uint32_t) + kExpertRowsBlock * sizeof(int32_t);
+    2 * kExpertRowsBlock * kExpertRowsWords * sizeof(uint32_t) +
+    kExpertRowsBlock * sizeof(int32_t) + 2 * kExpertRowsWords * 2 * sizeof(uint32_t);
 static_assert(2 * kExpertRowsBlock == kExpertRowsThreads,
-              "a thread per column of each tensor in the 128 x 1 pass");
+              "a thread per column pair and half of each tensor in the 128 x 1 pass");
 
 struct Fp8Codes {
   uint8_t* data;
@@ -47,61 +49,110 @@ struct ExpertRowsFp8 {
   Fp8Codes x_t;
 };
 
-// Row `tile_row` of a staged tile as 1 x 128 codes, a warp: lane l holds columns 4 l .. 4 l + 3.
-__device__ inline void quantize_staged_bf16_row(const uint32_t* tile_row, Fp8Codes out, int64_t row,
-                                                int hidden, int chunk, int lane) {
+// Four rows of a staged tile as 1 x 128 codes, a warp: lanes 8 r .. 8 r + 7 take tile row
+// `tile_row0 + r`, lane g of them words 4 g .. 4 g + 3 and 32 + 4 g .. 35 + 4 g (columns 8 g ..
+// 8 g + 7 and 64 + 8 g .. 71 + 8 g), so that each eight lanes read a row's half in one pass of the
+// banks. A row whose token is -1 (past the expert's rows) is read but not stored.
+__device__ inline void quantize_staged_bf16_rows(const uint32_t* tile, const int32_t* tokens,
+                                                 int tile_row0, Fp8Codes out, int64_t row0,
+                                                 int hidden, int chunk, int lane) {
   using quantize::Format;
-  const uint32_t low = tile_row[2 * lane], high = tile_row[2 * lane + 1];
-  const float values[4] = {__uint_as_float(low << 16), __uint_as_float(low & 0xffff0000u),
-                           __uint_as_float(high << 16), __uint_as_float(high & 0xffff0000u)};
-  const float amax = __uint_as_float(quantize::lanes_max<32>(quantize::finite_amax_bits(values)));
-  uint32_t words[1];
-  quantize::encode_scaled(values, quantize::block_inverse<Format::kFp8>(amax), words);
-  quantize::store_codes<4>(out.data + row * hidden + chunk * kExpertRowsBlock + 4 * lane, words);
-  if (lane == 0) {
-    quantize::store_scale<Format::kFp8>(out.scales, row * (hidden / kExpertRowsBlock) + chunk,
-                                        amax);
+  const int tile_row = tile_row0 + lane / 8, group = lane % 8;
+  const uint32_t* source = tile + tile_row * kExpertRowsWords + 4 * group;
+  const uint4 first = *reinterpret_cast<const uint4*>(source);
+  const uint4 second = *reinterpret_cast<const uint4*>(source + kExpertRowsWords / 2);
+  const uint32_t words[8] = {first.x,  first.y,  first.z,  first.w,
+                             second.x, second.y, second.z, second.w};
+  bool finite = true;
+  uint32_t amax_bits = quantize::lanes_max<8>(quantize::packed_bf16_amax_bits(words, finite));
+  float values[16];
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    values[2 * w] = __uint_as_float(words[w] << 16);
+    values[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
   }
+  // (a NaN's magnitude is above +Inf's, so the row's maximum tells whether all of it is finite;
+  // a row that is not takes the general maximum, which the whole warp reduces)
+  const bool row_finite = amax_bits < (quantize::kBf16InfBits << 16);
+  if (__any_sync(0xffffffffu, !row_finite)) {
+    amax_bits = quantize::lanes_max<8>(quantize::finite_amax_bits(values));
+  }
+  const fp8::Fp8BlockScale scale = fp8::fp8_block_scale(__uint_as_float(amax_bits));
+  uint32_t codes[4];
+  quantize::encode_scaled(values, scale.inverse, row_finite, codes);
+  if (tokens[tile_row] < 0) return;
+  const int64_t row = row0 + tile_row;
+  uint8_t* data = out.data + row * hidden + chunk * kExpertRowsBlock + 8 * group;
+  *reinterpret_cast<uint2*>(data) = make_uint2(codes[0], codes[1]);
+  *reinterpret_cast<uint2*>(data + kExpertRowsBlock / 2) = make_uint2(codes[2], codes[3]);
+  if (group == 0) out.scales[row * (hidden / kExpertRowsBlock) + chunk] = scale.scale;
 }
 
-// Column `column` of a staged tile (128 rows of bf16 pairs) as one 128 x 1 block.
-__device__ inline void quantize_staged_bf16_column(const uint32_t* tile, Fp8Codes out,
-                                                   int64_t data_row, int64_t padded_rows,
-                                                   int64_t row0, int column) {
-  using quantize::Format;
-  constexpr int kGroups = kExpertRowsBlock / 4;
-  const int word = column / 2, shift = column % 2 == 0 ? 16 : 0;
-  const auto value = [&](int row) {
-    const uint32_t bits = tile[row * kExpertRowsWords + word];
-    return __uint_as_float(shift == 16 ? bits << 16 : bits & 0xffff0000u);
-  };
-  uint32_t amax_bits = 0;
-#pragma unroll 8
-  for (int group = 0; group < kGroups; ++group) {
-    const float four[4] = {value(4 * group), value(4 * group + 1), value(4 * group + 2),
-                           value(4 * group + 3)};
-    amax_bits = max(amax_bits, quantize::finite_amax_bits(four));
+// Columns 2 `word` and 2 `word` + 1 of a staged tile (128 rows of bf16 pairs) as two 128 x 1
+// blocks, two threads: `half` takes rows 64 half .. 64 half + 63 of both, its partner (the other
+// half) the rest; `exchange` is two words of shared memory for each pair of them.
+__device__ inline void quantize_staged_bf16_columns(const uint32_t* tile, uint32_t* exchange,
+                                                    Fp8Codes out, int64_t data_row,
+                                                    int64_t padded_rows, int64_t row0, int word,
+                                                    int half) {
+  constexpr int kRows = kExpertRowsBlock / 2;  // a thread's
+  const uint32_t* column = tile + half * kRows * kExpertRowsWords + word;
+  uint32_t halves = 0;
+#pragma unroll 16
+  for (int row = 0; row < kRows; ++row) {
+    halves = quantize::max_bf16_magnitudes(halves, column[row * kExpertRowsWords]);
   }
-  const float amax = __uint_as_float(amax_bits);
-  const float inverse = quantize::block_inverse<Format::kFp8>(amax);
-  // (in two halves of 64 rows: the whole column's codes at once cost a spill)
-  constexpr int kHalf = kGroups / 2;
+  exchange[half] = halves;
+  __syncthreads();
+  halves = ptx::max_u16x2(halves, exchange[1 - half]);
+  const uint32_t magnitudes[2] = {halves & 0xffffu, halves >> 16};  // column 2 word, 2 word + 1
+  bool finite[2];
+  float amax[2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    uint32_t codes[kHalf];
-#pragma unroll
-    for (int group = 0; group < kHalf; ++group) {
-      const int first = 4 * (half * kHalf + group);
-      const float four[4] = {value(first), value(first + 1), value(first + 2), value(first + 3)};
-      uint32_t bits[1];
-      quantize::encode_scaled(four, inverse, bits);
-      codes[group] = bits[0];
+  for (int c = 0; c < 2; ++c) {
+    finite[c] = magnitudes[c] < quantize::kBf16InfBits;
+    amax[c] = __uint_as_float(magnitudes[c] << 16);
+  }
+  if (!finite[0] || !finite[1]) {  // (rare: the general maximum over all 128 rows)
+    uint32_t bits[2] = {0, 0};
+    const uint32_t* whole = tile + word;
+    for (int row = 0; row < kExpertRowsBlock; ++row) {
+      const uint32_t pair = whole[row * kExpertRowsWords];
+      const float two[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
+      bits[0] = max(bits[0], fp8::finite_magnitude_bits(two[0]));
+      bits[1] = max(bits[1], fp8::finite_magnitude_bits(two[1]));
     }
-    quantize::store_codes<kExpertRowsBlock / 2>(
-        out.data + data_row * padded_rows + row0 + half * (kExpertRowsBlock / 2), codes);
+    amax[0] = __uint_as_float(bits[0]);
+    amax[1] = __uint_as_float(bits[1]);
   }
-  quantize::store_scale<Format::kFp8>(
-      out.scales, data_row * (padded_rows / kExpertRowsBlock) + row0 / kExpertRowsBlock, amax);
+  const fp8::Fp8BlockScale scale[2] = {fp8::fp8_block_scale(amax[0]),
+                                       fp8::fp8_block_scale(amax[1])};
+  // In two passes of 32 rows: 32 codes (two whole sectors) of each column at once.
+  constexpr int kPass = 32;
+#pragma unroll
+  for (int pass = 0; pass < kRows / kPass; ++pass) {
+    float values[2][kPass];
+#pragma unroll
+    for (int row = 0; row < kPass; ++row) {
+      const uint32_t pair = column[(pass * kPass + row) * kExpertRowsWords];
+      values[0][row] = __uint_as_float(pair << 16);
+      values[1][row] = __uint_as_float(pair & 0xffff0000u);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      uint32_t codes[kPass / 4];
+      quantize::encode_scaled(values[c], scale[c].inverse, finite[c], codes);
+      quantize::store_codes<kPass>(
+          out.data + (data_row + c) * padded_rows + row0 + half * kRows + pass * kPass, codes);
+    }
+  }
+  if (half == 0) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      out.scales[(data_row + c) * (padded_rows / kExpertRowsBlock) + row0 / kExpertRowsBlock] =
+          scale[c].scale;
+    }
+  }
 }
 
 // grid: padded_rows / 128 * H / 128 CTAs of kExpertRowsThreads, kExpertRowsSharedBytes of dynamic
@@ -111,53 +162,65 @@ __device__ inline void quantize_expert_rows(const comm::WorkspaceView& view,
   const int chunks = rows.hidden / kExpertRowsBlock;
   const int chunk = static_cast<int>(blockIdx.x % chunks);
   const int64_t row0 = static_cast<int64_t>(blockIdx.x / chunks) * kExpertRowsBlock;
-  const int64_t row_end = rows.experts.end(row0, rows.padded_rows);
-  if (row_end <= row0) return;  // (the whole CTA: before any barrier)
   constexpr int kTile = kExpertRowsBlock * kExpertRowsWords;
   uint32_t* tiles = shared;  // x's, then dy's
   auto* tokens = reinterpret_cast<int32_t*>(shared + 2 * kTile);
+  uint32_t* exchange = shared + 2 * kTile + kExpertRowsBlock;  // (the 128 x 1 pass)
+  __shared__ int valid_rows;  // this block's real rows: the expert's rows from row0 on, <= 128
   const int thread = static_cast<int>(threadIdx.x);
+  if (thread == 0) {
+    const int64_t end = rows.experts.end(row0, rows.padded_rows);
+    valid_rows = static_cast<int>(min(max(end - row0, int64_t{0}), int64_t{kExpertRowsBlock}));
+  }
+  __syncthreads();
+  const int valid = valid_rows;
+  if (valid == 0) return;  // (the whole CTA)
   if (thread < kExpertRowsBlock) {
-    const int64_t row = row0 + thread;
-    const int32_t packed = row < row_end ? view.row_source()[row] : -1;
+    const int32_t packed = thread < valid ? view.row_source()[row0 + thread] : -1;
     tokens[thread] = packed < 0 ? -1 : comm::unpack_row_source(view.layout, packed).token;
   }
   __syncthreads();
-  // 16-byte pieces: (tensor, tile row, piece of 16 in the row's 256 bytes).
-  constexpr int kPieces = 2 * kExpertRowsBlock * 16;
-  for (int piece = thread; piece < kPieces; piece += kExpertRowsThreads) {
-    const int tensor = piece / (kExpertRowsBlock * 16);
-    const int tile_row = piece / 16 % kExpertRowsBlock;
-    const int vector = piece % 16;
-    uint32_t* destination = tiles + tensor * kTile + tile_row * kExpertRowsWords + vector * 4;
-    const int32_t token = tokens[tile_row];
-    if (token >= 0) {
-      const __nv_bfloat16* source = (tensor == 0 ? rows.x : rows.dy) +
-                                    static_cast<int64_t>(token) * rows.hidden +
-                                    chunk * kExpertRowsBlock + vector * 8;
-      ptx::cp_async_16(destination, source);
-    } else {
-      *reinterpret_cast<uint4*>(destination) = make_uint4(0, 0, 0, 0);
+  // 16-byte pieces: thread t takes piece t % 16 of tile rows t / 16, t / 16 + 16, ... in both.
+  {
+    constexpr int kRowsAtOnce = kExpertRowsThreads / 16;
+    const int vector = thread % 16;
+    const int64_t column0 = static_cast<int64_t>(chunk) * kExpertRowsBlock + vector * 8;
+#pragma unroll
+    for (int i = 0; i < kExpertRowsBlock / kRowsAtOnce; ++i) {
+      const int tile_row = thread / 16 + kRowsAtOnce * i;
+      const int32_t token = tokens[tile_row];
+      uint32_t* destination = tiles + tile_row * kExpertRowsWords + vector * 4;
+      if (token >= 0) {
+        const int64_t offset = static_cast<int64_t>(token) * rows.hidden + column0;
+        ptx::cp_async_16(destination, rows.x + offset);
+        ptx::cp_async_16(destination + kTile, rows.dy + offset);
+      } else {
+        *reinterpret_cast<uint4*>(destination) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(destination + kTile) = make_uint4(0, 0, 0, 0);
+      }
     }
   }
   ptx::cp_async_wait_all();
   __syncthreads();
-  // 1 x 128: dy's rows (and x's in recompute mode), a warp a row.
+  // 1 x 128: dy's rows (and x's in recompute mode), four rows a warp at once.
   const int lane = thread % 32, warp = thread / 32;
-  for (int tile_row = warp; tile_row < kExpertRowsBlock; tile_row += kExpertRowsThreads / 32) {
-    if (tokens[tile_row] < 0) continue;  // (the whole warp)
-    quantize_staged_bf16_row(tiles + kTile + tile_row * kExpertRowsWords, rows.dy_rows,
-                             row0 + tile_row, rows.hidden, chunk, lane);
+  constexpr int kWarps = kExpertRowsThreads / 32;
+  for (int tile_row0 = 4 * warp; tile_row0 < valid; tile_row0 += 4 * kWarps) {
+    quantize_staged_bf16_rows(tiles + kTile, tokens, tile_row0, rows.dy_rows, row0, rows.hidden,
+                              chunk, lane);
     if (rows.x_rows.data != nullptr) {
-      quantize_staged_bf16_row(tiles + tile_row * kExpertRowsWords, rows.x_rows, row0 + tile_row,
-                               rows.hidden, chunk, lane);
+      quantize_staged_bf16_rows(tiles, tokens, tile_row0, rows.x_rows, row0, rows.hidden, chunk,
+                                lane);
     }
   }
-  // 128 x 1: a thread per column of x (threads 0-127) or of dy (128-255).
-  const int tensor = thread / kExpertRowsBlock, column = thread % kExpertRowsBlock;
-  quantize_staged_bf16_column(tiles + tensor * kTile, tensor == 0 ? rows.x_t : rows.dy_t,
-                              static_cast<int64_t>(chunk) * kExpertRowsBlock + column,
-                              rows.padded_rows, row0, column);
+  // 128 x 1: x's columns (threads 0-127) and dy's (128-255), two columns and half the rows a
+  // thread.
+  const int tensor = thread / kExpertRowsBlock, pair = thread % kExpertRowsBlock;
+  const int half = pair / kExpertRowsWords, word = pair % kExpertRowsWords;
+  quantize_staged_bf16_columns(
+      tiles + tensor * kTile, exchange + 2 * (tensor * kExpertRowsWords + word),
+      tensor == 0 ? rows.x_t : rows.dy_t, static_cast<int64_t>(chunk) * kExpertRowsBlock + 2 * word,
+      rows.padded_rows, row0, word, half);
 }
 
 }  // namespace mok::megakernel
