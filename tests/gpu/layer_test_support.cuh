@@ -147,11 +147,13 @@ class RankWorkspaces {
     const auto found = workspaces_.find({rank, label});
     if (found != workspaces_.end() && found->second == workspace) workspaces_.erase(found);
   }
-  // " [calls began, device clock after the earliest: rank 0 backward +0.0 ms, ...]", or "" with
-  // fewer than two listed.
+  // " [calls began, device clock after the earliest: rank 0 backward +0.0 ms, ...]", or how
+  // many were listed when fewer than two.
   std::string describe_call_starts() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (workspaces_.size() < 2) return "";
+    if (workspaces_.size() < 2) {
+      return " [calls began: " + std::to_string(workspaces_.size()) + " workspace(s) listed]";
+    }
     std::map<std::pair<int, std::string>, uint64_t> began;
     for (const auto& [key, workspace] : workspaces_) began[key] = workspace->call_began_ns();
     uint64_t earliest = UINT64_MAX;
