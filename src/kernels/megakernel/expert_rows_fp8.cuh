@@ -90,7 +90,8 @@ __device__ inline void quantize_staged_bf16_rows(const uint32_t* tile, const int
 
 // Columns 2 `word` and 2 `word` + 1 of a staged tile (128 rows of bf16 pairs) as two 128 x 1
 // blocks, two threads: `half` takes rows 64 half .. 64 half + 63 of both, its partner (the other
-// half) the rest; `exchange` is two words of shared memory for each pair of them.
+// half) the rest; `exchange` is two words of shared memory for each pair of them. Every thread of
+// the CTA calls it (a barrier between the halves' maxima and the codes).
 __device__ inline void quantize_staged_bf16_columns(const uint32_t* tile, uint32_t* exchange,
                                                     Fp8Codes out, int64_t data_row,
                                                     int64_t padded_rows, int64_t row0, int word,
