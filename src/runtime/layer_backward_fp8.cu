@@ -301,7 +301,7 @@ void LayerBackwardFp8::run_routed_experts(const Fp8WeightCache& weights,
   mark();
   // While the peers' dx rows arrive: dW_down = dyᵀ · (w·h), dW_gate_up = d_gate_upᵀ · x, their
   // operands 128 x 1 down each expert's rows.
-  const bool gathered = workspace_.num_ranks() == 1;  // x_t, dy_t from quantize_expert_rows
+  const bool gathered = gathers_expert_rows();  // x_t, dy_t from quantize_expert_rows
   weight_gradients(op, gathered ? nullptr : workspace_.expert_x(),
                    gathered ? nullptr : workspace_.expert_dy(), experts, padded, inter, offsets,
                    counts, grads.gate_up, grads.down, grads.output, stream, gemm_options, mark);
@@ -360,7 +360,7 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
   const bool shared = shape_.has_shared() && tokens > 0;
   // One rank alone: no dispatch; its expert rows are gathered from x and dy and quantized in
   // one pass (quantize_expert_rows) instead of copied and then read by three quantizers.
-  const bool one_rank = workspace_.num_ranks() == 1;
+  const bool one_rank = gathers_expert_rows();
   shared_expert_and_dispatch(
       side_, stream, shared,
       shared && !one_rank

@@ -131,6 +131,8 @@ class LayerBackwardFp8 {
   // One rank alone: the routed expert rows of x and dy gathered from the tokens and quantized in
   // one pass: dy's (and, x_rows, x's) 1 x 128 rows and both 128 x 1 operands of the wgrads.
   void quantize_expert_rows(const bf16* x, const bf16* dy, bool x_rows, cudaStream_t stream);
+  // Whether the backward takes that path (no dispatch) instead of dispatching the rows.
+  bool gathers_expert_rows() const { return workspace_.num_ranks() == 1; }
   // Both wgrads of one group of experts (the routed ones, or the shared expert as one group), their
   // operands quantized 128 x 1 down each expert's rows first (x and dy null: x_t and dy_t are
   // already there): down, then between(), then gate/up.

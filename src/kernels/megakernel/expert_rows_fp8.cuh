@@ -65,26 +65,25 @@ __device__ inline void quantize_staged_bf16_rows(const uint32_t* tile, const int
                              second.x, second.y, second.z, second.w};
   bool finite = true;
   uint32_t amax_bits = quantize::lanes_max<8>(quantize::packed_bf16_amax_bits(words, finite));
-  float values[16];
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    values[2 * w] = __uint_as_float(words[w] << 16);
-    values[2 * w + 1] = __uint_as_float(words[w] & 0xffff0000u);
-  }
+  float values[2][8];  // the lane's columns in each half of the row
+  quantize::InputVector<uint16_t>::widen(first, values[0]);
+  quantize::InputVector<uint16_t>::widen(second, values[1]);
   // (a NaN's magnitude is above +Inf's, so the row's maximum tells whether all of it is finite;
   // a row that is not takes the general maximum, which the whole warp reduces)
   const bool row_finite = amax_bits < (quantize::kBf16InfBits << 16);
   if (__any_sync(0xffffffffu, !row_finite)) {
-    amax_bits = quantize::lanes_max<8>(quantize::finite_amax_bits(values));
+    amax_bits = quantize::lanes_max<8>(
+        max(quantize::finite_amax_bits(values[0]), quantize::finite_amax_bits(values[1])));
   }
   const fp8::Fp8BlockScale scale = fp8::fp8_block_scale(__uint_as_float(amax_bits));
-  uint32_t codes[4];
-  quantize::encode_scaled(values, scale.inverse, row_finite, codes);
+  uint32_t codes[2][2];
+  quantize::encode_scaled(values[0], scale.inverse, row_finite, codes[0]);
+  quantize::encode_scaled(values[1], scale.inverse, row_finite, codes[1]);
   if (tokens[tile_row] < 0) return;
   const int64_t row = row0 + tile_row;
   uint8_t* data = out.data + row * hidden + chunk * kExpertRowsBlock + 8 * group;
-  *reinterpret_cast<uint2*>(data) = make_uint2(codes[0], codes[1]);
-  *reinterpret_cast<uint2*>(data + kExpertRowsBlock / 2) = make_uint2(codes[2], codes[3]);
+  quantize::store_codes<8>(data, codes[0]);
+  quantize::store_codes<8>(data + kExpertRowsBlock / 2, codes[1]);
   if (group == 0) out.scales[row * (hidden / kExpertRowsBlock) + chunk] = scale.scale;
 }
 
@@ -119,9 +118,11 @@ __device__ inline void quantize_staged_bf16_columns(const uint32_t* tile, uint32
     const uint32_t* whole = tile + word;
     for (int row = 0; row < kExpertRowsBlock; ++row) {
       const uint32_t pair = whole[row * kExpertRowsWords];
-      const float two[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
-      bits[0] = max(bits[0], fp8::finite_magnitude_bits(two[0]));
-      bits[1] = max(bits[1], fp8::finite_magnitude_bits(two[1]));
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        bits[c] =
+            max(bits[c], fp8::finite_magnitude_bits(quantize::staged_element<uint16_t>(pair, c)));
+      }
     }
     amax[0] = __uint_as_float(bits[0]);
     amax[1] = __uint_as_float(bits[1]);
@@ -136,8 +137,8 @@ __device__ inline void quantize_staged_bf16_columns(const uint32_t* tile, uint32
 #pragma unroll
     for (int row = 0; row < kPass; ++row) {
       const uint32_t pair = column[(pass * kPass + row) * kExpertRowsWords];
-      values[0][row] = __uint_as_float(pair << 16);
-      values[1][row] = __uint_as_float(pair & 0xffff0000u);
+      values[0][row] = quantize::staged_element<uint16_t>(pair, 0);
+      values[1][row] = quantize::staged_element<uint16_t>(pair, 1);
     }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {

@@ -61,6 +61,17 @@ struct InputVector<float> {
   __device__ __forceinline__ static float load_one(const float* address) { return *address; }
 };
 
+// Element `part` of a word holding one fp32 or two bf16 inputs (the lower address in the low half),
+// as a float (exact).
+template <class Input>
+__device__ __forceinline__ float staged_element(uint32_t word, int part) {
+  if constexpr (sizeof(Input) == 2) {
+    return __uint_as_float(part == 0 ? word << 16 : word & 0xffff0000u);
+  } else {
+    return __uint_as_float(word);
+  }
+}
+
 // The largest finite magnitude of `values`, as float bits (fp8::finite_magnitude_bits).
 template <int N>
 __device__ __forceinline__ uint32_t finite_amax_bits(const float (&values)[N]) {

@@ -55,16 +55,6 @@ struct AllRows {
 __device__ __forceinline__ uint32_t input_bits(uint16_t value) { return value; }
 __device__ __forceinline__ uint32_t input_bits(float value) { return __float_as_uint(value); }
 
-// Input column `part` of a staged word (the lower address in the low half), as a float (exact).
-template <class Input>
-__device__ __forceinline__ float staged_element(uint32_t word, int part) {
-  if constexpr (sizeof(Input) == 2) {
-    return __uint_as_float(part == 0 ? word << 16 : word & 0xffff0000u);
-  } else {
-    return __uint_as_float(word);
-  }
-}
-
 // grid: batch * TransposedTile<Input>::tiles_per_matrix(in_rows, in_cols) CTAs of
 // kTransposedThreads. in_rows is a multiple of kBlock (describe checks it), so a segment is whole
 // or absent. vector_loads: in_cols is a multiple of the input vector (else element loads). Rows:
