@@ -96,6 +96,47 @@ struct Epilogue {
     }
   }
 
+  // The cooperative wgrad's bf16 tiles leave in two steps (kBoxStores, with map_c): store_holding
+  // writes a warp's first boxes and holds the last kHeldBoxes in registers, and the mainloop of
+  // the consumer's next tile writes those (HeldBoxesOut, its `beside`) once that tile's first
+  // wgmma groups are issued; after the last tile, HeldBoxesOut::write() does. Same bytes in the
+  // same places as store().
+  static constexpr int kHeldBoxes = 2;
+  using Boxes = WarpBoxes<Config::BLOCK_N>;
+  using HeldBoxes = typename Boxes::template Held<kHeldBoxes>;
+
+  __device__ static void store_holding(const GroupedGemmParams& params, const GroupedTile& tile,
+                                       int consumer_idx, uint8_t* staging,
+                                       float (&accum)[kNumAccumulators], const CUtensorMap* map_c,
+                                       HeldBoxes& held) {
+    static_assert(kBoxStores, "only the wgrad's bf16 tiles leave by boxes");
+    const Fragment f = fragment(params, tile, consumer_idx);
+    uint32_t packed[Boxes::Rows::kPacked];
+    Boxes::Rows::pack(accum, packed);
+    const int warp_first_row = f.row - static_cast<int>(threadIdx.x % 32) / 4;
+    Boxes::write_holding(staging + f.staging_row * kStagingRowBytes, packed, map_c,
+                         tile.n_block * Config::BLOCK_N,
+                         tile.mblock * Config::BLOCK_M + warp_first_row, tile.group, held);
+  }
+
+  struct HeldBoxesOut {
+    uint8_t* warp_staging;  // the warp's staging rows
+    const HeldBoxes& held;
+    const CUtensorMap* map_c;
+
+    __device__ HeldBoxesOut(uint8_t* staging, int consumer_idx, const HeldBoxes& held_boxes,
+                            const CUtensorMap* map)
+        : warp_staging(staging + (consumer_idx * 64 + static_cast<int>(threadIdx.x / 32) % 4 * 16) *
+                                     kStagingRowBytes),
+          held(held_boxes),
+          map_c(map) {}
+    __device__ void write() const { Boxes::write_held(warp_staging, held, map_c); }
+    // The mainloop's `beside`.
+    __device__ void fence() const {}
+    __device__ void issue(int /*stage*/, int /*k16*/) const {}
+    __device__ void after_first_groups() const { write(); }
+  };
+
   // Every consumer thread, after its last tile: the tile stores have landed (with map_c).
   __device__ static void drain() {
     if constexpr (kBoxStores) WarpBoxes<Config::BLOCK_N>::drain();

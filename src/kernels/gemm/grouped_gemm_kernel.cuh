@@ -82,15 +82,32 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     ptx::setmaxnreg_increase<kConsumerRegisters>();
     const int consumer_idx = warpgroup_idx - 1;
     float accum[Store::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup
-    while (scheduler.next_tile(tile)) {
-      Store::init(params, tile, consumer_idx, accum);
-      Loop::mma(smem, params, tile, consumer_idx, state, accum);
-      if constexpr (kKind == GemmKind::kWgrad) {
-        Store::store(params, tile, consumer_idx, smem.staging, accum, {},
-                     Store::kBoxStores ? &map_c : nullptr);
-      } else {
-        Store::store(params, tile, consumer_idx, smem.staging, accum,
-                     Store::RowMajorRows::of(params));
+    if constexpr (Store::kBoxStores) {
+      // Each tile's last boxes leave under the next tile's first MMAs (Store::store_holding).
+      typename Store::HeldBoxes held;
+      const typename Store::HeldBoxesOut held_out(smem.staging, consumer_idx, held, &map_c);
+      bool holding = false;
+      while (scheduler.next_tile(tile)) {
+        Store::init(params, tile, consumer_idx, accum);
+        if (holding) {
+          Loop::mma_full_tile_with(smem, params, tile, consumer_idx, state, accum, held_out);
+        } else {
+          Loop::mma(smem, params, tile, consumer_idx, state, accum);
+        }
+        Store::store_holding(params, tile, consumer_idx, smem.staging, accum, &map_c, held);
+        holding = true;
+      }
+      if (holding) held_out.write();
+    } else {
+      while (scheduler.next_tile(tile)) {
+        Store::init(params, tile, consumer_idx, accum);
+        Loop::mma(smem, params, tile, consumer_idx, state, accum);
+        if constexpr (kKind == GemmKind::kWgrad) {
+          Store::store(params, tile, consumer_idx, smem.staging, accum);
+        } else {
+          Store::store(params, tile, consumer_idx, smem.staging, accum,
+                       Store::RowMajorRows::of(params));
+        }
       }
     }
     Store::drain();

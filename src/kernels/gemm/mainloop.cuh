@@ -95,12 +95,16 @@ struct Mainloop {
   // k-block. The k order, hence every sum, is the same either way.
   static constexpr bool kGroupInFlight = kKind != GemmKind::kForward;
 
-  // What a consumer issues besides the tile's own MMAs (nothing, by default): fence() on its
-  // accumulators wherever the tile's are fenced, and issue(stage, k16) after the tile's wgmma of
-  // each k16 step, in the same wgmma group (carried_tail.cuh).
+  // What a consumer does besides the tile's own MMAs (nothing, by default): fence() on its
+  // accumulators wherever the tile's are fenced, issue(stage, k16) after the tile's wgmma of
+  // each k16 step, in the same wgmma group (carried_tail.cuh), and after_first_groups() once the
+  // tile's first two k-block groups are issued, while they run (after the one of a one-block tile,
+  // at the end of a tile with none): work that leaves the accumulators alone (the wgrad's held
+  // output boxes, warp_boxes.cuh).
   struct NothingBeside {
     __device__ void fence() const {}
     __device__ void issue(int /*stage*/, int /*k16*/) const {}
+    __device__ void after_first_groups() const {}
   };
 
   // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`; in
@@ -166,6 +170,7 @@ struct Mainloop {
         beside.issue(state.index, k16);
       }
       ptx::wgmma_commit_group();
+      if (k_block == (num_blocks > 1 ? 1 : 0)) beside.after_first_groups();
       if constexpr (kGroupInFlight) {
         ptx::wgmma_wait_group<1>();  // the previous k-block's group has completed
       } else {
@@ -186,6 +191,7 @@ struct Mainloop {
       beside.fence();
       if (previous_stage >= 0) release(smem, previous_stage, lane_idx);
     }
+    if (num_blocks == 0) beside.after_first_groups();
   }
 
   // A consumer warp is done reading `stage`: lane 0 hands it back to the producer; in a cluster,

@@ -39,39 +39,90 @@ struct WarpBoxes {
   static_assert(kColumns % kBoxColumns == 0, "whole boxes");
   static_assert(2 * kBoxBytes == kWarpStagingBytes, "two boxes fill a warp's staging rows");
 
+  static constexpr int kBoxPairs = 2 * kBoxVectors;  // bf16 pairs a thread holds of one box
+
   // packed: Rows::pack's pairs. column, row, group: the box origin of the warp's first column and
   // row in the map's coordinates (column, row of the group's C, group).
   __device__ static void write(uint8_t* warp_staging, const uint32_t (&packed)[Rows::kPacked],
                                const CUtensorMap* map, int column, int row, int group) {
+    write_boxes<0, kBoxes, 0>(warp_staging, packed, map, column, row, group);
+  }
+
+  // The last kHeld boxes of a warp's rows, held in registers until the warp stores them, and
+  // where they go. The cooperative wgrad stores them once the next tile's first wgmma groups are
+  // issued: the wait for the first boxes' reads (bulk_wait_group_read) then runs beside MMAs.
+  template <int kHeld>
+  struct Held {
+    static_assert(kHeld > 0 && kHeld < kBoxes, "some boxes go at once, some are held");
+    uint32_t pairs[kHeld * kBoxPairs];
+    int column;
+    int row;
+    int group;
+  };
+
+  // write() of the first kBoxes - kHeld boxes; the others into `held`.
+  template <int kHeld>
+  __device__ static void write_holding(uint8_t* warp_staging,
+                                       const uint32_t (&packed)[Rows::kPacked],
+                                       const CUtensorMap* map, int column, int row, int group,
+                                       Held<kHeld>& held) {
+    constexpr int kNow = kBoxes - kHeld;
+    write_boxes<0, kNow, 0>(warp_staging, packed, map, column, row, group);
+#pragma unroll
+    for (int i = 0; i < kHeld * kBoxPairs; ++i) held.pairs[i] = packed[kNow * kBoxPairs + i];
+    held.column = column;
+    held.row = row;
+    held.group = group;
+  }
+
+  // Stores the boxes write_holding held (after it, in the same warp, with the same staging rows).
+  template <int kHeld>
+  __device__ static void write_held(uint8_t* warp_staging, const Held<kHeld>& held,
+                                    const CUtensorMap* map) {
+    constexpr int kNow = kBoxes - kHeld;
+    write_boxes<kNow, kHeld, kNow * kBoxPairs>(warp_staging, held.pairs, map, held.column, held.row,
+                                               held.group);
+  }
+
+  // Lane 0 of each writing warp, before the kernel ends: every store has landed.
+  __device__ static void drain() {
+    if (threadIdx.x % 32 == 0) ptx::bulk_wait_group<0>();
+  }
+
+ private:
+  // Boxes [kFirst, kFirst + kCount) of the warp's rows, box b's pairs at
+  // pairs[b * kBoxPairs - kPairOffset, + kBoxPairs), staged in the staging box b % 2.
+  template <int kFirst, int kCount, int kPairOffset, int kSize>
+  __device__ static void write_boxes(uint8_t* warp_staging, const uint32_t (&pairs)[kSize],
+                                     const CUtensorMap* map, int column, int row, int group) {
+    static_assert(kFirst * kBoxPairs - kPairOffset >= 0 &&
+                      (kFirst + kCount) * kBoxPairs - kPairOffset <= kSize,
+                  "the pairs hold the boxes");
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int quad_byte = 4 * (lane_idx % 4);
 #pragma unroll
-    for (int box = 0; box < kBoxes; ++box) {
+    for (int box = kFirst; box < kFirst + kCount; ++box) {
       uint8_t* staging = warp_staging + (box % 2) * kBoxBytes;
       // The store of box - 2 has read it (lane 0's; the other lanes have no bulk groups).
       ptx::bulk_wait_group_read<1>();
       __syncwarp();
 #pragma unroll
       for (int vector = 0; vector < kBoxVectors; ++vector) {
-        const int out_vector = box * kBoxVectors + vector;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int line = lane_idx / 4 + 8 * half;
           *reinterpret_cast<uint32_t*>(staging + line * kLineBytes + ((vector ^ (line % 8)) * 16) +
-                                       quad_byte) = packed[2 * out_vector + half];
+                                       quad_byte) =
+              pairs[box * kBoxPairs - kPairOffset + 2 * vector + half];
         }
       }
       ptx::fence_proxy_async_shared();  // the stores above, before the TMA unit reads them
       __syncwarp();
-      // (no branch: the FP8 wgrad's next wgmma group is in flight here, Fp8Mainloop::kLookahead)
+      // (no branch: the FP8 wgrad's next wgmma group is in flight here, Fp8Mainloop::kLookahead,
+      // and the bf16 wgrad's, for the held boxes)
       ptx::tma_store_3d_commit_if(lane_idx == 0, map, staging, column + box * kBoxColumns, row,
                                   group);
     }
-  }
-
-  // Lane 0 of each writing warp, before the kernel ends: every store has landed.
-  __device__ static void drain() {
-    if (threadIdx.x % 32 == 0) ptx::bulk_wait_group<0>();
   }
 };
 
