@@ -95,5 +95,56 @@ TEST(EmulatedRanks, StreamsMadeInOneThreadRunSideBySide) {
   expect_streams_side_by_side(8, 3, /*from_rank_threads=*/false, 12);
 }
 
+// A stream that lives on while many more are made (a rank's test stream, a layer's side stream,
+// a library's own) must still run beside each of them: if CUDA gave streams to the hardware
+// queues in turn by creation count, some later stream would share the long-lived one's queue
+// once more than CUDA_DEVICE_MAX_CONNECTIONS streams had been made. Each round makes
+// kNewStreams streams, launches a meeting kernel on the long-lived stream and one on each new
+// stream, and destroys the new ones; 12 rounds make 96 streams.
+TEST(EmulatedRanks, StreamsMadeLaterRunBesideALongLivedOne) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  constexpr int kNewStreams = 8;
+  constexpr int kRounds = 12;
+  constexpr unsigned kKernels = kNewStreams + 1;
+  cudaStream_t long_lived = nullptr;
+  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&long_lived, cudaStreamNonBlocking));
+  DeviceBuffer<unsigned> arrived(1), seen(kKernels);
+  std::string late_rounds;
+  for (int round = 0; round < kRounds; ++round) {
+    MOK_CUDA_CHECK(cudaMemset(arrived.get(), 0, sizeof(unsigned)));
+    MOK_CUDA_CHECK(cudaMemset(seen.get(), 0, seen.bytes()));
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<cudaStream_t> streams(kNewStreams);
+    for (cudaStream_t& stream : streams) {
+      MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    }
+    meet_kernel<<<1, 32, 0, long_lived>>>(arrived.get(), kKernels, seen.get(), 0);
+    MOK_CUDA_CHECK_LAUNCH();
+    for (int index = 0; index < kNewStreams; ++index) {
+      meet_kernel<<<1, 32, 0, streams[index]>>>(arrived.get(), kKernels, seen.get(), index + 1);
+      MOK_CUDA_CHECK_LAUNCH();
+    }
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<unsigned> counts = seen.download();
+    std::string gave_up;
+    for (unsigned index = 0; index < kKernels; ++index) {
+      if (counts[index] != kKernels) {
+        gave_up += index == 0 ? " long-lived" : " new " + std::to_string(index - 1);
+      }
+    }
+    if (!gave_up.empty()) {
+      late_rounds += "\n  round " + std::to_string(round) + " (streams " +
+                     std::to_string(1 + round * kNewStreams + 1) + "-" +
+                     std::to_string(1 + (round + 1) * kNewStreams) +
+                     " made in this test), gave up:" + gave_up;
+    }
+    for (cudaStream_t stream : streams) MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+  MOK_CUDA_CHECK(cudaStreamDestroy(long_lived));
+  EXPECT_TRUE(late_rounds.empty())
+      << "kernels that gave up after 2 s (a new stream queued behind the long-lived one):"
+      << late_rounds;
+}
+
 }  // namespace
 }  // namespace mok::comm_test
