@@ -101,17 +101,17 @@ inline constexpr int kWgradClusterSize = 2;
 
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the output
 // staging tile, then the barriers. The same struct sizes the launch on the host and finds the
-// buffers on the device. kClusterSize > 1: a stage is also written by the other CTAs' multicasts,
-// so each stage has its own tail barrier (a peer may load the next tail into another stage while
-// this CTA still waits for the last one).
+// buffers on the device. kTailBarriers: wgrad's tail blocks have a tail barrier per stage (the
+// producer loads the next tail block into another stage while the last one is still being
+// published, tile_loader.cuh; in a cluster, a peer may too); other kinds have one, unused.
 template <EpilogueKind kEpilogue, int kStages = cooperative_stages(GemmKind::kForward, kEpilogue),
-          int kCluster = 1>
+          int kCluster = 1, int kTailBarriers = 1>
 struct SharedLayout {
   using Config = TileConfig;
   static constexpr bool kStagedStore = uses_staged_store(kEpilogue);
   static constexpr int kNumStages = kStages;
   static constexpr int kClusterSize = kCluster;
-  static constexpr int kNumTailBarriers = kCluster > 1 ? kStages : 1;
+  static constexpr int kNumTailBarriers = kTailBarriers;
   static constexpr uint32_t kAlignment = 1024;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * TileConfig::kABytes;
@@ -130,7 +130,8 @@ struct SharedLayout {
 // The cooperative kernel's layout for a GEMM kind: what the kernel carves and its launch sizes.
 template <GemmKind kKind, EpilogueKind kEpilogue, int kClusterSize = 1>
 using CooperativeLayout =
-    SharedLayout<kEpilogue, cooperative_stages(kKind, kEpilogue), kClusterSize>;
+    SharedLayout<kEpilogue, cooperative_stages(kKind, kEpilogue), kClusterSize,
+                 kKind == GemmKind::kWgrad ? cooperative_stages(kKind, kEpilogue) : 1>;
 
 struct GroupedGemmParams {
   const int* group_offsets;  // [num_groups + 1], device memory

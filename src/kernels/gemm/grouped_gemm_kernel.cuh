@@ -72,10 +72,17 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
   typename Loop::State state;
   if (role == WarpgroupRole::kProducer) {
     ptx::setmaxnreg_decrease<kProducerRegisters>();
+    uint32_t tail_phase = 0;
     if (threadIdx.x / 32 == 0) {
-      uint32_t tail_phase = 0;
       while (scheduler.next_tile(tile)) {
         Loop::load(&map_a, &map_b, smem, params, tile, state, tail_phase);
+      }
+    }
+    if constexpr (Loop::kTailsApart) {
+      if (threadIdx.x / 32 == 1) {
+        while (scheduler.next_tile(tile)) {
+          Loop::publish_tails(smem, params, tile, state, tail_phase);
+        }
       }
     }
   } else {

@@ -34,6 +34,7 @@ template <class Layout>
 struct SharedStorage {
   using Config = typename Layout::Config;
   static constexpr int kClusterSize = Layout::kClusterSize;
+  static constexpr int kNumTailBarriers = Layout::kNumTailBarriers;
   uint8_t* a;        // (kNumStages, BLOCK_M, BLOCK_K) bf16, swizzled
   uint8_t* b;        // (kNumStages, BLOCK_N, BLOCK_K) bf16, swizzled
   uint8_t* staging;  // the bf16 output tile(s) on their way out
@@ -78,13 +79,25 @@ struct Mainloop {
     return Loader::num_k_blocks(params, tile);
   }
 
-  // Producer side (tile_loader.cuh), with `beside`'s loads in each stage.
+  // Producer side (tile_loader.cuh), with `beside`'s loads in each stage. wgrad's tail blocks are
+  // published by a second producer warp (publish_tails): the first never waits for a load.
+  static constexpr bool kTailsApart = kKind == GemmKind::kWgrad;
+  static_assert(!kTailsApart || Layout::kNumTailBarriers == Layout::kNumStages,
+                "a tail barrier per stage");
+
   template <class Beside = NothingBesideLoads>
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const GroupedGemmParams& params,
                               const GroupedTile& tile, State& state, uint32_t& tail_phase,
                               const Beside& beside = {}) {
-    Loader::load(map_a, map_b, smem, params, tile, state, tail_phase, beside);
+    Loader::template load<kTailsApart>(map_a, map_b, smem, params, tile, state, tail_phase, beside);
+  }
+
+  // The second producer warp (kTailsApart), over the same tiles as load's.
+  __device__ static void publish_tails(const Storage& smem, const GroupedGemmParams& params,
+                                       const GroupedTile& tile, State& state,
+                                       uint32_t& tail_phase) {
+    Loader::publish_tails(smem, params, tile, state, tail_phase);
   }
 
   // dgrad and wgrad keep one k-block's wgmma group in flight while the next one is issued (the

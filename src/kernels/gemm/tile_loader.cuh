@@ -84,34 +84,33 @@ struct TileLoader {
 
   // Run by all 32 lanes of the producer warp (lane 0 issues). Returns after the copies of every
   // k-block of `tile` (and `beside`'s) have been issued.
-  template <class Storage, class State, class Beside = NothingBesideLoads>
+  // NOTE: the rows past a wgrad group's end belong to the next group (TMA only zero-fills past the
+  // tensor), so a tail block is staged on the stage's tail barrier, its extra rows zeroed, then
+  // published on its full barrier. kTailsApart: another warp does the zeroing and publishing
+  // (publish_tails), and this one goes on to the next k-blocks' loads at once; else this warp
+  // waits for the tail block itself, and no load is in flight behind it meanwhile. In a cluster
+  // the stage's B arrives from every CTA of it, each zeroing its own copy.
+  template <bool kTailsApart = false, class Storage, class State, class Beside = NothingBesideLoads>
   __device__ static void load(const CUtensorMap* map_a, const CUtensorMap* map_b,
                               const Storage& smem, const GroupedGemmParams& params,
                               const GroupedTile& tile, State& state, uint32_t& tail_phase,
                               const Beside& beside = {}) {
     static_assert(Beside::kBytes == 0 || kKind == GemmKind::kForward,
                   "loads beside the tile's: forward tiles only (no staged wgrad tail)");
+    static_assert(!kTailsApart || Storage::kNumTailBarriers > 1,
+                  "tails published apart: one tail barrier per stage");
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_blocks = num_k_blocks(params, tile);
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
       ptx::mbarrier_wait(&smem.empty[state.index], state.phase ^ 1u);
       const int valid_rows = tile.row_count - k_block * Config::BLOCK_K;
       if (kKind == GemmKind::kWgrad && valid_rows < Config::BLOCK_K) {
-        // NOTE: the rows past the group's end belong to the next group (TMA only zero-fills past
-        // the tensor), so the tail block is staged, its extra rows zeroed, then published.
-        // In a cluster the stage's B arrives from every CTA of it, each zeroing its own copy.
         uint64_t* tail = smem.tail_barrier(state.index);
-        const uint32_t tail_bit = Storage::tail_phase_bit(state.index);
         if (lane_idx == 0) {
           ptx::mbarrier_arrive_expect_tx(tail, Config::kStageBytes);
           issue_loads(map_a, map_b, smem, state.index, tail, tile, k_block);
         }
-        ptx::mbarrier_wait(tail, (tail_phase & tail_bit) != 0 ? 1u : 0u);
-        tail_phase ^= tail_bit;
-        zero_tail_rows(smem, state.index, valid_rows, lane_idx);
-        ptx::fence_proxy_async_shared();
-        __syncwarp();
-        if (lane_idx == 0) ptx::mbarrier_arrive(&smem.full[state.index]);
+        if constexpr (!kTailsApart) publish_tail(smem, state.index, valid_rows, tail_phase);
       } else if (lane_idx == 0) {
         uint64_t* full = &smem.full[state.index];
         ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes + Beside::kBytes);
@@ -121,6 +120,35 @@ struct TileLoader {
       __syncwarp();
       state.advance();
     }
+  }
+
+  // The other warp of load<kTailsApart = true>, all 32 lanes, over the same tiles in the same
+  // order: publishes each wgrad tail block that warp staged, in turn, and steps `state` with it.
+  template <class Storage, class State>
+  __device__ static void publish_tails(const Storage& smem, const GroupedGemmParams& params,
+                                       const GroupedTile& tile, State& state,
+                                       uint32_t& tail_phase) {
+    static_assert(kKind == GemmKind::kWgrad, "only wgrad groups have row tails");
+    const int num_blocks = num_k_blocks(params, tile);
+    for (int k_block = 0; k_block < num_blocks; ++k_block) {
+      const int valid_rows = tile.row_count - k_block * Config::BLOCK_K;
+      if (valid_rows < Config::BLOCK_K) publish_tail(smem, state.index, valid_rows, tail_phase);
+      state.advance();
+    }
+  }
+
+  // Waits for the tail block staged in `stage`, zeroes its rows past valid_rows, publishes it.
+  template <class Storage>
+  __device__ static void publish_tail(const Storage& smem, int stage, int valid_rows,
+                                      uint32_t& tail_phase) {
+    const int lane_idx = static_cast<int>(threadIdx.x % 32);
+    const uint32_t tail_bit = Storage::tail_phase_bit(stage);
+    ptx::mbarrier_wait(smem.tail_barrier(stage), (tail_phase & tail_bit) != 0 ? 1u : 0u);
+    tail_phase ^= tail_bit;
+    zero_tail_rows(smem, stage, valid_rows, lane_idx);
+    ptx::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane_idx == 0) ptx::mbarrier_arrive(&smem.full[stage]);
   }
 
   // Rows [valid_rows, BLOCK_K) of every (64 k, 64 mn) panel of the stage. A swizzled row is one
