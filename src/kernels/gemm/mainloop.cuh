@@ -154,6 +154,25 @@ struct Mainloop {
   // MN-major panels.
   static_assert(Config::kBBytes / 2 == 2 * Config::kPanelBytes, "B halves are whole panels");
 
+  static constexpr int kK16Steps = Config::BLOCK_K / 16;
+  static_assert(kK16Steps == 4, "mma_k_blocks' wgrad steps: 1 to 4");
+
+  // The first kSteps k16 steps of a stage's k-block, with `beside`'s after each.
+  template <class Shape, int kSteps, class Beside>
+  __device__ static void issue_k16_steps(uint32_t a_base, uint32_t b_base, int stage,
+                                         float (&accum)[Shape::kNumAccumulators], Beside& beside) {
+#pragma unroll
+    for (int k16 = 0; k16 < kSteps; ++k16) {
+      // K-major: +32 B per 16 k inside the swizzle row; MN-major: +16 rows of 128 B.
+      const uint32_t a_step = kAMajorMN ? k16 * 2048 : k16 * 32;
+      const uint32_t b_step = kBMajorMN ? k16 * 2048 : k16 * 32;
+      const uint64_t desc_a = ptx::make_smem_descriptor(a_base + a_step, kALeadingBytes, 1024);
+      const uint64_t desc_b = ptx::make_smem_descriptor(b_base + b_step, kBLeadingBytes, 1024);
+      Shape::mma(desc_a, desc_b, 1u, accum);
+      beside.issue(stage, k16);
+    }
+  }
+
   // The k-loop of one tile with wgmma shape Shape, A and B read from the given byte offsets
   // into each stage.
   template <class Shape, class Beside = const NothingBeside>
@@ -172,15 +191,26 @@ struct Mainloop {
       for (int i = 0; i < Shape::kNumAccumulators; ++i) ptx::fence_operand(accum[i]);
       beside.fence();
       ptx::wgmma_fence();
-#pragma unroll
-      for (int k16 = 0; k16 < Config::BLOCK_K / 16; ++k16) {
-        // K-major: +32 B per 16 k inside the swizzle row; MN-major: +16 rows of 128 B.
-        const uint32_t a_step = kAMajorMN ? k16 * 2048 : k16 * 32;
-        const uint32_t b_step = kBMajorMN ? k16 * 2048 : k16 * 32;
-        const uint64_t desc_a = ptx::make_smem_descriptor(a_base + a_step, kALeadingBytes, 1024);
-        const uint64_t desc_b = ptx::make_smem_descriptor(b_base + b_step, kBLeadingBytes, 1024);
-        Shape::mma(desc_a, desc_b, 1u, accum);
-        beside.issue(state.index, k16);
+      if constexpr (kKind == GemmKind::kWgrad) {
+        // A group's last block: only the k16 steps over its rows (the loader zeroes the rest of
+        // the last step's rows). NOTE: one unrolled sequence per step count, chosen before the
+        // first wgmma: a condition on each wgmma makes ptxas serialize them.
+        switch (Loader::k16_steps(tile, k_block)) {
+          case 1:
+            issue_k16_steps<Shape, 1>(a_base, b_base, state.index, accum, beside);
+            break;
+          case 2:
+            issue_k16_steps<Shape, 2>(a_base, b_base, state.index, accum, beside);
+            break;
+          case 3:
+            issue_k16_steps<Shape, 3>(a_base, b_base, state.index, accum, beside);
+            break;
+          default:
+            issue_k16_steps<Shape, kK16Steps>(a_base, b_base, state.index, accum, beside);
+            break;
+        }
+      } else {
+        issue_k16_steps<Shape, kK16Steps>(a_base, b_base, state.index, accum, beside);
       }
       ptx::wgmma_commit_group();
       if (k_block == (num_blocks > 1 ? 1 : 0)) beside.after_first_groups();

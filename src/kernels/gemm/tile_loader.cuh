@@ -31,6 +31,13 @@ struct TileLoader {
     return ceil_div(kKind == GemmKind::kWgrad ? tile.row_count : params.k, Config::BLOCK_K);
   }
 
+  // wgrad: the k16 steps of k-block k_block that hold rows of the tile's group (all of them but in
+  // the group's last block, whose rows past the group's end are zeroed up to the next step).
+  __device__ static int k16_steps(const GroupedTile& tile, int k_block) {
+    const int steps = ceil_div(tile.row_count - k_block * Config::BLOCK_K, 16);
+    return steps < Config::BLOCK_K / 16 ? steps : Config::BLOCK_K / 16;
+  }
+
   // Issues the TMA copies of one k-block into stage `stage`, completing on `barrier`.
   template <class Storage>
   __device__ static void issue_loads(const CUtensorMap* map_a, const CUtensorMap* map_b,
@@ -110,7 +117,9 @@ struct TileLoader {
           ptx::mbarrier_arrive_expect_tx(tail, Config::kStageBytes);
           issue_loads(map_a, map_b, smem, state.index, tail, tile, k_block);
         }
-        if constexpr (!kTailsApart) publish_tail(smem, state.index, valid_rows, tail_phase);
+        if constexpr (!kTailsApart) {
+          publish_tail(smem, state.index, valid_rows, Config::BLOCK_K, tail_phase);
+        }
       } else if (lane_idx == 0) {
         uint64_t* full = &smem.full[state.index];
         ptx::mbarrier_arrive_expect_tx(full, Config::kStageBytes + Beside::kBytes);
@@ -124,6 +133,7 @@ struct TileLoader {
 
   // The other warp of load<kTailsApart = true>, all 32 lanes, over the same tiles in the same
   // order: publishes each wgrad tail block that warp staged, in turn, and steps `state` with it.
+  // Its consumers issue only the block's k16_steps, so only the rest of the last step is zeroed.
   template <class Storage, class State>
   __device__ static void publish_tails(const Storage& smem, const GroupedGemmParams& params,
                                        const GroupedTile& tile, State& state,
@@ -132,42 +142,45 @@ struct TileLoader {
     const int num_blocks = num_k_blocks(params, tile);
     for (int k_block = 0; k_block < num_blocks; ++k_block) {
       const int valid_rows = tile.row_count - k_block * Config::BLOCK_K;
-      if (valid_rows < Config::BLOCK_K) publish_tail(smem, state.index, valid_rows, tail_phase);
+      if (valid_rows < Config::BLOCK_K) {
+        publish_tail(smem, state.index, valid_rows, 16 * k16_steps(tile, k_block), tail_phase);
+      }
       state.advance();
     }
   }
 
-  // Waits for the tail block staged in `stage`, zeroes its rows past valid_rows, publishes it.
+  // Waits for the tail block staged in `stage`, zeroes its rows [valid_rows, end_rows), publishes
+  // it.
   template <class Storage>
-  __device__ static void publish_tail(const Storage& smem, int stage, int valid_rows,
+  __device__ static void publish_tail(const Storage& smem, int stage, int valid_rows, int end_rows,
                                       uint32_t& tail_phase) {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const uint32_t tail_bit = Storage::tail_phase_bit(stage);
     ptx::mbarrier_wait(smem.tail_barrier(stage), (tail_phase & tail_bit) != 0 ? 1u : 0u);
     tail_phase ^= tail_bit;
-    zero_tail_rows(smem, stage, valid_rows, lane_idx);
+    zero_tail_rows(smem, stage, valid_rows, end_rows, lane_idx);
     ptx::fence_proxy_async_shared();
     __syncwarp();
     if (lane_idx == 0) ptx::mbarrier_arrive(&smem.full[stage]);
   }
 
-  // Rows [valid_rows, BLOCK_K) of every (64 k, 64 mn) panel of the stage. A swizzled row is one
+  // Rows [valid_rows, end_rows) of every (64 k, 64 mn) panel of the stage. A swizzled row is one
   // whole 128-byte line, so zeroing lines needs no knowledge of the swizzle.
   template <class Storage>
   __device__ static void zero_tail_rows(const Storage& smem, int stage, int valid_rows,
-                                        int lane_idx) {
+                                        int end_rows, int lane_idx) {
     constexpr int kLineVectors = 128 / 16;
     constexpr int kNumAPanels = Config::BLOCK_M / Config::kPanel;
     constexpr int kNumPanels = kNumAPanels + Config::BLOCK_N / Config::kPanel;
     const int first_vector = valid_rows * kLineVectors;
+    const int end_vector = end_rows * kLineVectors;
 #pragma unroll
     for (int panel = 0; panel < kNumPanels; ++panel) {
       uint8_t* base = panel < kNumAPanels
                           ? smem.a_stage(stage) + panel * Config::kPanelBytes
                           : smem.b_stage(stage) + (panel - kNumAPanels) * Config::kPanelBytes;
       // (BLOCK_K rows, 8 vectors of 16 B): row = vector / 8 is one swizzled 128-byte line.
-      for (int vector_idx = first_vector + lane_idx; vector_idx < Config::BLOCK_K * kLineVectors;
-           vector_idx += 32) {
+      for (int vector_idx = first_vector + lane_idx; vector_idx < end_vector; vector_idx += 32) {
         reinterpret_cast<uint4*>(base)[vector_idx] = make_uint4(0, 0, 0, 0);
       }
     }
