@@ -100,13 +100,15 @@ struct Mainloop {
     Loader::publish_tails(smem, params, tile, state, tail_phase);
   }
 
-  // dgrad and wgrad keep one k-block's wgmma group in flight while the next one is issued (the
-  // tensor pipe does not drain between k-blocks; a stage goes back to the producer once the group
-  // that read it has completed). Measured side by side on H200 (perf-notes/gemm.md): +4-7 % on
-  // the short-K qwen3-30b dgrad/wgrad, within ~1 % elsewhere; but -2-3 % on the long-K forward
-  // GEMMs, whose 3-stage ring then prefetches one k-block less, so the forward drains each
-  // k-block. The k order, hence every sum, is the same either way.
-  static constexpr bool kGroupInFlight = kKind != GemmKind::kForward;
+  // dgrad keeps one k-block's wgmma group in flight while the next one is issued (the tensor pipe
+  // does not drain between k-blocks; a stage goes back to the producer once the group that read
+  // it has completed). Measured side by side on H200 (perf-notes/gemm.md): +4-7 % on the short-K
+  // qwen3-30b dgrad/wgrad, within ~1 % elsewhere; but -2-3 % on the long-K forward GEMMs, whose
+  // 3-stage ring then prefetches one k-block less, so the forward drains each k-block. The wgrad
+  // drains too since its tail blocks stopped holding up the loads: at EP 1 its tiles wait for
+  // their loads, and a stage handed back one k-block earlier is one more load in flight
+  // (perf-notes/backward.md v18). The k order, hence every sum, is the same either way.
+  static constexpr bool kGroupInFlight = kKind == GemmKind::kDgrad;
 
   // What a consumer does besides the tile's own MMAs (nothing, by default): fence() on its
   // accumulators wherever the tile's are fenced, issue(stage, k16) after the tile's wgmma of
