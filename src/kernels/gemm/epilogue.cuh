@@ -98,8 +98,8 @@ struct Epilogue {
 
   // The cooperative wgrad's bf16 tiles leave in two steps (kBoxStores, with map_c): store_holding
   // writes a warp's first boxes and holds the last kHeldBoxes in registers, and the mainloop of
-  // the consumer's next tile writes those (HeldBoxesOut, its `beside`) once that tile's first
-  // wgmma groups are issued; after the last tile, HeldBoxesOut::write() does. Same bytes in the
+  // the consumer's next tile writes those (HeldBoxesOut, its `beside`) once that tile's second
+  // wgmma group is issued; after the last tile, HeldBoxesOut::write() does. Same bytes in the
   // same places as store().
   static constexpr int kHeldBoxes = 2;
   using Boxes = WarpBoxes<Config::BLOCK_N>;

@@ -113,9 +113,9 @@ struct Mainloop {
   // What a consumer does besides the tile's own MMAs (nothing, by default): fence() on its
   // accumulators wherever the tile's are fenced, issue(stage, k16) after the tile's wgmma of
   // each k16 step, in the same wgmma group (carried_tail.cuh), and after_first_groups() once the
-  // tile's first two k-block groups are issued, while they run (after the one of a one-block tile,
-  // at the end of a tile with none): work that leaves the accumulators alone (the wgrad's held
-  // output boxes, warp_boxes.cuh).
+  // tile's second k-block group is issued, while it runs (the first one of a one-block tile; at
+  // the end of a tile with none): work that leaves the accumulators alone (the wgrad's held output
+  // boxes, warp_boxes.cuh).
   struct NothingBeside {
     __device__ void fence() const {}
     __device__ void issue(int /*stage*/, int /*k16*/) const {}

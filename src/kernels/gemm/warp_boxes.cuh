@@ -49,7 +49,7 @@ struct WarpBoxes {
   }
 
   // The last kHeld boxes of a warp's rows, held in registers until the warp stores them, and
-  // where they go. The cooperative wgrad stores them once the next tile's first wgmma groups are
+  // where they go. The cooperative wgrad stores them once the next tile's second wgmma group is
   // issued: the wait for the first boxes' reads (bulk_wait_group_read) then runs beside MMAs.
   template <int kHeld>
   struct Held {
