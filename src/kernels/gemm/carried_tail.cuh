@@ -75,7 +75,7 @@ struct CarriedTail {
                  reinterpret_cast<float(&)[kSlice]>(tail[s * kSlice]));
       }
     }
-    __device__ void after_first_groups() const {}
+    __device__ void after_second_group() const {}
   };
 
   // Consumer side, for a forward tile that carries a tail: the cooperative mainloop's k-loop

@@ -49,6 +49,11 @@ struct Epilogue {
     __device__ RowMajorRows block(int /*blocks*/) const { return *this; }
   };
 
+  // The first of this warp's 16 staging rows.
+  __device__ static int warp_staging_row(int consumer_idx) {
+    return consumer_idx * 64 + static_cast<int>(threadIdx.x / 32) % 4 * 16;
+  }
+
   __device__ static Fragment fragment(const GroupedGemmParams& params, const GroupedTile& tile,
                                       int consumer_idx) {
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
@@ -59,7 +64,7 @@ struct Epilogue {
     fragment.row = (half ? 0 : consumer_idx * 64) + warp_in_group * 16 + lane_idx / 4;
     fragment.column = 2 * (lane_idx % 4);
     fragment.first_column = half ? consumer_idx * (Config::BLOCK_N / 2) : 0;
-    fragment.staging_row = consumer_idx * 64 + warp_in_group * 16;
+    fragment.staging_row = warp_staging_row(consumer_idx);
     return fragment;
   }
 
@@ -81,22 +86,22 @@ struct Epilogue {
       kKind == GemmKind::kWgrad && kEpilogue == EpilogueKind::kStoreBf16;
 
   // The tile's results: fp32 from registers, or bf16 through the warps' staging rows
-  // (warp_rows.cuh, or warp_boxes.cuh with map_c). Rows past the group's end or past M are never
-  // written. map_c: wgrad's bf16 C as a [groups, M, N] tensor map with (16, 64) boxes, or null.
+  // (warp_rows.cuh). Rows past the group's end or past M are never written. (The wgrad's bf16
+  // tiles, kBoxStores, leave by store_holding instead.)
   template <class RowDestination = RowMajorRows>
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging, float (&accum)[kNumAccumulators],
-                               const RowDestination& row_destination = {},
-                               const CUtensorMap* map_c = nullptr) {
+                               const RowDestination& row_destination = {}) {
     const Fragment f = fragment(params, tile, consumer_idx);
     if (is_half_tile<kKind>(tile)) {
-      store_columns<Config::BLOCK_N / 2>(f, tile, staging, accum, row_destination, map_c);
+      store_columns<Config::BLOCK_N / 2>(f, tile, staging, accum, row_destination);
     } else {
-      store_columns<Config::BLOCK_N>(f, tile, staging, accum, row_destination, map_c);
+      store_columns<Config::BLOCK_N>(f, tile, staging, accum, row_destination);
     }
   }
 
-  // The cooperative wgrad's bf16 tiles leave in two steps (kBoxStores, with map_c): store_holding
+  // The cooperative wgrad's bf16 tiles leave in two steps (kBoxStores, with C's tensor map map_c,
+  // [groups, M, N] in (16, 64) boxes): store_holding
   // writes a warp's first boxes and holds the last kHeldBoxes in registers, and the mainloop of
   // the consumer's next tile writes those (HeldBoxesOut, its `beside`) once that tile's second
   // wgmma group is issued; after the last tile, HeldBoxesOut::write() does. Same bytes in the
@@ -126,15 +131,14 @@ struct Epilogue {
 
     __device__ HeldBoxesOut(uint8_t* staging, int consumer_idx, const HeldBoxes& held_boxes,
                             const CUtensorMap* map)
-        : warp_staging(staging + (consumer_idx * 64 + static_cast<int>(threadIdx.x / 32) % 4 * 16) *
-                                     kStagingRowBytes),
+        : warp_staging(staging + warp_staging_row(consumer_idx) * kStagingRowBytes),
           held(held_boxes),
           map_c(map) {}
     __device__ void write() const { Boxes::write_held(warp_staging, held, map_c); }
     // The mainloop's `beside`.
     __device__ void fence() const {}
     __device__ void issue(int /*stage*/, int /*k16*/) const {}
-    __device__ void after_first_groups() const { write(); }
+    __device__ void after_second_group() const { write(); }
   };
 
   // Every consumer thread, after its last tile: the tile stores have landed (with map_c).
@@ -149,8 +153,7 @@ struct Epilogue {
   template <int kColumns, class RowDestination>
   __device__ static void store_columns(const Fragment& f, const GroupedTile& tile, uint8_t* staging,
                                        float (&accum)[kNumAccumulators],
-                                       const RowDestination& row_destination,
-                                       const CUtensorMap* map_c) {
+                                       const RowDestination& row_destination) {
     if constexpr (!uses_staged_store(kEpilogue)) {
       store_fp32_fragment<kColumns>(f, f.row, f.first_column + f.column, accum);
     } else {
@@ -161,14 +164,6 @@ struct Epilogue {
       uint32_t packed[Rows::kPacked];
       Rows::pack(accum, packed);
       const int warp_first_row = f.row - static_cast<int>(threadIdx.x % 32) / 4;  // in the tile
-      if constexpr (kBoxStores && kColumns == Config::BLOCK_N) {  // (wgrad has no half tiles)
-        if (map_c != nullptr) {
-          WarpBoxes<kColumns>::write(staging + f.staging_row * kStagingRowBytes, packed, map_c,
-                                     tile.n_block * Config::BLOCK_N,
-                                     tile.mblock * Config::BLOCK_M + warp_first_row, tile.group);
-          return;
-        }
-      }
       // The consumer's first bf16 output column, in the C tile.
       const int first_column = kSwiGlu ? f.first_column / 2 : f.first_column;
       Rows::write(staging + f.staging_row * kStagingRowBytes, packed,

@@ -22,7 +22,7 @@ static_assert(register_split_fits(kProducerRegisters, kConsumerRegisters,
                                   TileConfig::kNumConsumerWarpgroups),
               "the cooperative kernel's register split exceeds the SM's register file");
 
-// map_c: wgrad's bf16 output as a tensor map for the epilogue's tile stores (Epilogue::store);
+// map_c: wgrad's bf16 output as a tensor map for the epilogue's tile stores (store_holding);
 // unused by the other kinds. kClusterSize > 1 (wgrad): launched on clusters of that many CTAs,
 // which share B's loads (kWgradClusterSize).
 template <GemmKind kKind, EpilogueKind kEpilogue, int kClusterSize = 1>
@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(TileConfig::kNumThreads, 1)
     const int consumer_idx = warpgroup_idx - 1;
     float accum[Store::kNumAccumulators];  // (64, BLOCK_N) fragment of this warpgroup
     if constexpr (Store::kBoxStores) {
-      // Each tile's last boxes leave under the next tile's first MMAs (Store::store_holding).
+      // Each tile's last boxes leave once the next tile's second k-block group is issued, under
+      // its MMAs (Store::store_holding).
       typename Store::HeldBoxes held;
       const typename Store::HeldBoxesOut held_out(smem.staging, consumer_idx, held, &map_c);
       bool holding = false;

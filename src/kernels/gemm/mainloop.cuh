@@ -48,8 +48,8 @@ struct SharedStorage {
             aligned_base + Layout::kStagingOffset, barriers,
             barriers + Layout::kNumStages,         barriers + 2 * Layout::kNumStages};
   }
-  // The staging barrier of a row tail loaded into `stage`, and its bit in the producer's tail
-  // phases (one barrier per stage in a cluster, else one for all).
+  // The staging barrier of a row tail loaded into `stage`, and its bit in the tail phases (one
+  // barrier per stage where the layout has one per stage, as wgrad's; else one for all).
   __device__ uint64_t* tail_barrier(int stage) const {
     return Layout::kNumTailBarriers > 1 ? tail + stage : tail;
   }
@@ -102,24 +102,23 @@ struct Mainloop {
 
   // dgrad keeps one k-block's wgmma group in flight while the next one is issued (the tensor pipe
   // does not drain between k-blocks; a stage goes back to the producer once the group that read
-  // it has completed). Measured side by side on H200 (perf-notes/gemm.md): +4-7 % on the short-K
-  // qwen3-30b dgrad/wgrad, within ~1 % elsewhere; but -2-3 % on the long-K forward GEMMs, whose
-  // 3-stage ring then prefetches one k-block less, so the forward drains each k-block. The wgrad
-  // drains too since its tail blocks stopped holding up the loads: at EP 1 its tiles wait for
-  // their loads, and a stage handed back one k-block earlier is one more load in flight
-  // (perf-notes/backward.md v18). The k order, hence every sum, is the same either way.
+  // it has completed). The forward drains each k-block: with a group in flight its 3-stage ring
+  // prefetches one k-block less, which its long K pays for. The wgrad drains too: at EP 1 its
+  // tiles wait for their loads, and a stage handed back one k-block earlier is one more load in
+  // flight. Measured on H200 in perf-notes/gemm.md and backward.md. The k order, hence every sum,
+  // is the same either way.
   static constexpr bool kGroupInFlight = kKind == GemmKind::kDgrad;
 
   // What a consumer does besides the tile's own MMAs (nothing, by default): fence() on its
   // accumulators wherever the tile's are fenced, issue(stage, k16) after the tile's wgmma of
-  // each k16 step, in the same wgmma group (carried_tail.cuh), and after_first_groups() once the
+  // each k16 step, in the same wgmma group (carried_tail.cuh), and after_second_group() once the
   // tile's second k-block group is issued, while it runs (the first one of a one-block tile; at
   // the end of a tile with none): work that leaves the accumulators alone (the wgrad's held output
   // boxes, warp_boxes.cuh).
   struct NothingBeside {
     __device__ void fence() const {}
     __device__ void issue(int /*stage*/, int /*k16*/) const {}
-    __device__ void after_first_groups() const {}
+    __device__ void after_second_group() const {}
   };
 
   // Consumer side: accumulates this warpgroup's (64, BLOCK_N) slice of the tile into `accum`; in
@@ -215,7 +214,7 @@ struct Mainloop {
         issue_k16_steps<Shape, kK16Steps>(a_base, b_base, state.index, accum, beside);
       }
       ptx::wgmma_commit_group();
-      if (k_block == (num_blocks > 1 ? 1 : 0)) beside.after_first_groups();
+      if (k_block == (num_blocks > 1 ? 1 : 0)) beside.after_second_group();
       if constexpr (kGroupInFlight) {
         ptx::wgmma_wait_group<1>();  // the previous k-block's group has completed
       } else {
@@ -236,7 +235,7 @@ struct Mainloop {
       beside.fence();
       if (previous_stage >= 0) release(smem, previous_stage, lane_idx);
     }
-    if (num_blocks == 0) beside.after_first_groups();
+    if (num_blocks == 0) beside.after_second_group();
   }
 
   // A consumer warp is done reading `stage`: lane 0 hands it back to the producer; in a cluster,

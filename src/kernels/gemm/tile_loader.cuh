@@ -1,6 +1,7 @@
 // The producer side of both GEMM engines' mainloops (the cooperative one in mainloop.cuh, the
 // ping-pong one in pingpong_mainloop.cuh): one warp streams each tile's (A, B) k-blocks into the
-// stage ring with TMA, for a tile of Config's size.
+// stage ring with TMA, for a tile of Config's size; for wgrad a second warp may publish its tail
+// blocks (load<kTailsApart>, publish_tails).
 //
 // Stage s holds A (BLOCK_M, BLOCK_K) and B (BLOCK_N, BLOCK_K) in the layout TMA writes with the
 // 128-byte swizzle: K-major as (rows, 64 k), MN-major as 64-wide panels of (64 k, 64 mn).
