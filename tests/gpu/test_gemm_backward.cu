@@ -1,7 +1,7 @@
 // dgrad dx_e = dy_e · W_e and wgrad dW_e = dy_eᵀ · x_e against host references, with experts of
 // 0, 1, 127, 128, 129 and thousands of rows (the wgrad K-loop runs over them, tails included);
 // wgrad fresh fp32 / bf16 and accumulated into an fp32 main_grad; wgrad bitwise equal whatever
-// the number of SMs.
+// the number of SMs; dgrad bitwise equal on both engines, plain and scattered.
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -20,9 +20,17 @@ using namespace mok::gemm;
 
 constexpr int kOut = 320;  // n: rows of W_e (dgrad's reduction, wgrad's M: 2.5 M tiles)
 constexpr int kIn = 328;   // k: columns of W_e (dgrad's N, wgrad's N: 1.3 N tiles)
-// In dgrad a group's last row block with at most 64 rows runs as a half tile (is_half_tile):
-// 1, 129, 2100 (52 rows past 2048), 64 and 192 do, 127, 65 and 193 do not.
-const std::vector<int> kRowsPerExpert = {0, 1, 127, 128, 129, 2100, 0, 64, 65, 192, 193};
+// dgrad (128-row blocks): a group's last row block of at most 64 rows is a half tile
+// (is_half_tile): tails of 1 (1, 129, 257), 15, 16 (143, 144), 17-33 (273, 287, 288, 148, 160, 161,
+// 32, 672, 33), 40, 52 and 64 rows (424, 2100, 64, 192, 576). 65, 80, 104, 112, 127 and 193 end in
+// a full tile; 128 and 256 are whole blocks.
+// wgrad (64-row k-blocks): a group's last k-block runs ceil(rows / 16) k16 steps, 1 to 4, each
+// count also on a whole number of 16 rows: 1 (1, 65, 80, 144), 2 (148, 273, 287, 32, 160, 288),
+// 3 (33, 104, 161, 424, 112), 4 (127, 2100, 64, 128).
+const std::vector<int> kRowsPerExpert = {
+    0,   1,   127, 128, 129, 2100, 0,   64, 65,  192, 193,  // half and full tiles, a long one
+    143, 144, 257, 273, 148, 160,  161, 32, 672, 0,   256,  // dgrad's tails
+    424, 576, 33,  80,  104, 112,  288, 287};               // wgrad's last k-blocks
 constexpr int kSpareRows = 29;
 // fp32 results over K up to 2,100 rows: the tensor cores' fp32 accumulation does not round to
 // nearest at every add, so its error grows faster with K than a sequential host fp32 sum's
@@ -62,13 +70,17 @@ class GroupedGemmBackward : public ::testing::Test {
     offsets_->upload(p_->offsets);
   }
 
-  std::vector<bf16> run_dgrad(int num_sms = 0, GemmEngine engine = GemmEngine::kAuto) {
-    DeviceBuffer<bf16> dx(static_cast<size_t>(p_->capacity) * kIn);
+  // bf16 dx [num_output_rows, k], poisoned first: capacity rows, or more with shape.output_rows.
+  std::vector<bf16> run_dgrad(const GroupedShape& shape, int num_output_rows,
+                              const LaunchOptions& options) {
+    DeviceBuffer<bf16> dx(static_cast<size_t>(num_output_rows) * kIn);
     dx.poison();
-    grouped_dgrad(p_->shape(), dy_->get(), w_->get(), offsets_->get(), dx.get(), nullptr,
-                  LaunchOptions{num_sms, engine});
+    grouped_dgrad(shape, dy_->get(), w_->get(), offsets_->get(), dx.get(), nullptr, options);
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     return dx.download();
+  }
+  std::vector<bf16> run_dgrad(int num_sms = 0, GemmEngine engine = GemmEngine::kAuto) {
+    return run_dgrad(p_->shape(), p_->capacity, LaunchOptions{num_sms, engine});
   }
 
   // `initial` (fp32 main_grad) is uploaded for kAccumulateFp32; the output is poisoned otherwise.
@@ -95,32 +107,75 @@ class GroupedGemmBackward : public ::testing::Test {
   std::unique_ptr<DeviceBuffer<int>> offsets_;
 };
 
-TEST_F(GroupedGemmBackward, DgradMatchesReference) {
-  const auto dy = p_->floats(p_->dy), w = p_->floats(p_->w);
-  const size_t count = static_cast<size_t>(p_->capacity) * kIn;
-  std::vector<double> oracle(count, 0.0);
-  std::vector<float> host(count, 0.0f);
-  std::vector<bool> written(count, false);
-  for (int e = 0; e < p_->num_experts; ++e) {
-    for (int row = p_->offsets[e]; row < p_->offsets[e + 1]; ++row) {
-      for (int column = 0; column < kIn; ++column) {
-        double sum64 = 0.0;
-        float sum32 = 0.0f;
-        for (int j = 0; j < kOut; ++j) {
-          const float a = dy[static_cast<size_t>(row) * kOut + j];
-          const float b = w[(static_cast<size_t>(e) * kOut + j) * kIn + column];
-          sum64 += static_cast<double>(a) * b;
-          sum32 = numerics::add_rn(sum32, numerics::mul_rn(a, b));
+// dx's fp64 oracle and bf16-rounded fp32 host sum in k order, [capacity, k]; `written` marks the
+// experts' rows.
+struct DgradReference {
+  std::vector<double> oracle;
+  std::vector<float> same_precision;
+  std::vector<bool> written;
+
+  explicit DgradReference(const BackwardProblem& p) {
+    const auto dy = p.floats(p.dy), w = p.floats(p.w);
+    const size_t count = static_cast<size_t>(p.capacity) * kIn;
+    oracle.assign(count, 0.0);
+    same_precision.assign(count, 0.0f);
+    written.assign(count, false);
+    for (int e = 0; e < p.num_experts; ++e) {
+      for (int row = p.offsets[e]; row < p.offsets[e + 1]; ++row) {
+        for (int column = 0; column < kIn; ++column) {
+          double sum64 = 0.0;
+          float sum32 = 0.0f;
+          for (int j = 0; j < kOut; ++j) {
+            const float a = dy[static_cast<size_t>(row) * kOut + j];
+            const float b = w[(static_cast<size_t>(e) * kOut + j) * kIn + column];
+            sum64 += static_cast<double>(a) * b;
+            sum32 = numerics::add_rn(sum32, numerics::mul_rn(a, b));
+          }
+          const size_t index = static_cast<size_t>(row) * kIn + column;
+          oracle[index] = sum64;
+          same_precision[index] = round_to_bf16(sum32);
+          written[index] = true;
         }
-        const size_t index = static_cast<size_t>(row) * kIn + column;
-        oracle[index] = sum64;
-        host[index] = round_to_bf16(sum32);
-        written[index] = true;
       }
     }
   }
+
+  // The same values with row r at row destination[r] of num_output_rows (a scatter by
+  // output_rows); rows no row lands on are not written.
+  DgradReference scattered(const std::vector<int>& destination, int num_output_rows) const {
+    DgradReference result;
+    const size_t count = static_cast<size_t>(num_output_rows) * kIn;
+    result.oracle.assign(count, 0.0);
+    result.same_precision.assign(count, 0.0f);
+    result.written.assign(count, false);
+    for (size_t row = 0; row < destination.size(); ++row) {
+      const size_t from = row * kIn, to = static_cast<size_t>(destination[row]) * kIn;
+      std::copy_n(oracle.begin() + from, kIn, result.oracle.begin() + to);
+      std::copy_n(same_precision.begin() + from, kIn, result.same_precision.begin() + to);
+      std::copy_n(written.begin() + from, kIn, result.written.begin() + to);
+    }
+    return result;
+  }
+
+ private:
+  DgradReference() = default;
+};
+
+// Distinct destinations among num_output_rows rows for `rows` rows, in random order.
+std::vector<int> scatter_destinations(int rows, int num_output_rows, uint32_t seed) {
+  std::vector<int> destination(static_cast<size_t>(num_output_rows));
+  std::iota(destination.begin(), destination.end(), 0);
+  std::mt19937 generator(seed);
+  std::shuffle(destination.begin(), destination.end(), generator);
+  destination.resize(static_cast<size_t>(rows));
+  return destination;
+}
+
+TEST_F(GroupedGemmBackward, DgradMatchesReference) {
+  const DgradReference reference(*p_);
   const auto dx = run_dgrad();
-  expect_accuracy(dx, host, oracle, written, 2.0, "dgrad bf16");
+  expect_accuracy(dx, reference.same_precision, reference.oracle, reference.written, 2.0,
+                  "dgrad bf16");
   EXPECT_TRUE(bitwise_equal(dx, run_dgrad())) << "dgrad: repeated runs differ";
 }
 
@@ -234,13 +289,8 @@ TEST_F(GroupedGemmBackward, PingpongEqualsCooperativeBitwise) {
 // spare output rows stay poisoned; fp32 results and wgrad refuse a scatter.
 TEST_F(GroupedGemmBackward, DgradScattersRowsByOutputRows) {
   const auto plain = run_dgrad(0, GemmEngine::kCooperative);
-  const int rows = p_->capacity, out_rows = rows + 17;
-  // Distinct destinations among out_rows rows, in random order: 17 output rows get none.
-  std::vector<int> destination(static_cast<size_t>(out_rows));
-  std::iota(destination.begin(), destination.end(), 0);
-  std::mt19937 generator(31);
-  std::shuffle(destination.begin(), destination.end(), generator);
-  destination.resize(static_cast<size_t>(rows));
+  const int rows = p_->capacity, out_rows = rows + 17;  // 17 output rows get no row
+  const std::vector<int> destination = scatter_destinations(rows, out_rows, 31);
   DeviceBuffer<int> map(destination.size());
   map.upload(destination);
   GroupedShape shape = p_->shape();
@@ -250,12 +300,7 @@ TEST_F(GroupedGemmBackward, DgradScattersRowsByOutputRows) {
         std::pair{GemmEngine::kPingpong, 0}, std::pair{GemmEngine::kPingpong, 5}}) {
     SCOPED_TRACE(::testing::Message()
                  << "engine " << static_cast<int>(engine) << ", " << num_sms << " CTAs");
-    DeviceBuffer<bf16> out(static_cast<size_t>(out_rows) * kIn);
-    out.poison();
-    grouped_dgrad(shape, dy_->get(), w_->get(), offsets_->get(), out.get(), nullptr,
-                  LaunchOptions{num_sms, engine});
-    MOK_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<bf16> scattered = out.download();
+    const std::vector<bf16> scattered = run_dgrad(shape, out_rows, LaunchOptions{num_sms, engine});
     std::vector<bool> target(static_cast<size_t>(out_rows), false);
     int64_t wrong = 0;
     for (int row = 0; row < rows; ++row) {
@@ -285,6 +330,38 @@ TEST_F(GroupedGemmBackward, DgradScattersRowsByOutputRows) {
   EXPECT_THROW(grouped_wgrad(shape, dy_->get(), x_->get(), offsets_->get(), fp32.get(),
                              WgradOutput::kFp32, nullptr),
                Error);
+}
+
+// The cooperative bf16 dgrad (whose rounds of tiles rotate over the CTAs, tile_scheduler.cuh)
+// and the ping-pong engine sum every element over the same k16 steps in the same order: bitwise
+// equal, plain and scattered by output_rows, on several grids, with experts whose last row blocks
+// are half tiles of every size class (kRowsPerExpert), and within the reference's bound (N = 328:
+// the last column block holds 72 columns).
+TEST_F(GroupedGemmBackward, DgradEnginesEqualBitwisePlainAndScattered) {
+  const DgradReference plain_reference(*p_);
+  const int rows = p_->capacity, out_rows = rows + 17;
+  const std::vector<int> destination = scatter_destinations(rows, out_rows, 32);
+  DeviceBuffer<int> map(destination.size());
+  map.upload(destination);
+  GroupedShape scatter_shape = p_->shape();
+  scatter_shape.output_rows = map.get();
+  const DgradReference scatter_reference = plain_reference.scattered(destination, out_rows);
+  for (const bool scatter : {false, true}) {
+    const GroupedShape shape = scatter ? scatter_shape : p_->shape();
+    const int num_output_rows = scatter ? out_rows : rows;
+    const DgradReference& reference = scatter ? scatter_reference : plain_reference;
+    for (int num_sms : {0, 1, 7}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (scatter ? "output_rows" : "no output_rows") << ", " << num_sms << " CTAs");
+      const auto dx =
+          run_dgrad(shape, num_output_rows, LaunchOptions{num_sms, GemmEngine::kCooperative});
+      expect_accuracy(dx, reference.same_precision, reference.oracle, reference.written, 2.0,
+                      "dgrad bf16, cooperative");
+      EXPECT_TRUE(bitwise_equal(
+          dx, run_dgrad(shape, num_output_rows, LaunchOptions{num_sms, GemmEngine::kPingpong})))
+          << "dgrad: the cooperative engine differs from the ping-pong engine";
+    }
+  }
 }
 
 // wgrad on clusters of two CTAs (each loading half of the shared x tile into both) sums every
