@@ -1,12 +1,15 @@
-// Persistent tile scheduler over expert segments. CTA b handles linear tiles b, b + grid, ...;
-// the tiles of group g follow those of g - 1, and a group's tile count comes from its row count,
-// read from device memory. The producer and the consumers of a CTA each run their own copy and
-// see the same sequence, so they need no handshake beyond the stage barriers.
+// Persistent tile scheduler over expert segments. The linear tiles run in rounds of one per CTA:
+// CTA b takes tile b of each round, or, on the cooperative engine's single CTAs, tile (b + r) mod
+// grid of round r; the tiles of group g follow those of g - 1, and a group's tile count comes
+// from its row count, read from device memory. The producer and the consumers of a CTA each run
+// their own copy and see the same sequence, so they need no handshake beyond the stage barriers.
 //
 // The tile a CTA gets never changes what is computed for it (no split-K), so the results are
 // bitwise independent of the grid size. Config gives the tile size: the cooperative engine's
 // (128, 256) TileConfig, or the ping-pong engine's PingpongConfig.
 #pragma once
+
+#include <type_traits>
 
 #include "kernels/gemm/gemm_types.cuh"
 
@@ -89,6 +92,9 @@ template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
+  // Rounds rotate on the cooperative engine's single CTAs (measured there: docs/perf-notes/
+  // backward.md v20).
+  static constexpr bool kRotate = kClusterSize == 1 && std::is_same_v<Config, TileConfig>;
 
   __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
       : offsets_(params.group_offsets),
@@ -124,7 +130,15 @@ class GroupedTileScheduler {
       tile = {group_, (local_idx / num_n_blocks_) * kClusterSize + cluster_rank_,
               local_idx % num_n_blocks_, row_begin_, row_count_};
     }
-    tile_idx_ += static_cast<int>(gridDim.x) / kClusterSize;
+    // NOTE: with tile b of every round, a CTA takes the same place in each group whenever the
+    // groups' tile counts are multiples of the grid's factors (the EP 1 dgrad's experts of two
+    // row blocks and a half tile put their half tiles on every other CTA): rotating the rounds
+    // spreads the tiles' costs over the CTAs, at the same L2 locality (a round's tiles run side by
+    // side either way).
+    const int grid = static_cast<int>(gridDim.x) / kClusterSize;
+    ++round_;
+    tile_idx_ = round_ * grid + (kRotate ? (static_cast<int>(blockIdx.x) + round_) % grid
+                                         : static_cast<int>(blockIdx.x) / kClusterSize);
     return true;
   }
 
@@ -146,6 +160,7 @@ class GroupedTileScheduler {
   int num_n_blocks_;
   int num_fixed_m_blocks_;  // wgrad: M groups of kClusterSize M blocks (M is fixed)
   int tile_idx_;            // of this CTA's cluster, among the clusters' tiles
+  int round_ = 0;           // tiles taken so far
   int cluster_rank_;        // blockIdx.x % kClusterSize: a cluster's CTAs are consecutive blocks
   int group_ = 0;
   int group_first_tile_ = 0;
