@@ -131,10 +131,9 @@ class GroupedTileScheduler {
               local_idx % num_n_blocks_, row_begin_, row_count_};
     }
     // NOTE: with tile b of every round, a CTA takes the same place in each group whenever the
-    // groups' tile counts are multiples of the grid's factors (the EP 1 dgrad's experts of two
-    // row blocks and a half tile put their half tiles on every other CTA): rotating the rounds
-    // spreads the tiles' costs over the CTAs, at the same L2 locality (a round's tiles run side by
-    // side either way).
+    // groups' tile counts divide the grid (two tiles per N block put every second tile on the
+    // odd CTAs): rotating the rounds spreads such patterns over the CTAs, at the same L2
+    // locality (a round's tiles run side by side either way).
     const int grid = static_cast<int>(gridDim.x) / kClusterSize;
     ++round_;
     tile_idx_ = round_ * grid + (kRotate ? (static_cast<int>(blockIdx.x) + round_) % grid
