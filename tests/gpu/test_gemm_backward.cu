@@ -350,7 +350,8 @@ TEST_F(GroupedGemmBackward, DgradEnginesEqualBitwisePlainAndScattered) {
     const GroupedShape shape = scatter ? scatter_shape : p_->shape();
     const int num_output_rows = scatter ? out_rows : rows;
     const DgradReference& reference = scatter ? scatter_reference : plain_reference;
-    for (int num_sms : {0, 1, 7}) {
+    // (a grid larger than the 144 tiles, and grids whose rounds rotate by 1, 3 and 2 CTAs)
+    for (int num_sms : {0, 1, 2, 7, 200}) {
       SCOPED_TRACE(::testing::Message()
                    << (scatter ? "output_rows" : "no output_rows") << ", " << num_sms << " CTAs");
       const auto dx =
@@ -389,6 +390,12 @@ TEST_F(GroupedGemmBackward, WgradClustersEqualSingleCtasBitwise) {
     EXPECT_TRUE(bitwise_equal(accumulated, run_wgrad<float>(WgradOutput::kAccumulateFp32, num_sms,
                                                             &main_grad, kCooperative, 2)))
         << "wgrad accumulate: clusters on " << num_sms << " CTAs differ from single CTAs";
+  }
+  // Single CTAs on other grids (their rounds rotate, tile_rounds.hpp): the same bits.
+  for (int num_sms : {1, 2, 7, 200}) {
+    EXPECT_TRUE(bitwise_equal(
+        bf16_result, run_wgrad<bf16>(WgradOutput::kBf16, num_sms, nullptr, kCooperative, 1)))
+        << "wgrad bf16: single CTAs on " << num_sms << " CTAs differ from the full grid";
   }
   EXPECT_THROW(run_wgrad<float>(WgradOutput::kFp32, 0, nullptr, kCooperative, 3), mok::Error);
 }

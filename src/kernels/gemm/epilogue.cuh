@@ -80,8 +80,8 @@ struct Epilogue {
     }
   }
 
-  // wgrad's bf16 weight gradients go out by TMA tile stores when the kernel has C's tensor map
-  // (warp_boxes.cuh); every other output by warp stores.
+  // wgrad's bf16 weight gradients go out by TMA tile stores (warp_boxes.cuh, store_holding);
+  // every other output by warp stores.
   static constexpr bool kBoxStores =
       kKind == GemmKind::kWgrad && kEpilogue == EpilogueKind::kStoreBf16;
 
@@ -101,11 +101,10 @@ struct Epilogue {
   }
 
   // The cooperative wgrad's bf16 tiles leave in two steps (kBoxStores, with C's tensor map map_c,
-  // [groups, M, N] in (16, 64) boxes): store_holding
-  // writes a warp's first boxes and holds the last kHeldBoxes in registers, and the mainloop of
-  // the consumer's next tile writes those (HeldBoxesOut, its `beside`) once that tile's second
-  // wgmma group is issued; after the last tile, HeldBoxesOut::write() does. Same bytes in the
-  // same places as store().
+  // [groups, M, N] in (16, 64) boxes): store_holding writes a warp's first boxes and holds the
+  // last kHeldBoxes in registers, and the mainloop of the consumer's next tile writes those
+  // (HeldBoxesOut, its `beside`) once that tile's second wgmma group is issued; after the last
+  // tile, HeldBoxesOut::write() does. Same bytes in the same places as warp stores would write.
   static constexpr int kHeldBoxes = 2;
   using Boxes = WarpBoxes<Config::BLOCK_N>;
   using HeldBoxes = typename Boxes::template Held<kHeldBoxes>;

@@ -1,8 +1,9 @@
-// Persistent tile scheduler over expert segments. The linear tiles run in rounds of one per CTA:
-// CTA b takes tile b of each round, or, on the cooperative engine's single CTAs, tile (b + r) mod
-// grid of round r; the tiles of group g follow those of g - 1, and a group's tile count comes
-// from its row count, read from device memory. The producer and the consumers of a CTA each run
-// their own copy and see the same sequence, so they need no handshake beyond the stage barriers.
+// Persistent tile scheduler over expert segments. The linear tiles run in rounds of one per CTA
+// (tile_rounds.hpp): CTA b takes tile b of each round, or, on the cooperative engine's single
+// CTAs, rounds rotated over the CTAs; the tiles of group g follow those of g - 1, and a group's
+// tile count comes from its row count, read from device memory. The producer and the consumers of a
+// CTA each run their own copy and see the same sequence, so they need no handshake beyond the stage
+// barriers.
 //
 // The tile a CTA gets never changes what is computed for it (no split-K), so the results are
 // bitwise independent of the grid size. Config gives the tile size: the cooperative engine's
@@ -12,6 +13,7 @@
 #include <type_traits>
 
 #include "kernels/gemm/gemm_types.cuh"
+#include "kernels/gemm/tile_rounds.hpp"
 
 namespace mok::gemm {
 
@@ -92,8 +94,7 @@ template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
-  // Rounds rotate on the cooperative engine's single CTAs (measured there: docs/perf-notes/
-  // backward.md v20).
+  // Rounds rotate on the cooperative engine's single CTAs, where they were measured faster.
   static constexpr bool kRotate = kClusterSize == 1 && std::is_same_v<Config, TileConfig>;
 
   __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
@@ -104,6 +105,7 @@ class GroupedTileScheduler {
         num_fixed_m_blocks_(
             kRowsAreM ? 0 : ceil_div(ceil_div(params.m, Config::BLOCK_M), kClusterSize)),
         tile_idx_(static_cast<int>(blockIdx.x) / kClusterSize),
+        rotation_step_(kRotate ? rotation_step(static_cast<int>(gridDim.x)) : 0),
         cluster_rank_(static_cast<int>(blockIdx.x) % kClusterSize) {
     load_group(0);
   }
@@ -130,14 +132,9 @@ class GroupedTileScheduler {
       tile = {group_, (local_idx / num_n_blocks_) * kClusterSize + cluster_rank_,
               local_idx % num_n_blocks_, row_begin_, row_count_};
     }
-    // NOTE: with tile b of every round, a CTA takes the same place in each group whenever the
-    // groups' tile counts divide the grid (two tiles per N block put every second tile on the
-    // odd CTAs): rotating the rounds spreads such patterns over the CTAs, at the same L2
-    // locality (a round's tiles run side by side either way).
-    const int grid = static_cast<int>(gridDim.x) / kClusterSize;
     ++round_;
-    tile_idx_ = round_ * grid + (kRotate ? (static_cast<int>(blockIdx.x) + round_) % grid
-                                         : static_cast<int>(blockIdx.x) / kClusterSize);
+    tile_idx_ = round_tile(round_, static_cast<int>(blockIdx.x) / kClusterSize,
+                           static_cast<int>(gridDim.x) / kClusterSize, rotation_step_);
     return true;
   }
 
@@ -159,6 +156,7 @@ class GroupedTileScheduler {
   int num_n_blocks_;
   int num_fixed_m_blocks_;  // wgrad: M groups of kClusterSize M blocks (M is fixed)
   int tile_idx_;            // of this CTA's cluster, among the clusters' tiles
+  int rotation_step_;       // tile_rounds.hpp; 0: no rotation
   int round_ = 0;           // tiles taken so far
   int cluster_rank_;        // blockIdx.x % kClusterSize: a cluster's CTAs are consecutive blocks
   int group_ = 0;
