@@ -350,7 +350,8 @@ TEST_F(GroupedGemmBackward, DgradEnginesEqualBitwisePlainAndScattered) {
     const GroupedShape shape = scatter ? scatter_shape : p_->shape();
     const int num_output_rows = scatter ? out_rows : rows;
     const DgradReference& reference = scatter ? scatter_reference : plain_reference;
-    // (a grid larger than the 144 tiles, and grids whose rounds rotate by 1, 3 and 2 CTAs)
+    // (rounds rotating by 1 CTA on 132 SMs, 4 on 1 and 7 CTAs, 3 on 2 and 200; 200 CTAs are more
+    // than the 144 tiles)
     for (int num_sms : {0, 1, 2, 7, 200}) {
       SCOPED_TRACE(::testing::Message()
                    << (scatter ? "output_rows" : "no output_rows") << ", " << num_sms << " CTAs");
