@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(PingpongConfig<kBlockM>::kNumThreads, 1)
   }
   __syncthreads();
 
-  GroupedTileScheduler<kKind, PingpongConfig<kBlockM>> scheduler(params);
+  GroupedTileScheduler<kKind, PingpongConfig<kBlockM>, 1, /*kRotateRounds=*/false> scheduler(
+      params);
   GroupedTile tile;
   typename Loop::State state;
   if (role == WarpgroupRole::kProducer) {

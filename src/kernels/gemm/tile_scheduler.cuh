@@ -90,12 +90,14 @@ __device__ inline char* tile_row_in_c(const TileInC& place, const GroupedTile& t
 // kClusterSize * p + r of the tile's M group p at one N block, so that they share the group (hence
 // the k-blocks) and the B tile. An M block past M, or past the group's rows (a count that is not a
 // multiple), is computed or skipped by the kernel but never stored.
-template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1>
+// kRotateRounds: rounds rotate (tile_rounds.hpp), on single CTAs only; the cooperative engines'
+// (bf16 and FP8) were measured faster so, the ping-pong engine's not (perf-notes/backward.md v21).
+template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1,
+          bool kRotateRounds = kClusterSize == 1>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
-  // Rounds rotate on the cooperative engine's single CTAs, where they were measured faster.
-  static constexpr bool kRotate = kClusterSize == 1 && std::is_same_v<Config, TileConfig>;
+  static constexpr bool kRotate = kRotateRounds && kClusterSize == 1;
 
   __device__ explicit GroupedTileScheduler(const GroupedGemmParams& params)
       : offsets_(params.group_offsets),
