@@ -301,8 +301,11 @@ void grouped_wgrad_fp8(const GroupedShape& shape, const uint8_t* dy_t, const flo
       launch<EpilogueKind::kStoreFp32, GemmKind::kWgrad>(map_a, map_b, params, num_ctas, stream);
       break;
     case WgradOutput::kBf16: {
-      // The epilogue's tile stores (Fp8Epilogue::kBoxStores).
-      const CUtensorMap map_c = make_warp_box_map(dw, shape.num_experts, shape.n, shape.k, "dw");
+      // The store warp's tile stores (Fp8Epilogue::store_tile), one (BLOCK_M, 64) box at a time.
+      using Boxes = Fp8Epilogue<EpilogueKind::kStoreBf16, GemmKind::kWgrad>::Boxes;
+      const CUtensorMap map_c =
+          make_tensor_map_3d(dw, shape.num_experts, shape.n, shape.k, Fp8TileConfig::BLOCK_M,
+                             Boxes::kBoxColumns, "dw");
       launch<EpilogueKind::kStoreBf16, GemmKind::kWgrad>(map_a, map_b, params, num_ctas, stream,
                                                          map_c);
       break;

@@ -1,8 +1,8 @@
 // The FP8 GEMM's epilogues: a consumer warpgroup's promoted (64, BLOCK_N) fp32 accumulators,
 // walked as wgmma's fragment (fragment.cuh), stored as fp32 pairs from registers, or as bf16 (or
-// SwiGLU's h) through the warp's staging rows (warp_rows.cuh; the wgrad's bf16 gradients by TMA
-// tile stores, warp_boxes.cuh), as the bf16 engine stores them, or (kSwiGluFp8) as SwiGLU's h
-// quantized to E4M3 per 1 x 128 with its scales.
+// SwiGLU's h) through the warp's staging rows (warp_rows.cuh), as the bf16 engine stores them, or
+// (kSwiGluFp8) as SwiGLU's h quantized to E4M3 per 1 x 128 with its scales. The wgrad's bf16
+// gradients are staged as a whole tile, which a store warp copies out by TMA (tile_boxes.cuh).
 // The wgrad's C is (groups, M, N); its accumulating epilogue starts the accumulators from C.
 #pragma once
 
@@ -10,8 +10,8 @@
 #include "kernels/gemm/fp8_tile_scheduler.cuh"
 #include "kernels/gemm/fragment.cuh"
 #include "kernels/gemm/swiglu.cuh"
+#include "kernels/gemm/tile_boxes.cuh"
 #include "kernels/gemm/tile_scheduler.cuh"
-#include "kernels/gemm/warp_boxes.cuh"
 #include "kernels/gemm/warp_rows.cuh"
 #include "kernels/quantize/elements.cuh"
 
@@ -45,20 +45,38 @@ struct Fp8Epilogue {
     }
   }
 
-  // wgrad's bf16 weight gradients go out by TMA tile stores when the kernel has C's tensor map
-  // (warp_boxes.cuh), as the bf16 engine's do; every other output by warp stores.
+  // wgrad's bf16 weight gradients go out by TMA tile stores from a whole staged tile, issued by a
+  // store warp (tile_boxes.cuh: stage_tile, store_tile); every other output by warp stores.
   static constexpr bool kBoxStores =
       kKind == GemmKind::kWgrad && kEpilogue == EpilogueKind::kStoreBf16;
+  using Boxes = TileBoxes<Config::BLOCK_M, Config::BLOCK_N>;
+
+  // kBoxStores, a consumer warp: its rows of the tile into the staging (after Boxes::wait_free),
+  // published to the store warp. No branch (the next tile's first wgmma group may be in flight).
+  __device__ static void stage_tile(int consumer_idx, const typename Boxes::Staging& staging,
+                                    const float (&accum)[kNumAccumulators]) {
+    static_assert(kBoxStores, "the wgrad's bf16 gradients");
+    const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
+    Boxes::stage(staging, accum, consumer_idx * 64 + warp_in_group * 16);
+  }
+
+  // kBoxStores, the store warp: its `stored`-th tile, once staged, to C (map_c: C as a [groups,
+  // M, N] tensor map with the boxes' (BLOCK_M, 64) shape).
+  __device__ static void store_tile(const GroupedTile& tile, const typename Boxes::Staging& staging,
+                                    uint32_t stored, const CUtensorMap* map_c) {
+    static_assert(kBoxStores, "the wgrad's bf16 gradients");
+    Boxes::store(staging, stored, map_c, tile.n_block * Config::BLOCK_N,
+                 tile.mblock * Config::BLOCK_M, tile.group);
+  }
 
   // A consumer covers rows 64 c .. 64 c + 63 and all columns of a full tile, rows 0-63 and
   // columns 128 c .. 128 c + 127 (piece c) of a half tile (is_half_tile). Rows past the group's end
-  // and columns past N are never written. map_c: wgrad's bf16 C as a [groups, M, N] tensor map
-  // with (16, 64) boxes, or null. gate_up, gate_up_rows (kGateUp): where the gate/up sums go in
-  // bf16 (Fp8GemmParams::gate_up, gate_up_rows).
+  // and columns past N are never written. gate_up, gate_up_rows (kGateUp): where the gate/up sums
+  // go in bf16 (Fp8GemmParams::gate_up, gate_up_rows). (kBoxStores: stage_tile instead.)
   __device__ static void store(const GroupedGemmParams& params, const GroupedTile& tile,
                                int consumer_idx, uint8_t* staging, float (&accum)[kNumAccumulators],
-                               const CUtensorMap* map_c = nullptr, void* gate_up = nullptr,
-                               const int32_t* gate_up_rows = nullptr) {
+                               void* gate_up = nullptr, const int32_t* gate_up_rows = nullptr) {
+    static_assert(!kBoxStores, "the wgrad's bf16 gradients leave by stage_tile");
     const int warp_in_group = static_cast<int>(threadIdx.x / 32) % 4;
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     if constexpr (kEpilogue == EpilogueKind::kSwiGluFp8) {
@@ -71,17 +89,6 @@ struct Fp8Epilogue {
     const int first_column = half ? consumer_idx * Config::kPiece : 0;
     uint8_t* warp_staging =
         staging + (consumer_idx * 64 + warp_in_group * 16) * static_cast<int>(kStagingRowBytes);
-    if constexpr (kBoxStores) {  // (wgrad has no half tiles)
-      if (map_c != nullptr) {
-        using Rows = WarpRows<Config::BLOCK_N, /*kSwiGlu=*/false>;
-        uint32_t packed[Rows::kPacked];
-        Rows::pack(accum, packed);
-        WarpBoxes<Config::BLOCK_N>::write(
-            warp_staging, packed, map_c, tile.n_block * Config::BLOCK_N,
-            tile.mblock * Config::BLOCK_M + warp_first_row, tile.group);
-        return;
-      }
-    }
     if (half) {
       store_columns<Config::kPiece>(place, warp_first_row, first_column, lane_idx, warp_staging,
                                     accum);
@@ -89,11 +96,6 @@ struct Fp8Epilogue {
       store_columns<Config::BLOCK_N>(place, warp_first_row, first_column, lane_idx, warp_staging,
                                      accum);
     }
-  }
-
-  // Every consumer thread, after its last tile: the tile stores have landed (with map_c).
-  __device__ static void drain() {
-    if constexpr (kBoxStores) WarpBoxes<Config::BLOCK_N>::drain();
   }
 
  private:

@@ -49,7 +49,7 @@ struct Fp8TileConfig {
 
 // Stages of the ring: as many as fit, 4 (beside the forward's 32 KB bf16 staging rows too, with a
 // reduced alignment slack: Fp8SharedLayout::kAlignmentSlack); the wgrad's bf16 output, whose
-// stages carry 1 KB of column scales each, 3.
+// stages carry 1 KB of column scales each beside a whole tile's staging (64 KB), 3.
 __host__ __device__ constexpr int fp8_stages(GemmKind kind, EpilogueKind epilogue) {
   return kind == GemmKind::kWgrad && uses_staged_store(epilogue) ? 3 : 4;
 }
@@ -60,8 +60,9 @@ __host__ __device__ constexpr int fp8_stages(GemmKind kind, EpilogueKind epilogu
 inline constexpr int kFp8ClusterSize = 2;
 
 // Dynamic shared memory: the stage ring (1024-byte aligned for the 128-byte swizzle), the bf16
-// output staging rows, each stage's scales, then the barriers. kClusterSize > 1: B's pieces also
-// come from the peers' multicasts, at the same offsets.
+// output staging (rows of each warp; the wgrad's bf16 gradients: the whole tile, TileBoxes), each
+// stage's scales, then the barriers. kClusterSize > 1: B's pieces also come from the peers'
+// multicasts, at the same offsets.
 template <EpilogueKind kEpilogueKind, GemmKind kGemmKind = GemmKind::kForward,
           int kStages = fp8_stages(kGemmKind, kEpilogueKind), int kCluster = 1>
 struct Fp8SharedLayout {
@@ -74,13 +75,18 @@ struct Fp8SharedLayout {
   // (kSwiGluFp8 stages its E4M3 rows in the same warp rows)
   static constexpr bool kStagedStore =
       uses_staged_store(kEpilogue) || kEpilogue == EpilogueKind::kSwiGluFp8;
+  // The wgrad's bf16 gradients leave a whole staged tile at a time, by a store warp (TileBoxes).
+  static constexpr bool kTileStaging =
+      kKind == GemmKind::kWgrad && kEpilogue == EpilogueKind::kStoreBf16;
   static constexpr int kNumStages = kStages;
   static constexpr uint32_t kAlignment = 1024;
   static constexpr uint32_t kAOffset = 0;  // (kNumStages, BLOCK_M, BLOCK_K)
   static constexpr uint32_t kBOffset = kNumStages * Config::kABytes;
   static constexpr uint32_t kStagingOffset = kBOffset + kNumStages * Config::kBBytes;
   static constexpr uint32_t kStagingBytes =
-      kStagedStore ? Config::kNumConsumerWarpgroups * 4 * kWarpStagingBytes : 0;
+      kTileStaging   ? Config::BLOCK_M * Config::BLOCK_N * 2
+      : kStagedStore ? Config::kNumConsumerWarpgroups * 4 * kWarpStagingBytes
+                     : 0;
   // (kNumStages, BLOCK_M) fp32: the A scales of the tile's rows for the stage's k-block.
   static constexpr uint32_t kScaleAOffset = kStagingOffset + kStagingBytes;
   // The stage's B scales: forward (kNumStages, 4) fp32, one per piece, 16 bytes apart; wgrad
@@ -91,7 +97,8 @@ struct Fp8SharedLayout {
                     (kKind != GemmKind::kWgrad || Config::BLOCK_N * 4 <= kScaleBStride),
                 "a stage's B scales fit their slot");
   static constexpr uint32_t kBarrierOffset = kScaleBOffset + kNumStages * kScaleBStride;
-  static constexpr int kNumBarriers = 2 * kNumStages;  // full[kNumStages], empty[kNumStages]
+  // full[kNumStages], empty[kNumStages]; with kTileStaging, TileBoxes' staged and free.
+  static constexpr int kNumBarriers = 2 * kNumStages + (kTileStaging ? 2 : 0);
   static constexpr uint32_t kBytes = kBarrierOffset + kNumBarriers * 8;
   static constexpr uint32_t kSmemLimit = 227 * 1024;
   static_assert(kBytes <= kSmemLimit, "shared memory layout exceeds the 227 KiB limit");

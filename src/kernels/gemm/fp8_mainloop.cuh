@@ -69,16 +69,21 @@ struct Fp8Mainloop {
                        // (kNumStages, BLOCK_N)
     uint64_t* full;    // (kNumStages)
     uint64_t* empty;   // (kNumStages)
+    uint64_t* staged;  // Layout::kTileStaging: TileBoxes' barriers (else null)
+    uint64_t* staging_free;
 
     __device__ static Storage carve(uint8_t* aligned_base) {
       auto* barriers = reinterpret_cast<uint64_t*>(aligned_base + Layout::kBarrierOffset);
+      uint64_t* tile_barriers = Layout::kTileStaging ? barriers + 2 * Layout::kNumStages : nullptr;
       return {aligned_base + Layout::kAOffset,
               aligned_base + Layout::kBOffset,
               aligned_base + Layout::kStagingOffset,
               reinterpret_cast<float*>(aligned_base + Layout::kScaleAOffset),
               reinterpret_cast<float*>(aligned_base + Layout::kScaleBOffset),
               barriers,
-              barriers + Layout::kNumStages};
+              barriers + Layout::kNumStages,
+              tile_barriers,
+              Layout::kTileStaging ? tile_barriers + 1 : nullptr};
     }
     __device__ uint8_t* a_stage(int stage) const { return a + stage * Config::kABytes; }
     __device__ uint8_t* b_stage(int stage) const { return b + stage * Config::kBBytes; }

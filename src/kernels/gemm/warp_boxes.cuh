@@ -118,8 +118,7 @@ struct WarpBoxes {
       }
       ptx::fence_proxy_async_shared();  // the stores above, before the TMA unit reads them
       __syncwarp();
-      // (no branch: the FP8 wgrad's next wgmma group is in flight here, Fp8Mainloop::kLookahead,
-      // and the bf16 wgrad's, for the held boxes)
+      // (no branch: the bf16 wgrad's next wgmma group is in flight here, for the held boxes)
       ptx::tma_store_3d_commit_if(lane_idx == 0, map, staging, column + box * kBoxColumns, row,
                                   group);
     }

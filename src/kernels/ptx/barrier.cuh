@@ -25,6 +25,16 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(barrier)) : "memory");
 }
 
+// mbarrier_arrive when `arrive`: one predicated instruction, no branch (a warpgroup's wgmma may
+// stay in flight across it).
+__device__ __forceinline__ void mbarrier_arrive_if(bool arrive, uint64_t* barrier) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %1, 0;\n\t"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}" ::"r"(smem_address(barrier)),
+      "r"(static_cast<uint32_t>(arrive))
+      : "memory");
+}
+
 // Arrives once on the barrier at the same shared-memory offset in CTA `cta` of this thread's
 // cluster (this CTA's own included), with the default (release, CTA scope) semantics: a consumer
 // whose wgmma reads of a stage have completed hands it back to every producer whose TMA
