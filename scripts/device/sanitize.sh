@@ -57,11 +57,18 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 #   GroupedGemmForward.PingpongEqualsCooperativeBitwise   both engines, bf16 / fp32 / SwiGLU
 #   GroupedGemmBackward.PingpongEqualsCooperativeBitwise  both engines, dgrad and wgrad
 #   CommLayerEp1.MatchesReferenceOnOneGpu              the standalone communication kernels
+# and, under memcheck and synccheck only,
+#   GroupedGemmFp8Wgrad.ExactDataUnpaddedSpans         the FP8 wgrad: its store warp's staged
+#                                                      tiles (mbarriers staged / free), TMA stores
+# (racecheck reports the FP8 engine's scale hand-off, the producer's cp.async writes of a stage's
+# scales against the consumers' reads, which cp.async.mbarrier.arrive orders and the tool does not
+# follow; docs/perf-notes/reliability.md. Seen 2026-12-03, not yet classified here.)
 cases="FusedForwardEp1.EqualsUnfusedBitwiseAndRepeats:FusedForwardTails.CarriedTailsEqualUnfusedBitwise"
 cases+=":LayerBackwardEp1.AccumulatesIntoMainGrad"
 cases+=":GroupedGemmForward.PingpongEqualsCooperativeBitwise"
 cases+=":GroupedGemmBackward.PingpongEqualsCooperativeBitwise:CommLayerEp1.MatchesReferenceOnOneGpu"
 fault_cases="FaultRecovery.*:CommErrors.RepeatedExpertIdInTheFusedForwardBecomesHostError"
+fp8_cases="GroupedGemmFp8Wgrad.ExactDataUnpaddedSpans"
 handoff_case="FusedForwardEp1.EqualsUnfusedBitwiseAndRepeats"
 tools=${MOK_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}
 declare -A limit=([memcheck]=90 [racecheck]=150 [synccheck]=60 [initcheck]=90)
@@ -146,6 +153,8 @@ for tool in $tools; do
   fi
   filter=${MOK_SANITIZE_FILTER:-$cases}
   [[ "$tool" == memcheck && -z "${MOK_SANITIZE_FILTER:-}" ]] && filter+=":$fault_cases"
+  [[ ("$tool" == memcheck || "$tool" == synccheck) && -z "${MOK_SANITIZE_FILTER:-}" ]] &&
+    filter+=":$fp8_cases"
   seconds=${MOK_SANITIZE_TIMEOUT:-${limit[$tool]}}
   log="$OUT/sanitize-$tool.log"
   start=$(date +%s)
