@@ -27,21 +27,14 @@
 
 namespace mok::gemm {
 
-// A pipeline wait with ptx::mbarrier_wait's timeout (a lost arrival traps after ~2^30 polls
-// instead of hanging), its trap out of line. NOTE: with the trap inline, ptxas held the consumer
-// warpgroups to the launch bound's 168 registers instead of their setmaxnreg budget, and the
-// 128 + 64 live accumulators spilled (docs/perf-notes/fp8.md).
-inline __device__ __noinline__ void fp8_pipeline_wait_timed_out() { __trap(); }
-
 // A wgrad group whose rows do not start on a 128-row boundary: its k-blocks would straddle the
 // scale blocks of the transposed operands (the host never reads the offsets to check this).
 inline __device__ __noinline__ void fp8_wgrad_group_misaligned() { __trap(); }
 
+// A pipeline wait: ptx::mbarrier_wait's timeout with its trap out of line (the consumers' 128 +
+// 64 live accumulators need their setmaxnreg budget).
 __device__ __forceinline__ void fp8_pipeline_wait(uint64_t* barrier, uint32_t parity) {
-  uint32_t polls = 0;
-  while (!ptx::mbarrier_try_wait(barrier, parity)) {
-    if (++polls == (1u << 30)) fp8_pipeline_wait_timed_out();
-  }
+  ptx::mbarrier_wait_trap_out_of_line(barrier, parity);
 }
 
 // Layout: an Fp8SharedLayout (epilogue, kind, stages, cluster size).

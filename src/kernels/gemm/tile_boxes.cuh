@@ -24,18 +24,6 @@
 
 namespace mok::gemm {
 
-// A wait on the staging's barriers that timed out (a lost arrival), out of line: an inline trap
-// holds the consumer warpgroups to the launch bound's registers instead of their setmaxnreg
-// budget, and the FP8 wgrad's accumulators spill (as Fp8Mainloop's waits note).
-inline __device__ __noinline__ void tile_boxes_wait_timed_out() { __trap(); }
-
-__device__ __forceinline__ void tile_boxes_wait(uint64_t* barrier, uint32_t parity) {
-  uint32_t polls = 0;
-  while (!ptx::mbarrier_try_wait(barrier, parity)) {
-    if (++polls == (1u << 30)) tile_boxes_wait_timed_out();
-  }
-}
-
 template <int kRows, int kColumns>
 struct TileBoxes {
   static constexpr int kBoxColumns = 64;
@@ -45,7 +33,6 @@ struct TileBoxes {
   static constexpr int kBoxes = kColumns / kBoxColumns;
   static constexpr uint32_t kBytes = kBoxes * kBoxBytes;  // 1024-aligned boxes: the swizzle's
   static constexpr uint32_t kWritingWarps = kRows / 16;   // arrivals on `staged`
-  static constexpr int kBoxPairs = 2 * kBoxVectors;       // bf16 pairs a thread holds of one box
   static_assert(kColumns % kBoxColumns == 0 && kRows % 16 == 0 && kBoxBytes % 1024 == 0,
                 "whole boxes of whole warps, each on the swizzle's 1024-byte period");
 
@@ -61,10 +48,11 @@ struct TileBoxes {
   }
 
   // Consumer threads, before writing the staging for the `stored`-th time (0 for the kernel's
-  // first tile): the store warp has read what they staged before. A spin loop: call it where no
-  // wgmma group is in flight (ptxas would wait for the group before the branch).
+  // first tile): the store warp has read what they staged before. A spin loop (its trap out of
+  // line, for the consumers' registers): call it where no wgmma group is in flight (ptxas would
+  // wait for the group before the branch).
   __device__ static void wait_free(const Staging& staging, uint32_t stored) {
-    tile_boxes_wait(staging.free, (stored & 1u) ^ 1u);
+    ptx::mbarrier_wait_trap_out_of_line(staging.free, (stored & 1u) ^ 1u);
   }
 
   // A consumer warp's 16 rows (its first at tile row warp_first_row, a multiple of 16) from its
@@ -104,7 +92,7 @@ struct TileBoxes {
   // row, group), the map's box (kBoxColumns, kRows, 1).
   __device__ static void store(const Staging& staging, uint32_t stored, const CUtensorMap* map,
                                int column, int row, int group) {
-    tile_boxes_wait(staging.staged, stored & 1u);
+    ptx::mbarrier_wait_trap_out_of_line(staging.staged, stored & 1u);
     if (threadIdx.x % 32 == 0) {
 #pragma unroll
       for (int box = 0; box < kBoxes; ++box) {

@@ -1,6 +1,6 @@
 // Persistent tile scheduler over expert segments. The linear tiles run in rounds of one per CTA
-// (tile_rounds.hpp): CTA b takes tile b of each round, or, on the cooperative engine's single
-// CTAs, rounds rotated over the CTAs; the tiles of group g follow those of g - 1, and a group's
+// (tile_rounds.hpp): CTA b takes tile b of each round, or, on single CTAs (kRotateRounds), rounds
+// rotated over the CTAs; the tiles of group g follow those of g - 1, and a group's
 // tile count comes from its row count, read from device memory. The producer and the consumers of a
 // CTA each run their own copy and see the same sequence, so they need no handshake beyond the stage
 // barriers.
@@ -9,8 +9,6 @@
 // bitwise independent of the grid size. Config gives the tile size: the cooperative engine's
 // (128, 256) TileConfig, or the ping-pong engine's PingpongConfig.
 #pragma once
-
-#include <type_traits>
 
 #include "kernels/gemm/gemm_types.cuh"
 #include "kernels/gemm/tile_rounds.hpp"

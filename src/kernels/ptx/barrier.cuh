@@ -97,6 +97,19 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity
   }
 }
 
+// The trap of mbarrier_wait_trap_out_of_line's timeout.
+inline __device__ __noinline__ void mbarrier_wait_timed_out() { __trap(); }
+
+// mbarrier_wait with its trap out of line. NOTE: with the trap inline, ptxas held warp-specialised
+// consumer warpgroups to the launch bound's registers instead of their setmaxnreg budget, and the
+// FP8 GEMM's accumulators spilled (docs/perf-notes/fp8.md); its waits use this one.
+__device__ __forceinline__ void mbarrier_wait_trap_out_of_line(uint64_t* barrier, uint32_t parity) {
+  uint32_t polls = 0;
+  while (!mbarrier_try_wait(barrier, parity)) {
+    if (++polls == (1u << 30)) mbarrier_wait_timed_out();
+  }
+}
+
 // NOTE: generic-proxy writes to shared memory (st.shared) that TMA or wgmma read next need this
 // fence in the writing thread before the barrier that publishes them.
 __device__ __forceinline__ void fence_proxy_async_shared() {
