@@ -112,13 +112,16 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   checked_int(rows, "rows capacity");
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
   const int64_t shared_inter = shape.shared_intermediate;
+  // d_gate_up in g's bytes: a row of each takes 4I bytes, and the SwiGLU backward reads every
+  // 32-byte block of g (8 fp32) before it writes the block's 8 gate and 8 up gradients (16 bf16)
+  // over it; no kernel reads g after (megakernel/swiglu_backward.cuh).
   grad_hidden_ = device_alloc<float>(rows * inter);
-  d_gate_up_ = device_alloc<bf16>(rows * 2 * inter);
+  d_gate_up_ = reinterpret_cast<bf16*>(grad_hidden_);
   weighted_hidden_ = device_alloc<bf16>(rows * inter);
   ones_ = make_ones(tokens_max * shape.top_k, comm.device());
   if (shape.has_shared()) {
     shared_grad_hidden_ = device_alloc<float>(tokens_max * shared_inter);
-    shared_d_gate_up_ = device_alloc<bf16>(tokens_max * 2 * shared_inter);
+    shared_d_gate_up_ = reinterpret_cast<bf16*>(shared_grad_hidden_);
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
     shared_dx_ = device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
@@ -133,12 +136,12 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
 }
 
 LayerBackward::~LayerBackward() {
+  // (d_gate_up_ and shared_d_gate_up_ live in the g buffers: not freed twice.)
   for (void* memory : {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
-                       static_cast<void*>(d_gate_up_), static_cast<void*>(weighted_hidden_),
-                       static_cast<void*>(ones_), static_cast<void*>(shared_gate_up_),
-                       static_cast<void*>(shared_grad_hidden_),
-                       static_cast<void*>(shared_d_gate_up_), static_cast<void*>(shared_hidden_),
-                       static_cast<void*>(shared_dx_), static_cast<void*>(shared_offsets_)}) {
+                       static_cast<void*>(weighted_hidden_), static_cast<void*>(ones_),
+                       static_cast<void*>(shared_gate_up_), static_cast<void*>(shared_grad_hidden_),
+                       static_cast<void*>(shared_hidden_), static_cast<void*>(shared_dx_),
+                       static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
 }
@@ -191,10 +194,10 @@ int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int6
   const int64_t rows = layout.rows_capacity();
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
-  bytes += rows * inter * (4 + 2 * 2 + 2);  // g, d_gate_up, w·h
-  bytes += tokens_max * shape.top_k * 4;    // ones
+  bytes += rows * inter * (4 + 2);        // g (then d_gate_up in its bytes), w·h
+  bytes += tokens_max * shape.top_k * 4;  // ones
   if (shape.has_shared()) {
-    bytes += tokens_max * shared_inter * (4 + 2 * 2 + 2) + tokens_max * shape.hidden * 4;
+    bytes += tokens_max * shared_inter * (4 + 2) + tokens_max * shape.hidden * 4;
   }
   if (recompute) bytes += recompute_bytes(shape, rows, tokens_max);
   return bytes;

@@ -182,13 +182,13 @@ class LayerBackward {
   // Routed rows (rows_capacity of the workspace):
   bf16* gate_up_ = nullptr;          // (rows, 2I) bf16, recomputed, interleaved (recompute mode)
   float* grad_hidden_ = nullptr;     // (rows, I) fp32, g = W_downᵀ dy
-  bf16* d_gate_up_ = nullptr;        // (rows, 2I) bf16, interleaved
+  bf16* d_gate_up_ = nullptr;        // (rows, 2I) bf16, interleaved: in g's bytes (see below)
   bf16* weighted_hidden_ = nullptr;  // (rows, I) bf16, w · h
   float* ones_ = nullptr;            // (T_max, k) 1.0f: the reduce's weights for dx
   // Shared expert (T_max rows; null without one):
   bf16* shared_gate_up_ = nullptr;       // (T_max, 2I_s) bf16 (recompute mode)
   float* shared_grad_hidden_ = nullptr;  // (T_max, I_s) fp32
-  bf16* shared_d_gate_up_ = nullptr;     // (T_max, 2I_s) bf16
+  bf16* shared_d_gate_up_ = nullptr;     // (T_max, 2I_s) bf16, in shared_grad_hidden_'s bytes
   bf16* shared_hidden_ = nullptr;        // (T_max, I_s) bf16
   float* shared_dx_ = nullptr;           // (T_max, H) fp32
   int32_t* shared_offsets_ = nullptr;    // (2): 0, T of the current call

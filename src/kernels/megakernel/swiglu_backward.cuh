@@ -32,7 +32,7 @@ struct SwiGluBackwardRows {
   const __nv_bfloat16* gate_up;
   bool saved_by_source;
   const float* grad_hidden;        // (rows, I) fp32: g = W_downᵀ dy
-  __nv_bfloat16* d_gate_up;        // (rows, 2I) bf16, 8-interleaved
+  __nv_bfloat16* d_gate_up;        // (rows, 2I) bf16, 8-interleaved; may be grad_hidden's bytes
   __nv_bfloat16* weighted_hidden;  // (rows, I) bf16: w · h
   int intermediate;                // I, a multiple of 8
 };
@@ -69,6 +69,9 @@ __device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int6
       grad_vector[u][0] = grad_vectors[0];
       grad_vector[u][1] = grad_vectors[1];
     }
+    // NOTE: d_gate_up may be grad_hidden's bytes (block b of each is the same 32 bytes of the
+    // row): every load above comes before any store below, which the types alone would not keep.
+    asm volatile("" ::: "memory");
 #pragma unroll
     for (int u = 0; u < kSwiGluBlocksAtOnce; ++u) {
       const int64_t block = first + 32 * u;
