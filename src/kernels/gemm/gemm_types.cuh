@@ -85,8 +85,8 @@ inline constexpr uint32_t kWarpStagingBytes = 16 * kStagingRowBytes;
 
 // Stages of the cooperative engine's ring. A 4th stage for bf16 outputs (it fits beside the 32 KB
 // staging tile) measured no faster, and slower on the qwen3-30b forward GEMMs (perf-notes/gemm.md
-// v10) and 12-22 % slower on the EP 1 gate/up dgrad; wgrad's tiles, 4 k-blocks each at EP 1,
-// take it (perf-notes/backward.md v7).
+// v10) and 7-24 % slower on the EP 1 gate/up dgrad; wgrad's tiles, 4 k-blocks each at EP 1,
+// take it: with 3 they run 13-15 % slower (perf-notes/backward.md v7, v22).
 __host__ __device__ constexpr int cooperative_stages(GemmKind kind, EpilogueKind epilogue) {
   return kind == GemmKind::kWgrad || !uses_staged_store(epilogue) ? 4 : 3;
 }
