@@ -48,6 +48,7 @@ WorkspaceOptions backward_workspace(const LayerBackwardOptions& options, bool dx
   workspace.expert_rows = 0;               // every row at once
   workspace.expert_y = !dx_rows_in_slots;  // the dx rows before the combine push
   workspace.backward = true;
+  workspace.slots_over_expert_dy = dx_rows_in_slots;
   return workspace;
 }
 
@@ -190,7 +191,8 @@ int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int6
       backward_workspace(options, /*dx_rows_in_slots=*/num_ranks == 1);
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
       num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, workspace.block_m,
-      workspace.expert_rows, workspace.expert_y, workspace.backward);
+      workspace.expert_rows, workspace.expert_y, workspace.backward,
+      workspace.slots_over_expert_dy);
   const int64_t rows = layout.rows_capacity();
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
@@ -303,10 +305,19 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
       workspace_.view(), swiglu_rows);
   MOK_CUDA_CHECK_LAUNCH();
   mark();
+  // dW_down = dyᵀ · (w·h).
+  const auto wgrad_down = [&] {
+    gemm::grouped_wgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(),
+                        weighted_hidden_, offsets, grads.down, grads.output, stream, gemm_options);
+    mark();
+  };
   // dx rows = d_gate_up · W_gate_up: (rows, 2I) -> (rows, H) bf16, into expert_y for the push;
   // one rank alone, straight into its slots (row t · k + j, the row's source), where the reduce
-  // reads each token's k rows side by side.
+  // reads each token's k rows side by side: dy's expert rows (slots_over_expert_dy), so the down
+  // wgrad reads dy first (phase_order).
   const bool into_slots = !workspace_.layout().has_expert_y();
+  const bool over_dy = workspace_.layout().slots_over_expert_dy;
+  if (over_dy) wgrad_down();
   gemm::GroupedShape gate_up_dgrad{experts, rows, 2 * inter, hidden, counts};
   if (into_slots) gate_up_dgrad.output_rows = workspace_.row_source();
   gemm::grouped_dgrad(gate_up_dgrad, d_gate_up_, weights.gate_up, offsets,
@@ -315,10 +326,8 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   mark();
   combine_push(workspace_, options_.copy, stream);
   mark();
-  // While the peers' dx rows arrive: dW_down = dyᵀ · (w·h), dW_gate_up = d_gate_upᵀ · x.
-  gemm::grouped_wgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(),
-                      weighted_hidden_, offsets, grads.down, grads.output, stream, gemm_options);
-  mark();
+  // While the peers' dx rows arrive: dW_down (unless done), dW_gate_up = d_gate_upᵀ · x.
+  if (!over_dy) wgrad_down();
   gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_, workspace_.expert_x(),
                       offsets, grads.gate_up, grads.output, stream, gemm_options);
   mark();

@@ -29,6 +29,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 
 #include "mok/bf16.hpp"
@@ -84,10 +85,24 @@ enum class BackwardPhase : int {
 };
 inline constexpr int kNumBackwardPhases = 11;
 const char* phase_name(BackwardPhase phase);
+// The order a backward runs its phases in (its phase marks follow it): the enum's, or, at one
+// rank, the down wgrad before the gate/up dgrad (whose dx rows then go over dy's rows:
+// WorkspaceOptions::slots_over_expert_dy).
+using BackwardPhaseOrder = std::array<BackwardPhase, kNumBackwardPhases>;
+inline constexpr BackwardPhaseOrder kBackwardPhaseOrder = {
+    BackwardPhase::kSchedule,    BackwardPhase::kSharedExpert, BackwardPhase::kDispatch,
+    BackwardPhase::kGateUp,      BackwardPhase::kDownDgrad,    BackwardPhase::kSwiGluBackward,
+    BackwardPhase::kGateUpDgrad, BackwardPhase::kCombinePush,  BackwardPhase::kWgradDown,
+    BackwardPhase::kWgradGateUp, BackwardPhase::kCombineReduce};
+inline constexpr BackwardPhaseOrder kOneRankBackwardPhaseOrder = {
+    BackwardPhase::kSchedule,    BackwardPhase::kSharedExpert, BackwardPhase::kDispatch,
+    BackwardPhase::kGateUp,      BackwardPhase::kDownDgrad,    BackwardPhase::kSwiGluBackward,
+    BackwardPhase::kWgradDown,   BackwardPhase::kGateUpDgrad,  BackwardPhase::kCombinePush,
+    BackwardPhase::kWgradGateUp, BackwardPhase::kCombineReduce};
 
 // A backward's workspace: every row at once, expert_y for the dx rows, the backward's regions.
 // dx_rows_in_slots (one rank alone, the bf16 backward): no expert_y; the gate/up dgrad writes each
-// dx row straight into its slot.
+// dx row straight into its slot, and the slots are dy's expert rows (slots_over_expert_dy).
 WorkspaceOptions backward_workspace(const LayerBackwardOptions& options,
                                     bool dx_rows_in_slots = false);
 
@@ -133,7 +148,8 @@ class LayerBackward {
   // x, dy, dx (T, H) bf16; topk_idx (T, k) int32; topk_w, d_topk_w (T, k) fp32: device pointers
   // on this rank's GPU, T <= tokens_max, the same routing as the forward. Every rank calls it
   // with the same options. phase_events, when given: kNumBackwardPhases + 1 events, recorded on
-  // the stream before the first phase and after each one. saved: the context the forward of
+  // the stream before the first phase and after each one, in phase_order(). saved: the context
+  // the forward of
   // these tokens kept (save mode), or null (recompute mode); the gate/up phase then takes no time.
   // The first recompute-mode call allocates that mode's buffers (recompute_bytes; the device
   // synchronises once, so make it before capturing a graph); save mode never needs them.
@@ -151,6 +167,10 @@ class LayerBackward {
   CommWorkspace& workspace() { return workspace_; }
   const LayerShape& shape() const { return shape_; }
   int64_t tokens_max() const { return tokens_max_; }
+  const BackwardPhaseOrder& phase_order() const {
+    return workspace_.layout().slots_over_expert_dy ? kOneRankBackwardPhaseOrder
+                                                    : kBackwardPhaseOrder;
+  }
   // Device bytes this object holds (workspace and intermediates; recompute mode's buffers once
   // a recompute-mode call made them).
   int64_t buffer_bytes() const;

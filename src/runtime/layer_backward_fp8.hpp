@@ -83,6 +83,8 @@ class LayerBackwardFp8 {
 
   // Waits for `stream` and throws mok::Error naming rank, phase and cause of a device fault.
   void check(cudaStream_t stream) const { workspace_.check(stream); }
+  // The order of its phases (and phase marks): BackwardPhase's, at every EP degree.
+  const BackwardPhaseOrder& phase_order() const { return kBackwardPhaseOrder; }
   CommWorkspace& workspace() { return workspace_; }
   const LayerShape& shape() const { return shape_; }
   int64_t tokens_max() const { return tokens_max_; }

@@ -221,10 +221,11 @@ struct BackwardBuffers {
 
 // Warms up and times spec.iterations training-step pairs on `stream`: pair(marks) enqueues one,
 // recording marks[0] before its first step and the backward's kNumBackwardPhases + 1 phase marks
-// at marks[1 ..] (marks null: no events); check() waits and throws a device fault.
+// at marks[1 ..], its phases in `order` (marks null: no events); check() waits and throws a
+// device fault.
 template <class Pair, class Check>
 BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t stream, WarmUp& warm_up,
-                          const Pair& pair, const Check& check) {
+                          const BackwardPhaseOrder& order, const Pair& pair, const Check& check) {
   warm_up.run(spec, rank, stream, [&] { pair(nullptr); });
   check();
   constexpr int kMarks = kNumBackwardPhases + 2;
@@ -240,9 +241,10 @@ BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t strea
     const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
     MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
     MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
-    for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+    for (int step = 0; step < kNumBackwardPhases; ++step) {
+      const int phase = static_cast<int>(order[step]);
       MOK_CUDA_CHECK(
-          cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + phase], marks[2 + phase]));
+          cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + step], marks[2 + step]));
     }
   }
   for (cudaEvent_t event : events) cudaEventDestroy(event);
@@ -300,7 +302,7 @@ void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& co
   };
   const auto time_steps = [&](bool quantize, const SavedContext* saved) {
     return time_pairs(
-        spec, rank, stream, warm_up,
+        spec, rank, stream, warm_up, layer.phase_order(),
         [&](const cudaEvent_t* marks) { step(quantize, saved, marks); }, check);
   };
   timings.recompute = time_steps(true, nullptr);
@@ -340,7 +342,7 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   // Timed pairs of one mode (saved: its context, or null for recompute mode).
   const auto time_mode = [&](const SavedContext* saved, BackwardTiming& timing) {
     timing = time_pairs(
-        spec, rank, stream, warm_up,
+        spec, rank, stream, warm_up, layer.phase_order(),
         [&](const cudaEvent_t* marks) {
           if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
           forward(saved);

@@ -29,6 +29,9 @@ struct WorkspaceOptions {
   bool expert_y = true;
   // The backward's regions: dy, topk_w and d_topk_w in the window, expert_dy (LayerBackward).
   bool backward = false;
+  // One rank's backward without expert_y: the combine slots are expert_dy's first T_max · k rows,
+  // which the caller writes only once nothing reads dy any more (LayerBackward at EP 1).
+  bool slots_over_expert_dy = false;
 };
 
 class CommWorkspace {
@@ -57,8 +60,11 @@ class CommWorkspace {
   // NOTE: host-facing pointers use the allocation's own address; kernels reach the same memory
   // through NCCL's mapping of every rank's window (view().windows), which may differ.
   bf16* x() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.x_offset); }
-  // (T_max, k, H): the combine slots, in this rank's window.
-  bf16* slots() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.slots_offset); }
+  // (T_max, k, H): the combine slots, in this rank's window (or, slots_over_expert_dy, expert_dy).
+  bf16* slots() const {
+    if (view_.layout.slots_over_expert_dy) return expert_dy();
+    return reinterpret_cast<bf16*>(window_base() + view_.layout.slots_offset);
+  }
   // (expert_rows, H) and (expert_y_rows, H): dispatched rows and expert outputs, local.
   bf16* expert_x() const { return reinterpret_cast<bf16*>(view_.expert_x_row(0)); }
   bf16* expert_y() const { return reinterpret_cast<bf16*>(view_.expert_y_row(0)); }

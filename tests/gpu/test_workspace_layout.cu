@@ -87,6 +87,36 @@ TEST(LayoutWindow, SameShapesGiveTheSameWindowOnEveryRank) {
   EXPECT_EQ(a.x_offset, b.x_offset);
 }
 
+TEST(LayoutBackward, OneRanksSlotsAreDyExpertRows) {
+  // One rank's backward (slots_over_expert_dy): no slots in the window; slot (t, j) is expert_dy
+  // row t * k + j, inside its rows_capacity rows.
+  const int64_t tokens = 5, hidden = 8, top_k = 3;
+  const WorkspaceLayout plain = WorkspaceLayout::make(1, tokens, hidden, top_k, 4, 64, 0,
+                                                      /*with_expert_y=*/false,
+                                                      /*with_backward=*/true);
+  const WorkspaceLayout layout = WorkspaceLayout::make(1, tokens, hidden, top_k, 4, 64, 0,
+                                                       /*with_expert_y=*/false,
+                                                       /*with_backward=*/true,
+                                                       /*slots_over_expert_dy=*/true);
+  EXPECT_EQ(plain.slot_rows, tokens * top_k);
+  EXPECT_EQ(layout.slot_rows, 0);
+  EXPECT_LT(layout.window_bytes, plain.window_bytes);
+  EXPECT_EQ(layout.local_bytes, plain.local_bytes);
+  ASSERT_GE(layout.rows_capacity(), tokens * top_k);
+  std::vector<char> window(static_cast<size_t>(layout.window_bytes));
+  std::vector<char> local(static_cast<size_t>(layout.local_bytes));
+  WorkspaceView view;
+  view.layout = layout;
+  view.windows[0] = window.data();
+  view.local = local.data();
+  for (int64_t token = 0; token < tokens; ++token) {
+    for (int64_t slot = 0; slot < top_k; ++slot) {
+      EXPECT_EQ(view.slot_row(0, token, slot), view.expert_dy_row(token * top_k + slot));
+    }
+  }
+  EXPECT_LE(view.expert_dy_row(layout.rows_capacity()), local.data() + local.size());
+}
+
 TEST(RowSource, UnpackInvertsPackUpToTheLargestPackedValue) {
   // The sources of every rank's first and last tokens and slots, for the bench shapes and for a
   // shape whose packed values reach just below 2^31 (the workspace's limit).

@@ -9,7 +9,9 @@
 //   x             (T_max, H) bf16                     this rank's tokens, pulled by expert ranks
 //   slots         (slot_rows, H) bf16                 combine slots (t, j), pushed by expert
 //                                                     ranks; none (0 rows) at EP 1 with expert_y,
-//                                                     where the reduce reads every row there
+//                                                     where the reduce reads every row there, nor
+//                                                     in one rank's backward, whose slot (t, j)
+//                                                     is expert_dy row t · k + j
 //   dy            (T_max, H) bf16                     backward: this rank's dy, pulled like x
 //   topk_w        (T_max, k) fp32                     backward: this rank's router weights, read
 //                                                     by the expert ranks for d_h = w · g
@@ -107,6 +109,9 @@ struct WorkspaceLayout {
   int64_t expert_y_rows = 0;  // rows of expert_y: rows_capacity or 0
   int64_t slot_rows = 0;      // rows of the combine slots: T_max * k, or 0 (see slots above)
   bool backward = false;      // the backward's regions (dy, topk_w, d_topk_w, expert_dy)
+  // One rank's backward: the slots are expert_dy's first T_max · k rows, written (the dx rows)
+  // once the down wgrad has read dy (LayerBackward); none in the window.
+  bool slots_over_expert_dy = false;
 
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
   int64_t slots_offset = 0, dy_offset = 0, topk_w_offset = 0, d_topk_w_offset = 0;
@@ -137,13 +142,12 @@ struct WorkspaceLayout {
 
   // Sized from shapes only. The caller validates the arguments (see Workspace).
   // expert_rows: rows of expert_x, 0 = rows_capacity(); with_expert_y: allocate expert_y;
-  // with_backward: the backward's regions too.
-  MOK_COMM_HOST_DEVICE static WorkspaceLayout make(int32_t num_ranks, int64_t tokens_max,
-                                                   int64_t hidden, int64_t top_k,
-                                                   int64_t num_experts, int64_t block_m,
-                                                   int64_t expert_rows = 0,
-                                                   bool with_expert_y = true,
-                                                   bool with_backward = false) {
+  // with_backward: the backward's regions too; slots_over_expert_dy (one rank's backward, no
+  // expert_y; rows_capacity >= T_max · k): the slots in expert_dy.
+  MOK_COMM_HOST_DEVICE static WorkspaceLayout make(
+      int32_t num_ranks, int64_t tokens_max, int64_t hidden, int64_t top_k, int64_t num_experts,
+      int64_t block_m, int64_t expert_rows = 0, bool with_expert_y = true,
+      bool with_backward = false, bool slots_over_expert_dy = false) {
     WorkspaceLayout layout;
     layout.num_ranks = num_ranks;
     layout.tokens_max = tokens_max;
@@ -156,7 +160,9 @@ struct WorkspaceLayout {
                              : layout.rows_capacity();
     layout.expert_y_rows = with_expert_y ? layout.rows_capacity() : 0;
     // With expert_y and one rank every row is this rank's own: the reduce reads it in expert_y.
-    layout.slot_rows = num_ranks == 1 && with_expert_y ? 0 : tokens_max * top_k;
+    layout.slots_over_expert_dy = slots_over_expert_dy;
+    layout.slot_rows =
+        (num_ranks == 1 && with_expert_y) || slots_over_expert_dy ? 0 : tokens_max * top_k;
     layout.backward = with_backward;
     const int64_t backward_rows = with_backward ? 1 : 0;
 
@@ -219,6 +225,7 @@ struct WorkspaceView {
     return windows[owner] + layout.x_offset + token * layout.row_bytes();
   }
   MOK_COMM_HOST_DEVICE char* slot_row(int owner, int64_t token, int64_t slot) const {
+    if (layout.slots_over_expert_dy) return expert_dy_row(token * layout.top_k + slot);
     return windows[owner] + layout.slots_offset +
            (token * layout.top_k + slot) * layout.row_bytes();
   }
