@@ -149,8 +149,8 @@ class LayerBackward {
   // on this rank's GPU, T <= tokens_max, the same routing as the forward. Every rank calls it
   // with the same options. phase_events, when given: kNumBackwardPhases + 1 events, recorded on
   // the stream before the first phase and after each one, in phase_order(). saved: the context
-  // the forward of
-  // these tokens kept (save mode), or null (recompute mode); the gate/up phase then takes no time.
+  // the forward of these tokens kept (save mode), or null (recompute mode); the gate/up phase then
+  // takes no time.
   // The first recompute-mode call allocates that mode's buffers (recompute_bytes; the device
   // synchronises once, so make it before capturing a graph); save mode never needs them.
   void backward(const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
