@@ -12,7 +12,9 @@ round's value per variant, their mean, and each variant's mean against the first
         new='./bench_layer --cases deepseek-v3-ep1 --backward 1'
 
 A figure is named by the matching line it comes from (1 for the first such line of the command's
-output, e.g. one per benchmark case) and its name. The report is printed and, with --out, written
+output, e.g. one per benchmark case) and its name. A value followed by a unit of its own ("5.796 ms",
+"664.0 TFLOP/s", as bench_gemm and bench_gemm_fp8 print them) is named by that unit ("ms",
+"TFLOP/s") instead of by the word before it. The report is printed and, with --out, written
 there too. Exit status: 0, or 1 when a command failed or printed no matching line.
 """
 
@@ -23,6 +25,8 @@ import sys
 import time
 
 FIGURE = re.compile(r"([A-Za-z][A-Za-z0-9_+-]*)[ :=]+(-?[0-9]+(?:\.[0-9]+)?)")
+# A value and its unit ("5.796 ms", not "ms/rank": those are named by the word before them).
+UNIT_FIGURE = re.compile(r"(?<![\w.])(-?[0-9]+(?:\.[0-9]+)?) +(ms|TFLOP/s)(?![\w/])")
 
 
 def parse_variant(text):
@@ -36,7 +40,10 @@ def figures(lines):
     """{(line number, name): value} over the matching lines, numbered from 1."""
     found = {}
     for number, line in enumerate(lines, start=1):
-        for name, value in FIGURE.findall(line):
+        # Values with their own unit first; the unit then names no value after it.
+        for value, unit in UNIT_FIGURE.findall(line):
+            found.setdefault((number, unit), float(value))
+        for name, value in FIGURE.findall(UNIT_FIGURE.sub(" ", line)):
             found.setdefault((number, name), float(value))
     return found
 

@@ -47,6 +47,24 @@ def main():
         with open(report, encoding="utf-8") as handle:
             check("b/a 1.250" in handle.read(), "--out holds the report", output)
 
+        # bench_gemm's lines: each value before its unit is named by the unit; "ms/rank" is not
+        # a unit of its own (the word before the value names it).
+        line = "deepseek-v3 gemm-wgrad fp8 r0 E 256 rows 256 n 4096 k 7168  {ms} ms  {tf} TFLOP/s"
+        status, output = ab("--rounds", "1", "--match", "TFLOP|rank",
+                            "a=echo '" + line.format(ms="9.700", tf="600.0") + "'; "
+                            "echo 'save mode: backward 29.661 ms/rank 437.9 useful TFLOP/s'",
+                            "b=echo '" + line.format(ms="9.215", tf="631.6") + "'; "
+                            "echo 'save mode: backward 28.000 ms/rank 463.9 useful TFLOP/s'")
+        check(status == 0, "unit-named figures: exit 0", output)
+        check("[1] ms " in output and "a: 9.7 (mean 9.7) | b: 9.215" in output,
+              "the ms value named by its unit", output)
+        check("[1] TFLOP/s" in output and "b: 631.6" in output, "TFLOP/s named by its unit",
+              output)
+        check("[2] backward " in output and "b: 28 (mean 28)" in output,
+              "ms/rank stays named by the word before it", output)
+        check("[2] useful " not in output and "[1] k " in output,
+              "a unit's value is not also named by the word before it", output)
+
         status, output = ab("--rounds", "1", "--match", "^phases", "a=echo phases: x 1",
                             "b=exit 3")
         check(status == 1 and "exit 3" in output, "a failing command fails the run", output)
