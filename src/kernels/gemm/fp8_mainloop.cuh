@@ -31,12 +31,6 @@ namespace mok::gemm {
 // scale blocks of the transposed operands (the host never reads the offsets to check this).
 inline __device__ __noinline__ void fp8_wgrad_group_misaligned() { __trap(); }
 
-// A pipeline wait: ptx::mbarrier_wait's timeout with its trap out of line (the consumers' 128 +
-// 64 live accumulators need their setmaxnreg budget).
-__device__ __forceinline__ void fp8_pipeline_wait(uint64_t* barrier, uint32_t parity) {
-  ptx::mbarrier_wait_trap_out_of_line(barrier, parity);
-}
-
 // Layout: an Fp8SharedLayout (epilogue, kind, stages, cluster size).
 template <class Layout>
 struct Fp8Mainloop {
@@ -104,7 +98,7 @@ struct Fp8Mainloop {
       if (num_k_blocks > 0 && tile.row_begin % Config::BLOCK_K != 0) fp8_wgrad_group_misaligned();
     }
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      fp8_pipeline_wait(&smem.empty[state.index], state.phase ^ 1u);
+      ptx::mbarrier_wait_trap_out_of_line(&smem.empty[state.index], state.phase ^ 1u);
       uint64_t* full = &smem.full[state.index];
       if constexpr (kWgrad) {
         load_wgrad_stage(map_a, map_b, smem, params, tile, k_block, full, state.index);
@@ -125,7 +119,7 @@ struct Fp8Mainloop {
     ptx::cp_async_wait_all();
     if constexpr (kClusterSize > 1) {
       for (int stage = 0; stage < Layout::kNumStages; ++stage) {
-        fp8_pipeline_wait(&smem.empty[state.index], state.phase ^ 1u);
+        ptx::mbarrier_wait_trap_out_of_line(&smem.empty[state.index], state.phase ^ 1u);
         state.advance();
       }
     }
@@ -171,7 +165,7 @@ struct Fp8Mainloop {
       return false;
     } else {
       if (fp8_num_k_blocks<kKind>(params, tile.row_count) == 0) return false;
-      fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      ptx::mbarrier_wait_trap_out_of_line(&smem.full[state.index], state.phase);
       const int k_steps = prepare_k_block(smem, tile, 0, state.index);
       const uint32_t a_base =
           ptx::smem_address(smem.a_stage(state.index)) + consumer_idx * (Config::kABytes / 2);
@@ -190,7 +184,7 @@ struct Fp8Mainloop {
     const int lane_idx = static_cast<int>(threadIdx.x % 32);
     const int num_k_blocks = fp8_num_k_blocks<kKind>(params, tile.row_count);
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      ptx::mbarrier_wait_trap_out_of_line(&smem.full[state.index], state.phase);
       release_stage(smem, state.index, lane_idx);
       state.advance();
     }
@@ -387,7 +381,7 @@ struct Fp8Mainloop {
       }
     }
     for (; k_block < num_k_blocks; ++k_block) {
-      fp8_pipeline_wait(&smem.full[state.index], state.phase);
+      ptx::mbarrier_wait_trap_out_of_line(&smem.full[state.index], state.phase);
       k_block_pieces<kPieces, false>(smem, tile, k_block, a_offset, first_piece, first_row, state,
                                      accum, partial);
     }

@@ -87,14 +87,20 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* barrier, uint32_t pa
   return done != 0;
 }
 
-// Waits until the phase with the given parity has completed. A wait that never ends is a bug in
-// the pipeline (a lost arrival): after ~2^30 polls (seconds) the kernel traps, so the host sees a
+// Polls until the phase with the given parity has completed. A wait that never ends is a bug in
+// the pipeline (a lost arrival): after ~2^30 polls (seconds) timed_out() traps, so the host sees a
 // launch failure instead of a hang.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+template <class TimedOut>
+__device__ __forceinline__ void mbarrier_poll(uint64_t* barrier, uint32_t parity,
+                                              const TimedOut& timed_out) {
   uint32_t polls = 0;
   while (!mbarrier_try_wait(barrier, parity)) {
-    if (++polls == (1u << 30)) __trap();
+    if (++polls == (1u << 30)) timed_out();
   }
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+  mbarrier_poll(barrier, parity, [] { __trap(); });
 }
 
 // The trap of mbarrier_wait_trap_out_of_line's timeout.
@@ -104,10 +110,7 @@ inline __device__ __noinline__ void mbarrier_wait_timed_out() { __trap(); }
 // consumer warpgroups to the launch bound's registers instead of their setmaxnreg budget, and the
 // FP8 GEMM's accumulators spilled (docs/perf-notes/fp8.md); its waits use this one.
 __device__ __forceinline__ void mbarrier_wait_trap_out_of_line(uint64_t* barrier, uint32_t parity) {
-  uint32_t polls = 0;
-  while (!mbarrier_try_wait(barrier, parity)) {
-    if (++polls == (1u << 30)) mbarrier_wait_timed_out();
-  }
+  mbarrier_poll(barrier, parity, mbarrier_wait_timed_out);
 }
 
 // NOTE: generic-proxy writes to shared memory (st.shared) that TMA or wgmma read next need this
