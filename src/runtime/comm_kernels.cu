@@ -143,6 +143,13 @@ void check_every_expert_row(const CommWorkspace& ws, const char* which) {
                 ws.layout().expert_rows, " (a fused forward's ring)");
 }
 
+// Staging and pulling go through the window's x and dy rows, which one rank's backward does
+// without (WorkspaceOptions::rows_in_expert_dy: it dispatches from the caller's tensors).
+void check_window_rows(const CommWorkspace& ws, const char* which) {
+  MOK_CHECK_ARG(!ws.layout().rows_in_expert_dy, "workspace", which,
+                " needs x and dy rows in the window; this one (one rank's backward) has none");
+}
+
 // The fp8 rows' packed layout needs whole 128-blocks along H.
 void check_fp8_rows(const CommWorkspace& ws) {
   MOK_CHECK_ARG(ws.layout().hidden % 128 == 0, "workspace",
@@ -154,6 +161,7 @@ void check_fp8_rows(const CommWorkspace& ws) {
 void stage_tokens(CommWorkspace& ws, const bf16* x, int64_t num_tokens, cudaStream_t stream) {
   check_num_tokens(ws, num_tokens);
   MOK_CHECK_ARG(num_tokens == 0 || x != nullptr, "x", "null pointer for ", num_tokens, " tokens");
+  check_window_rows(ws, "staging x");
   MOK_CUDA_CHECK(cudaMemcpyAsync(ws.x(), x,
                                  static_cast<size_t>(num_tokens * ws.layout().row_bytes()),
                                  cudaMemcpyDeviceToDevice, stream));
@@ -214,6 +222,7 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
               comm::DispatchTensor tensor) {
   check_every_expert_row(ws, "the standalone dispatch");
+  check_window_rows(ws, "the standalone dispatch");
   if (tensor == comm::DispatchTensor::kDy) {
     MOK_CHECK_ARG(ws.layout().backward, "workspace",
                   "dispatching dy needs a workspace with the backward's regions");
@@ -229,6 +238,7 @@ void dispatch_tokens(CommWorkspace& ws, const CopyConfig& config, cudaStream_t s
                 "the dispatch by tokens is one rank's alone; this workspace has ", ws.num_ranks(),
                 " ranks");
   check_every_expert_row(ws, "the dispatch by tokens");
+  MOK_CHECK_ARG(x != nullptr || dy != nullptr, "x", "neither x nor dy to dispatch");
   MOK_CHECK_ARG(dy == nullptr || ws.layout().backward, "workspace",
                 "dispatching dy needs a workspace with the backward's regions");
   launch_copy(ws, config, stream, dispatch_tokens_kernel, reinterpret_cast<const char*>(x),

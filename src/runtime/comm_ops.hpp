@@ -47,9 +47,9 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
 void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
               comm::DispatchTensor tensor = comm::DispatchTensor::kX);
 
-// One rank alone (after schedule): ws.expert_x() from x (T, H), and with dy, ws.expert_dy() from
-// dy, by token: each token's row is read once and written to each of its slots' rows (dispatch
-// reads it once per slot). The same rows as dispatch's.
+// One rank alone (after schedule): ws.expert_x() from x (T, H) and ws.expert_dy() from dy, either
+// null to leave its rows alone (not both), by token: each token's row is read once and written to
+// each of its slots' rows (dispatch reads it once per slot). The same rows as dispatch's.
 void dispatch_tokens(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
                      const bf16* x, const bf16* dy = nullptr);
 

@@ -43,12 +43,19 @@ __global__ void fill_kernel(float* values, int64_t count, float value) {
 
 }  // namespace
 
-WorkspaceOptions backward_workspace(const LayerBackwardOptions& options, bool dx_rows_in_slots) {
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
   WorkspaceOptions workspace = options.workspace;
-  workspace.expert_rows = 0;               // every row at once
-  workspace.expert_y = !dx_rows_in_slots;  // the dx rows before the combine push
+  workspace.expert_rows = 0;  // every row at once
   workspace.backward = true;
-  workspace.slots_over_expert_dy = dx_rows_in_slots;
+  return workspace;
+}
+
+WorkspaceOptions bf16_backward_workspace(const LayerBackwardOptions& options, int num_ranks) {
+  WorkspaceOptions workspace = backward_workspace(options);
+  workspace.block_m = 1;
+  const bool one_rank = num_ranks == 1;
+  workspace.expert_y = !one_rank;  // the dx rows before the combine push
+  workspace.rows_in_expert_dy = one_rank;
   return workspace;
 }
 
@@ -101,8 +108,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     : shape_(shape),
       tokens_max_(tokens_max),
       options_(options),
-      workspace_(comm, shape, tokens_max,
-                 backward_workspace(options, /*dx_rows_in_slots=*/comm.num_ranks() == 1)) {
+      workspace_(comm, shape, tokens_max, bf16_backward_workspace(options, comm.num_ranks())) {
   MOK_CHECK_ARG(shape.intermediate % 8 == 0, "intermediate",
                 "the GPU layer needs a multiple of 8, got ", shape.intermediate);
   MOK_CHECK_ARG(shape.shared_intermediate % 8 == 0, "shared_intermediate",
@@ -187,12 +193,10 @@ void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64
 
 int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
                                     const LayerBackwardOptions& options, bool recompute) {
-  const WorkspaceOptions workspace =
-      backward_workspace(options, /*dx_rows_in_slots=*/num_ranks == 1);
+  const WorkspaceOptions workspace = bf16_backward_workspace(options, num_ranks);
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
       num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, workspace.block_m,
-      workspace.expert_rows, workspace.expert_y, workspace.backward,
-      workspace.slots_over_expert_dy);
+      workspace.expert_rows, workspace.expert_y, workspace.backward, workspace.rows_in_expert_dy);
   const int64_t rows = layout.rows_capacity();
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
@@ -265,9 +269,26 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
                       grads.shared_gate_up, grads.output, stream, gemm_options);
 }
 
-template <class Mark>
-void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const bf16* saved_gate_up,
-                                       const DeviceLayerGradients& grads, cudaStream_t stream,
+void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, cudaStream_t stream) {
+  const comm::WorkspaceLayout& layout = workspace_.layout();
+  // (rows, H) -> (rows, 2I) bf16: the gate/up pre-activations again. Ping-pong tiles unless the
+  // caller chose: measured ahead on the many short experts of EP 1 (docs/perf-notes/backward.md).
+  gemm::LaunchOptions recompute_options = options_.gemm;
+  if (recompute_options.engine == gemm::GemmEngine::kAuto) {
+    recompute_options.engine = gemm::GemmEngine::kPingpong;
+  }
+  gemm::grouped_forward(
+      {static_cast<int>(layout.experts_per_rank()), static_cast<int>(layout.rows_capacity()),
+       static_cast<int>(2 * shape_.intermediate), static_cast<int>(shape_.hidden),
+       workspace_.expert_counts()},
+      workspace_.expert_x(), weights.gate_up, workspace_.expert_offsets(), gate_up_,
+      gemm::ForwardOutput::kBf16, stream, recompute_options);
+}
+
+template <class Reduce, class Mark>
+void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
+                                       const bf16* saved_gate_up, const DeviceLayerGradients& grads,
+                                       const Reduce& reduce, cudaStream_t stream,
                                        const Mark& mark) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   const int experts = static_cast<int>(layout.experts_per_rank());
@@ -277,18 +298,14 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   const int* offsets = workspace_.expert_offsets();
   const int* counts = workspace_.expert_counts();
   const gemm::LaunchOptions& gemm_options = options_.gemm;
-  // (rows, H) -> (rows, 2I) bf16: the gate/up pre-activations again. Ping-pong tiles unless the
-  // caller chose: measured ahead on the many short experts of EP 1 (docs/perf-notes/backward.md).
-  gemm::LaunchOptions recompute_options = gemm_options;
-  if (recompute_options.engine == gemm::GemmEngine::kAuto) {
-    recompute_options.engine = gemm::GemmEngine::kPingpong;
+  // One rank alone: dy's, the dx and x's rows take expert_dy's bytes in turn
+  // (kOneRankBackwardPhaseOrder); its gate/up recompute ran before dy's rows came.
+  const bool one_rank = layout.rows_in_expert_dy;
+  if (!one_rank) {
+    mark();  // (x's rows came with dy's)
+    if (saved_gate_up == nullptr) recompute_gate_up(weights, stream);
+    mark();
   }
-  if (saved_gate_up == nullptr) {
-    gemm::grouped_forward({experts, rows, 2 * inter, hidden, counts}, workspace_.expert_x(),
-                          weights.gate_up, offsets, gate_up_, gemm::ForwardOutput::kBf16, stream,
-                          recompute_options);
-  }
-  mark();
   // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
@@ -311,26 +328,39 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
                         weighted_hidden_, offsets, grads.down, grads.output, stream, gemm_options);
     mark();
   };
+  // dW_gate_up = d_gate_upᵀ · x.
+  const auto wgrad_gate_up = [&] {
+    gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_,
+                        workspace_.expert_x(), offsets, grads.gate_up, grads.output, stream,
+                        gemm_options);
+    mark();
+  };
   // dx rows = d_gate_up · W_gate_up: (rows, 2I) -> (rows, H) bf16, into expert_y for the push;
   // one rank alone, straight into its slots (row t · k + j, the row's source), where the reduce
-  // reads each token's k rows side by side: dy's expert rows (slots_over_expert_dy), so the down
-  // wgrad reads dy first (phase_order).
-  const bool into_slots = !workspace_.layout().has_expert_y();
-  const bool over_dy = workspace_.layout().slots_over_expert_dy;
-  if (over_dy) wgrad_down();
+  // reads each token's k rows side by side: over dy's rows, so the down wgrad reads them first.
+  if (one_rank) wgrad_down();
   gemm::GroupedShape gate_up_dgrad{experts, rows, 2 * inter, hidden, counts};
-  if (into_slots) gate_up_dgrad.output_rows = workspace_.row_source();
+  if (one_rank) gate_up_dgrad.output_rows = workspace_.row_source();
   gemm::grouped_dgrad(gate_up_dgrad, d_gate_up_, weights.gate_up, offsets,
-                      into_slots ? workspace_.slots() : workspace_.expert_y(),
+                      one_rank ? workspace_.slots() : workspace_.expert_y(),
                       gemm::DgradOutput::kBf16, stream, gemm_options);
   mark();
   combine_push(workspace_, options_.copy, stream);
   mark();
-  // While the peers' dx rows arrive: dW_down (unless done), dW_gate_up = d_gate_upᵀ · x.
-  if (!over_dy) wgrad_down();
-  gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, counts}, d_gate_up_, workspace_.expert_x(),
-                      offsets, grads.gate_up, grads.output, stream, gemm_options);
-  mark();
+  if (one_rank) {
+    // The reduce reads the dx rows before x's rows go over them, for the gate/up wgrad.
+    reduce();
+    mark();
+    dispatch_x_and_dy(workspace_, options_, stream, /*beside=*/false, x, /*dy=*/nullptr);
+    mark();
+    wgrad_gate_up();
+  } else {
+    // While the peers' dx rows arrive: both wgrads, then the reduce.
+    wgrad_down();
+    wgrad_gate_up();
+    reduce();
+    mark();
+  }
 }
 
 void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
@@ -350,13 +380,22 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   const bf16* saved_gate_up = saved != nullptr ? saved->gate_up : nullptr;
   const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);
+  const bool one_rank = workspace_.layout().rows_in_expert_dy;
   const PhaseMarks mark(phase_events, stream);
   mark();
   // This rank's x, dy and router weights into its window, for the expert ranks (one rank alone
   // dispatches its rows from x and dy in place).
   stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream,
-                        /*stage_rows=*/workspace_.num_ranks() > 1);
+                        /*stage_rows=*/!one_rank);
   mark();
+  if (one_rank) {
+    // x's rows for the gate/up recompute, before dy's go over them.
+    if (saved_gate_up == nullptr) {
+      dispatch_x_and_dy(workspace_, options_, stream, /*beside=*/false, x, /*dy=*/nullptr);
+      recompute_gate_up(weights, stream);
+    }
+    mark();
+  }
   const bool shared = shape_.has_shared() && tokens > 0;
   shared_expert_and_dispatch(
       side_, stream, shared,
@@ -367,16 +406,17 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
                           gemm_options);
       },
       [&](cudaStream_t rows_stream, bool beside) {
-        dispatch_x_and_dy(workspace_, options_, rows_stream, beside, x, dy);
+        dispatch_x_and_dy(workspace_, options_, rows_stream, beside, one_rank ? nullptr : x, dy);
       },
       mark);
   mark();
-  run_routed_experts(weights, saved_gate_up, grads, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
-  combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
-  collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
-  mark();
+  const auto reduce = [&] {
+    combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
+    collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
+  };
+  run_routed_experts(weights, x, saved_gate_up, grads, reduce, stream, mark);
 }
 
 const char* phase_name(BackwardPhase phase) {
@@ -387,6 +427,8 @@ const char* phase_name(BackwardPhase phase) {
       return "shared-expert";
     case BackwardPhase::kDispatch:
       return "dispatch";
+    case BackwardPhase::kDispatchX:
+      return "dispatch-x";
     case BackwardPhase::kGateUp:
       return "gate-up";
     case BackwardPhase::kDownDgrad:

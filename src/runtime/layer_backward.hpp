@@ -21,9 +21,16 @@
 //   combine reduce        dx = Σ_j slot_j (j in order, fp32) + shared dx, rounded once
 //   d_topk_w              collected from the window (0 for unused slots)
 //
-// Every GEMM reads only each expert's real rows (the schedule's counts): the padding rows of the
-// tile-padded layout cost no MMA in the dgrads and wgrads and never reach a result. Everything is
-// enqueued on the caller's stream with no host synchronisation (CUDA-graph capturable).
+// One rank alone reads x and dy from the caller's tensors and keeps its expert rows of x, of dy
+// and the dx rows in one region, in turn (kOneRankBackwardPhaseOrder): x's rows for the gate/up
+// recompute first, dy's for the down dgrad and wgrad, the dx rows over them for the reduce, and
+// x's rows again, over those, for the gate/up wgrad last (save mode: x's rows once).
+//
+// Every GEMM reads only each expert's real rows (the schedule's counts), so the experts' rows need
+// no padding to whole tiles (bf16_backward_workspace): a tile's rows past its expert's are the
+// next expert's, which cost no MMA in the dgrads and wgrads (or are zeroed in a wgrad's last
+// block) and never reach a result. Everything is enqueued on the caller's stream with no host
+// synchronisation (CUDA-graph capturable).
 // Construction and destruction are collective (see CommWorkspace).
 #pragma once
 
@@ -44,9 +51,9 @@
 namespace mok {
 
 struct LayerBackwardOptions {
-  CopyConfig copy{32};       // dispatch and combine CTAs (as the unfused forward's)
-  gemm::LaunchOptions gemm;  // expert GEMM grid; 0 SMs = every SM
-  WorkspaceOptions workspace;
+  CopyConfig copy{32};         // dispatch and combine CTAs (as the unfused forward's)
+  gemm::LaunchOptions gemm;    // expert GEMM grid; 0 SMs = every SM
+  WorkspaceOptions workspace;  // (LayerBackward's rows are unpadded: bf16_backward_workspace)
   // Dispatch x and dy beside the shared expert's GEMMs (the copy CTAs on a side stream, the GEMMs
   // on the other SMs) instead of after them. Same bits either way; needs copy.num_ctas > 0.
   bool overlap_shared_with_dispatch = true;
@@ -73,8 +80,10 @@ enum class BackwardPhase : int {
   kSharedExpert,    // the shared expert's recompute, dgrads, SwiGLU backward and wgrads
                     // (with the overlap: beside the dispatch)
   kDispatch,        // x and dy rows to the experts (with the overlap: what it takes beyond
-                    // the shared expert)
-  kGateUp,          // routed gate/up recomputed (bf16; nothing in save mode)
+                    // the shared expert); one rank alone: dy's
+  kDispatchX,       // one rank alone: x's rows, for the gate/up wgrad (else in kDispatch)
+  kGateUp,          // routed gate/up recomputed (bf16; nothing in save mode; one rank alone:
+                    // with its x rows, dispatched first)
   kDownDgrad,       // g = W_downᵀ dy (fp32)
   kSwiGluBackward,  // d_topk_w, d_gate_up, w·h
   kGateUpDgrad,     // dx rows
@@ -83,28 +92,32 @@ enum class BackwardPhase : int {
   kWgradGateUp,
   kCombineReduce,  // dx, d_topk_w
 };
-inline constexpr int kNumBackwardPhases = 11;
+inline constexpr int kNumBackwardPhases = 12;
 const char* phase_name(BackwardPhase phase);
 // The order a backward runs its phases in (its phase marks follow it): the enum's, or, at one
-// rank, the down wgrad before the gate/up dgrad (whose dx rows then go over dy's rows:
-// WorkspaceOptions::slots_over_expert_dy).
+// rank, where x's, dy's, the dx and x's rows again take expert_dy's bytes in turn
+// (WorkspaceOptions::rows_in_expert_dy): the gate/up recompute (on x's rows) first, the down
+// wgrad before the gate/up dgrad (whose dx rows go over dy's), the reduce before x's rows go over
+// the dx rows, and the gate/up wgrad on them last.
 using BackwardPhaseOrder = std::array<BackwardPhase, kNumBackwardPhases>;
 inline constexpr BackwardPhaseOrder kBackwardPhaseOrder = {
-    BackwardPhase::kSchedule,    BackwardPhase::kSharedExpert, BackwardPhase::kDispatch,
-    BackwardPhase::kGateUp,      BackwardPhase::kDownDgrad,    BackwardPhase::kSwiGluBackward,
-    BackwardPhase::kGateUpDgrad, BackwardPhase::kCombinePush,  BackwardPhase::kWgradDown,
-    BackwardPhase::kWgradGateUp, BackwardPhase::kCombineReduce};
+    BackwardPhase::kSchedule,       BackwardPhase::kSharedExpert, BackwardPhase::kDispatch,
+    BackwardPhase::kDispatchX,      BackwardPhase::kGateUp,       BackwardPhase::kDownDgrad,
+    BackwardPhase::kSwiGluBackward, BackwardPhase::kGateUpDgrad,  BackwardPhase::kCombinePush,
+    BackwardPhase::kWgradDown,      BackwardPhase::kWgradGateUp,  BackwardPhase::kCombineReduce};
 inline constexpr BackwardPhaseOrder kOneRankBackwardPhaseOrder = {
-    BackwardPhase::kSchedule,    BackwardPhase::kSharedExpert, BackwardPhase::kDispatch,
-    BackwardPhase::kGateUp,      BackwardPhase::kDownDgrad,    BackwardPhase::kSwiGluBackward,
-    BackwardPhase::kWgradDown,   BackwardPhase::kGateUpDgrad,  BackwardPhase::kCombinePush,
-    BackwardPhase::kWgradGateUp, BackwardPhase::kCombineReduce};
+    BackwardPhase::kSchedule,      BackwardPhase::kGateUp,      BackwardPhase::kSharedExpert,
+    BackwardPhase::kDispatch,      BackwardPhase::kDownDgrad,   BackwardPhase::kSwiGluBackward,
+    BackwardPhase::kWgradDown,     BackwardPhase::kGateUpDgrad, BackwardPhase::kCombinePush,
+    BackwardPhase::kCombineReduce, BackwardPhase::kDispatchX,   BackwardPhase::kWgradGateUp};
 
 // A backward's workspace: every row at once, expert_y for the dx rows, the backward's regions.
-// dx_rows_in_slots (one rank alone, the bf16 backward): no expert_y; the gate/up dgrad writes each
-// dx row straight into its slot, and the slots are dy's expert rows (slots_over_expert_dy).
-WorkspaceOptions backward_workspace(const LayerBackwardOptions& options,
-                                    bool dx_rows_in_slots = false);
+WorkspaceOptions backward_workspace(const LayerBackwardOptions& options);
+// LayerBackward's: each expert's rows unpadded (block_m 1, whatever options.workspace says: every
+// GEMM reads an expert's rows wherever they start and stops at its count); one rank alone has no
+// expert_y (the gate/up dgrad writes each dx row straight into its slot), and dy's, the dx and
+// x's rows share expert_dy (rows_in_expert_dy).
+WorkspaceOptions bf16_backward_workspace(const LayerBackwardOptions& options, int num_ranks);
 
 // The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
 // x, dy (with stage_rows) and topk_w into the window and the schedule ...
@@ -168,8 +181,7 @@ class LayerBackward {
   const LayerShape& shape() const { return shape_; }
   int64_t tokens_max() const { return tokens_max_; }
   const BackwardPhaseOrder& phase_order() const {
-    return workspace_.layout().slots_over_expert_dy ? kOneRankBackwardPhaseOrder
-                                                    : kBackwardPhaseOrder;
+    return workspace_.layout().rows_in_expert_dy ? kOneRankBackwardPhaseOrder : kBackwardPhaseOrder;
   }
   // Device bytes this object holds (workspace and intermediates; recompute mode's buffers once
   // a recompute-mode call made them).
@@ -187,11 +199,16 @@ class LayerBackward {
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
-  // mark(): the end of a phase (an event when the caller asked for them).
+  // The routed gate/up pre-activations again, from expert_x into gate_up_ (recompute mode).
+  void recompute_gate_up(const DeviceLayerWeights& weights, cudaStream_t stream);
+  // Every routed step after the dispatch, the reduce (reduce(): dx and d_topk_w) included, in
+  // phase_order(); x: the caller's, whose rows one rank alone dispatches before the gate/up
+  // wgrad. mark(): the end of a phase (an event when the caller asked for them).
   // saved_gate_up: the routed rows' saved pre-activations (by source), or null (recompute them).
-  template <class Mark>
-  void run_routed_experts(const DeviceLayerWeights& weights, const bf16* saved_gate_up,
-                          const DeviceLayerGradients& grads, cudaStream_t stream, const Mark& mark);
+  template <class Reduce, class Mark>
+  void run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
+                          const bf16* saved_gate_up, const DeviceLayerGradients& grads,
+                          const Reduce& reduce, cudaStream_t stream, const Mark& mark);
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;

@@ -386,6 +386,7 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
                       stream);
   }
   mark();
+  mark();  // (x's rows came with dy's: kDispatchX)
   run_routed_experts(weights, grads, saved_gate_up, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.

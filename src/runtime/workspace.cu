@@ -65,12 +65,12 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
   MOK_CHECK_ARG(options.timeout_ms > 0, "timeout_ms", "must be positive, got ", options.timeout_ms);
   MOK_CHECK_ARG(options.expert_rows >= 0, "expert_rows", "must be >= 0, got ", options.expert_rows);
   MOK_CHECK_ARG(
-      !options.slots_over_expert_dy || (num_ranks == 1 && options.backward && !options.expert_y),
-      "slots_over_expert_dy", "only one rank's backward without expert_y keeps its ",
-      "slots in expert_dy (", num_ranks, " ranks)");
+      !options.rows_in_expert_dy || (num_ranks == 1 && options.backward && !options.expert_y),
+      "rows_in_expert_dy", "only one rank's backward without expert_y keeps its ",
+      "slots and x rows in expert_dy (", num_ranks, " ranks)");
   const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
       num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, options.block_m,
-      options.expert_rows, options.expert_y, options.backward, options.slots_over_expert_dy);
+      options.expert_rows, options.expert_y, options.backward, options.rows_in_expert_dy);
   MOK_CHECK_ARG(num_ranks * tokens_max * shape.top_k < (int64_t{1} << 31) &&
                     layout.rows_capacity() < (int64_t{1} << 31),
                 "tokens_max", tokens_max, " tokens per rank overflow the 32-bit row indices");

@@ -29,9 +29,10 @@ struct WorkspaceOptions {
   bool expert_y = true;
   // The backward's regions: dy, topk_w and d_topk_w in the window, expert_dy (LayerBackward).
   bool backward = false;
-  // One rank's backward without expert_y: the combine slots are expert_dy's first T_max · k rows,
-  // which the caller writes only once nothing reads dy any more (LayerBackward at EP 1).
-  bool slots_over_expert_dy = false;
+  // One rank's backward without expert_y: dy's expert rows, the combine slots (expert_dy's first
+  // T_max · k rows) and x's expert rows (expert_x) share expert_dy's bytes, each written only
+  // once nothing reads the one before (LayerBackward at EP 1); no x or dy rows in the window.
+  bool rows_in_expert_dy = false;
 };
 
 class CommWorkspace {
@@ -56,21 +57,23 @@ class CommWorkspace {
   uint64_t call_began_ns() const;
   bool shares_device() const { return comm_.ranks_on_device() > 1; }
 
-  // (T_max, H): this rank's tokens, in its window. Write x here before `schedule`.
+  // (T_max, H): this rank's tokens, in its window (none: rows_in_expert_dy). Write x here before
+  // `schedule`.
   // NOTE: host-facing pointers use the allocation's own address; kernels reach the same memory
   // through NCCL's mapping of every rank's window (view().windows), which may differ.
   bf16* x() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.x_offset); }
-  // (T_max, k, H): the combine slots, in this rank's window (or, slots_over_expert_dy, expert_dy).
+  // (T_max, k, H): the combine slots, in this rank's window (or, rows_in_expert_dy, expert_dy).
   bf16* slots() const {
-    if (view_.layout.slots_over_expert_dy) return expert_dy();
+    if (view_.layout.rows_in_expert_dy) return expert_dy();
     return reinterpret_cast<bf16*>(window_base() + view_.layout.slots_offset);
   }
-  // (expert_rows, H) and (expert_y_rows, H): dispatched rows and expert outputs, local.
+  // (expert_rows, H) and (expert_y_rows, H): dispatched rows and expert outputs, local (expert_x
+  // is expert_dy with rows_in_expert_dy).
   bf16* expert_x() const { return reinterpret_cast<bf16*>(view_.expert_x_row(0)); }
   bf16* expert_y() const { return reinterpret_cast<bf16*>(view_.expert_y_row(0)); }
-  // Backward regions (WorkspaceOptions::backward): (T_max, H) dy and (T_max, k) topk_w of this
-  // rank's tokens, written before `schedule`; (T_max, k) d_topk_w, stored by the expert ranks;
-  // (rows_capacity, H) expert_dy, the dispatched dy rows.
+  // Backward regions (WorkspaceOptions::backward): (T_max, H) dy (none: rows_in_expert_dy) and
+  // (T_max, k) topk_w of this rank's tokens, written before `schedule`; (T_max, k) d_topk_w, stored
+  // by the expert ranks; (rows_capacity, H) expert_dy, the dispatched dy rows.
   bf16* dy() const { return reinterpret_cast<bf16*>(window_base() + view_.layout.dy_offset); }
   float* topk_w() const {
     return reinterpret_cast<float*>(window_base() + view_.layout.topk_w_offset);

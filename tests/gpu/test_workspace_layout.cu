@@ -87,9 +87,9 @@ TEST(LayoutWindow, SameShapesGiveTheSameWindowOnEveryRank) {
   EXPECT_EQ(a.x_offset, b.x_offset);
 }
 
-TEST(LayoutBackward, OneRanksSlotsAreDyExpertRows) {
-  // One rank's backward (slots_over_expert_dy): no slots in the window; slot (t, j) is expert_dy
-  // row t * k + j, inside its rows_capacity rows.
+TEST(LayoutBackward, OneRanksRowsShareExpertDy) {
+  // One rank's backward (rows_in_expert_dy): no slots, x or dy rows in the window; slot (t, j) is
+  // expert_dy row t * k + j, inside its rows_capacity rows, and expert_x is expert_dy.
   const int64_t tokens = 5, hidden = 8, top_k = 3;
   const WorkspaceLayout plain = WorkspaceLayout::make(1, tokens, hidden, top_k, 4, 64, 0,
                                                       /*with_expert_y=*/false,
@@ -97,11 +97,19 @@ TEST(LayoutBackward, OneRanksSlotsAreDyExpertRows) {
   const WorkspaceLayout layout = WorkspaceLayout::make(1, tokens, hidden, top_k, 4, 64, 0,
                                                        /*with_expert_y=*/false,
                                                        /*with_backward=*/true,
-                                                       /*slots_over_expert_dy=*/true);
+                                                       /*rows_in_expert_dy=*/true);
   EXPECT_EQ(plain.slot_rows, tokens * top_k);
   EXPECT_EQ(layout.slot_rows, 0);
-  EXPECT_LT(layout.window_bytes, plain.window_bytes);
-  EXPECT_EQ(layout.local_bytes, plain.local_bytes);
+  EXPECT_EQ(layout.expert_rows, layout.rows_capacity());
+  // The window keeps flags, counts, ids, topk_w and d_topk_w only.
+  EXPECT_EQ(layout.x_offset, layout.slots_offset);
+  EXPECT_EQ(layout.slots_offset, layout.dy_offset);
+  EXPECT_LE(layout.window_bytes,
+            plain.window_bytes - 3 * align_up(tokens * hidden * 2, kRegionAlignment));
+  // The local buffer has no rows of expert_x of its own.
+  EXPECT_EQ(layout.expert_x_offset, layout.expert_dy_offset);
+  EXPECT_LE(layout.local_bytes,
+            plain.local_bytes - layout.rows_capacity() * layout.row_bytes() + 4096);
   ASSERT_GE(layout.rows_capacity(), tokens * top_k);
   std::vector<char> window(static_cast<size_t>(layout.window_bytes));
   std::vector<char> local(static_cast<size_t>(layout.local_bytes));
@@ -113,6 +121,9 @@ TEST(LayoutBackward, OneRanksSlotsAreDyExpertRows) {
     for (int64_t slot = 0; slot < top_k; ++slot) {
       EXPECT_EQ(view.slot_row(0, token, slot), view.expert_dy_row(token * top_k + slot));
     }
+  }
+  for (int64_t row = 0; row < layout.rows_capacity(); row += 7) {
+    EXPECT_EQ(view.expert_x_row(row), view.expert_dy_row(row));
   }
   EXPECT_LE(view.expert_dy_row(layout.rows_capacity()), local.data() + local.size());
 }

@@ -67,7 +67,8 @@ __device__ inline void dispatch_pull_fp8(const WorkspaceView& view, const Fp8Row
 // tokens instead of the rows: a warp reads token t's row once and writes it to the expert row of
 // each of its slots (local_row, from the schedule). The pull reads a token's row once per slot, in
 // the experts' order, where the (T, H) rows do not stay in L2; this reads each once
-// (perf-notes/backward.md v12). x, dy: the caller's (T, H) tensors (dy null: x only).
+// (perf-notes/backward.md v12). x, dy: the caller's (T, H) tensors (either null: the other's
+// rows only).
 __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const char* x,
                                              const char* dy) {
   if (cta_sees_error(view)) return;
@@ -110,7 +111,7 @@ __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const ch
         const int64_t index = token * top_k + first + lane;
         if (ids[index] >= 0) row = local_row[index];
       }
-      scatter(x, view.expert_x_row(0), token, row, slots, lane);
+      if (x != nullptr) scatter(x, view.expert_x_row(0), token, row, slots, lane);
       if (dy != nullptr) scatter(dy, view.expert_dy_row(0), token, row, slots, lane);
     }
   });

@@ -34,7 +34,7 @@ __device__ inline void begin_call(const WorkspaceView& view) {
     view.counts()[expert] = 0;
   }
   uint32_t* task_counters = view.task_counters(TaskCounter::kRowsArrived);
-  for (int64_t index = threadIdx.x; index < kNumTaskCounters * view.layout.mblocks_capacity();
+  for (int64_t index = threadIdx.x; index < kNumTaskCounters * view.layout.task_counter_blocks();
        index += blockDim.x) {
     task_counters[index] = 0;
   }

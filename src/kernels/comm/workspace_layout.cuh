@@ -6,13 +6,15 @@
 //   flags         (kNumFlagKinds, kMaxRanks) uint32   written by source rank s into slot [kind][s]
 //   token_counts  (kMaxRanks) int32                   tokens each source rank holds this call
 //   topk          (R, T_max, k) int32                 all-gathered expert ids, source rank major
-//   x             (T_max, H) bf16                     this rank's tokens, pulled by expert ranks
+//   x             (T_max, H) bf16                     this rank's tokens, pulled by expert ranks;
+//                                                     none in one rank's backward (below)
 //   slots         (slot_rows, H) bf16                 combine slots (t, j), pushed by expert
 //                                                     ranks; none (0 rows) at EP 1 with expert_y,
 //                                                     where the reduce reads every row there, nor
 //                                                     in one rank's backward, whose slot (t, j)
 //                                                     is expert_dy row t · k + j
-//   dy            (T_max, H) bf16                     backward: this rank's dy, pulled like x
+//   dy            (T_max, H) bf16                     backward: this rank's dy, pulled like x;
+//                                                     none in one rank's backward
 //   topk_w        (T_max, k) fp32                     backward: this rank's router weights, read
 //                                                     by the expert ranks for d_h = w · g
 //   d_topk_w      (T_max, k) fp32                     backward: <g, h> of each (t, j), stored by
@@ -30,7 +32,8 @@
 //                                                     expert: its row in expert_y (the combine
 //                                                     reads it there instead of copying it)
 //   task_counters (kNumTaskCounters, mblocks_capacity) readiness counts of the fused forward's row
-//                 uint32                              blocks (kernels/megakernel), zeroed per call
+//                 uint32                              blocks (kernels/megakernel), zeroed per call;
+//                                                     none in a backward's workspace
 //   expert_x      (expert_rows, H) bf16               dispatched rows, expert-major, global order;
 //                                                     row g sits at g mod expert_rows (the fused
 //                                                     forward's ring; the unfused path needs
@@ -39,6 +42,11 @@
 //                                                     down GEMM writes every row to its owner's
 //                                                     slot (the fused forward), own rows included
 //   expert_dy     (rows_capacity, H) bf16             backward: dispatched dy rows, as expert_x
+//
+// One rank's backward (rows_in_expert_dy) keeps three row sets in expert_dy's bytes, one after
+// the other: dy's expert rows, then the dx rows (the combine slots, its first T_max · k rows),
+// then x's expert rows (expert_x is expert_dy); the caller orders its steps so (LayerBackward).
+// It reads x and dy from the caller's tensors, so its window has no x or dy rows.
 #pragma once
 
 #include <cstdint>
@@ -109,9 +117,9 @@ struct WorkspaceLayout {
   int64_t expert_y_rows = 0;  // rows of expert_y: rows_capacity or 0
   int64_t slot_rows = 0;      // rows of the combine slots: T_max * k, or 0 (see slots above)
   bool backward = false;      // the backward's regions (dy, topk_w, d_topk_w, expert_dy)
-  // One rank's backward: the slots are expert_dy's first T_max · k rows, written (the dx rows)
-  // once the down wgrad has read dy (LayerBackward); none in the window.
-  bool slots_over_expert_dy = false;
+  // One rank's backward: dy's rows, the slots (the dx rows) and x's rows in expert_dy's bytes in
+  // turn (see above); no slots, x or dy in the window.
+  bool rows_in_expert_dy = false;
 
   int64_t flags_offset = 0, token_counts_offset = 0, topk_offset = 0, x_offset = 0;
   int64_t slots_offset = 0, dy_offset = 0, topk_w_offset = 0, d_topk_w_offset = 0;
@@ -135,6 +143,11 @@ struct WorkspaceLayout {
     const int64_t rows = rows_capacity() > tokens_max ? rows_capacity() : tokens_max;
     return (rows + block_m - 1) / block_m;
   }
+  // Task counters of each kind: one per row block for the fused forward; none in a backward's
+  // workspace, which no fused forward runs on (and whose rows may be unpadded: block_m = 1).
+  MOK_COMM_HOST_DEVICE int64_t task_counter_blocks() const {
+    return backward ? 0 : mblocks_capacity();
+  }
 
   // Rows of this rank's own tokens stay in expert_y for the reduce to read in place; without
   // expert_y they are in the own window's slots like everyone else's.
@@ -142,12 +155,12 @@ struct WorkspaceLayout {
 
   // Sized from shapes only. The caller validates the arguments (see Workspace).
   // expert_rows: rows of expert_x, 0 = rows_capacity(); with_expert_y: allocate expert_y;
-  // with_backward: the backward's regions too; slots_over_expert_dy (one rank's backward, no
-  // expert_y; rows_capacity >= T_max · k): the slots in expert_dy.
+  // with_backward: the backward's regions too; rows_in_expert_dy (one rank's backward, no
+  // expert_y; rows_capacity >= T_max · k): the slots and expert_x in expert_dy (see above).
   MOK_COMM_HOST_DEVICE static WorkspaceLayout make(
       int32_t num_ranks, int64_t tokens_max, int64_t hidden, int64_t top_k, int64_t num_experts,
       int64_t block_m, int64_t expert_rows = 0, bool with_expert_y = true,
-      bool with_backward = false, bool slots_over_expert_dy = false) {
+      bool with_backward = false, bool rows_in_expert_dy = false) {
     WorkspaceLayout layout;
     layout.num_ranks = num_ranks;
     layout.tokens_max = tokens_max;
@@ -160,11 +173,12 @@ struct WorkspaceLayout {
                              : layout.rows_capacity();
     layout.expert_y_rows = with_expert_y ? layout.rows_capacity() : 0;
     // With expert_y and one rank every row is this rank's own: the reduce reads it in expert_y.
-    layout.slots_over_expert_dy = slots_over_expert_dy;
+    layout.rows_in_expert_dy = rows_in_expert_dy;
     layout.slot_rows =
-        (num_ranks == 1 && with_expert_y) || slots_over_expert_dy ? 0 : tokens_max * top_k;
+        (num_ranks == 1 && with_expert_y) || rows_in_expert_dy ? 0 : tokens_max * top_k;
     layout.backward = with_backward;
     const int64_t backward_rows = with_backward ? 1 : 0;
+    const int64_t window_rows = rows_in_expert_dy ? 0 : tokens_max;  // x and dy
 
     int64_t cursor = 0;
     auto take = [&cursor](int64_t bytes) {
@@ -175,9 +189,9 @@ struct WorkspaceLayout {
     layout.flags_offset = take(int64_t{kNumFlagKinds} * kMaxRanks * 4);
     layout.token_counts_offset = take(int64_t{kMaxRanks} * 4);
     layout.topk_offset = take(int64_t{num_ranks} * tokens_max * top_k * 4);
-    layout.x_offset = take(tokens_max * layout.row_bytes());
+    layout.x_offset = take(window_rows * layout.row_bytes());
     layout.slots_offset = take(layout.slot_rows * layout.row_bytes());
-    layout.dy_offset = take(backward_rows * tokens_max * layout.row_bytes());
+    layout.dy_offset = take(backward_rows * window_rows * layout.row_bytes());
     layout.topk_w_offset = take(backward_rows * tokens_max * top_k * 4);
     layout.d_topk_w_offset = take(backward_rows * tokens_max * top_k * 4);
     layout.window_bytes = cursor;
@@ -190,10 +204,11 @@ struct WorkspaceLayout {
     layout.slice_rows_offset =
         take(int64_t{num_ranks} * layout.slices_per_source() * layout.experts_per_rank() * 4);
     layout.local_row_offset = take(tokens_max * top_k * 4);
-    layout.task_counters_offset = take(kNumTaskCounters * layout.mblocks_capacity() * 4);
-    layout.expert_x_offset = take(layout.expert_rows * layout.row_bytes());
+    layout.task_counters_offset = take(kNumTaskCounters * layout.task_counter_blocks() * 4);
+    layout.expert_x_offset = take(rows_in_expert_dy ? 0 : layout.expert_rows * layout.row_bytes());
     layout.expert_y_offset = take(layout.expert_y_rows * layout.row_bytes());
     layout.expert_dy_offset = take(backward_rows * layout.rows_capacity() * layout.row_bytes());
+    if (rows_in_expert_dy) layout.expert_x_offset = layout.expert_dy_offset;
     layout.local_bytes = cursor;
     return layout;
   }
@@ -225,7 +240,7 @@ struct WorkspaceView {
     return windows[owner] + layout.x_offset + token * layout.row_bytes();
   }
   MOK_COMM_HOST_DEVICE char* slot_row(int owner, int64_t token, int64_t slot) const {
-    if (layout.slots_over_expert_dy) return expert_dy_row(token * layout.top_k + slot);
+    if (layout.rows_in_expert_dy) return expert_dy_row(token * layout.top_k + slot);
     return windows[owner] + layout.slots_offset +
            (token * layout.top_k + slot) * layout.row_bytes();
   }
@@ -263,7 +278,7 @@ struct WorkspaceView {
   // The counters of one kind, one per row block; kind 0's are the start of all of them.
   MOK_COMM_HOST_DEVICE uint32_t* task_counters(TaskCounter kind) const {
     return reinterpret_cast<uint32_t*>(local + layout.task_counters_offset) +
-           static_cast<int>(kind) * layout.mblocks_capacity();
+           static_cast<int>(kind) * layout.task_counter_blocks();
   }
   MOK_COMM_HOST_DEVICE char* expert_x_row(int64_t row) const {
     return local + layout.expert_x_offset + row * layout.row_bytes();
