@@ -79,6 +79,31 @@ void expect_matches_reference(const Problem& problem, int ep, const BackwardOutp
 
 class LayerBackwardEp1 : public ::testing::TestWithParam<Case> {};
 
+// Each backward's phase order (its phase marks follow it) names every phase once; one rank's
+// keeps the order its shared rows need (expert_dy holds x's, dy's, the dx and x's rows in turn):
+// the gate/up recompute before dy's rows, the down wgrad before the dx rows, the reduce before x's
+// rows come back, the gate/up wgrad after them. Host only.
+TEST(BackwardPhases, EachOrderNamesEveryPhaseOnce) {
+  for (const BackwardPhaseOrder& order : {kBackwardPhaseOrder, kOneRankBackwardPhaseOrder}) {
+    std::vector<int> seen(kNumBackwardPhases, 0);
+    for (BackwardPhase phase : order) ++seen[static_cast<int>(phase)];
+    for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
+      EXPECT_EQ(seen[phase], 1) << phase_name(static_cast<BackwardPhase>(phase));
+    }
+  }
+  const auto place = [](BackwardPhase phase) {
+    int index = 0;
+    while (kOneRankBackwardPhaseOrder[index] != phase) ++index;
+    return index;
+  };
+  EXPECT_LT(place(BackwardPhase::kGateUp), place(BackwardPhase::kDispatch));
+  EXPECT_LT(place(BackwardPhase::kDispatch), place(BackwardPhase::kDownDgrad));
+  EXPECT_LT(place(BackwardPhase::kWgradDown), place(BackwardPhase::kGateUpDgrad));
+  EXPECT_LT(place(BackwardPhase::kGateUpDgrad), place(BackwardPhase::kCombineReduce));
+  EXPECT_LT(place(BackwardPhase::kCombineReduce), place(BackwardPhase::kDispatchX));
+  EXPECT_LT(place(BackwardPhase::kDispatchX), place(BackwardPhase::kWgradGateUp));
+}
+
 TEST_P(LayerBackwardEp1, MatchesReferenceAndRepeatsBitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   for (bool wider : {false, true}) {
