@@ -299,13 +299,8 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   const int* counts = workspace_.expert_counts();
   const gemm::LaunchOptions& gemm_options = options_.gemm;
   // One rank alone: dy's, the dx and x's rows take expert_dy's bytes in turn
-  // (kOneRankBackwardPhaseOrder); its gate/up recompute ran before dy's rows came.
+  // (kOneRankBackwardPhaseOrder).
   const bool one_rank = layout.rows_in_expert_dy;
-  if (!one_rank) {
-    mark();  // (x's rows came with dy's)
-    if (saved_gate_up == nullptr) recompute_gate_up(weights, stream);
-    mark();
-  }
   // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
@@ -388,14 +383,18 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream,
                         /*stage_rows=*/!one_rank);
   mark();
-  if (one_rank) {
-    // x's rows for the gate/up recompute, before dy's go over them.
+  // The routed gate/up pre-activations again (recompute mode), on x's expert rows: one rank alone
+  // dispatches them first, before dy's rows go over them; elsewhere they came with dy's.
+  const auto gate_up = [&] {
     if (saved_gate_up == nullptr) {
-      dispatch_x_and_dy(workspace_, options_, stream, /*beside=*/false, x, /*dy=*/nullptr);
+      if (one_rank) {
+        dispatch_x_and_dy(workspace_, options_, stream, /*beside=*/false, x, /*dy=*/nullptr);
+      }
       recompute_gate_up(weights, stream);
     }
     mark();
-  }
+  };
+  if (one_rank) gate_up();
   const bool shared = shape_.has_shared() && tokens > 0;
   shared_expert_and_dispatch(
       side_, stream, shared,
@@ -410,6 +409,10 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       },
       mark);
   mark();
+  if (!one_rank) {
+    mark();  // (kDispatchX: x's rows came with dy's)
+    gate_up();
+  }
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
   // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
   const auto reduce = [&] {

@@ -201,9 +201,10 @@ class LayerBackward {
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
   // The routed gate/up pre-activations again, from expert_x into gate_up_ (recompute mode).
   void recompute_gate_up(const DeviceLayerWeights& weights, cudaStream_t stream);
-  // Every routed step after the dispatch, the reduce (reduce(): dx and d_topk_w) included, in
-  // phase_order(); x: the caller's, whose rows one rank alone dispatches before the gate/up
-  // wgrad. mark(): the end of a phase (an event when the caller asked for them).
+  // Every routed step after the dispatch and the gate/up recompute, the reduce (reduce(): dx and
+  // d_topk_w) included, in phase_order(); x: the caller's, whose rows one rank alone dispatches
+  // again before the gate/up wgrad. mark(): the end of a phase (an event when the caller asked
+  // for them).
   // saved_gate_up: the routed rows' saved pre-activations (by source), or null (recompute them).
   template <class Reduce, class Mark>
   void run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
