@@ -93,6 +93,11 @@ void collect_d_topk_w(const CommWorkspace& workspace, float* d_topk_w, int64_t n
   MOK_CUDA_CHECK_LAUNCH();
 }
 
+bool shared_dx_in_weighted_hidden(const LayerShape& shape, const comm::WorkspaceLayout& layout) {
+  return layout.rows_in_expert_dy && shape.has_shared() &&
+         layout.rows_capacity() * shape.intermediate * 2 >= layout.tokens_max * shape.hidden * 4;
+}
+
 float* make_ones(int64_t count, int device) {
   float* ones = device_alloc<float>(count);
   MOK_CUDA_CHECK(cudaSetDevice(device));
@@ -130,7 +135,10 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     shared_grad_hidden_ = device_alloc<float>(tokens_max * shared_inter);
     shared_d_gate_up_ = reinterpret_cast<bf16*>(shared_grad_hidden_);
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
-    shared_dx_ = device_alloc<float>(tokens_max * hidden);
+    // One rank alone, with room: in w·h's bytes, dead once the down wgrad has read them.
+    shared_dx_in_weighted_hidden_ = shared_dx_in_weighted_hidden(shape, workspace_.layout());
+    shared_dx_ = shared_dx_in_weighted_hidden_ ? reinterpret_cast<float*>(weighted_hidden_)
+                                               : device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
@@ -143,12 +151,14 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
 }
 
 LayerBackward::~LayerBackward() {
-  // (d_gate_up_ and shared_d_gate_up_ live in the g buffers: not freed twice.)
-  for (void* memory : {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
-                       static_cast<void*>(weighted_hidden_), static_cast<void*>(ones_),
-                       static_cast<void*>(shared_gate_up_), static_cast<void*>(shared_grad_hidden_),
-                       static_cast<void*>(shared_hidden_), static_cast<void*>(shared_dx_),
-                       static_cast<void*>(shared_offsets_)}) {
+  // (d_gate_up_ and shared_d_gate_up_ live in the g buffers, shared_dx_ may live in w·h's: not
+  // freed twice.)
+  void* shared_dx = shared_dx_in_weighted_hidden_ ? nullptr : shared_dx_;
+  for (void* memory :
+       {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
+        static_cast<void*>(weighted_hidden_), static_cast<void*>(ones_),
+        static_cast<void*>(shared_gate_up_), static_cast<void*>(shared_grad_hidden_),
+        static_cast<void*>(shared_hidden_), shared_dx, static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
 }
@@ -203,7 +213,8 @@ int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int6
   bytes += rows * inter * (4 + 2);        // g (then d_gate_up in its bytes), w·h
   bytes += tokens_max * shape.top_k * 4;  // ones
   if (shape.has_shared()) {
-    bytes += tokens_max * shared_inter * (4 + 2) + tokens_max * shape.hidden * 4;
+    bytes += tokens_max * shared_inter * (4 + 2);  // g (then d_gate_up), h
+    if (!shared_dx_in_weighted_hidden(shape, layout)) bytes += tokens_max * shape.hidden * 4;
   }
   if (recompute) bytes += recompute_bytes(shape, rows, tokens_max);
   return bytes;
@@ -230,8 +241,8 @@ void LayerBackward::allocate_recompute_buffers() {
 void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
                                       const bf16* dy, const bf16* saved_gate_up,
                                       const DeviceLayerGradients& grads, int tokens,
-                                      cudaStream_t stream,
-                                      const gemm::LaunchOptions& gemm_options) {
+                                      cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
+                                      bool with_dx) {
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.shared_intermediate);
   write_single_group_offsets(shared_offsets_, tokens, stream);
@@ -259,14 +270,21 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
   swiglu_backward_shared_kernel<<<ctas, megakernel::kSwiGluBackwardThreads, 0, stream>>>(rows,
                                                                                          tokens);
   MOK_CUDA_CHECK_LAUNCH();
-  // dx_shared = d_gate_up · W_sgu: (T, 2I_s) -> (T, H) fp32, added by the combine's reduce.
-  gemm::grouped_dgrad({1, tokens, 2 * inter, hidden}, shared_d_gate_up_, weights.shared_gate_up,
-                      shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream, gemm_options);
+  if (with_dx) shared_dx_dgrad(weights, tokens, stream, gemm_options);
   // dW_sd = dyᵀ · h, dW_sgu = d_gate_upᵀ · x, over the tokens in order.
   gemm::grouped_wgrad({1, tokens, hidden, inter}, dy, shared_hidden_, shared_offsets_,
                       grads.shared_down, grads.output, stream, gemm_options);
   gemm::grouped_wgrad({1, tokens, 2 * inter, hidden}, shared_d_gate_up_, x, shared_offsets_,
                       grads.shared_gate_up, grads.output, stream, gemm_options);
+}
+
+void LayerBackward::shared_dx_dgrad(const DeviceLayerWeights& weights, int tokens,
+                                    cudaStream_t stream, const gemm::LaunchOptions& gemm_options) {
+  const int hidden = static_cast<int>(shape_.hidden);
+  const int inter = static_cast<int>(shape_.shared_intermediate);
+  // dx_shared = d_gate_up · W_sgu: (T, 2I_s) -> (T, H) fp32, added by the combine's reduce.
+  gemm::grouped_dgrad({1, tokens, 2 * inter, hidden}, shared_d_gate_up_, weights.shared_gate_up,
+                      shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream, gemm_options);
 }
 
 void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, cudaStream_t stream) {
@@ -285,11 +303,11 @@ void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, cudaStr
       gemm::ForwardOutput::kBf16, stream, recompute_options);
 }
 
-template <class Reduce, class Mark>
+template <class SharedDx, class Reduce, class Mark>
 void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
                                        const bf16* saved_gate_up, const DeviceLayerGradients& grads,
-                                       const Reduce& reduce, cudaStream_t stream,
-                                       const Mark& mark) {
+                                       const SharedDx& shared_dx, const Reduce& reduce,
+                                       cudaStream_t stream, const Mark& mark) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   const int experts = static_cast<int>(layout.experts_per_rank());
   const int rows = static_cast<int>(layout.rows_capacity());
@@ -333,7 +351,10 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   // dx rows = d_gate_up · W_gate_up: (rows, 2I) -> (rows, H) bf16, into expert_y for the push;
   // one rank alone, straight into its slots (row t · k + j, the row's source), where the reduce
   // reads each token's k rows side by side: over dy's rows, so the down wgrad reads them first.
-  if (one_rank) wgrad_down();
+  if (one_rank) {
+    wgrad_down();
+    shared_dx();  // (when it waited for w·h's bytes)
+  }
   gemm::GroupedShape gate_up_dgrad{experts, rows, 2 * inter, hidden, counts};
   if (one_rank) gate_up_dgrad.output_rows = workspace_.row_source();
   gemm::grouped_dgrad(gate_up_dgrad, d_gate_up_, weights.gate_up, offsets,
@@ -401,8 +422,8 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       shared ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks()) : 0,
       options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
-        run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream,
-                          gemm_options);
+        run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, gemm_options,
+                          /*with_dx=*/!shared_dx_in_weighted_hidden_);
       },
       [&](cudaStream_t rows_stream, bool beside) {
         dispatch_x_and_dy(workspace_, options_, rows_stream, beside, one_rank ? nullptr : x, dy);
@@ -419,7 +440,13 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
     collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
   };
-  run_routed_experts(weights, x, saved_gate_up, grads, reduce, stream, mark);
+  // One rank alone, with room: the shared dx into w·h's bytes, after the down wgrad.
+  const auto shared_dx = [&] {
+    if (shared && shared_dx_in_weighted_hidden_) {
+      shared_dx_dgrad(weights, tokens, stream, options_.gemm);
+    }
+  };
+  run_routed_experts(weights, x, saved_gate_up, grads, shared_dx, reduce, stream, mark);
 }
 
 const char* phase_name(BackwardPhase phase) {

@@ -24,7 +24,9 @@
 // One rank alone reads x and dy from the caller's tensors and keeps its expert rows of x, of dy
 // and the dx rows in one region, in turn (kOneRankBackwardPhaseOrder): x's rows for the gate/up
 // recompute first, dy's for the down dgrad and wgrad, the dx rows over them for the reduce, and
-// x's rows again, over those, for the gate/up wgrad last (save mode: x's rows once).
+// x's rows again, over those, for the gate/up wgrad last (save mode: x's rows once). Where they
+// hold it (k·I >= 2H), w·h's bytes take the shared expert's fp32 dx once the down wgrad has read
+// them (shared_dx_in_weighted_hidden).
 //
 // Every GEMM reads only each expert's real rows (the schedule's counts), so the experts' rows need
 // no padding to whole tiles (bf16_backward_workspace): a tile's rows past its expert's are the
@@ -78,7 +80,8 @@ struct DeviceLayerGradients {
 enum class BackwardPhase : int {
   kSchedule = 0,    // x, dy, topk_w into the window; the schedule
   kSharedExpert,    // the shared expert's recompute, dgrads, SwiGLU backward and wgrads
-                    // (with the overlap: beside the dispatch)
+                    // (with the overlap: beside the dispatch; its dx dgrad in kGateUpDgrad when
+                    // shared_dx_in_weighted_hidden)
   kDispatch,        // x and dy rows to the experts (with the overlap: what it takes beyond
                     // the shared expert); one rank alone: dy's
   kDispatchX,       // one rank alone: x's rows, for the gate/up wgrad (else in kDispatch)
@@ -86,7 +89,7 @@ enum class BackwardPhase : int {
                     // with its x rows, dispatched first)
   kDownDgrad,       // g = W_downᵀ dy (fp32)
   kSwiGluBackward,  // d_topk_w, d_gate_up, w·h
-  kGateUpDgrad,     // dx rows
+  kGateUpDgrad,     // dx rows (and the shared expert's dx, see kSharedExpert)
   kCombinePush,
   kWgradDown,
   kWgradGateUp,
@@ -118,6 +121,10 @@ WorkspaceOptions backward_workspace(const LayerBackwardOptions& options);
 // expert_y (the gate/up dgrad writes each dx row straight into its slot), and dy's, the dx and
 // x's rows share expert_dy (rows_in_expert_dy).
 WorkspaceOptions bf16_backward_workspace(const LayerBackwardOptions& options, int num_ranks);
+// Whether one rank's shared expert keeps its dx (T_max, H) fp32 in w·h's bytes (rows_capacity, I)
+// bf16, which are dead once the down wgrad has read them: one rank alone (rows_in_expert_dy), with
+// room (k·I >= 2H). Its dx dgrad then runs after the down wgrad, in the gate/up dgrad's phase.
+bool shared_dx_in_weighted_hidden(const LayerShape& shape, const comm::WorkspaceLayout& layout);
 
 // The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
 // x, dy (with stage_rows) and topk_w into the window and the schedule ...
@@ -195,10 +202,15 @@ class LayerBackward {
   static int64_t recompute_bytes(const LayerShape& shape, int64_t rows, int64_t tokens_max);
 
  private:
-  // saved_gate_up: the shared expert's saved pre-activations, or null (recompute them).
+  // saved_gate_up: the shared expert's saved pre-activations, or null (recompute them). with_dx:
+  // its dx dgrad too (else shared_dx_dgrad later).
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
-                         cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
+                         cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
+                         bool with_dx);
+  // The shared expert's dx (fp32, for the reduce) from its d_gate_up.
+  void shared_dx_dgrad(const DeviceLayerWeights& weights, int tokens, cudaStream_t stream,
+                       const gemm::LaunchOptions& gemm_options);
   // The routed gate/up pre-activations again, from expert_x into gate_up_ (recompute mode).
   void recompute_gate_up(const DeviceLayerWeights& weights, cudaStream_t stream);
   // Every routed step after the dispatch and the gate/up recompute, the reduce (reduce(): dx and
@@ -206,10 +218,13 @@ class LayerBackward {
   // again before the gate/up wgrad. mark(): the end of a phase (an event when the caller asked
   // for them).
   // saved_gate_up: the routed rows' saved pre-activations (by source), or null (recompute them).
-  template <class Reduce, class Mark>
+  // shared_dx(): one rank alone, between the down wgrad and the gate/up dgrad (the shared
+  // expert's dx dgrad, when its dx lives in w·h's bytes).
+  template <class SharedDx, class Reduce, class Mark>
   void run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
                           const bf16* saved_gate_up, const DeviceLayerGradients& grads,
-                          const Reduce& reduce, cudaStream_t stream, const Mark& mark);
+                          const SharedDx& shared_dx, const Reduce& reduce, cudaStream_t stream,
+                          const Mark& mark);
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;
@@ -228,8 +243,10 @@ class LayerBackward {
   float* shared_grad_hidden_ = nullptr;  // (T_max, I_s) fp32
   bf16* shared_d_gate_up_ = nullptr;     // (T_max, 2I_s) bf16, in shared_grad_hidden_'s bytes
   bf16* shared_hidden_ = nullptr;        // (T_max, I_s) bf16
-  float* shared_dx_ = nullptr;           // (T_max, H) fp32
-  int32_t* shared_offsets_ = nullptr;    // (2): 0, T of the current call
+  float* shared_dx_ = nullptr;           // (T_max, H) fp32; one rank alone, in w·h's bytes
+                                         // when they hold it (shared_dx_in_weighted_hidden_)
+  bool shared_dx_in_weighted_hidden_ = false;
+  int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
 };
 
 }  // namespace mok

@@ -104,6 +104,31 @@ TEST(BackwardPhases, EachOrderNamesEveryPhaseOnce) {
   EXPECT_LT(place(BackwardPhase::kDispatchX), place(BackwardPhase::kWgradGateUp));
 }
 
+// One rank's shared expert keeps its fp32 dx in w·h's bytes where they hold it (k·I >= 2H, as
+// deepseek-v3's 8 × 2048 against 2 × 7168): the buffers grow by the shared expert's g and h alone.
+// Elsewhere (or at EP 2) the dx has its own T_max·H·4 bytes. Host only.
+TEST(LayerBackwardBuffers, OneRanksSharedDxTakesWeightedHiddensBytes) {
+  const int64_t tokens = 8192;
+  const LayerShape deepseek = find_preset("deepseek-v3").shape;
+  ASSERT_TRUE(deepseek.has_shared());
+  ASSERT_GE(deepseek.top_k * deepseek.intermediate, 2 * deepseek.hidden);
+  const auto bytes = [&](const LayerShape& shape, int ranks) {
+    return LayerBackward::buffer_bytes(shape, ranks, tokens, {}, /*recompute=*/false);
+  };
+  const auto extra = [&](LayerShape shape, int ranks) {
+    const int64_t with = bytes(shape, ranks);
+    shape.shared_intermediate = 0;
+    return with - bytes(shape, ranks);
+  };
+  const int64_t g_and_h = tokens * deepseek.shared_intermediate * (4 + 2);
+  const int64_t dx = tokens * deepseek.hidden * 4;
+  EXPECT_EQ(extra(deepseek, 1), g_and_h);
+  EXPECT_EQ(extra(deepseek, 2), g_and_h + dx);
+  LayerShape narrow = deepseek;  // k·I < 2H: no room
+  narrow.top_k = 2;
+  EXPECT_EQ(extra(narrow, 1), g_and_h + dx);
+}
+
 TEST_P(LayerBackwardEp1, MatchesReferenceAndRepeatsBitwise) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   for (bool wider : {false, true}) {
