@@ -136,9 +136,8 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     shared_d_gate_up_ = reinterpret_cast<bf16*>(shared_grad_hidden_);
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
     // One rank alone, with room: in w·h's bytes, dead once the down wgrad has read them.
-    shared_dx_in_weighted_hidden_ = shared_dx_in_weighted_hidden(shape, workspace_.layout());
-    shared_dx_ = shared_dx_in_weighted_hidden_ ? reinterpret_cast<float*>(weighted_hidden_)
-                                               : device_alloc<float>(tokens_max * hidden);
+    shared_dx_ = shared_dx_after_wgrad_down() ? reinterpret_cast<float*>(weighted_hidden_)
+                                              : device_alloc<float>(tokens_max * hidden);
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
@@ -153,7 +152,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
 LayerBackward::~LayerBackward() {
   // (d_gate_up_ and shared_d_gate_up_ live in the g buffers, shared_dx_ may live in w·h's: not
   // freed twice.)
-  void* shared_dx = shared_dx_in_weighted_hidden_ ? nullptr : shared_dx_;
+  void* shared_dx = shared_dx_after_wgrad_down() ? nullptr : shared_dx_;
   for (void* memory :
        {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
         static_cast<void*>(weighted_hidden_), static_cast<void*>(ones_),
@@ -241,8 +240,8 @@ void LayerBackward::allocate_recompute_buffers() {
 void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
                                       const bf16* dy, const bf16* saved_gate_up,
                                       const DeviceLayerGradients& grads, int tokens,
-                                      cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
-                                      bool with_dx) {
+                                      cudaStream_t stream,
+                                      const gemm::LaunchOptions& gemm_options) {
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.shared_intermediate);
   write_single_group_offsets(shared_offsets_, tokens, stream);
@@ -270,7 +269,7 @@ void LayerBackward::run_shared_expert(const DeviceLayerWeights& weights, const b
   swiglu_backward_shared_kernel<<<ctas, megakernel::kSwiGluBackwardThreads, 0, stream>>>(rows,
                                                                                          tokens);
   MOK_CUDA_CHECK_LAUNCH();
-  if (with_dx) shared_dx_dgrad(weights, tokens, stream, gemm_options);
+  if (!shared_dx_after_wgrad_down()) shared_dx_dgrad(weights, tokens, stream, gemm_options);
   // dW_sd = dyᵀ · h, dW_sgu = d_gate_upᵀ · x, over the tokens in order.
   gemm::grouped_wgrad({1, tokens, hidden, inter}, dy, shared_hidden_, shared_offsets_,
                       grads.shared_down, grads.output, stream, gemm_options);
@@ -422,8 +421,8 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       shared ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks()) : 0,
       options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
-        run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, gemm_options,
-                          /*with_dx=*/!shared_dx_in_weighted_hidden_);
+        run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream,
+                          gemm_options);
       },
       [&](cudaStream_t rows_stream, bool beside) {
         dispatch_x_and_dy(workspace_, options_, rows_stream, beside, one_rank ? nullptr : x, dy);
@@ -442,7 +441,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   };
   // One rank alone, with room: the shared dx into w·h's bytes, after the down wgrad.
   const auto shared_dx = [&] {
-    if (shared && shared_dx_in_weighted_hidden_) {
+    if (shared && shared_dx_after_wgrad_down()) {
       shared_dx_dgrad(weights, tokens, stream, options_.gemm);
     }
   };

@@ -202,12 +202,16 @@ class LayerBackward {
   static int64_t recompute_bytes(const LayerShape& shape, int64_t rows, int64_t tokens_max);
 
  private:
-  // saved_gate_up: the shared expert's saved pre-activations, or null (recompute them). with_dx:
-  // its dx dgrad too (else shared_dx_dgrad later).
+  // saved_gate_up: the shared expert's saved pre-activations, or null (recompute them). Its dx
+  // dgrad too, unless shared_dx_after_wgrad_down.
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
-                         cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
-                         bool with_dx);
+                         cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
+  // Whether the shared expert's dx lives in w·h's bytes (shared_dx_in_weighted_hidden), so that
+  // its dgrad waits for the down wgrad.
+  bool shared_dx_after_wgrad_down() const {
+    return shared_dx_in_weighted_hidden(shape_, workspace_.layout());
+  }
   // The shared expert's dx (fp32, for the reduce) from its d_gate_up.
   void shared_dx_dgrad(const DeviceLayerWeights& weights, int tokens, cudaStream_t stream,
                        const gemm::LaunchOptions& gemm_options);
@@ -244,9 +248,8 @@ class LayerBackward {
   bf16* shared_d_gate_up_ = nullptr;     // (T_max, 2I_s) bf16, in shared_grad_hidden_'s bytes
   bf16* shared_hidden_ = nullptr;        // (T_max, I_s) bf16
   float* shared_dx_ = nullptr;           // (T_max, H) fp32; one rank alone, in w·h's bytes
-                                         // when they hold it (shared_dx_in_weighted_hidden_)
-  bool shared_dx_in_weighted_hidden_ = false;
-  int32_t* shared_offsets_ = nullptr;  // (2): 0, T of the current call
+                                         // when they hold it (shared_dx_after_wgrad_down)
+  int32_t* shared_offsets_ = nullptr;    // (2): 0, T of the current call
 };
 
 }  // namespace mok
