@@ -32,9 +32,9 @@ struct L2PartitionMap {
 const L2PartitionMap& l2_partition_map();
 
 // The probe's reading, on the host: CTA c ran on SM smid[c] and measured mean_latency[c] cycles
-// (CTA 0, the reference, measured nothing). Two partitions when the sorted latencies have one gap
-// of at least min_gap cycles that is wider than either side's spread; else one (all 0).
-// Returns the partition of each CTA.
+// (CTA 0, the reference, measured nothing). Two partitions when the widest gap of the sorted
+// latencies is at least min_gap cycles and three standard deviations of either side, and each
+// side holds at least an eighth of the CTAs; else one (all 0). Returns the partition of each CTA.
 std::vector<uint8_t> classify_l2_partitions(const std::vector<double>& mean_latency,
                                             int min_gap_cycles, int* num_partitions);
 
