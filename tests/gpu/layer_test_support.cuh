@@ -156,13 +156,20 @@ class RankWorkspaces {
     }
     std::map<std::pair<int, std::string>, uint64_t> began;
     for (const auto& [key, workspace] : workspaces_) began[key] = workspace->call_began_ns();
+    // (0: the call's first kernel has not run yet on that workspace)
     uint64_t earliest = UINT64_MAX;
-    for (const auto& [key, ns] : began) earliest = std::min(earliest, ns);
+    for (const auto& [key, ns] : began) {
+      if (ns != 0) earliest = std::min(earliest, ns);
+    }
     std::string text = " [calls began, device clock after the earliest:";
     for (const auto& [key, ns] : began) {
       char item[96];
-      std::snprintf(item, sizeof(item), " rank %d %s +%.1f ms", key.first, key.second.c_str(),
-                    (ns - earliest) / 1e6);
+      if (ns == 0) {
+        std::snprintf(item, sizeof(item), " rank %d %s not begun", key.first, key.second.c_str());
+      } else {
+        std::snprintf(item, sizeof(item), " rank %d %s +%.1f ms", key.first, key.second.c_str(),
+                      (ns - earliest) / 1e6);
+      }
       text += item;
     }
     return text + "]";
