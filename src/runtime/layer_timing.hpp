@@ -1,0 +1,216 @@
+// What run_layer_forward (layer_runner.cu) runs and times on one rank: the warm-up, timed
+// forwards, timed forward + backward pairs and the backward in both context modes, bf16 and fp8.
+// Internal to the runner.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "mok/cuda_check.hpp"
+#include "mok/device_buffer.hpp"
+#include "mok/layer_runner.hpp"
+#include "runtime/comm.hpp"
+#include "runtime/layer_backward.hpp"
+#include "runtime/layer_backward_fp8.hpp"
+#include "runtime/layer_forward_fp8.hpp"
+
+namespace mok::runtime {
+
+// Uniform values in [-scale·√3, scale·√3) (standard deviation `scale`) from a counter-based hash of
+// (seed, stream, index): the same on every GPU and in every run.
+void fill_random(bf16* out, int64_t count, double scale, uint64_t seed, uint64_t stream);
+
+// The middle value (of an even count, the upper of the two); 0 for none.
+template <class T>
+double median(std::vector<T> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0.0 : values[values.size() / 2];
+}
+
+// The ranks' warm-up beyond spec.warmup forwards: rounds of 4 forwards on every rank until rank 0
+// has spent spec.warmup_ms warming up. The ranks must run the same number (a forward at EP > 1
+// waits for its peers'), so rank 0 decides and the others follow through a host barrier.
+class WarmUp {
+ public:
+  explicit WarmUp(int ranks) : barrier_(ranks) {}
+
+  template <typename Forward>
+  void run(const LayerRunSpec& spec, int rank, cudaStream_t stream, const Forward& forward) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int iteration = 0; iteration < spec.warmup; ++iteration) forward();
+    if (spec.warmup_ms <= 0) return;
+    try {
+      for (;;) {
+        for (int iteration = 0; iteration < 4; ++iteration) forward();
+        MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+        if (rank == 0) {
+          const std::chrono::duration<double, std::milli> spent =
+              std::chrono::steady_clock::now() - start;
+          more_.store(spent.count() < spec.warmup_ms);
+        }
+        barrier_.arrive_and_wait();  // every rank's round done, rank 0's decision made
+        const bool more = more_.load();
+        barrier_.arrive_and_wait();  // read by every rank before rank 0 decides again
+        if (!more) return;
+      }
+    } catch (...) {
+      more_.store(false);  // the others stop after their round
+      barrier_.arrive_and_drop();
+      throw;
+    }
+  }
+
+ private:
+  std::barrier<> barrier_;
+  std::atomic<bool> more_{true};
+};
+
+// What run_backward measures on one rank, per context mode.
+struct BackwardTiming {
+  double backward_ms = 0, pair_ms = 0;
+  std::vector<double> phase_ms;
+};
+
+// The median of spec.iterations forwards, each between events on `stream` (no host sync between
+// them), and of each of its kNumForwardPhases phases. forward(marks): one forward recording
+// kNumForwardPhases + 1 events.
+struct ForwardTiming {
+  double ms = 0;
+  std::vector<double> phase_ms;
+};
+
+ForwardTiming time_forwards(const LayerRunSpec& spec, cudaStream_t stream,
+                            const std::function<void(const cudaEvent_t*)>& forward);
+
+// One rank's backward inputs and outputs: dy (the problem's, or seeded random values), dx,
+// d_topk_w and the weight gradients in `output` (fp32-sized buffers: any output fits).
+struct BackwardBuffers {
+  BackwardBuffers(const LayerRunSpec& spec, int rank, const DeviceLayerWeights& weights,
+                  gemm::WgradOutput output);
+
+  DeviceBuffer<bf16> dy, dx;
+  DeviceBuffer<float> d_topk_w, grad_gate_up, grad_down, grad_shared_gate_up, grad_shared_down;
+  DeviceLayerGradients grads;
+};
+
+// Warms up and times spec.iterations training-step pairs on `stream`: pair(marks) enqueues one,
+// recording marks[0] before its first step and the backward's kNumBackwardPhases + 1 phase marks
+// at marks[1 ..], its phases in `order` (marks null: no events); check() waits and throws a
+// device fault.
+template <class Pair, class Check>
+BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t stream, WarmUp& warm_up,
+                          const BackwardPhaseOrder& order, const Pair& pair, const Check& check) {
+  warm_up.run(spec, rank, stream, [&] { pair(nullptr); });
+  check();
+  constexpr int kMarks = kNumBackwardPhases + 2;
+  std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
+  for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    pair(&events[static_cast<size_t>(iteration) * kMarks]);
+  }
+  check();
+  std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
+  std::vector<std::vector<float>> phase_times(kNumBackwardPhases, backward_times);
+  for (int iteration = 0; iteration < spec.iterations; ++iteration) {
+    const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
+    for (int step = 0; step < kNumBackwardPhases; ++step) {
+      const int phase = static_cast<int>(order[step]);
+      MOK_CUDA_CHECK(
+          cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + step], marks[2 + step]));
+    }
+  }
+  for (cudaEvent_t event : events) cudaEventDestroy(event);
+  BackwardTiming timing;
+  timing.backward_ms = median(backward_times);
+  timing.pair_ms = median(pair_times);
+  timing.phase_ms.resize(kNumBackwardPhases);
+  for (int phase = 0; phase < kNumBackwardPhases; ++phase)
+    timing.phase_ms[phase] = median(phase_times[phase]);
+  return timing;
+}
+
+// The fp8 training step's timings on one rank: save mode (the forward keeps the context) from
+// the weights' quantization on, the same on cached weights, and recompute mode.
+struct Fp8StepTimings {
+  BackwardTiming save, cached, recompute;
+};
+
+// The fp8 training step on one rank (spec.fp8_forward and spec.backward): the weights quantized
+// into the forward's cache (both layouts), the fp8 forward, LayerBackwardFp8 on a dy as
+// run_backward's, bf16 weight gradients; warmed up and timed as run_backward's pairs, each pair
+// from the weights' quantization (an optimizer step changes them every step) to the backward's
+// end, in save mode (the forward keeps its context for the backward) and in recompute mode; and
+// the save mode pairs on the cached weights: a gradient-accumulation step after the first, whose
+// weights have not changed since the last quantization.
+void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
+                      LayerForwardFp8& forward_layer, const DeviceLayerWeights& weights,
+                      const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
+                      cudaStream_t stream, WarmUp& warm_up, Fp8StepTimings& timings,
+                      int64_t& buffer_bytes, int64_t& context_bytes, LayerRunResult& result);
+
+// The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
+// a dy, warmed up and timed in forward + backward pairs, in recompute mode and (spec.save_context)
+// save mode, whose forwards keep the context; the last mode's outputs into `result` (keep_y).
+// forward(save): one forward, keeping its context in `save` unless null.
+template <class Forward>
+void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
+                  const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
+                  const float* topk_w, cudaStream_t stream, const Forward& forward, WarmUp& warm_up,
+                  LayerRunResult& result, BackwardTiming& recompute, BackwardTiming& save,
+                  int64_t& buffer_bytes, int64_t& context_bytes) {
+  const LayerShape& shape = spec.shape;
+  const int64_t tokens = spec.tokens_per_rank, hidden = shape.hidden, top_k = shape.top_k;
+  LayerBackwardOptions options;
+  options.gemm.engine = static_cast<gemm::GemmEngine>(spec.backward_engine);
+  options.gemm.wgrad_cluster = spec.wgrad_cluster;
+  LayerBackward layer(comm, shape, tokens, options);
+  buffer_bytes = layer.buffer_bytes();
+  BackwardBuffers io(spec, rank, weights,
+                     spec.bf16_gradients ? gemm::WgradOutput::kBf16 : gemm::WgradOutput::kFp32);
+  const int64_t context_tokens = spec.save_context ? tokens : 0;
+  DeviceBuffer<bf16> saved_gate_up(saved_context_rows(spec.ep, tokens, top_k, context_tokens) * 2 *
+                                   shape.intermediate);
+  DeviceBuffer<bf16> saved_shared_gate_up(context_tokens * 2 * shape.shared_intermediate);
+  context_bytes = static_cast<int64_t>(saved_gate_up.bytes() + saved_shared_gate_up.bytes());
+  const SavedContext context{saved_gate_up.get(),
+                             shape.has_shared() ? saved_shared_gate_up.get() : nullptr};
+  // Timed pairs of one mode (saved: its context, or null for recompute mode).
+  const auto time_mode = [&](const SavedContext* saved, BackwardTiming& timing) {
+    timing = time_pairs(
+        spec, rank, stream, warm_up, layer.phase_order(),
+        [&](const cudaEvent_t* marks) {
+          if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+          forward(saved);
+          layer.backward(weights, x, topk_idx, topk_w, io.dy.get(), io.dx.get(), io.d_topk_w.get(),
+                         io.grads, tokens, stream, marks != nullptr ? marks + 1 : nullptr, saved);
+        },
+        [&] { layer.check(stream); });
+  };
+  time_mode(nullptr, recompute);
+  if (spec.save_context) time_mode(&context, save);
+  if (!spec.keep_y) return;
+  const int64_t experts_local = shape.num_experts / spec.ep;
+  io.dx.download(result.dx.data() + rank * tokens * hidden);
+  io.d_topk_w.download(result.d_topk_w.data() + rank * tokens * top_k);
+  io.grad_gate_up.download(result.grad_gate_up.data() +
+                           rank * experts_local * 2 * shape.intermediate * hidden);
+  io.grad_down.download(result.grad_down.data() +
+                        rank * experts_local * hidden * shape.intermediate);
+  if (shape.has_shared()) {
+    io.grad_shared_gate_up.download(result.grad_shared_gate_up.data() +
+                                    rank * io.grad_shared_gate_up.size());
+    io.grad_shared_down.download(result.grad_shared_down.data() +
+                                 rank * io.grad_shared_down.size());
+  }
+}
+
+}  // namespace mok::runtime
