@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything and runs every test: the C++ suites, the command line, the GPU suites (which
-# skip, each with its reason, without a GPU) and the PyTorch front end's pytest suites (the CUDA
-# ones skip without GPUs). Ends with ctest's and pytest's summaries, every skipped test with its
+# skip, each with its reason, without a GPU), the PyTorch front end's pytest suites (the CUDA
+# ones skip without GPUs) and the benchmark baselines' (bench/baselines: the torch layers mok is
+# timed against, checked on the CPU). Ends with ctest's and pytest's summaries, every skipped test with its
 # reason, and the totals over both alone on the last line: "N passed, N failed, N skipped".
 #
 # Python: a python3 (or $MOK_PYTHON) that imports torch and pytest is used as it is; otherwise
@@ -84,7 +85,7 @@ pytest_status=0
 if [[ -n $python ]]; then
   (cd "$root" && MOK_TORCH_LIBRARY="$build_dir/_mok_torch.so" PYTHONPATH="$root/python" \
     timeout "${MOK_PYTEST_TIMEOUT:-900}" "$python" -m pytest -q -rs -p no:cacheprovider \
-    --junitxml="$pytest_xml" python/tests) 2>&1 |
+    --junitxml="$pytest_xml" python/tests bench/baselines) 2>&1 |
     tee "$pytest_log" || pytest_status=$?
 fi
 

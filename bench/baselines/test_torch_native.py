@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import rowwise_fp8  # noqa: E402
 import torch_native  # noqa: E402  (after the skip: it imports torch)
+import torch_native_layer  # noqa: E402
 
 
 def smoke(tmp_path, *extra):
@@ -86,8 +87,8 @@ def test_loop_matches_grouped_mm():
     rows = torch.randn(11, 16, generator=generator).to(torch.bfloat16)
     weight = torch.randn(3, 8, 16, generator=generator).to(torch.bfloat16).transpose(-2, -1)
     offs = torch.tensor([4, 4, 11], dtype=torch.int32)  # an expert with no rows
-    native = torch_native.grouped_mm(rows, weight, offs)
-    loop = torch_native.grouped_mm(rows, weight, offs, loop=True)
+    native = torch_native_layer.grouped_mm(rows, weight, offs)
+    loop = torch_native_layer.grouped_mm(rows, weight, offs, loop=True)
     torch.testing.assert_close(native.float(), loop.float(), rtol=2**-7, atol=2**-7)
 
 
