@@ -40,8 +40,8 @@ __device__ inline float unit_interval(uint64_t bits) {  // [0, 1)
 }
 
 // Uniform values with standard deviation `scale` from (seed, stream, index).
-__global__ void fill_random_kernel(__nv_bfloat16* out, int64_t count, float scale, uint64_t seed,
-                                   uint64_t stream) {
+__global__ inline void fill_random_kernel(__nv_bfloat16* out, int64_t count, float scale,
+                                          uint64_t seed, uint64_t stream) {
   const float half_width = scale * 1.7320508f;
   const uint64_t base = mix(seed ^ mix(stream));
   for (int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; index < count;
@@ -51,8 +51,8 @@ __global__ void fill_random_kernel(__nv_bfloat16* out, int64_t count, float scal
   }
 }
 
-void fill_random(mok::bf16* out, int64_t count, double scale, uint64_t seed, uint64_t stream,
-                 cudaStream_t cuda_stream) {
+inline void fill_random(mok::bf16* out, int64_t count, double scale, uint64_t seed, uint64_t stream,
+                        cudaStream_t cuda_stream) {
   if (count == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 2048));
   fill_random_kernel<<<blocks, 256, 0, cuda_stream>>>(reinterpret_cast<__nv_bfloat16*>(out), count,
@@ -75,9 +75,9 @@ const char* const kRoutingNames[kNumRoutings] = {"uniform", "skewed", "one-exper
 
 // One token per thread: its k ids (distinct but for -1, as the contract asks) and weights of
 // either sign (unused slots too: their weight must be ignored). `hot`: the step's hot expert.
-__global__ void make_routing_kernel(int32_t* topk_idx, float* topk_w, int num_tokens, int top_k,
-                                    int num_experts, Routing routing, uint64_t seed,
-                                    uint64_t step) {
+__global__ inline void make_routing_kernel(int32_t* topk_idx, float* topk_w, int num_tokens,
+                                           int top_k, int num_experts, Routing routing,
+                                           uint64_t seed, uint64_t step) {
   const int token = blockIdx.x * blockDim.x + threadIdx.x;
   if (token >= num_tokens) return;
   const uint64_t step_key = mix(seed ^ mix(step));
@@ -127,9 +127,9 @@ __global__ void make_routing_kernel(int32_t* topk_idx, float* topk_w, int num_to
   }
 }
 
-void make_routing(int32_t* topk_idx, float* topk_w, const mok::LayerShape& shape,
-                  int64_t num_tokens, Routing routing, uint64_t seed, uint64_t step,
-                  cudaStream_t stream) {
+inline void make_routing(int32_t* topk_idx, float* topk_w, const mok::LayerShape& shape,
+                         int64_t num_tokens, Routing routing, uint64_t seed, uint64_t step,
+                         cudaStream_t stream) {
   const int blocks = static_cast<int>((num_tokens + 255) / 256);
   make_routing_kernel<<<blocks, 256, 0, stream>>>(
       topk_idx, topk_w, static_cast<int>(num_tokens), static_cast<int>(shape.top_k),
@@ -139,15 +139,15 @@ void make_routing(int32_t* topk_idx, float* topk_w, const mok::LayerShape& shape
 
 // ---- host helpers ---------------------------------------------------------------------------
 
-double median(std::vector<float> values) {
+inline double median(std::vector<float> values) {
   if (values.empty()) return 0.0;
   std::sort(values.begin(), values.end());
   return values[values.size() / 2];
 }
 
-double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
+inline double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
 
-int64_t device_bytes_in_use() {
+inline int64_t device_bytes_in_use() {
   size_t free_bytes = 0, total_bytes = 0;
   MOK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   return static_cast<int64_t>(total_bytes - free_bytes);
@@ -164,7 +164,7 @@ struct ProbeTensor {
   std::vector<uint8_t> host;
 };
 
-bool finite_element(const uint8_t* element, int element_bytes) {
+inline bool finite_element(const uint8_t* element, int element_bytes) {
   if (element_bytes == 2) {
     uint16_t bits;
     std::memcpy(&bits, element, 2);
@@ -176,8 +176,8 @@ bool finite_element(const uint8_t* element, int element_bytes) {
 }
 
 // "grad_down element 17 (start 0x3f800000, end 0x3f800001)", or empty when every bit is equal.
-std::string first_difference(const std::vector<ProbeTensor>& start,
-                             const std::vector<ProbeTensor>& end) {
+inline std::string first_difference(const std::vector<ProbeTensor>& start,
+                                    const std::vector<ProbeTensor>& end) {
   for (size_t which = 0; which < start.size(); ++which) {
     const ProbeTensor& a = start[which];
     const ProbeTensor& b = end[which];
@@ -198,7 +198,7 @@ std::string first_difference(const std::vector<ProbeTensor>& start,
 }
 
 // "dx: 12 elements not finite", or empty.
-std::string non_finite(const std::vector<ProbeTensor>& tensors) {
+inline std::string non_finite(const std::vector<ProbeTensor>& tensors) {
   for (const ProbeTensor& tensor : tensors) {
     int64_t count = 0;
     for (size_t offset = 0; offset < tensor.host.size(); offset += tensor.element_bytes) {
