@@ -466,8 +466,8 @@ int run(int argc, char** argv) {
     const mok::LayerShape shape =
         args.custom ? args.custom_shape : mok::find_preset(which.preset).shape;
     shape.validate(which.ep);
-    const std::string unfit =
-        mok::gpu_layer_unfit_reason(shape, which.ep, which.tokens_per_rank, args.backward);
+    const std::string unfit = mok::gpu_layer_unfit_reason(shape, which.ep, which.tokens_per_rank,
+                                                          args.backward, args.fp8);
     if (!unfit.empty()) {
       std::printf("%-26s skipped: %s\n", which.name.c_str(), unfit.c_str());
       continue;

@@ -144,8 +144,10 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec);
 
 // Empty when `ep` Hopper GPUs are visible and each has room for its share of the layer (weights,
 // workspace, intermediates, inputs), else why not ("needs 2 GPUs, 1 visible").
-// backward: room for the backward too (LayerBackward, fp32 weight gradients).
+// backward: room for the backward too (LayerBackward, fp32 weight gradients). fp8: room for the
+// fp8 layer run beside the bf16 one, as run_layer_forward runs it (spec.fp8_forward: the weight
+// cache, the fp8 forward's and backward's buffers, their gradients and context).
 std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank,
-                                   bool backward = false);
+                                   bool backward = false, bool fp8 = false);
 
 }  // namespace mok

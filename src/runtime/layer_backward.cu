@@ -202,10 +202,8 @@ void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64
 
 int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
                                     const LayerBackwardOptions& options, bool recompute) {
-  const WorkspaceOptions workspace = bf16_backward_workspace(options, num_ranks);
-  const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
-      num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, workspace.block_m,
-      workspace.expert_rows, workspace.expert_y, workspace.backward, workspace.rows_in_expert_dy);
+  const comm::WorkspaceLayout layout =
+      workspace_layout(shape, num_ranks, tokens_max, bf16_backward_workspace(options, num_ranks));
   const int64_t rows = layout.rows_capacity();
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;

@@ -163,18 +163,24 @@ LayerBackwardFp8::~LayerBackwardFp8() {
   }
 }
 
-int64_t LayerBackwardFp8::buffer_bytes() const {
-  const comm::WorkspaceLayout& layout = workspace_.layout();
+int64_t LayerBackwardFp8::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                                       const LayerBackwardOptions& options) {
+  const comm::WorkspaceLayout layout =
+      workspace_layout(shape, num_ranks, tokens_max, backward_workspace(options));
   int64_t bytes = layout.window_bytes + layout.local_bytes;
-  bytes += operand_bytes(layout.rows_capacity(), routed_padded_rows_, shape_.hidden,
-                         shape_.intermediate);
-  bytes += tokens_max_ * shape_.top_k * 4;  // ones
-  if (shape_.has_shared()) {
-    bytes += operand_bytes(tokens_max_, round_up_to_block(tokens_max_), shape_.hidden,
-                           shape_.shared_intermediate) +
-             tokens_max_ * shape_.hidden * 4 + 8;
+  bytes += operand_bytes(layout.rows_capacity(), round_up_to_block(layout.rows_capacity()),
+                         shape.hidden, shape.intermediate);
+  bytes += tokens_max * shape.top_k * 4;  // ones
+  if (shape.has_shared()) {
+    bytes += operand_bytes(tokens_max, round_up_to_block(tokens_max), shape.hidden,
+                           shape.shared_intermediate) +
+             tokens_max * shape.hidden * 4 + 8;
   }
   return bytes;
+}
+
+int64_t LayerBackwardFp8::buffer_bytes() const {
+  return buffer_bytes(shape_, workspace_.num_ranks(), tokens_max_, options_);
 }
 
 void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,

@@ -88,8 +88,11 @@ class LayerBackwardFp8 {
   CommWorkspace& workspace() { return workspace_; }
   const LayerShape& shape() const { return shape_; }
   int64_t tokens_max() const { return tokens_max_; }
-  // Device bytes: workspace and intermediates.
+  // Device bytes: workspace and intermediates; the static one without a layer (what one of these
+  // arguments would hold).
   int64_t buffer_bytes() const;
+  static int64_t buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                              const LayerBackwardOptions& options = {});
 
  private:
   // The per-row operands of one group of experts (the routed ones, or the shared expert over this

@@ -24,6 +24,19 @@ unsigned loop_grid(int num_sms, int per_sm) { return static_cast<unsigned>(num_s
 
 }  // namespace
 
+namespace {
+
+WorkspaceOptions fp8_forward_workspace(const LayerForwardFp8Options& options) {
+  WorkspaceOptions workspace = options.layer.workspace;
+  // The routed rows arrive as E4M3 rows in routed_x_ (dispatch_fp8), not in expert_x: one row
+  // block of it, the least a layout takes, instead of every row.
+  workspace.expert_rows = workspace.block_m;
+  workspace.expert_y = true;
+  return workspace;
+}
+
+}  // namespace
+
 LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& shape,
                                  int64_t tokens_max, const LayerForwardFp8Options& options)
     : shape_(shape),
@@ -34,12 +47,7 @@ LayerForwardFp8::LayerForwardFp8(const Communicator& comm, const LayerShape& sha
       workspace_([&] {
         shape.validate(comm.num_ranks());
         validate_precision(shape, Precision::kFp8);
-        WorkspaceOptions workspace = options.layer.workspace;
-        // The routed rows arrive as E4M3 rows in routed_x_ (dispatch_fp8), not in expert_x: one
-        // row block of it, the least a layout takes, instead of every row.
-        workspace.expert_rows = workspace.block_m;
-        workspace.expert_y = true;
-        return CommWorkspace(comm, shape, tokens_max, workspace);
+        return CommWorkspace(comm, shape, tokens_max, fp8_forward_workspace(options));
       }()),
       weights_(shape, workspace_.layout().experts_per_rank(), options.transposed_weights) {
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
@@ -76,21 +84,28 @@ LayerForwardFp8::~LayerForwardFp8() {
   }
 }
 
-int64_t LayerForwardFp8::buffer_bytes() const {
-  const comm::WorkspaceLayout& layout = workspace_.layout();
-  const int64_t rows = layout.rows_capacity(), hidden = shape_.hidden;
-  const int64_t inter = shape_.intermediate, shared_inter = shape_.shared_intermediate;
+int64_t LayerForwardFp8::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                                      const LayerForwardFp8Options& options) {
+  const comm::WorkspaceLayout layout =
+      workspace_layout(shape, num_ranks, tokens_max, fp8_forward_workspace(options));
+  const int64_t rows = layout.rows_capacity(), hidden = shape.hidden;
+  const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
-  const int64_t sums = swiglu_ == Fp8SwiGlu::kSeparate ? 2 * 4 : 0;  // fp32 gate/up sums
+  const int64_t sums = options.swiglu == Fp8SwiGlu::kSeparate ? 2 * 4 : 0;  // fp32 gate/up sums
   bytes += fp8_operand_bytes(rows, hidden, rows) + rows * inter * sums +
-           fp8_operand_bytes(rows, inter, rows) +
-           fp8_operand_bytes(tokens_max_, hidden, tokens_max_);
-  if (shape_.has_shared()) {
-    bytes += tokens_max_ * shared_inter * sums +
-             fp8_operand_bytes(tokens_max_, shared_inter, tokens_max_) + tokens_max_ * hidden * 4 +
-             8;
+           fp8_operand_bytes(rows, inter, rows) + fp8_operand_bytes(tokens_max, hidden, tokens_max);
+  if (shape.has_shared()) {
+    bytes += tokens_max * shared_inter * sums +
+             fp8_operand_bytes(tokens_max, shared_inter, tokens_max) + tokens_max * hidden * 4 + 8;
   }
   return bytes;
+}
+
+int64_t LayerForwardFp8::buffer_bytes() const {
+  LayerForwardFp8Options options;
+  options.layer = options_;
+  options.swiglu = swiglu_;
+  return buffer_bytes(shape_, workspace_.num_ranks(), tokens_max_, options);
 }
 
 void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8Operand& x,

@@ -96,8 +96,11 @@ class LayerForwardFp8 {
   CommWorkspace& workspace() { return workspace_; }
   const LayerShape& shape() const { return shape_; }
   int64_t tokens_max() const { return tokens_max_; }
-  // Device bytes besides the weight cache: workspace and intermediates.
+  // Device bytes besides the weight cache: workspace and intermediates; the static one without a
+  // layer (what one of these arguments would hold).
   int64_t buffer_bytes() const;
+  static int64_t buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                              const LayerForwardFp8Options& options = {});
   // Device bytes of the weight cache (E4M3 bytes and scales).
   int64_t weight_bytes() const { return weights_.bytes(); }
 

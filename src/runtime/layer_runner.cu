@@ -17,6 +17,7 @@
 #include "mok/error.hpp"
 #include "mok/gpu.hpp"
 #include "runtime/comm.hpp"
+#include "runtime/fp8_weights.hpp"
 #include "runtime/l2_partitions.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_backward_fp8.hpp"
@@ -367,7 +368,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
 }
 
 std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank,
-                                   bool backward) {
+                                   bool backward, bool fp8) {
   const GpuSummary gpus = query_gpus();
   if (gpus.num_hopper_gpus < ep) {
     return detail::concat("EP ", ep, " needs ", ep, " Hopper GPU(s); found ", gpus.description);
@@ -382,10 +383,27 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
       2.0 * layout.rows_capacity() * shape.intermediate +
       tokens_per_rank * (2.0 * shape.shared_intermediate + 4.0 * shape.hidden) +
       tokens_per_rank * (4.0 * shape.hidden + 8.0 * shape.top_k);  // x, y, topk_idx, topk_w
+  // A backward's fp32-sized weight gradients, dy, dx and d_topk_w (BackwardBuffers).
+  const double step_io = 2.0 * weights + tokens_per_rank * (4.0 * shape.hidden + 4.0 * shape.top_k);
   double backward_bytes = 0;
-  if (backward) {  // LayerBackward's workspace and rows, fp32 gradients, dy, dx, d_topk_w
-    backward_bytes = static_cast<double>(LayerBackward::buffer_bytes(shape, ep, tokens_per_rank)) +
-                     2.0 * weights + tokens_per_rank * (4.0 * shape.hidden + 4.0 * shape.top_k);
+  if (backward) {  // LayerBackward's workspace and rows, and the step's buffers
+    backward_bytes =
+        static_cast<double>(LayerBackward::buffer_bytes(shape, ep, tokens_per_rank)) + step_io;
+  }
+  if (fp8) {  // the fp8 layer beside the bf16 forward, before the bf16 backward (the larger)
+    const int64_t experts = shape.num_experts / ep;
+    double fp8_bytes =
+        static_cast<double>(Fp8WeightCache::bytes(shape, experts, /*transposed=*/backward) +
+                            LayerForwardFp8::buffer_bytes(shape, ep, tokens_per_rank));
+    if (backward) {
+      const double context =
+          2.0 * (saved_context_rows(ep, tokens_per_rank, shape.top_k, tokens_per_rank) * 2 *
+                     shape.intermediate +
+                 tokens_per_rank * 2 * shape.shared_intermediate);
+      fp8_bytes += static_cast<double>(LayerBackwardFp8::buffer_bytes(shape, ep, tokens_per_rank)) +
+                   step_io + context;
+    }
+    backward_bytes = std::max(backward_bytes, fp8_bytes);
   }
   for (int device = 0; device < ep; ++device) {
     size_t free_bytes = 0, total_bytes = 0;
@@ -395,7 +413,8 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
       return detail::concat("GPU ", device, " has ", static_cast<int64_t>(free_bytes >> 20),
                             " MiB free; the layer needs about ",
                             static_cast<int64_t>((weights + buffers + backward_bytes) / (1 << 20)),
-                            " MiB per rank", backward ? " (forward and backward)" : "");
+                            " MiB per rank", backward ? " (forward and backward" : " (forward",
+                            fp8 ? ", fp8 beside bf16)" : ")");
     }
   }
   return "";

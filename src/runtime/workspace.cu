@@ -53,6 +53,13 @@ const char* task_counter_name(uint32_t kind) {
 
 }  // namespace
 
+comm::WorkspaceLayout workspace_layout(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                                       const WorkspaceOptions& options) {
+  return comm::WorkspaceLayout::make(num_ranks, tokens_max, shape.hidden, shape.top_k,
+                                     shape.num_experts, options.block_m, options.expert_rows,
+                                     options.expert_y, options.backward, options.rows_in_expert_dy);
+}
+
 CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
                              const WorkspaceOptions& options)
     : comm_(comm), shape_(shape) {
@@ -68,9 +75,7 @@ CommWorkspace::CommWorkspace(const Communicator& comm, const LayerShape& shape, 
       !options.rows_in_expert_dy || (num_ranks == 1 && options.backward && !options.expert_y),
       "rows_in_expert_dy", "only one rank's backward without expert_y keeps its ",
       "slots and x rows in expert_dy (", num_ranks, " ranks)");
-  const comm::WorkspaceLayout layout = comm::WorkspaceLayout::make(
-      num_ranks, tokens_max, shape.hidden, shape.top_k, shape.num_experts, options.block_m,
-      options.expert_rows, options.expert_y, options.backward, options.rows_in_expert_dy);
+  const comm::WorkspaceLayout layout = workspace_layout(shape, num_ranks, tokens_max, options);
   MOK_CHECK_ARG(num_ranks * tokens_max * shape.top_k < (int64_t{1} << 31) &&
                     layout.rows_capacity() < (int64_t{1} << 31),
                 "tokens_max", tokens_max, " tokens per rank overflow the 32-bit row indices");

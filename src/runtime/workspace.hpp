@@ -35,6 +35,10 @@ struct WorkspaceOptions {
   bool rows_in_expert_dy = false;
 };
 
+// The layout a CommWorkspace of these arguments has (its constructor's), for sizing without one.
+comm::WorkspaceLayout workspace_layout(const LayerShape& shape, int num_ranks, int64_t tokens_max,
+                                       const WorkspaceOptions& options);
+
 class CommWorkspace {
  public:
   CommWorkspace(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,

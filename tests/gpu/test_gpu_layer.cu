@@ -8,6 +8,7 @@
 
 #include "layer_test_support.cuh"
 #include "mok/gpu_layer.hpp"
+#include "mok/layer_runner.hpp"
 
 namespace mok::comm_test {
 namespace {
@@ -81,6 +82,27 @@ TEST(GpuLayer, TooManyTokensNameTheArgument) {
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("num_tokens"), std::string::npos) << error.what();
   }
+}
+
+// The fit check that bench_layer and `mok run --backend cuda` ask before a case: a small layer
+// fits; a layer too large for the GPU is refused with the bytes it needs, and the fp8 layer run
+// beside the bf16 one (its weight cache, buffers, gradients and context) needs more than the
+// bf16 step alone.
+TEST(GpuLayerFit, TheFp8StepCountsItsCacheAndBuffers) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  EXPECT_EQ(gpu_layer_unfit_reason(find_preset("tiny").shape, 1, 256, true, true), "");
+  const LayerShape shape = find_preset("deepseek-v3").shape;
+  const int64_t tokens = 1 << 20;  // ~1M tokens a rank: beyond any Hopper GPU's memory
+  const std::string bf16 = gpu_layer_unfit_reason(shape, 1, tokens, /*backward=*/true);
+  const std::string fp8 = gpu_layer_unfit_reason(shape, 1, tokens, true, /*fp8=*/true);
+  ASSERT_NE(bf16, "");
+  ASSERT_NE(fp8, "");
+  EXPECT_NE(fp8.find("fp8 beside bf16"), std::string::npos) << fp8;
+  const auto needed_mib = [](const std::string& reason) {
+    const size_t at = reason.find("needs about ");
+    return at == std::string::npos ? -1 : std::stoll(reason.substr(at + 12));
+  };
+  EXPECT_GT(needed_mib(fp8), needed_mib(bf16)) << bf16 << " | " << fp8;
 }
 
 }  // namespace

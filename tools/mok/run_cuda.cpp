@@ -253,7 +253,8 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
 
 std::string cuda_backend_unfit_reason(const RunConfig& config) {
   return gpu_layer_unfit_reason(config.shape, static_cast<int>(config.ep), config.tokens_per_rank,
-                                /*backward=*/true);
+                                /*backward=*/true,
+                                /*fp8=*/config.precision == Precision::kFp8);
 }
 
 std::string cuda_device_description() {
