@@ -22,10 +22,6 @@ namespace {
 // A grid of `per_sm` CTAs per SM for the loops over rows (any grid covers any size).
 unsigned loop_grid(int num_sms, int per_sm) { return static_cast<unsigned>(num_sms * per_sm); }
 
-}  // namespace
-
-namespace {
-
 WorkspaceOptions fp8_forward_workspace(const LayerForwardFp8Options& options) {
   WorkspaceOptions workspace = options.layer.workspace;
   // The routed rows arrive as E4M3 rows in routed_x_ (dispatch_fp8), not in expert_x: one row

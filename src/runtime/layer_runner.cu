@@ -374,8 +374,7 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
     return detail::concat("EP ", ep, " needs ", ep, " Hopper GPU(s); found ", gpus.description);
   }
   const comm::WorkspaceLayout layout =
-      comm::WorkspaceLayout::make(ep, tokens_per_rank, shape.hidden, shape.top_k, shape.num_experts,
-                                  WorkspaceOptions{}.block_m);
+      workspace_layout(shape, ep, tokens_per_rank, WorkspaceOptions{});
   const double weights = 2.0 * (shape.num_experts / ep * 3.0 * shape.intermediate * shape.hidden +
                                 3.0 * shape.shared_intermediate * shape.hidden);
   const double buffers =
