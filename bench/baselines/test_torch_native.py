@@ -19,8 +19,10 @@ torch = pytest.importorskip("torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import data  # noqa: E402
 import rowwise_fp8  # noqa: E402
 import torch_native  # noqa: E402  (after the skip: it imports torch)
+import torch_native_case  # noqa: E402
 import torch_native_layer  # noqa: E402
 
 
@@ -96,18 +98,18 @@ def test_unused_slots():
     """Slots of -1 (no expert) add nothing, in every variant."""
     shape = dict(torch_native.PRESETS["tiny"])
     device = torch.device("cpu")
-    layer = torch_native.TorchNativeLayer(shape, 0, 1, device, full_topk=False)
+    layer = torch_native_layer.TorchNativeLayer(shape, 0, 1, device, full_topk=False)
     idx, w = torch_native.draw_routing(20, shape["num_experts"], shape["top_k"])
     idx[::3, 1] = -1
     idx[5, :] = -1  # a token routed nowhere: the shared expert alone
-    x = torch_native.uniform_std(20, shape["hidden"], std=1.0, device=device)
+    x = data.uniform_std(20, shape["hidden"], std=1.0, device=device)
     reference = layer.reference(x, idx, w)
     for name, (layout, combine) in torch_native.VARIANTS.items():
         layer.weights.to_layout(layout)
         with torch.no_grad():
             y = layer.forward(x, idx, w, combine)
-        error = torch_native.errors(y, reference)
-        assert torch_native.within_tolerance(error), (name, error)
+        error = torch_native_case.errors(y, reference)
+        assert torch_native_case.within_tolerance(error), (name, error)
 
 
 def test_bad_shape_names_the_argument(tmp_path):
@@ -250,7 +252,7 @@ def test_fp8_odd_shape_no_shared_expert_top1(tmp_path):
 
 
 def test_fp8_failing_variant_is_not_timed(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch_native, "FP8_TOLERANCE", {"rel_rms": 1e-9, "max_rel": 1e-9})
+    monkeypatch.setattr(torch_native_case, "FP8_TOLERANCE", {"rel_rms": 1e-9, "max_rel": 1e-9})
     status, results = smoke(tmp_path, "--preset", "tiny", "--tokens", "16", "--precision", "fp8")
     assert status == 1
     for variant in results["cases"]["tiny-ep1"]["variants"].values():
@@ -262,17 +264,17 @@ def test_fp8_unused_slots():
     """Slots of -1 (no expert) add nothing in the FP8 forward either."""
     shape = dict(torch_native.PRESETS["tiny"])
     device = torch.device("cpu")
-    layer = torch_native.TorchNativeLayer(shape, 0, 1, device, full_topk=False)
+    layer = torch_native_layer.TorchNativeLayer(shape, 0, 1, device, full_topk=False)
     experts = rowwise_fp8.RowwiseFp8Experts(layer.weights)
     idx, w = torch_native.draw_routing(20, shape["num_experts"], shape["top_k"])
     idx[::3, 1] = -1
     idx[5, :] = -1  # a token routed nowhere: the shared expert alone
-    x = torch_native.uniform_std(20, shape["hidden"], std=1.0, device=device)
+    x = data.uniform_std(20, shape["hidden"], std=1.0, device=device)
     reference = layer.reference(x, idx, w)
     for name, (_, combine) in torch_native.FP8_VARIANTS.items():
         y = layer.forward_fp8(x, idx, w, combine, experts)
-        error = torch_native.errors(y, reference)
-        assert torch_native.within_tolerance(error, torch_native.FP8_TOLERANCE), (name, error)
+        error = torch_native_case.errors(y, reference)
+        assert torch_native_case.within_tolerance(error, torch_native.FP8_TOLERANCE), (name, error)
 
 
 def test_fp8_arguments_name_the_problem(tmp_path, capsys):
