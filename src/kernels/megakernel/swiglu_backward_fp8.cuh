@@ -73,12 +73,17 @@ struct SwiGluBackwardFp8Rows {
 
 // Four values of each lane, one 128-value block across the warp, as E4M3 codes and the block's
 // scale (quantize::Format::kFp8's rule, the reference's bytes).
+// Where every value is finite (the warp's largest magnitude says so, for the whole warp at once)
+// the amax is that magnitude and the codes need no NaN patch; otherwise both go the general way.
 __device__ __forceinline__ void quantize_warp_block(const float (&values)[4], uint8_t* codes,
                                                     float* scale, int lane) {
   using quantize::Format;
-  const float amax = __uint_as_float(quantize::lanes_max<32>(quantize::finite_amax_bits(values)));
+  uint32_t amax_bits = quantize::lanes_max<32>(quantize::magnitude_max_bits(values));
+  const bool finite = amax_bits < fp8::kFloatExponentMask;  // (the same in every lane)
+  if (!finite) amax_bits = quantize::lanes_max<32>(quantize::finite_amax_bits(values));
+  const float amax = __uint_as_float(amax_bits);
   uint32_t words[1];
-  quantize::encode_scaled(values, quantize::block_inverse<Format::kFp8>(amax), words);
+  quantize::encode_scaled(values, quantize::block_inverse<Format::kFp8>(amax), finite, words);
   quantize::store_codes<4>(codes, words);
   if (lane == 0) quantize::store_scale<Format::kFp8>(scale, 0, amax);
 }
@@ -202,26 +207,46 @@ __device__ inline void swiglu_backward_fp8_block(const SwiGluBackwardFp8Rows& ro
     const int column = pair % kSwiGluFp8Block;
     const float* values = staged + output * kSwiGluFp8Block * kSwiGluFp8Block +
                           part * kColumnPartRows * kSwiGluFp8Block + column;
-    if (job < kColumnJobs) {
-      uint32_t amax_bits = 0;
-      for_each_part_group(values, [&](int /*group*/, const float(&four)[4]) {
-        amax_bits = max(amax_bits, quantize::finite_amax_bits(four));
-      });
-      part_amax[job] = amax_bits;
-    }
-    __syncthreads();
-    if (job < kColumnJobs) {
-      uint32_t amax_bits = 0;
+    // The parts' largest magnitudes, NaN and Inf included (magnitude_max_bits): a column whose
+    // maximum stays below the exponent mask is finite, its maximum is its amax and its codes
+    // need no NaN patch. Should any column of the block hold a non-finite value, every part
+    // takes its finite amax again (the general way, the reference's bytes).
+    const auto part_max = [&](auto magnitude) {
+      uint32_t bits = 0;
+      for_each_part_group(
+          values, [&](int /*group*/, const float(&four)[4]) { bits = max(bits, magnitude(four)); });
+      return bits;
+    };
+    const auto column_max = [&] {
+      uint32_t bits = 0;
 #pragma unroll
       for (int other = 0; other < kColumnParts; ++other) {
-        amax_bits = max(amax_bits, part_amax[pair + other * kSwiGluFp8Outputs * kSwiGluFp8Block]);
+        bits = max(bits, part_amax[pair + other * kSwiGluFp8Outputs * kSwiGluFp8Block]);
       }
+      return bits;
+    };
+    if (job < kColumnJobs) {
+      part_amax[job] =
+          part_max([](const float(&four)[4]) { return quantize::magnitude_max_bits(four); });
+    }
+    __syncthreads();
+    uint32_t amax_bits = job < kColumnJobs ? column_max() : 0u;
+    const bool finite = amax_bits < fp8::kFloatExponentMask;
+    if (__syncthreads_or(!finite)) {  // (every part_amax read above before any is written)
+      if (job < kColumnJobs) {
+        part_amax[job] =
+            part_max([](const float(&four)[4]) { return quantize::finite_amax_bits(four); });
+      }
+      __syncthreads();
+      if (job < kColumnJobs) amax_bits = column_max();
+    }
+    if (job < kColumnJobs) {
       const float amax = __uint_as_float(amax_bits);
       const float inverse = quantize::block_inverse<quantize::Format::kFp8>(amax);
       uint32_t codes[kColumnPartRows / 4];
       for_each_part_group(values, [&](int group, const float(&four)[4]) {
         uint32_t word[1];
-        quantize::encode_scaled(four, inverse, word);
+        quantize::encode_scaled(four, inverse, finite, word);
         codes[group] = word[0];
       });
       const int64_t col = block * kSwiGluFp8Block + column;  // of I

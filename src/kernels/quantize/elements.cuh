@@ -81,6 +81,18 @@ __device__ __forceinline__ uint32_t finite_amax_bits(const float (&values)[N]) {
   return amax_bits;
 }
 
+// The largest magnitude's bits of N floats, NaN and +-Inf included (their bits order above every
+// finite magnitude's): below fp8::kFloatExponentMask exactly when every value is finite, and
+// then equal to finite_amax_bits, without its test and select per value.
+template <int N>
+__device__ __forceinline__ uint32_t magnitude_max_bits(const float (&values)[N]) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    bits = max(bits, __float_as_uint(values[i]) & fp8::kFloatMagnitudeMask);
+  return bits;
+}
+
 // The largest magnitude of bf16 values packed two to a word, as float bits, and whether every
 // one of them is finite; when one is not, finite_amax_bits of the widened values is the answer.
 // A bf16 magnitude's bits order as its value does, so two 16-bit maxima a word replace the
