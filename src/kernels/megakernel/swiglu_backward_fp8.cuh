@@ -72,9 +72,9 @@ struct SwiGluBackwardFp8Rows {
 };
 
 // Four values of each lane, one 128-value block across the warp, as E4M3 codes and the block's
-// scale (quantize::Format::kFp8's rule, the reference's bytes).
-// Where every value is finite (the warp's largest magnitude says so, for the whole warp at once)
-// the amax is that magnitude and the codes need no NaN patch; otherwise both go the general way.
+// scale (quantize::Format::kFp8's rule, the reference's bytes). Where every value is finite (the
+// warp's largest magnitude says so, for the whole warp at once) the amax is that magnitude and
+// the codes need no NaN patch; otherwise both go the general way.
 __device__ __forceinline__ void quantize_warp_block(const float (&values)[4], uint8_t* codes,
                                                     float* scale, int lane) {
   using quantize::Format;
