@@ -1,5 +1,6 @@
 #include "mok/compare.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -58,6 +59,15 @@ std::string ErrorStats::describe() const {
   std::string result = text;
   if (non_finite) result += detail::concat(", ", non_finite, " non-finite");
   return result;
+}
+
+double bf16_tolerance(int64_t tokens) {
+  return kBf16Tolerance + 0.06 / std::sqrt(static_cast<double>(std::max<int64_t>(tokens, 1)));
+}
+
+double fp8_yardstick_margin(int64_t tokens) {
+  return kFp8YardstickTolerance +
+         0.4 / std::sqrt(static_cast<double>(std::max<int64_t>(tokens, 1)));
 }
 
 }  // namespace mok

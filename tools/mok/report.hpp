@@ -47,7 +47,9 @@ struct OracleCheck {
     ErrorStats stats;
     double yardstick = 0;  // FP8 modes: the yardstick's rel-L2 against the fp64 oracle
 
-    bool passed(Precision precision) const;
+    // tokens: the run's tokens over all ranks (mok/compare.hpp: the bounds widen as they get
+    // fewer, and an FP8 mode's errors are not judged below kFp8JudgedTokens).
+    bool passed(Precision precision, int64_t tokens) const;
   };
   std::vector<Line> lines;
   bool ep_compared = false;  // EP > 1: the EP=1 run was made
