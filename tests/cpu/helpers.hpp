@@ -1,11 +1,17 @@
-// Shared test helpers: run the CPU backend on a synthetic problem, compare outputs bitwise.
+// Shared test helpers: run the CPU backend on a synthetic problem, compare outputs bitwise or
+// against an oracle.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "mok/compare.hpp"
+#include "mok/precision.hpp"
 #include "mok/synthetic.hpp"
 
 namespace mok::testing {
@@ -38,6 +44,65 @@ inline ProblemOutputs run_layer(const Problem& problem, int64_t ep, int num_thre
   reference::backward(problem.shape, ranks, views, mode, options);
   return outputs;
 }
+
+// Forward + backward at `ep` ranks in `precision`.
+inline ProblemOutputs run_layer(const Problem& problem, int64_t ep, Precision precision,
+                                int num_threads = 0) {
+  ProblemOutputs outputs = ProblemOutputs::poisoned(problem, ep);
+  const std::vector<reference::RankInputs> ranks = problem.all_rank_inputs(ep);
+  const std::vector<reference::RankOutputs> views = outputs.rank_outputs(problem);
+  reference::Options options;
+  options.num_threads = num_threads;
+  options.precision = precision;
+  reference::forward(problem.shape, ranks, views, options);
+  reference::backward(problem.shape, ranks, views, GradMode::kOverwrite, options);
+  return outputs;
+}
+
+// Every output of an EP 1 run (or of an oracle of a quantized recipe, fp64 values compared in
+// fp64) against an oracle of the same problem, by name; the shared expert's only when it has one.
+struct OutputErrors {
+  std::vector<std::pair<std::string, ErrorStats>> entries;
+
+  static OutputErrors of(const ProblemOutputs& out, const reference::OracleResult& oracle) {
+    OutputErrors errors;
+    errors.add("y", compare(std::span<const bf16>(out.y), oracle.y));
+    errors.add("dx", compare(std::span<const bf16>(out.dx), oracle.dx));
+    errors.add("d_topk_w", compare(std::span<const float>(out.d_topk_w), oracle.d_topk_w));
+    errors.add("grad_gate", compare(std::span<const float>(out.grad_gate), oracle.grad_gate));
+    errors.add("grad_up", compare(std::span<const float>(out.grad_up), oracle.grad_up));
+    errors.add("grad_down", compare(std::span<const float>(out.grad_down), oracle.grad_down));
+    if (!oracle.grad_shared_gate.empty()) {
+      errors.add("grad_shared_gate",
+                 compare(std::span<const float>(out.grad_shared_gate), oracle.grad_shared_gate));
+      errors.add("grad_shared_up",
+                 compare(std::span<const float>(out.grad_shared_up), oracle.grad_shared_up));
+      errors.add("grad_shared_down",
+                 compare(std::span<const float>(out.grad_shared_down), oracle.grad_shared_down));
+    }
+    return errors;
+  }
+  static OutputErrors of(const reference::OracleResult& value,
+                         const reference::OracleResult& oracle) {
+    OutputErrors errors;
+    const auto add = [&](const char* name, const std::vector<double>& a,
+                         const std::vector<double>& b) {
+      if (!b.empty()) errors.add(name, compare(std::span<const double>(a), b));
+    };
+    add("y", value.y, oracle.y);
+    add("dx", value.dx, oracle.dx);
+    add("d_topk_w", value.d_topk_w, oracle.d_topk_w);
+    add("grad_gate", value.grad_gate, oracle.grad_gate);
+    add("grad_up", value.grad_up, oracle.grad_up);
+    add("grad_down", value.grad_down, oracle.grad_down);
+    add("grad_shared_gate", value.grad_shared_gate, oracle.grad_shared_gate);
+    add("grad_shared_up", value.grad_shared_up, oracle.grad_shared_up);
+    add("grad_shared_down", value.grad_shared_down, oracle.grad_shared_down);
+    return errors;
+  }
+
+  void add(const std::string& name, const ErrorStats& stats) { entries.push_back({name, stats}); }
+};
 
 template <class T>
 ::testing::AssertionResult bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {

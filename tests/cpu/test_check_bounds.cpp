@@ -7,7 +7,6 @@
 
 #include <cmath>
 #include <random>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -17,60 +16,19 @@
 namespace mok {
 namespace {
 
-ProblemOutputs run_in(const Problem& problem, Precision precision) {
-  ProblemOutputs outputs = ProblemOutputs::poisoned(problem, 1);
-  const std::vector<reference::RankInputs> ranks = problem.all_rank_inputs(1);
-  const std::vector<reference::RankOutputs> views = outputs.rank_outputs(problem);
-  reference::Options options;
-  options.precision = precision;
-  reference::forward(problem.shape, ranks, views, options);
-  reference::backward(problem.shape, ranks, views, GradMode::kOverwrite, options);
-  return outputs;
-}
+using testing::OutputErrors;
+using testing::run_layer;
 
-// Every output's error against `oracle`, by name (the CLI's list).
-std::vector<std::pair<std::string, ErrorStats>> errors_of(const ProblemOutputs& out,
-                                                          const reference::OracleResult& oracle) {
-  std::vector<std::pair<std::string, ErrorStats>> errors;
-  errors.emplace_back("y", compare(std::span<const bf16>(out.y), oracle.y));
-  errors.emplace_back("dx", compare(std::span<const bf16>(out.dx), oracle.dx));
-  const auto add = [&](const char* name, const std::vector<float>& value,
-                       const std::vector<double>& expected) {
-    if (!expected.empty())
-      errors.emplace_back(name, compare(std::span<const float>(value), expected));
-  };
-  add("d_topk_w", out.d_topk_w, oracle.d_topk_w);
-  add("grad_gate", out.grad_gate, oracle.grad_gate);
-  add("grad_up", out.grad_up, oracle.grad_up);
-  add("grad_down", out.grad_down, oracle.grad_down);
-  add("grad_shared_gate", out.grad_shared_gate, oracle.grad_shared_gate);
-  add("grad_shared_up", out.grad_shared_up, oracle.grad_shared_up);
-  add("grad_shared_down", out.grad_shared_down, oracle.grad_shared_down);
-  return errors;
-}
-
-// The yardstick's rel-L2 of each output: the same quantized operands, all else in fp64.
+// Each output's rel-L2 of the yardstick: the same quantized operands, all else in fp64.
 std::vector<double> yardstick_of(const Problem& problem, Precision precision,
                                  const reference::OracleResult& exact) {
   reference::Options options;
   options.precision = precision;
-  const reference::OracleResult recipe =
-      reference::oracle(problem.shape, problem.all_rank_inputs(1), true, options)[0];
-  std::vector<double> errors;
-  for (const auto& [value, expected] : {std::pair{&recipe.y, &exact.y},
-                                        {&recipe.dx, &exact.dx},
-                                        {&recipe.d_topk_w, &exact.d_topk_w},
-                                        {&recipe.grad_gate, &exact.grad_gate},
-                                        {&recipe.grad_up, &exact.grad_up},
-                                        {&recipe.grad_down, &exact.grad_down},
-                                        {&recipe.grad_shared_gate, &exact.grad_shared_gate},
-                                        {&recipe.grad_shared_up, &exact.grad_shared_up},
-                                        {&recipe.grad_shared_down, &exact.grad_shared_down}}) {
-    if (!expected->empty()) {
-      errors.push_back(compare(std::span<const double>(*value), *expected).relative_l2);
-    }
-  }
-  return errors;
+  const OutputErrors errors = OutputErrors::of(
+      reference::oracle(problem.shape, problem.all_rank_inputs(1), true, options)[0], exact);
+  std::vector<double> relative_l2;
+  for (const auto& [name, stats] : errors.entries) relative_l2.push_back(stats.relative_l2);
+  return relative_l2;
 }
 
 struct SmallRun {
@@ -107,7 +65,7 @@ TEST(CheckBounds, SmallRandomLayersStayWithinThem) {
                  ", " + std::to_string(tokens) + " tokens");
     const reference::OracleResult exact =
         reference::oracle(run.problem.shape, run.problem.all_rank_inputs(1), true)[0];
-    const auto errors = errors_of(run_in(run.problem, run.precision), exact);
+    const auto errors = OutputErrors::of(run_layer(run.problem, 1, run.precision), exact).entries;
     if (run.precision == Precision::kBf16) {
       for (const auto& [name, stats] : errors) {
         EXPECT_TRUE(stats.within(bf16_tolerance(tokens))) << name << ": " << stats.describe();
@@ -152,7 +110,7 @@ TEST(CheckBounds, AnFp8RunWithoutItsQuantizationStillFails) {
       Problem::generate({shape, kFp8JudgedTokens, Routing::parse("uniform"), 5});
   const reference::OracleResult exact =
       reference::oracle(problem.shape, problem.all_rank_inputs(1), true)[0];
-  const auto errors = errors_of(run_in(problem, Precision::kBf16), exact);
+  const auto errors = OutputErrors::of(run_layer(problem, 1, Precision::kBf16), exact).entries;
   const std::vector<double> yardstick = yardstick_of(problem, Precision::kFp8, exact);
   for (size_t index = 0; index < errors.size(); ++index) {
     EXPECT_GT(std::fabs(errors[index].second.relative_l2 - yardstick[index]),

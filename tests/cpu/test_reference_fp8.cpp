@@ -18,6 +18,8 @@ namespace mok {
 namespace {
 
 using reference::QuantRecipe;
+using testing::OutputErrors;
+using testing::run_layer;
 
 // Small enough for two cores: H 256 (two fp8 K blocks, eight mxfp8 ones), I 128, E 8.
 LayerShape fp8_shape(int64_t top_k = 4, bool shared = true) {
@@ -25,20 +27,7 @@ LayerShape fp8_shape(int64_t top_k = 4, bool shared = true) {
           /*num_experts=*/8, /*top_k=*/top_k};
 }
 
-// Forward + backward through the public API (options.precision) or an internal recipe.
-ProblemOutputs run_layer(const Problem& problem, int64_t ep, Precision precision,
-                         int num_threads = 0) {
-  ProblemOutputs outputs = ProblemOutputs::poisoned(problem, ep);
-  const std::vector<reference::RankInputs> ranks = problem.all_rank_inputs(ep);
-  const std::vector<reference::RankOutputs> views = outputs.rank_outputs(problem);
-  reference::Options options;
-  options.num_threads = num_threads;
-  options.precision = precision;
-  reference::forward(problem.shape, ranks, views, options);
-  reference::backward(problem.shape, ranks, views, GradMode::kOverwrite, options);
-  return outputs;
-}
-
+// Forward + backward through an internal recipe (testing::run_layer takes a public precision).
 ProblemOutputs run_recipe(const Problem& problem, const QuantRecipe& recipe) {
   ProblemOutputs outputs = ProblemOutputs::poisoned(problem, 1);
   const std::vector<reference::RankInputs> ranks = problem.all_rank_inputs(1);
@@ -47,63 +36,6 @@ ProblemOutputs run_recipe(const Problem& problem, const QuantRecipe& recipe) {
   reference::run_backward(problem.shape, ranks, views, GradMode::kOverwrite, {}, &recipe);
   return outputs;
 }
-
-// Every output of an EP 1 run against an oracle of the same problem, by name.
-struct OutputErrors {
-  std::vector<std::pair<std::string, ErrorStats>> entries;
-
-  static OutputErrors of(const ProblemOutputs& out, const reference::OracleResult& oracle) {
-    OutputErrors errors;
-    errors.add("y", compare(std::span<const bf16>(out.y), oracle.y));
-    errors.add("dx", compare(std::span<const bf16>(out.dx), oracle.dx));
-    errors.add("d_topk_w", compare(std::span<const float>(out.d_topk_w), oracle.d_topk_w));
-    errors.add("grad_gate", compare(std::span<const float>(out.grad_gate), oracle.grad_gate));
-    errors.add("grad_up", compare(std::span<const float>(out.grad_up), oracle.grad_up));
-    errors.add("grad_down", compare(std::span<const float>(out.grad_down), oracle.grad_down));
-    if (!oracle.grad_shared_gate.empty()) {
-      errors.add("grad_shared_gate",
-                 compare(std::span<const float>(out.grad_shared_gate), oracle.grad_shared_gate));
-      errors.add("grad_shared_up",
-                 compare(std::span<const float>(out.grad_shared_up), oracle.grad_shared_up));
-      errors.add("grad_shared_down",
-                 compare(std::span<const float>(out.grad_shared_down), oracle.grad_shared_down));
-    }
-    return errors;
-  }
-  // The oracle of a quantized recipe as the "outputs": fp64 values compared in fp64.
-  static OutputErrors of(const reference::OracleResult& value,
-                         const reference::OracleResult& oracle) {
-    OutputErrors errors;
-    const auto add = [&](const char* name, const std::vector<double>& a,
-                         const std::vector<double>& b) {
-      if (!b.empty()) errors.add(name, compare_fp64(a, b));
-    };
-    add("y", value.y, oracle.y);
-    add("dx", value.dx, oracle.dx);
-    add("d_topk_w", value.d_topk_w, oracle.d_topk_w);
-    add("grad_gate", value.grad_gate, oracle.grad_gate);
-    add("grad_up", value.grad_up, oracle.grad_up);
-    add("grad_down", value.grad_down, oracle.grad_down);
-    add("grad_shared_gate", value.grad_shared_gate, oracle.grad_shared_gate);
-    add("grad_shared_up", value.grad_shared_up, oracle.grad_shared_up);
-    add("grad_shared_down", value.grad_shared_down, oracle.grad_shared_down);
-    return errors;
-  }
-  static ErrorStats compare_fp64(const std::vector<double>& value,
-                                 const std::vector<double>& oracle) {
-    double diff = 0, norm = 0;
-    for (size_t index = 0; index < oracle.size(); ++index) {
-      diff += (value[index] - oracle[index]) * (value[index] - oracle[index]);
-      norm += oracle[index] * oracle[index];
-    }
-    ErrorStats stats;
-    stats.relative_l2 = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-    stats.count = static_cast<int64_t>(oracle.size());
-    return stats;
-  }
-
-  void add(const std::string& name, const ErrorStats& stats) { entries.push_back({name, stats}); }
-};
 
 // ---- the quantized operands are mok::quantize's
 // ---------------------------------------------------

@@ -38,14 +38,6 @@ __global__ void __launch_bounds__(megakernel::kSwiGluBackwardFp8Threads, 1)
   megakernel::swiglu_backward_fp8_shared(rows, reinterpret_cast<float*>(staged));
 }
 
-// d_gate_up's column c (I gate columns, then I up columns) as its gradient row: gate and up rows
-// interleaved in blocks of 8 (quantize::GateUp8Columns).
-int64_t gate_up_8_row(int64_t col) {
-  const bool up = col >= kInter;
-  const int64_t index = up ? col - kInter : col;
-  return index / 8 * 16 + (up ? 8 : 0) + index % 8;
-}
-
 struct Case {
   std::vector<bf16> gate_up;  // (rows, 2I), gate/up interleaved in blocks of 128
   std::vector<float> grad;    // (rows, I)
@@ -70,7 +62,7 @@ Case make_case(uint32_t seed, bool special) {
 struct Outputs {
   std::vector<uint8_t> codes;     // (rows, 2I)
   std::vector<float> scales;      // (rows, 2I / 128)
-  std::vector<uint8_t> codes_t;   // (2I, padded_rows), rows by gate_up_8_row
+  std::vector<uint8_t> codes_t;   // (2I, padded_rows), rows by quantize::GateUp8Columns
   std::vector<float> scales_t;    // (2I, padded_rows / 128)
   std::vector<uint8_t> hidden_t;  // (I, padded_rows)
   std::vector<float> hidden_scales_t;
@@ -110,7 +102,7 @@ Outputs expected(const Case& c) {
   out.codes_t.resize(natural.size());
   out.scales_t.resize(natural_scales.size());
   for (int64_t col = 0; col < 2 * kInter; ++col) {  // to the gradient's interleaved rows
-    const int64_t to = gate_up_8_row(col);
+    const int64_t to = quantize::GateUp8Columns{kInter}(col);
     for (int64_t r = 0; r < kPaddedRows; ++r) {
       out.codes_t[to * kPaddedRows + r] = natural[col * kPaddedRows + r];
     }

@@ -110,7 +110,7 @@ struct ExpertRows {
 struct GateUp8Columns {
   int64_t inter;
 
-  __device__ __forceinline__ int64_t operator()(int64_t col) const {
+  __host__ __device__ __forceinline__ int64_t operator()(int64_t col) const {
     const bool up = col >= inter;
     const int64_t index = up ? col - inter : col;
     return index / 8 * 16 + (up ? 8 : 0) + index % 8;
