@@ -142,11 +142,15 @@ def build_model(run, spec, layers):
     return model.train()
 
 
-def measure_case(run, name, spec, layers):
+def measure_case(run, name, spec, layers, progress=None):
+    """One model's step with each implementation; progress["implementation"] names the one running
+    (None while the model is built), for the caller's report of an out-of-memory error."""
     import mok
     import mok.integrations.transformers as mok_transformers
 
     args = run.args
+    progress = {} if progress is None else progress
+    progress["implementation"] = None
     model = build_model(run, spec, layers)
     config = model.config
     experts = [module for module in model.modules() if mok_transformers.is_experts_module(module)]
@@ -168,6 +172,7 @@ def measure_case(run, name, spec, layers):
 
     result = {"times": {}, "samples": {}, "peak": {}}
     for implementation in (BASELINE, mok_transformers.NAME, STAND_IN):
+        progress["implementation"] = implementation
         model.set_experts_implementation(implementation)
         run.free()
         run.reset_peak()
@@ -240,21 +245,34 @@ def measure_case(run, name, spec, layers):
 
 
 def measure_with_fallback(run, name, spec, layers_requested):
-    """The case with as many layers as fit, from layers_requested down to 1: (entry, errors)."""
+    """The case with as many layers as fit, from layers_requested down to 1: (entry, errors, skipped).
+    A model that does not fit this GPU with one layer, built or run by the baseline, is skipped
+    (skipped: the reason), not an error; mok (or the stand-in) running out of memory where the
+    baseline fitted is an error, and the case is still measured with fewer layers."""
     errors = []
     for layers in range(layers_requested, 0, -1):
         message = None
+        progress = {}
         try:
-            entry = measure_case(run, name, spec, layers)
+            entry = measure_case(run, name, spec, layers, progress)
             entry["layers_requested"] = layers_requested
-            return entry, errors
+            return entry, errors, None
         except torch.cuda.OutOfMemoryError as error:
-            message = f"{name} with {layers} layers: out of GPU memory ({str(error).splitlines()[0]})"
+            where = progress.get("implementation") or "building the model"
+            message = f"{name} with {layers} layers: out of GPU memory in {where} ({str(error).splitlines()[0]})"
         run.free()  # the exception and its frames are gone here, and with them the model
-        print(f"  {message}; " + ("retrying with one layer fewer" if layers > 1 else "giving up on this model"),
-              flush=True)
-        errors.append(message)
-    return None, errors
+        baseline_fits = progress.get("implementation") not in (None, BASELINE)
+        if baseline_fits:
+            errors.append(message)
+        if layers > 1:
+            print(f"  {message}; retrying with one layer fewer", flush=True)
+            continue
+        if not baseline_fits:
+            skipped = f"{name}: does not fit this GPU's memory with one layer ({message})"
+            print(f"  skipped {skipped}", flush=True)
+            return None, errors, skipped
+        print(f"  {message}; giving up on this model", flush=True)
+    return None, errors, None
 
 
 def dense_gemm(run):
@@ -314,11 +332,12 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name(run.device) if run.on_gpu else "cpu"
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {device_name}: "
           f"{', '.join(args.models)}, {args.tokens} tokens a step, median of {args.steps} steps", flush=True)
-    entries, errors = [], []
+    entries, errors, skipped = [], [], []
     for name in args.models:
         spec = specs[name]
-        entry, case_errors = measure_with_fallback(run, name, spec, args.layers or spec["layers"])
+        entry, case_errors, case_skipped = measure_with_fallback(run, name, spec, args.layers or spec["layers"])
         errors += case_errors
+        skipped += [case_skipped] if case_skipped else []
         if entry is not None:
             entries.append(entry)
             share = entry["moe_share"]
@@ -346,6 +365,7 @@ def main(argv=None):
                           f"minus the step with stand-in experts ({STAND_IN}, rest_ms)"),
         "cases": entries,
         "errors": errors,
+        "skipped": skipped,
     }
     with open(args.out, "w") as file:
         json.dump(record, file, indent=2)

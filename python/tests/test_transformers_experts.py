@@ -332,3 +332,58 @@ def test_training_curve_matches_eager_and_reruns_bitwise(device):
     assert losses[-1] < 0.85 * losses[0]
     worst = max(abs(mine - theirs) / theirs for mine, theirs in zip(losses, eager))
     assert worst <= LOSS_CURVE_TOLERANCE, f"largest relative loss difference to eager {worst:.4f}"
+
+
+# ---- what autograd keeps ------------------------------------------------------------------------
+
+def test_set_context_takes_save_or_recompute():
+    assert mt.get_context() == "save"
+    with pytest.raises(ValueError, match="context"):
+        mt.set_context("keep")
+    assert mt.get_context() == "save"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_save_and_recompute_give_the_same_bits(family, device):
+    base = tiny_model(family, "mok")
+    results = {}
+    try:
+        for context in mt.CONTEXTS:
+            mt.set_context(context)
+            results[context] = logits_and_grads(base, "mok", torch.bfloat16, device)
+    finally:
+        mt.set_context("save")
+    (logits, grads), (logits_recomputed, grads_recomputed) = results["save"], results["recompute"]
+    assert torch.equal(logits, logits_recomputed)
+    assert grads.keys() == grads_recomputed.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_recomputed[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_save_mode_keeps_the_pre_activations_on_the_gpu():
+    """Save mode keeps (T * k, 2I) bf16 pre-activations beside the inputs until the backward; a
+    forward under no_grad, or in recompute mode, keeps nothing."""
+    module = experts_modules(tiny_model("qwen3_moe", "mok", device="cuda"))[0]
+    tokens, top_k = 96, 2
+    experts, two_inter, hidden = module.gate_up_proj.shape
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).cuda()
+    w = torch.rand(tokens, top_k, generator=gen).cuda()
+    module(x, idx, w)  # the first call converts the layout (and allocates the workspace)
+    kept = {}
+    try:
+        for context in mt.CONTEXTS:
+            mt.set_context(context)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            y = module(x, idx, w)
+            kept[context] = torch.cuda.memory_allocated() - before
+            y.sum().backward()
+            del y
+    finally:
+        mt.set_context("save")
+    context_bytes = tokens * top_k * two_inter * 2
+    assert kept["save"] - kept["recompute"] == -(-context_bytes // 512) * 512, kept
