@@ -30,7 +30,8 @@ struct LaunchConfig {
 // The engine for a case; returns the ping-pong tile's BLOCK_M, or 0 for the cooperative kernel.
 // kAuto follows runs 5 and 6 of docs/perf-notes/gemm.md: the ping-pong mainloop runs at ~92 % of
 // the cooperative one's rate per clock, which only the short-K plain forward GEMM (qwen3-30b down,
-// K = 768: 1.06-1.07x in both runs) wins back; everything else stays cooperative.
+// K = 768: 1.06-1.07x in both runs) and the fp32 outputs below win back; everything else stays
+// cooperative.
 int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
                 int reduction_length) {
   switch (options.engine) {
@@ -49,10 +50,17 @@ int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilog
       reduction_length <= kPingpongMaxK) {
     return 128;
   }
-  // fp32 row outputs (the backward's recomputed gate/up and down dgrad) leave by synchronous
-  // register stores that stall a cooperative tile's MMAs; the ping-pong tiles overlap them
-  // (docs/perf-notes/backward.md).
-  if (kind != GemmKind::kWgrad && epilogue == EpilogueKind::kStoreFp32) return 128;
+  // fp32 row outputs leave by synchronous register stores that stall a cooperative tile's MMAs;
+  // the ping-pong tiles overlap them (docs/perf-notes/backward.md v2). For the dgrad that now
+  // holds only at long K: cooperative measured ahead at K <= 4096 (the down dgrad at qwen3-30b-a3b
+  // 0.98 -> 0.77 ms, qwen3-235b-a22b 1.77 -> 1.64, mixtral-8x7b 4.24 -> 3.18) and far behind at
+  // K = 7168 (deepseek-v3: 4.42 -> 6.88; backward.md v29). The forward's fp32 outputs (the
+  // unfused shared down) keep ping-pong, not measured since.
+  constexpr int kDgradFp32CooperativeMaxK = 4096;
+  if (epilogue == EpilogueKind::kStoreFp32) {
+    if (kind == GemmKind::kForward) return 128;
+    if (kind == GemmKind::kDgrad && reduction_length > kDgradFp32CooperativeMaxK) return 128;
+  }
   return 0;
 }
 
