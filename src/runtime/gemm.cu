@@ -32,8 +32,9 @@ struct LaunchConfig {
 // the cooperative one's rate per clock, which only the short-K plain forward GEMM (qwen3-30b down,
 // K = 768: 1.06-1.07x in both runs) and the fp32 outputs below win back; everything else stays
 // cooperative.
+// rows_per_group: the output rows an expert gets on average (capacity_rows / num_experts), or -1.
 int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
-                int reduction_length) {
+                int reduction_length, int rows_per_group = -1) {
   switch (options.engine) {
     case GemmEngine::kCooperative:
       return 0;
@@ -52,14 +53,19 @@ int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilog
   }
   // fp32 row outputs leave by synchronous register stores that stall a cooperative tile's MMAs;
   // the ping-pong tiles overlap them (docs/perf-notes/backward.md v2). For the dgrad that now
-  // holds only at long K: cooperative measured ahead at K <= 4096 (the down dgrad at qwen3-30b-a3b
-  // 0.98 -> 0.77 ms, qwen3-235b-a22b 1.77 -> 1.64, mixtral-8x7b 4.24 -> 3.18) and far behind at
-  // K = 7168 (deepseek-v3: 4.42 -> 6.88; backward.md v29). The forward's fp32 outputs (the
-  // unfused shared down) keep ping-pong, not measured since.
-  constexpr int kDgradFp32CooperativeMaxK = 4096;
+  // holds only at long K over short experts: cooperative measured ahead at K <= 4096 (the down
+  // dgrad at qwen3-30b-a3b 0.98 -> 0.77 ms, qwen3-235b-a22b 1.77 -> 1.64, mixtral-8x7b 4.24 ->
+  // 3.18) and at K = 7168 over 8192 rows (deepseek-v3's shared expert: its phase 1.73 -> 1.57),
+  // far behind at K = 7168 over ~256 rows an expert (deepseek-v3's routed one: 4.42 -> 6.88;
+  // backward.md v29). The forward's fp32 outputs (the unfused shared down) keep ping-pong, not
+  // measured since.
+  constexpr int kDgradFp32CooperativeMaxK = 4096, kDgradFp32CooperativeMinRows = 512;
   if (epilogue == EpilogueKind::kStoreFp32) {
     if (kind == GemmKind::kForward) return 128;
-    if (kind == GemmKind::kDgrad && reduction_length > kDgradFp32CooperativeMaxK) return 128;
+    if (kind == GemmKind::kDgrad && reduction_length > kDgradFp32CooperativeMaxK &&
+        rows_per_group < kDgradFp32CooperativeMinRows) {
+      return 128;
+    }
   }
   return 0;
 }
@@ -215,8 +221,11 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
                 "one weight map for every engine");
   const EpilogueKind epilogue =
       output == DgradOutput::kFp32 ? EpilogueKind::kStoreFp32 : EpilogueKind::kStoreBf16;
-  const LaunchConfig config = pick_config(
-      options, pick_engine(options, GemmKind::kDgrad, epilogue, shape.n), unknown_tiles);
+  const LaunchConfig config =
+      pick_config(options,
+                  pick_engine(options, GemmKind::kDgrad, epilogue, shape.n,
+                              shape.capacity_rows / std::max(shape.num_experts, 1)),
+                  unknown_tiles);
   const CUtensorMap map_a =
       make_tensor_map_2d(dy, shape.capacity_rows, shape.n, config.block_m(), "dy");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,
