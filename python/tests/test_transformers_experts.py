@@ -387,3 +387,25 @@ def test_save_mode_keeps_the_pre_activations_on_the_gpu():
         mt.set_context("save")
     context_bytes = tokens * top_k * two_inter * 2
     assert kept["save"] - kept["recompute"] == -(-context_bytes // 512) * 512, kept
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_activation_checkpointing_gives_the_same_bits(device):
+    """transformers' activation checkpointing (non-reentrant) recomputes parts of each decoder layer
+    in the backward (in 5.17 its attention; the experts' outputs, and mok's save-mode context with
+    them, stay saved): the same logits and gradients as without it."""
+    base = tiny_model("qwen3_moe", "mok").train()
+    plain = logits_and_grads(base, "mok", torch.bfloat16, device)
+    checkpointed = copy.deepcopy(base)
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    attention_calls = []
+    for module in checkpointed.modules():
+        if type(module).__name__.endswith("Attention"):
+            module.register_forward_hook(lambda *_: attention_calls.append(1))
+    logits, grads = logits_and_grads(checkpointed, "mok", torch.bfloat16, device)
+    layers = checkpointed.config.num_hidden_layers
+    assert len(attention_calls) == 2 * layers, "checkpointing recomputes each layer's attention"
+    assert torch.equal(logits, plain[0])
+    assert grads.keys() == plain[1].keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, plain[1][name]), name
