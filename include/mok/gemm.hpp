@@ -52,6 +52,9 @@ struct LaunchOptions {
   // x operand into all of them (TMA multicast); 0 = the default (2), 1 = no clusters. A grid of
   // fewer than two CTAs runs without. Same bits either way.
   int wgrad_cluster = 0;
+  // kAuto's engine for fp32-output dgrads looks at the rows a group gets on average: this call's
+  // (a layer knows them from its tokens), or 0 = capacity_rows / num_experts. Same bits either way.
+  int group_rows = 0;
 };
 
 enum class ForwardOutput {

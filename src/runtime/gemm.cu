@@ -32,7 +32,7 @@ struct LaunchConfig {
 // the cooperative one's rate per clock, which only the short-K plain forward GEMM (qwen3-30b down,
 // K = 768: 1.06-1.07x in both runs) and the fp32 outputs below win back; everything else stays
 // cooperative.
-// rows_per_group: the output rows an expert gets on average (capacity_rows / num_experts), or -1.
+// rows_per_group: the output rows a group gets on average (LaunchOptions::group_rows), or -1.
 int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
                 int reduction_length, int rows_per_group = -1) {
   switch (options.engine) {
@@ -221,11 +221,12 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
                 "one weight map for every engine");
   const EpilogueKind epilogue =
       output == DgradOutput::kFp32 ? EpilogueKind::kStoreFp32 : EpilogueKind::kStoreBf16;
-  const LaunchConfig config =
-      pick_config(options,
-                  pick_engine(options, GemmKind::kDgrad, epilogue, shape.n,
-                              shape.capacity_rows / std::max(shape.num_experts, 1)),
-                  unknown_tiles);
+  const LaunchConfig config = pick_config(
+      options,
+      pick_engine(options, GemmKind::kDgrad, epilogue, shape.n,
+                  options.group_rows > 0 ? options.group_rows
+                                         : shape.capacity_rows / std::max(shape.num_experts, 1)),
+      unknown_tiles);
   const CUtensorMap map_a =
       make_tensor_map_2d(dy, shape.capacity_rows, shape.n, config.block_m(), "dy");
   const CUtensorMap map_b = make_tensor_map_3d(w, shape.num_experts, shape.n, shape.k,

@@ -302,9 +302,10 @@ void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, cudaStr
 
 template <class SharedDx, class Reduce, class Mark>
 void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
-                                       const bf16* saved_gate_up, const DeviceLayerGradients& grads,
-                                       const SharedDx& shared_dx, const Reduce& reduce,
-                                       cudaStream_t stream, const Mark& mark) {
+                                       int64_t num_tokens, const bf16* saved_gate_up,
+                                       const DeviceLayerGradients& grads, const SharedDx& shared_dx,
+                                       const Reduce& reduce, cudaStream_t stream,
+                                       const Mark& mark) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   const int experts = static_cast<int>(layout.experts_per_rank());
   const int rows = static_cast<int>(layout.rows_capacity());
@@ -316,9 +317,14 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   // One rank alone: dy's, the dx and x's rows take expert_dy's bytes in turn
   // (kOneRankBackwardPhaseOrder).
   const bool one_rank = layout.rows_in_expert_dy;
-  // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows.
+  // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows. kAuto picks its engine
+  // by the rows an expert gets in this call (T k / E_l, every rank taken to hold T tokens), not
+  // by the workspace's capacity, which a larger max_tokens_per_rank inflates.
+  gemm::LaunchOptions down_options = gemm_options;
+  down_options.group_rows =
+      static_cast<int>(std::max<int64_t>(1, num_tokens * layout.top_k / std::max(experts, 1)));
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
-                      offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
+                      offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, down_options);
   mark();
   const bool saved = saved_gate_up != nullptr;
   const megakernel::SwiGluBackwardRows swiglu_rows{
@@ -443,7 +449,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       shared_dx_dgrad(weights, tokens, stream, options_.gemm);
     }
   };
-  run_routed_experts(weights, x, saved_gate_up, grads, shared_dx, reduce, stream, mark);
+  run_routed_experts(weights, x, num_tokens, saved_gate_up, grads, shared_dx, reduce, stream, mark);
 }
 
 const char* phase_name(BackwardPhase phase) {

@@ -221,11 +221,12 @@ class LayerBackward {
   // d_topk_w) included, in phase_order(); x: the caller's, whose rows one rank alone dispatches
   // again before the gate/up wgrad. mark(): the end of a phase (an event when the caller asked
   // for them).
-  // saved_gate_up: the routed rows' saved pre-activations (by source), or null (recompute them).
+  // num_tokens: this rank's tokens of the call. saved_gate_up: the routed rows' saved
+  // pre-activations (by source), or null (recompute them).
   // shared_dx(): one rank alone, between the down wgrad and the gate/up dgrad (the shared
   // expert's dx dgrad, when its dx lives in w·h's bytes).
   template <class SharedDx, class Reduce, class Mark>
-  void run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
+  void run_routed_experts(const DeviceLayerWeights& weights, const bf16* x, int64_t num_tokens,
                           const bf16* saved_gate_up, const DeviceLayerGradients& grads,
                           const SharedDx& shared_dx, const Reduce& reduce, cudaStream_t stream,
                           const Mark& mark);
