@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from .. import _ops  # noqa: F401  (loads the ops)
+from .. import functional as _functional
 from .._reference import GATE_UP_BLOCK, fuse_gate_up, split_gate_up
 
 try:
@@ -62,7 +63,7 @@ if not hasattr(_hf_moe, "ExpertsInterface") or int(transformers.__version__.spli
                       f"transformers {transformers.__version__} is installed")
 
 NAME = "mok"
-CONTEXTS = ("save", "recompute")
+CONTEXTS = _functional.CONTEXTS  # ("save", "recompute")
 _context = "save"
 
 __all__ = ["NAME", "CONTEXTS", "UnsupportedExperts", "register", "experts_forward", "attach", "detach",
@@ -273,22 +274,17 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ExpertsInterface function: sum_j top_k_weights[:, j] * F_{top_k_index[:, j]}(x) for the
     (T, H) `hidden_states`, returned in their dtype. Computed by mok::forward in bf16 with fp32
-    router weights (mok::forward_save where autograd records it in save mode: `set_context`);
-    differentiable (mok::backward). The first call converts the module's weights to mok's layout
-    (module docstring)."""
+    router weights by `mok.functional.forward` in the context `set_context` chose; differentiable
+    (mok::backward). The first call converts the module's weights to mok's layout (module
+    docstring)."""
     if not _in_mok_layout(self):
         _to_mok_layout(self)
     if top_k_index.dtype not in (torch.int32, torch.int64):
         top_k_index = top_k_index.long()
-    weights = [weight.to(torch.bfloat16).contiguous()
-               for weight in (self.gate_up_proj, self.down_proj)]
-    inputs = (hidden_states.to(torch.bfloat16).contiguous(), top_k_index.contiguous(),
-              top_k_weights.to(torch.float32).contiguous(), *weights, None, None, 0)
-    records = torch.is_grad_enabled() and any(t.requires_grad for t in (inputs[0], inputs[2], *weights))
-    if records and _context == "save":
-        y = torch.ops.mok.forward_save(*inputs)[0]  # (its context is kept by autograd)
-    else:
-        y = torch.ops.mok.forward(*inputs)
+    weights = _functional.FusedExpertWeights(*(weight.to(torch.bfloat16).contiguous()
+                                                for weight in (self.gate_up_proj, self.down_proj)))
+    y = _functional.forward(hidden_states.to(torch.bfloat16).contiguous(), top_k_index.contiguous(),
+                            top_k_weights.to(torch.float32).contiguous(), weights, context=_context)
     return y.to(hidden_states.dtype)
 
 
