@@ -52,8 +52,10 @@ struct LaunchOptions {
   // x operand into all of them (TMA multicast); 0 = the default (2), 1 = no clusters. A grid of
   // fewer than two CTAs runs without. Same bits either way.
   int wgrad_cluster = 0;
-  // kAuto's engine for fp32-output dgrads looks at the rows a group gets on average: this call's
-  // (a layer knows them from its tokens), or 0 = capacity_rows / num_experts. Same bits either way.
+  // kAuto's engine for fp32-output dgrads and for bf16 forwards with K > 1536 looks at the rows a
+  // group gets on average: this call's (a layer knows them from its tokens), or 0 = not given
+  // (the dgrad then takes capacity_rows / num_experts; the forward stays cooperative). Same bits
+  // either way.
   int group_rows = 0;
 };
 

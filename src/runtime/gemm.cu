@@ -32,7 +32,8 @@ struct LaunchConfig {
 // the cooperative one's rate per clock, which only the short-K plain forward GEMM (qwen3-30b down,
 // K = 768: 1.06-1.07x in both runs) and the fp32 outputs below win back; everything else stays
 // cooperative.
-// rows_per_group: the output rows a group gets on average (LaunchOptions::group_rows), or -1.
+// rows_per_group: the output rows a group gets on average (LaunchOptions::group_rows; for the
+// dgrad, capacity_rows / num_experts when not given), or -1: unknown.
 int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
                 int reduction_length, int rows_per_group = -1) {
   switch (options.engine) {
@@ -49,6 +50,18 @@ int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilog
   constexpr int kPingpongMaxK = 1536;
   if (kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 &&
       reduction_length <= kPingpongMaxK) {
+    return 128;
+  }
+  // Longer K, where the caller gives the rows (the backward's recompute of the gate/up
+  // pre-activations): ping-pong over short experts, cooperative over long ones. Measured
+  // (backward.md v30, one H100): ping-pong ahead at 256 and 512 rows an expert (deepseek-v3 8.60
+  // against 15.85 ms, qwen3-235b-a22b 3.32 against 5.11), cooperative at 1024 and 2048
+  // (qwen3-30b-a3b 1.59 against 1.67, mixtral-8x7b 6.01 against 8.12). Short experts' M tiles
+  // share each weight panel; a CTA's two ping-pong consumers read it in step, separate
+  // cooperative CTAs drift apart and read it from DRAM again (v30's Nsight Compute figures).
+  constexpr int kForwardCooperativeMinRows = 1024;
+  if (kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 && rows_per_group > 0 &&
+      rows_per_group < kForwardCooperativeMinRows) {
     return 128;
   }
   // fp32 row outputs leave by synchronous register stores that stall a cooperative tile's MMAs;
@@ -183,9 +196,11 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
                 "SwiGLU needs gate/up blocks of 8: n must be a multiple of 16, got ", shape.n);
   if (shape.num_experts == 0) return;
   check_output(y, "y");
-  const LaunchConfig config = pick_config(
-      options, pick_engine(options, GemmKind::kForward, forward_epilogue(output), shape.k),
-      unknown_tiles);
+  const LaunchConfig config =
+      pick_config(options,
+                  pick_engine(options, GemmKind::kForward, forward_epilogue(output), shape.k,
+                              options.group_rows > 0 ? options.group_rows : -1),
+                  unknown_tiles);
   const CUtensorMap map_a =
       make_tensor_map_2d(x, shape.capacity_rows, shape.k, config.block_m(), "x");
   const CUtensorMap map_b =

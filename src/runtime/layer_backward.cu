@@ -41,6 +41,14 @@ __global__ void fill_kernel(float* values, int64_t count, float value) {
   }
 }
 
+// The rows a routed expert gets in a call of num_tokens tokens, on average (T k / E_l, every rank
+// taken to hold T tokens), for kAuto's engine choice (gemm::LaunchOptions::group_rows): not the
+// workspace's capacity, which a larger max_tokens_per_rank inflates.
+int routed_group_rows(const comm::WorkspaceLayout& layout, int64_t num_tokens) {
+  const int64_t experts = std::max<int64_t>(layout.experts_per_rank(), 1);
+  return static_cast<int>(std::max<int64_t>(1, num_tokens * layout.top_k / experts));
+}
+
 }  // namespace
 
 WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
@@ -284,14 +292,14 @@ void LayerBackward::shared_dx_dgrad(const DeviceLayerWeights& weights, int token
                       shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream, gemm_options);
 }
 
-void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, cudaStream_t stream) {
+void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, int64_t num_tokens,
+                                      cudaStream_t stream) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
-  // (rows, H) -> (rows, 2I) bf16: the gate/up pre-activations again. Ping-pong tiles unless the
-  // caller chose: measured ahead on the many short experts of EP 1 (docs/perf-notes/backward.md).
+  // (rows, H) -> (rows, 2I) bf16: the gate/up pre-activations again. kAuto picks the engine by
+  // the rows an expert gets in this call (T k / E_l), as for the down dgrad: ping-pong tiles over
+  // short experts, cooperative over long ones (docs/perf-notes/backward.md v30).
   gemm::LaunchOptions recompute_options = options_.gemm;
-  if (recompute_options.engine == gemm::GemmEngine::kAuto) {
-    recompute_options.engine = gemm::GemmEngine::kPingpong;
-  }
+  recompute_options.group_rows = routed_group_rows(layout, num_tokens);
   gemm::grouped_forward(
       {static_cast<int>(layout.experts_per_rank()), static_cast<int>(layout.rows_capacity()),
        static_cast<int>(2 * shape_.intermediate), static_cast<int>(shape_.hidden),
@@ -317,12 +325,10 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   // One rank alone: dy's, the dx and x's rows take expert_dy's bytes in turn
   // (kOneRankBackwardPhaseOrder).
   const bool one_rank = layout.rows_in_expert_dy;
-  // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows. kAuto picks its engine
-  // by the rows an expert gets in this call (T k / E_l, every rank taken to hold T tokens), not
-  // by the workspace's capacity, which a larger max_tokens_per_rank inflates.
+  // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows; kAuto picks its engine
+  // by the rows an expert gets in this call.
   gemm::LaunchOptions down_options = gemm_options;
-  down_options.group_rows =
-      static_cast<int>(std::max<int64_t>(1, num_tokens * layout.top_k / std::max(experts, 1)));
+  down_options.group_rows = routed_group_rows(layout, num_tokens);
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, down_options);
   mark();
@@ -414,7 +420,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       if (one_rank) {
         dispatch_x_and_dy(workspace_, options_, stream, /*beside=*/false, x, /*dy=*/nullptr);
       }
-      recompute_gate_up(weights, stream);
+      recompute_gate_up(weights, num_tokens, stream);
     }
     mark();
   };

@@ -216,7 +216,8 @@ class LayerBackward {
   void shared_dx_dgrad(const DeviceLayerWeights& weights, int tokens, cudaStream_t stream,
                        const gemm::LaunchOptions& gemm_options);
   // The routed gate/up pre-activations again, from expert_x into gate_up_ (recompute mode).
-  void recompute_gate_up(const DeviceLayerWeights& weights, cudaStream_t stream);
+  void recompute_gate_up(const DeviceLayerWeights& weights, int64_t num_tokens,
+                         cudaStream_t stream);
   // Every routed step after the dispatch and the gate/up recompute, the reduce (reduce(): dx and
   // d_topk_w) included, in phase_order(); x: the caller's, whose rows one rank alone dispatches
   // again before the gate/up wgrad. mark(): the end of a phase (an event when the caller asked
