@@ -389,15 +389,24 @@ def test_save_mode_keeps_the_pre_activations_on_the_gpu():
     assert kept["save"] - kept["recompute"] == -(-context_bytes // 512) * 512, kept
 
 
+def enable_activation_checkpointing(model):
+    """Non-reentrant activation checkpointing, under either name transformers has given it."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers 5.17 (the GPU machine's) and older
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_activation_checkpointing_gives_the_same_bits(device):
     """transformers' activation checkpointing (non-reentrant) recomputes parts of each decoder layer
-    in the backward (in 5.17 its attention; the experts' outputs, and mok's save-mode context with
-    them, stay saved): the same logits and gradients as without it."""
+    in the backward (in 5.17 and 5.25 its attention; the experts' outputs, and mok's save-mode
+    context with them, stay saved): the same logits and gradients as without it."""
     base = tiny_model("qwen3_moe", "mok").train()
     plain = logits_and_grads(base, "mok", torch.bfloat16, device)
     checkpointed = copy.deepcopy(base)
-    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(checkpointed)
     attention_calls = []
     for module in checkpointed.modules():
         if type(module).__name__.endswith("Attention"):
