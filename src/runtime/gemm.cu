@@ -12,6 +12,7 @@
 #include "mok/error.hpp"
 #include "runtime/cluster_launch.hpp"
 #include "runtime/device_memory.hpp"
+#include "runtime/gemm_engine.hpp"
 #include "runtime/gemm_tensor_map.hpp"
 
 namespace mok::gemm {
@@ -27,60 +28,19 @@ struct LaunchConfig {
   }
 };
 
-// The engine for a case; returns the ping-pong tile's BLOCK_M, or 0 for the cooperative kernel.
-// kAuto follows runs 5 and 6 of docs/perf-notes/gemm.md: the ping-pong mainloop runs at ~92 % of
-// the cooperative one's rate per clock, which only the short-K plain forward GEMM (qwen3-30b down,
-// K = 768: 1.06-1.07x in both runs) and the fp32 outputs below win back; everything else stays
-// cooperative.
-// rows_per_group: the output rows a group gets on average (LaunchOptions::group_rows; for the
-// dgrad, capacity_rows / num_experts when not given), or -1: unknown.
+// The engine for a case: the ping-pong tile's BLOCK_M, or 0 for the cooperative kernel; kAuto's
+// choice is runtime/gemm_engine.hpp's.
 int pick_engine(const LaunchOptions& options, GemmKind kind, EpilogueKind epilogue,
                 int reduction_length, int rows_per_group = -1) {
   switch (options.engine) {
     case GemmEngine::kCooperative:
       return 0;
     case GemmEngine::kPingpong:
-      return 128;
+      return kPingpongBlockM;
     case GemmEngine::kAuto:
       break;
   }
-  // Plain bf16 forward GEMMs with short K: ping-pong measured ahead on qwen3-30b down (K = 768)
-  // and qwen3-235b down (K = 1536) in the runs of a0aa876 and 7574ade; at K = 2048 the two trade
-  // places between runs (perf-notes/gemm.md v12).
-  constexpr int kPingpongMaxK = 1536;
-  if (kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 &&
-      reduction_length <= kPingpongMaxK) {
-    return 128;
-  }
-  // Longer K, where the caller gives the rows (the backward's recompute of the gate/up
-  // pre-activations): ping-pong over short experts, cooperative over long ones. Measured
-  // (backward.md v30, one H100): ping-pong ahead at 256 and 512 rows an expert (deepseek-v3 8.60
-  // against 15.85 ms, qwen3-235b-a22b 3.32 against 5.11), cooperative at 1024 and 2048
-  // (qwen3-30b-a3b 1.59 against 1.67, mixtral-8x7b 6.01 against 8.12). Short experts' M tiles
-  // share each weight panel; a CTA's two ping-pong consumers read it in step, separate
-  // cooperative CTAs drift apart and read it from DRAM again (v30's Nsight Compute figures).
-  constexpr int kForwardCooperativeMinRows = 1024;
-  if (kind == GemmKind::kForward && epilogue == EpilogueKind::kStoreBf16 && rows_per_group > 0 &&
-      rows_per_group < kForwardCooperativeMinRows) {
-    return 128;
-  }
-  // fp32 row outputs leave by synchronous register stores that stall a cooperative tile's MMAs;
-  // the ping-pong tiles overlap them (docs/perf-notes/backward.md v2). For the dgrad that now
-  // holds only at long K over short experts: cooperative measured ahead at K <= 4096 (the down
-  // dgrad at qwen3-30b-a3b 0.98 -> 0.77 ms, qwen3-235b-a22b 1.77 -> 1.64, mixtral-8x7b 4.24 ->
-  // 3.18) and at K = 7168 over 8192 rows (deepseek-v3's shared expert: its phase 1.73 -> 1.57),
-  // far behind at K = 7168 over ~256 rows an expert (deepseek-v3's routed one: 4.42 -> 6.88;
-  // backward.md v29). The forward's fp32 outputs (the unfused shared down) keep ping-pong, not
-  // measured since.
-  constexpr int kDgradFp32CooperativeMaxK = 4096, kDgradFp32CooperativeMinRows = 512;
-  if (epilogue == EpilogueKind::kStoreFp32) {
-    if (kind == GemmKind::kForward) return 128;
-    if (kind == GemmKind::kDgrad && reduction_length > kDgradFp32CooperativeMaxK &&
-        rows_per_group < kDgradFp32CooperativeMinRows) {
-      return 128;
-    }
-  }
-  return 0;
+  return auto_pingpong_block_m(kind, epilogue, reduction_length, rows_per_group);
 }
 
 // Persistent grid: one CTA per SM, fewer when the tile count is known to be smaller (wgrad).
@@ -143,10 +103,11 @@ void launch_kernel(GemmKernel kernel, int num_threads, uint32_t smem_bytes,
 template <GemmKind kKind, EpilogueKind kEpilogue>
 void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const GroupedGemmParams& params,
             const LaunchConfig& config, cudaStream_t stream, const CUtensorMap& map_c = {}) {
-  if (config.pingpong_block_m == 128) {
-    launch_kernel(&pingpong_gemm_kernel<kKind, kEpilogue, 128>, PingpongConfig<128>::kNumThreads,
-                  PingpongSharedLayout<kEpilogue, 128>::kLaunchBytes, map_a, map_b, map_c, params,
-                  config.num_ctas, stream);
+  if (config.pingpong_block_m == kPingpongBlockM) {
+    launch_kernel(&pingpong_gemm_kernel<kKind, kEpilogue, kPingpongBlockM>,
+                  PingpongConfig<kPingpongBlockM>::kNumThreads,
+                  PingpongSharedLayout<kEpilogue, kPingpongBlockM>::kLaunchBytes, map_a, map_b,
+                  map_c, params, config.num_ctas, stream);
     return;
   }
   if constexpr (kKind == GemmKind::kWgrad) {
@@ -231,8 +192,8 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
   check_output(dx, "dx");
   // C[rows, k] = dY[rows, n] · W[n, k]: the reduction runs over n, W is read n-rows by k-columns.
   // Every engine reads W in (64, 64) boxes and dY in (BLOCK_M, 64) boxes.
-  static_assert(PingpongConfig<128>::BLOCK_K == TileConfig::BLOCK_K &&
-                    PingpongConfig<128>::kPanel == TileConfig::kPanel,
+  static_assert(PingpongConfig<kPingpongBlockM>::BLOCK_K == TileConfig::BLOCK_K &&
+                    PingpongConfig<kPingpongBlockM>::kPanel == TileConfig::kPanel,
                 "one weight map for every engine");
   const EpilogueKind epilogue =
       output == DgradOutput::kFp32 ? EpilogueKind::kStoreFp32 : EpilogueKind::kStoreBf16;

@@ -11,25 +11,10 @@
 
 #include <cstdint>
 
+#include "kernels/gemm/gemm_kind.hpp"
 #include "mok/shape.hpp"
 
 namespace mok::gemm {
-
-enum class GemmKind {
-  kForward,  // A K-major (activations), B K-major (weights [E, N, K])
-  kDgrad,    // A K-major (dY), B MN-major (weights [E, K, N])
-  kWgrad,    // A MN-major (dY rows), B MN-major (X rows); K = the group's row count
-};
-
-enum class EpilogueKind {
-  kStoreBf16,       // C rounded to bf16
-  kSwiGluBf16,      // gate/up columns interleaved by 8: h = bf16(swiglu(g, u)), width N / 2
-  kStoreFp32,       // C in fp32
-  kAccumulateFp32,  // C = main_grad + A·B, accumulators initialised from the fp32 output
-  // FP8 engine only: gate/up columns interleaved by 128 (kSwiGluFp8Interleave); h = swiglu(g, u)
-  // quantized to E4M3 per 1 x 128 from fp32, width N / 2 bytes, its scales in output_scales.
-  kSwiGluFp8,
-};
 
 // SwiGLU interleave: fused weight row f holds gate row (f / 16) * 8 + f % 8 when f % 16 < 8, else
 // that up row. A 256-column tile thus holds 128 matching gate/up pairs in one thread's registers.

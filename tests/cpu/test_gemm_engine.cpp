@@ -1,0 +1,91 @@
+// kAuto's engine choice (runtime/gemm_engine.hpp) on the GEMMs of the presets' layers, each pinned
+// to the engine it was measured faster on (docs/perf-notes/gemm.md, backward.md v2, v29, v30). A
+// change of a threshold that moves one of these cases fails here: measure it first.
+#include <gtest/gtest.h>
+
+#include "runtime/gemm_engine.hpp"
+
+namespace mok::gemm {
+namespace {
+
+constexpr int kPingpong = kPingpongBlockM;
+constexpr int kCooperative = 0;
+
+// The rows a routed expert gets at EP 1 with bench_layer's tokens: T k / E.
+constexpr int kDeepseekRows = 8192 * 8 / 256;  // 256
+constexpr int kQwen235Rows = 8192 * 8 / 128;   // 512
+constexpr int kQwen30Rows = 16384 * 8 / 128;   // 1024
+constexpr int kMixtralRows = 8192 * 2 / 8;     // 2048
+
+TEST(GemmEngine, ShortKPlainForwardRunsOnPingpong) {
+  // The unfused down GEMMs of qwen3-30b-a3b (K = I = 768) and qwen3-235b-a22b (1536).
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 768, -1),
+            kPingpong);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 1536, -1),
+            kPingpong);
+  // Longer K with the rows unknown: cooperative (the two traded places at K = 2048).
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 2048, -1),
+            kCooperative);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 14336, -1),
+            kCooperative);
+}
+
+TEST(GemmEngine, RecomputedGateUpFollowsTheRowsPerExpert) {
+  // (rows, H) -> (rows, 2I) bf16, K = H: ping-pong over short experts, cooperative over long ones.
+  EXPECT_EQ(
+      auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 7168, kDeepseekRows),
+      kPingpong);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 4096, kQwen235Rows),
+            kPingpong);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 2048, kQwen30Rows),
+            kCooperative);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreBf16, 4096, kMixtralRows),
+            kCooperative);
+}
+
+TEST(GemmEngine, SwiGluForwardIsCooperative) {
+  for (const int rows : {-1, kDeepseekRows, kMixtralRows}) {
+    for (const int k : {768, 2048, 7168}) {
+      EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kSwiGluBf16, k, rows),
+                kCooperative)
+          << k << " " << rows;
+    }
+  }
+}
+
+TEST(GemmEngine, Fp32DgradIsPingpongOnlyAtLongKOverShortExperts) {
+  // The routed down dgrad (K = H): deepseek-v3's 256-row experts at K = 7168 on ping-pong.
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreFp32, 7168, kDeepseekRows),
+            kPingpong);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreFp32, 2048, kQwen30Rows),
+            kCooperative);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreFp32, 4096, kQwen235Rows),
+            kCooperative);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreFp32, 4096, kMixtralRows),
+            kCooperative);
+  // deepseek-v3's shared expert: one group of all 8192 tokens, K = 7168 (down) and 4096 (gate/up).
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreFp32, 7168, 8192),
+            kCooperative);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreFp32, 4096, 8192),
+            kCooperative);
+}
+
+TEST(GemmEngine, Bf16DgradAndEveryWgradAreCooperative) {
+  // The routed gate/up dgrad (K = 2I): cooperative even over deepseek-v3's short experts (v30).
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreBf16, 4096, kDeepseekRows),
+            kCooperative);
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kDgrad, EpilogueKind::kStoreBf16, 3072, kQwen235Rows),
+            kCooperative);
+  for (const EpilogueKind epilogue :
+       {EpilogueKind::kStoreBf16, EpilogueKind::kStoreFp32, EpilogueKind::kAccumulateFp32}) {
+    EXPECT_EQ(auto_pingpong_block_m(GemmKind::kWgrad, epilogue, -1, -1), kCooperative);
+  }
+}
+
+TEST(GemmEngine, UnfusedFp32ForwardRunsOnPingpong) {
+  EXPECT_EQ(auto_pingpong_block_m(GemmKind::kForward, EpilogueKind::kStoreFp32, 2048, -1),
+            kPingpong);
+}
+
+}  // namespace
+}  // namespace mok::gemm
