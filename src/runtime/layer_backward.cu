@@ -292,14 +292,14 @@ void LayerBackward::shared_dx_dgrad(const DeviceLayerWeights& weights, int token
                       shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream, gemm_options);
 }
 
-void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, int64_t num_tokens,
+void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, int group_rows,
                                       cudaStream_t stream) {
   const comm::WorkspaceLayout& layout = workspace_.layout();
   // (rows, H) -> (rows, 2I) bf16: the gate/up pre-activations again. kAuto picks the engine by
-  // the rows an expert gets in this call (T k / E_l), as for the down dgrad: ping-pong tiles over
-  // short experts, cooperative over long ones (docs/perf-notes/backward.md v30).
+  // the rows an expert gets in this call, as for the down dgrad: ping-pong tiles over short
+  // experts, cooperative over long ones (docs/perf-notes/backward.md v30).
   gemm::LaunchOptions recompute_options = options_.gemm;
-  recompute_options.group_rows = routed_group_rows(layout, num_tokens);
+  recompute_options.group_rows = group_rows;
   gemm::grouped_forward(
       {static_cast<int>(layout.experts_per_rank()), static_cast<int>(layout.rows_capacity()),
        static_cast<int>(2 * shape_.intermediate), static_cast<int>(shape_.hidden),
@@ -310,7 +310,7 @@ void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, int64_t
 
 template <class SharedDx, class Reduce, class Mark>
 void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const bf16* x,
-                                       int64_t num_tokens, const bf16* saved_gate_up,
+                                       int group_rows, const bf16* saved_gate_up,
                                        const DeviceLayerGradients& grads, const SharedDx& shared_dx,
                                        const Reduce& reduce, cudaStream_t stream,
                                        const Mark& mark) {
@@ -328,7 +328,7 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   // g = dy · W_down: (rows, H) -> (rows, I) fp32, on the unscaled dy rows; kAuto picks its engine
   // by the rows an expert gets in this call.
   gemm::LaunchOptions down_options = gemm_options;
-  down_options.group_rows = routed_group_rows(layout, num_tokens);
+  down_options.group_rows = group_rows;
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, down_options);
   mark();
@@ -406,6 +406,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   const bf16* saved_shared_gate_up = saved != nullptr ? saved->shared_gate_up : nullptr;
   const int tokens = static_cast<int>(num_tokens);
   const bool one_rank = workspace_.layout().rows_in_expert_dy;
+  const int group_rows = routed_group_rows(workspace_.layout(), num_tokens);
   const PhaseMarks mark(phase_events, stream);
   mark();
   // This rank's x, dy and router weights into its window, for the expert ranks (one rank alone
@@ -420,7 +421,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       if (one_rank) {
         dispatch_x_and_dy(workspace_, options_, stream, /*beside=*/false, x, /*dy=*/nullptr);
       }
-      recompute_gate_up(weights, num_tokens, stream);
+      recompute_gate_up(weights, group_rows, stream);
     }
     mark();
   };
@@ -455,7 +456,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       shared_dx_dgrad(weights, tokens, stream, options_.gemm);
     }
   };
-  run_routed_experts(weights, x, num_tokens, saved_gate_up, grads, shared_dx, reduce, stream, mark);
+  run_routed_experts(weights, x, group_rows, saved_gate_up, grads, shared_dx, reduce, stream, mark);
 }
 
 const char* phase_name(BackwardPhase phase) {

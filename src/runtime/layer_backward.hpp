@@ -216,18 +216,18 @@ class LayerBackward {
   void shared_dx_dgrad(const DeviceLayerWeights& weights, int tokens, cudaStream_t stream,
                        const gemm::LaunchOptions& gemm_options);
   // The routed gate/up pre-activations again, from expert_x into gate_up_ (recompute mode).
-  void recompute_gate_up(const DeviceLayerWeights& weights, int64_t num_tokens,
-                         cudaStream_t stream);
+  // group_rows: the rows a routed expert gets in this call (gemm::LaunchOptions::group_rows).
+  void recompute_gate_up(const DeviceLayerWeights& weights, int group_rows, cudaStream_t stream);
   // Every routed step after the dispatch and the gate/up recompute, the reduce (reduce(): dx and
   // d_topk_w) included, in phase_order(); x: the caller's, whose rows one rank alone dispatches
   // again before the gate/up wgrad. mark(): the end of a phase (an event when the caller asked
   // for them).
-  // num_tokens: this rank's tokens of the call. saved_gate_up: the routed rows' saved
-  // pre-activations (by source), or null (recompute them).
+  // group_rows: as for recompute_gate_up. saved_gate_up: the routed rows' saved pre-activations
+  // (by source), or null (recompute them).
   // shared_dx(): one rank alone, between the down wgrad and the gate/up dgrad (the shared
   // expert's dx dgrad, when its dx lives in w·h's bytes).
   template <class SharedDx, class Reduce, class Mark>
-  void run_routed_experts(const DeviceLayerWeights& weights, const bf16* x, int64_t num_tokens,
+  void run_routed_experts(const DeviceLayerWeights& weights, const bf16* x, int group_rows,
                           const bf16* saved_gate_up, const DeviceLayerGradients& grads,
                           const SharedDx& shared_dx, const Reduce& reduce, cudaStream_t stream,
                           const Mark& mark);
