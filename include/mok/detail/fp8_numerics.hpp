@@ -130,4 +130,14 @@ MOK_HOST_DEVICE float e8m0_inverse(uint8_t code) {
   return numerics::bits_to_float(static_cast<uint32_t>(254 - code) << 23);
 }
 
+// mxfp8's quantize-then-dequantize of one value of a block whose E8M0 code is `code`:
+// decode_e4m3(encode_e4m3(value * 2^-s)) * 2^s, the value the reference's block GEMM multiplies
+// (dequantize_cpu's element). It is exact in bf16 unless it lies below 2^-130 (only in a block
+// whose E8M0 code is 2 or less: amax at most 448 * 2^-125): the mxfp8 layer on the GPU feeds the
+// bf16 GEMMs these values.
+MOK_HOST_DEVICE float mx_round_trip(float value, uint8_t code) {
+  const uint8_t element = encode_e4m3(numerics::mul_rn(value, e8m0_inverse(code)));
+  return numerics::mul_rn(decode_e4m3(element), e8m0_to_float(code));
+}
+
 }  // namespace mok::fp8
