@@ -21,6 +21,7 @@
 #include "mok/error.hpp"
 #include "mok/gemm.hpp"
 #include "mok/layer_runner.hpp"
+#include "mok/precision.hpp"
 #include "mok/shape.hpp"
 #include "mok/synthetic.hpp"
 
@@ -51,7 +52,8 @@ struct Args {
   std::vector<int> comm_ctas{0}, minibatch_rows{0}, ring_rows{0};
   std::string out = "layer-mok.json", routing_dir;
   bool backward = true;
-  bool fp8 = false;  // --precision fp8
+  bool fp8 = false;  // --precision fp8 or mxfp8: an FP8 mode, run beside bf16
+  mok::Precision fp8_precision = mok::Precision::kFp8;  // which one
   int fp8_cluster = 0;
   mok::gemm::GemmEngine backward_engine = mok::gemm::GemmEngine::kAuto;
   int wgrad_cluster = 0;
@@ -73,16 +75,19 @@ usage: bench_layer [options]
   --backward 0|1            1: also the GPU backward, timed alone and as forward + backward
                             pairs, in recompute mode and in save mode (the forward keeps its
                             context) (default 1)
-  --precision bf16|fp8      fp8: after the bf16 forward, the forward in precision fp8 (the
-                            DeepSeek-V3 recipe; not yet fused) on the same inputs and weights,
-                            timed alike, and with --backward 1 the fp8 training step (weights
-                            quantized + forward + backward) in save mode and recompute mode, and
-                            the save mode step on the cached weights (a gradient-accumulation
-                            step: forward + backward); the JSON's cases then carry the fp8 figures
-                            (mok_ms, backward_ms, fwdbwd_ms, fwdbwd_cached_weights_ms, and
-                            *_recompute_ms) with
-                            "precision": "fp8" and the bf16 ones as bf16_forward_ms,
-                            bf16_backward_ms, bf16_fwdbwd_ms (default bf16)
+  --precision bf16|fp8|mxfp8
+                            fp8 or mxfp8: after the bf16 forward, the forward in that FP8 mode
+                            (fp8: the DeepSeek-V3 recipe, not yet fused; mxfp8: OCP MX blocks of
+                            32, a numerics mode on the bf16 engine) on the same inputs and
+                            weights, timed alike, and with --backward 1 its training step
+                            (weights quantized + forward + backward) in save mode and recompute
+                            mode, and the save mode step on the cached weights (a
+                            gradient-accumulation step: forward + backward); the JSON's cases
+                            then carry the mode's figures (mok_ms, backward_ms, fwdbwd_ms,
+                            fwdbwd_cached_weights_ms, and *_recompute_ms; the weight cache's
+                            bytes as fp8_weight_bytes_per_rank) with "precision": "fp8" or
+                            "mxfp8" and the bf16 ones as bf16_forward_ms, bf16_backward_ms,
+                            bf16_fwdbwd_ms (default bf16)
   --fp8-cluster N           CTAs per cluster of the fp8 forward's GEMMs: 1 or 2 (same bits;
                             default 1)
   --backward-engine E       the backward's GEMM engine: auto, cooperative or pingpong (same
@@ -148,9 +153,10 @@ bool parse(int argc, char** argv, Args& args) {
             throw mok::bench::UsageError(
                 key, "expected auto, cooperative or pingpong, got '" + value + "'");
         } else if (key == "--precision") {
-          if (value != "bf16" && value != "fp8")
-            throw mok::bench::UsageError(key, "expected bf16 or fp8, got '" + value + "'");
-          args.fp8 = value == "fp8";
+          if (value != "bf16" && value != "fp8" && value != "mxfp8")
+            throw mok::bench::UsageError(key, "expected bf16, fp8 or mxfp8, got '" + value + "'");
+          args.fp8 = value != "bf16";
+          if (args.fp8) args.fp8_precision = mok::parse_precision(value);
         } else if (key == "--fp8-cluster") {
           args.fp8_cluster = integer(key, value);
           if (args.fp8_cluster != 1 && args.fp8_cluster != 2)
@@ -271,6 +277,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.backward_engine = static_cast<int>(args.backward_engine);
   spec.wgrad_cluster = args.wgrad_cluster;
   spec.fp8_forward = args.fp8;
+  spec.fp8_precision = args.fp8_precision;
   spec.fp8_cluster = args.fp8_cluster;
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
@@ -296,44 +303,46 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     std::printf("%-26s recompute mode: backward %8.3f ms/rank; forward + backward %8.3f ms/rank\n",
                 "", result.backward_recompute_ms, result.forward_backward_recompute_ms);
   }
+  const std::string mode(mok::precision_name(args.fp8_precision));  // (with args.fp8)
   if (args.fp8) {
     std::printf(
-        "%-26s fp8: forward %8.3f ms/rank  %7.1f useful TFLOP/s  (%.2fx the bf16 forward); weights "
+        "%-26s %s: forward %8.3f ms/rank  %7.1f useful TFLOP/s  (%.2fx the bf16 forward); weights "
         "quantized in %.3f ms, cache %.2f GB/rank, buffers %.2f GB/rank\n",
-        "", result.fp8_forward_ms, flops / (result.fp8_forward_ms * 1e-3) * 1e-12,
+        "", mode.c_str(), result.fp8_forward_ms, flops / (result.fp8_forward_ms * 1e-3) * 1e-12,
         result.forward_ms / result.fp8_forward_ms, result.fp8_weight_quantize_ms,
         result.fp8_weight_bytes_per_rank / 1e9, result.fp8_buffer_bytes_per_rank / 1e9);
     for (size_t phase = 0; phase < result.fp8_phase_ms.size(); ++phase) {
-      std::printf("%s%s %.3f", phase == 0 ? "    fp8 phases (ms, slowest rank): " : ", ",
-                  result.phase_names[phase].c_str(), result.fp8_phase_ms[phase]);
+      if (phase == 0) std::printf("    %s phases (ms, slowest rank): ", mode.c_str());
+      std::printf("%s%s %.3f", phase == 0 ? "" : ", ", result.phase_names[phase].c_str(),
+                  result.fp8_phase_ms[phase]);
     }
     std::printf("\n");
     if (args.backward) {
       std::printf(
-          "%-26s fp8 training step (weights quantized + forward + backward, save mode) %8.3f "
+          "%-26s %s training step (weights quantized + forward + backward, save mode) %8.3f "
           "ms/rank (%.2fx the bf16 step); backward %8.3f ms/rank (%.2fx the bf16 backward), "
           "buffers %.2f GB/rank, context %.2f GB/rank\n",
-          "", result.fp8_step_ms, result.forward_backward_ms / result.fp8_step_ms,
+          "", mode.c_str(), result.fp8_step_ms, result.forward_backward_ms / result.fp8_step_ms,
           result.fp8_backward_ms, result.backward_ms / result.fp8_backward_ms,
           result.fp8_backward_buffer_bytes_per_rank / 1e9,
           result.fp8_saved_context_bytes_per_rank / 1e9);
       std::printf(
-          "%-26s fp8 step on the cached weights (forward + backward: gradient accumulation) "
+          "%-26s %s step on the cached weights (forward + backward: gradient accumulation) "
           "%8.3f ms/rank (%.2fx the bf16 step); recompute mode: step %8.3f, backward %8.3f "
           "ms/rank\n",
-          "", result.fp8_step_cached_weights_ms,
+          "", mode.c_str(), result.fp8_step_cached_weights_ms,
           result.forward_backward_ms / result.fp8_step_cached_weights_ms,
           result.fp8_step_recompute_ms, result.fp8_backward_recompute_ms);
       for (size_t phase = 0; phase < result.fp8_backward_phase_ms.size(); ++phase) {
-        std::printf("%s%s %.3f", phase == 0 ? "    fp8 backward phases (ms, slowest rank): " : ", ",
-                    result.backward_phase_names[phase].c_str(),
+        if (phase == 0) std::printf("    %s backward phases (ms, slowest rank): ", mode.c_str());
+        std::printf("%s%s %.3f", phase == 0 ? "" : ", ", result.backward_phase_names[phase].c_str(),
                     result.fp8_backward_phase_ms[phase]);
       }
       std::printf("\n");
     }
   }
   std::fflush(stdout);
-  // fp8: the case is the fp8 forward's, the bf16 forward beside it.
+  // An FP8 mode: the case is its forward's, the bf16 forward beside it.
   const double case_ms = args.fp8 ? result.fp8_forward_ms : result.forward_ms;
   const std::vector<double>& case_phases = args.fp8 ? result.fp8_phase_ms : result.phase_ms;
   const int64_t case_buffers =
@@ -359,7 +368,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
       args.l2_tickets ? "true" : "false", args.stale_rows ? "true" : "false");
   out << line;
   if (args.fp8) {
-    out << ", \"precision\": \"fp8\", \"bf16_forward_ms\": " << result.forward_ms
+    out << ", \"precision\": \"" << mode << "\", \"bf16_forward_ms\": " << result.forward_ms
         << ", \"weight_quantize_ms\": " << result.fp8_weight_quantize_ms
         << ", \"fp8_weight_bytes_per_rank\": " << result.fp8_weight_bytes_per_rank
         << ", \"bf16_phases_ms\": {";
@@ -370,9 +379,9 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     out << "}";
   }
   if (args.backward && args.fp8) {
-    // The fp8 training step (save mode, the weights' quantization inside each step), the same on
-    // the cached weights (gradient accumulation), recompute mode's beside them, and the bf16 one
-    // (save mode) as bf16_*.
+    // The FP8 mode's training step (save mode, the weights' quantization inside each step), the
+    // same on the cached weights (gradient accumulation), recompute mode's beside them, and the
+    // bf16 one (save mode) as bf16_*.
     out << ", \"backward_ms\": " << result.fp8_backward_ms
         << ", \"fwdbwd_ms\": " << result.fp8_step_ms
         << ", \"fwdbwd_cached_weights_ms\": " << result.fp8_step_cached_weights_ms
@@ -466,8 +475,8 @@ int run(int argc, char** argv) {
     const mok::LayerShape shape =
         args.custom ? args.custom_shape : mok::find_preset(which.preset).shape;
     shape.validate(which.ep);
-    const std::string unfit = mok::gpu_layer_unfit_reason(shape, which.ep, which.tokens_per_rank,
-                                                          args.backward, args.fp8);
+    const std::string unfit = mok::gpu_layer_unfit_reason(
+        shape, which.ep, which.tokens_per_rank, args.backward, args.fp8, args.fp8_precision);
     if (!unfit.empty()) {
       std::printf("%-26s skipped: %s\n", which.name.c_str(), unfit.c_str());
       continue;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mok/bf16.hpp"
+#include "mok/precision.hpp"
 #include "mok/shape.hpp"
 #include "mok/synthetic.hpp"
 
@@ -64,13 +65,16 @@ struct LayerRunSpec {
   // CTAs per cluster of the backward's wgrad GEMMs (gemm::LaunchOptions::wgrad_cluster; 0 = the
   // default; same bits whichever).
   int wgrad_cluster = 0;
-  // After the forward's timing, the forward in precision fp8 (LayerForwardFp8) on the same inputs
-  // and weights: the weight cache quantized once (timed), then warmed up and timed as the bf16
-  // forward is; its y kept in fp8_y (keep_y). H, I and I_s multiples of 128. With `backward`, then
-  // the fp8 training step (LayerBackwardFp8, bf16 weight gradients) timed as the bf16 pairs are,
-  // each step from the weights' quantization (both layouts) to the backward's end.
+  // After the forward's timing, the forward in the FP8 mode fp8_precision on the same inputs and
+  // weights (fp8: LayerForwardFp8; mxfp8: LayerForwardMxfp8, the numerics mode on the bf16
+  // engine): the weight cache quantized once (timed), then warmed up and timed as the bf16 forward
+  // is; its y kept in fp8_y (keep_y). H, I and I_s multiples of the mode's block. With `backward`,
+  // then the mode's training step (LayerBackwardFp8 or LayerBackwardMxfp8, bf16 weight gradients)
+  // timed as the bf16 pairs are, each step from the weights' quantization (both layouts) to the
+  // backward's end. The fp8_* figures below are the mode's, whichever it is.
   bool fp8_forward = false;
-  int fp8_cluster = 0;  // its GEMMs' CTAs per cluster (1 or 2; 0 = LayerForwardFp8Options')
+  Precision fp8_precision = Precision::kFp8;  // kFp8 or kMxfp8
+  int fp8_cluster = 0;  // fp8's GEMMs' CTAs per cluster (1 or 2; 0 = LayerForwardFp8Options')
   int warmup = 3;       // untimed forwards first: at least this many, and
   // more until this many milliseconds have passed (every rank runs as many as rank 0): under the
   // power cap the clock follows the power of the last fraction of a second, so a few forwards of
@@ -109,19 +113,20 @@ struct LayerRunResult {
   std::vector<float> grad_shared_gate_up;  // (ep, 2I_s, H)
   std::vector<float> grad_shared_down;     // (ep, H, I_s)
   int64_t weight_bytes_per_rank = 0;
-  // spec.fp8_forward: the fp8 forward's median and phases (slowest rank; the phases' names are
-  // phase_names), the weight quantization's time (once, slowest rank), its buffers and cache.
+  // spec.fp8_forward: the FP8 mode's forward's median and phases (slowest rank; the phases' names
+  // are phase_names), the weight quantization's time (once, slowest rank), its buffers and cache.
   double fp8_forward_ms = 0;
   std::vector<double> fp8_phase_ms;
   double fp8_weight_quantize_ms = 0;
   int64_t fp8_buffer_bytes_per_rank = 0;
   int64_t fp8_weight_bytes_per_rank = 0;
   std::vector<bf16> fp8_y;  // (T_global, H) when keep_y
-  // spec.fp8_forward and spec.backward: the fp8 backward's median and phases (backward_phase_names)
-  // and the whole step's (weights quantized, forward, backward), slowest rank, in save mode (the
-  // forward keeps its context, fp8_saved_context_bytes_per_rank), and in recompute mode; its
-  // buffers. And the save mode step on the cached weights (forward, backward): a
-  // gradient-accumulation step after the first, the weights unchanged since their quantization.
+  // spec.fp8_forward and spec.backward: the FP8 mode's backward's median and phases
+  // (backward_phase_names) and the whole step's (weights quantized, forward, backward), slowest
+  // rank, in save mode (the forward keeps its context, fp8_saved_context_bytes_per_rank), and in
+  // recompute mode; its buffers. And the save mode step on the cached weights (forward,
+  // backward): a gradient-accumulation step after the first, the weights unchanged since their
+  // quantization.
   double fp8_backward_ms = 0;
   double fp8_step_ms = 0;
   double fp8_step_cached_weights_ms = 0;
@@ -145,9 +150,11 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec);
 // Empty when `ep` Hopper GPUs are visible and each has room for its share of the layer (weights,
 // workspace, intermediates, inputs), else why not ("needs 2 GPUs, 1 visible").
 // backward: room for the backward too (LayerBackward, fp32 weight gradients). fp8: room for the
-// fp8 layer run beside the bf16 one, as run_layer_forward runs it (spec.fp8_forward: the weight
-// cache, the fp8 forward's and backward's buffers, their gradients and context).
+// layer in the FP8 mode fp8_precision run beside the bf16 one, as run_layer_forward runs it
+// (spec.fp8_forward: the weight cache, the mode's forward's and backward's buffers, their
+// gradients and context).
 std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank,
-                                   bool backward = false, bool fp8 = false);
+                                   bool backward = false, bool fp8 = false,
+                                   Precision fp8_precision = Precision::kFp8);
 
 }  // namespace mok

@@ -118,9 +118,9 @@ struct ForwardCall {
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
-  // "bf16" or "fp8". fp8's saved context has bf16's rows (its sums in the fp8 weight cache's
-  // column order), and fp8 reads the weights from the workspace's fp8 weight cache (see Fp8
-  // weight cache below).
+  // "bf16", "fp8" or "mxfp8". The FP8 modes' saved context has bf16's rows (fp8: its sums in the
+  // fp8 weight cache's column order; mxfp8: bf16's), and they read the weights from the
+  // workspace's weight cache of their mode (see the fp8 weight cache below; mxfp8's alike).
   std::string precision = "bf16";
   int64_t weights_version = -1;
 };
@@ -170,8 +170,8 @@ struct BackwardCall {
   int64_t num_tokens = 0;
   int device = 0;
   void* stream = nullptr;  // cudaStream_t
-  // "bf16" or "fp8" (recompute mode only: saved_* null), as ForwardCall's; fp8 reads the
-  // workspace's fp8 weight cache, made anew from `weights` as described above ForwardCall's.
+  // "bf16", "fp8" or "mxfp8", as ForwardCall's; the FP8 modes read the workspace's weight cache
+  // of their mode, made anew from `weights` as described above ForwardCall's.
   std::string precision = "bf16";
   int64_t weights_version = -1;
 };
@@ -180,7 +180,7 @@ struct BackwardCall {
 // computes the gate/up activations again from x, without) on `stream`, no host synchronisation.
 // `workspace` as for forward; the backward's own buffers are made on its first call of each
 // precision (collectively, when num_ranks > 1: every rank calls backward). fp8:
-// LayerBackwardFp8, recompute mode, on the workspace's fp8 weight cache.
+// LayerBackwardFp8 on the workspace's fp8 weight cache; mxfp8: LayerBackwardMxfp8 on its own.
 void backward(int64_t workspace, const BackwardCall& call);
 
 // Waits for `stream` and throws CoreError naming rank, phase and cause of a device fault that a

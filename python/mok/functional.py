@@ -21,7 +21,7 @@ What runs where:
     CUDA tensors  forward: mok's GPU layer (LayerForward) on the current CUDA stream, no host
                   synchronisation, EP over the workspace's process group, bitwise EP-invariant.
                   backward: mok's GPU backward (LayerBackward) on the current stream, no host
-                  synchronisation, EP over the same group. Both in bf16 and fp8 (mxfp8: CPU only).
+                  synchronisation, EP over the same group. Both in every MoKConfig.precision.
 
 Precision (MoKConfig.precision, from the workspace's config or forward's and backward's `config`):
     "bf16"   bf16 operands, fp32 accumulation.
@@ -32,7 +32,10 @@ Precision (MoKConfig.precision, from the workspace's config or forward's and bac
              changed in place (an optimizer step): a backward always differentiates the layer at
              the weights passed to it, in an autograd step the forward's. On CPU tensors its
              autograd context is the inputs alone (recompute mode, whatever `context` says).
-    "mxfp8"  E4M3 with E8M0 scales per 1 x 32 (OCP MX); H, I and I_s multiples of 32. CPU only.
+    "mxfp8"  E4M3 with E8M0 scales per 1 x 32 (OCP MX); H, I and I_s multiples of 32. CPU and CUDA
+             tensors, forward and backward, as fp8 (on CUDA a numerics mode on the bf16 GPU layer:
+             each operand quantized to mxfp8 and dequantized into bf16; its weights round-tripped
+             into a cache per workspace that follows the weights as fp8's does).
     The quantization points are listed in docs/quantize.md; inputs, outputs and gradients keep the
     dtypes above.
 
@@ -42,8 +45,9 @@ The autograd context, two modes with the same bits (forward's `context`):
                  backward reads them instead of computing them again.
     "recompute"  only the inputs are kept; the backward dispatches x again and recomputes them
                  (less memory, one gate/up GEMM more: for activation checkpointing).
-    In fp8 on CUDA tensors the same (the sums of the FP8 gate/up GEMM rounded to bf16); mxfp8, and
-    fp8 on CPU tensors, keep the inputs alone in either mode (their backward recomputes).
+    In fp8 and mxfp8 on CUDA tensors the same (fp8: the sums of the FP8 gate/up GEMM rounded to
+    bf16); the FP8 modes on CPU tensors keep the inputs alone in either mode (their backward
+    recomputes).
 """
 
 from __future__ import annotations
@@ -58,8 +62,6 @@ from ._reference import fuse_gate_up, split_gate_up
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 CONTEXTS = ("save", "recompute")
-GPU_PRECISIONS = ("bf16", "fp8")  # what the GPU layer trains in; the CPU backend runs every one
-GPU_FORWARD_PRECISIONS = GPU_PRECISIONS  # what its forward computes (the same ones)
 
 __all__ = [
     "ExpertWeights", "FusedExpertWeights", "MoKConfig", "LayerShape", "Workspace", "create_workspace",
@@ -131,8 +133,8 @@ class MoKConfig:
         at least 256. None sizes it for every row a call can route here (one round); fewer bound
         the memory, and any routing still runs, in further rounds through the ring (no token is
         dropped). The CPU backend has no ring and ignores it.
-    precision: "bf16", "fp8" or "mxfp8" (the module docstring); all three on CPU tensors, bf16 and
-        fp8 on CUDA tensors (forward and backward), mxfp8 not yet."""
+    precision: "bf16", "fp8" or "mxfp8" (the module docstring); all three on CPU and CUDA tensors,
+        forward and backward."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -150,16 +152,6 @@ class MoKConfig:
                              f"blocks), got {self.ring_rows}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
-
-    def check_device(self, device, forward_only: bool = False) -> None:
-        """Raises NotImplementedError when the layer cannot compute this precision on `device`
-        (forward_only: a forward that autograd does not record; GPU_FORWARD_PRECISIONS, the same
-        as GPU_PRECISIONS now that fp8 trains on CUDA too)."""
-        if torch.device(device).type != "cuda":
-            return
-        if self.precision not in (GPU_FORWARD_PRECISIONS if forward_only else GPU_PRECISIONS):
-            raise NotImplementedError(f"MoKConfig.precision: {self.precision} runs on CPU tensors only so far: "
-                                      "the GPU layer computes bf16, and fp8's forward and backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +239,6 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
     id, the group broadcasts it, and every rank makes its NCCL communicator and window from it."""
     device = torch.device(device)
     config = config or MoKConfig()
-    config.check_device(device, forward_only=True)  # (a workspace serves forwards too)
     if max_tokens_per_rank <= 0:
         raise ValueError(f"max_tokens_per_rank: must be positive, got {max_tokens_per_rank}")
     if shape.top_k > shape.num_experts:
@@ -334,15 +325,12 @@ def build_schedule(topk_idx: torch.Tensor, num_experts: int) -> Schedule:
     return Schedule(counts, offsets, rows // k, rows % k)
 
 
-def _precision(x: torch.Tensor, workspace: Optional[Workspace], config: Optional[MoKConfig],
-               forward_only: bool = False) -> str:
-    """The call's precision: the workspace's config, else `config`, else bf16; checked for x's device
-    (forward_only: a forward that autograd does not record)."""
+def _precision(workspace: Optional[Workspace], config: Optional[MoKConfig]) -> str:
+    """The call's precision: the workspace's config, else `config`, else bf16."""
     if workspace is not None and config is not None and config != workspace.config:
         raise ValueError("config: differs from workspace.config (a call with a workspace computes with "
                          "the workspace's config; pass one of the two)")
     config = workspace.config if workspace is not None else config or MoKConfig()
-    config.check_device(x.device, forward_only)
     return config.precision
 
 
@@ -356,23 +344,23 @@ def forward(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, weigh
     needs `workspace` (get_workspace with the group); without one a CUDA call is EP = 1 on an
     automatic workspace. Device faults (an expert id out of range) surface at check_errors().
     context: what autograd keeps for the backward, "save" or "recompute" (module docstring); a
-    call that autograd does not record keeps nothing; mxfp8, and fp8 on CPU tensors, keep the
-    inputs alone either way (recompute). config: the MoKConfig of a call without a workspace (its precision; a
-    workspace brings its own). On CUDA tensors bf16 and fp8 run, forward and backward; mxfp8 raises
-    NotImplementedError."""
+    call that autograd does not record keeps nothing; the FP8 modes on CPU tensors keep the inputs
+    alone either way (recompute). config: the MoKConfig of a call without a workspace (its
+    precision; a workspace brings its own). Every precision runs on CUDA tensors, forward and
+    backward."""
     if context not in CONTEXTS:
         raise ValueError(f"context: one of {CONTEXTS}, got {context!r}")
     fused = _fused(weights)
     records = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_w, *fused))
-    precision = _precision(x, workspace, config, forward_only=not records)
+    precision = _precision(workspace, config)
     if workspace is not None:
         workspace.check(x, topk_idx, fused)
     handle = workspace.handle if workspace is not None else 0
-    # Save mode keeps the gate/up pre-activations for the GPU backward in bf16 and fp8; the CPU
-    # backend's FP8 modes have no such context (their backward recomputes): forward, recorded, keeps
-    # the inputs.
-    if context == "save" and records and (precision == "bf16" or (precision == "fp8" and x.is_cuda)):
+    # Save mode keeps the gate/up pre-activations for the GPU backward in every precision and for
+    # the CPU backend's in bf16; the CPU backend's FP8 modes have no such context (their backward
+    # recomputes): forward, recorded, keeps the inputs.
+    if context == "save" and records and (precision == "bf16" or x.is_cuda):
         return torch.ops.mok.forward_save(x, topk_idx, topk_w, *fused, handle, precision)[0]
     return torch.ops.mok.forward(x, topk_idx, topk_w, *fused, handle, precision)
 
@@ -390,10 +378,11 @@ def backward(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: 
     """Gradients of the layer for upstream gradient dy, all weight gradients in fp32 and in the
     layout of `weights`. With `main_grads` (fp32 buffers of that layout), each gradient is also
     added to its buffer in place. Recomputes the forward internally: nothing is saved between the
-    calls. CUDA tensors: mok's GPU backward on the current stream (module docstring; fp8 quantizes
-    `weights` into the workspace's weight cache unless they are those of its last call, unchanged).
+    calls. CUDA tensors: mok's GPU backward on the current stream (module docstring; the FP8 modes
+    quantize `weights` into the workspace's weight cache unless they are those of its last call,
+    unchanged).
     config: as forward's."""
-    precision = _precision(x, workspace, config)
+    precision = _precision(workspace, config)
     fused = _fused(weights)
     if workspace is not None:
         workspace.check(x, topk_idx, fused)

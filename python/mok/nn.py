@@ -27,9 +27,9 @@ class MoE(nn.Module):
 
     Input (..., H) of any float dtype (computed in bf16); output (..., H) bf16. CPU tensors run
     mok's CPU backend, forward and backward, in `config.precision` (bf16, fp8 or mxfp8). CUDA
-    tensors run mok's GPU layer forward and backward in bf16 or fp8 (fp8: its weights quantized
-    once per change of them, e.g. per optimizer step, into a cache that forward and backward
-    share); mxfp8 on CUDA raises NotImplementedError.
+    tensors run mok's GPU layer forward and backward in the same precisions (fp8 and mxfp8: its
+    weights quantized once per change of them, e.g. per optimizer step, into a cache that forward
+    and backward share).
 
     Expert parallelism: with `process_group` of R ranks, rank r holds experts r*E/R .. and the
     first CUDA call makes the workspace collectively (every rank calls the module). Its capacity is

@@ -440,29 +440,6 @@ def test_fp8_errors():
     workspace = mf.create_workspace(mf.LayerShape(H, I, E, K, I_S), T, "cpu")
     with pytest.raises(ValueError, match="config: differs from workspace.config"):
         mf.forward(x, idx, w, weights, workspace=workspace, config=mf.MoKConfig(precision="fp8"))
-    # The GPU layer computes bf16 and fp8, forward and backward: mxfp8 is refused before any CUDA call.
-    with pytest.raises(NotImplementedError, match="precision: mxfp8 runs on CPU tensors only so far: "
-                                                  "the GPU layer computes bf16, and fp8's forward and backward"):
-        mf.create_workspace(mf.LayerShape(256, 128, 8, 2), 64, "cuda", config=mf.MoKConfig(precision="mxfp8"))
-    with pytest.raises(NotImplementedError, match="precision: mxfp8 runs on CPU tensors only so far"):
-        mf.MoKConfig(precision="mxfp8").check_device("cuda:1")
-    mf.MoKConfig(precision="fp8").check_device("cuda:1")
-    mf.MoKConfig(precision="fp8").check_device("cuda:1", forward_only=True)
-    mf.MoKConfig(precision="fp8").check_device("cpu")
-    mf.MoKConfig().check_device("cuda")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_refuse_mxfp8():
-    x, idx, w, weights = make_inputs(28, sizes=FP8_SIZES)
-    fused = mf.FusedExpertWeights(*(t.cuda() for t in weights.fused()))
-    # (fp8 trains on CUDA tensors: python/tests/test_torch_cuda_fp8.py.)
-    with pytest.raises(NotImplementedError, match="mxfp8 runs on CPU tensors only so far"):
-        mf.forward(x.cuda(), idx.cuda(), w.cuda(), fused, config=mf.MoKConfig(precision="mxfp8"))
-    with pytest.raises(ValueError, match="precision: mxfp8 runs on CPU tensors only so far"):
-        torch.ops.mok.forward(x.cuda(), idx.cuda(), w.cuda(), *fused, 0, "mxfp8")
-    with pytest.raises(ValueError, match="precision: mxfp8 runs on CPU tensors only so far"):
-        torch.ops.mok.forward_save(x.cuda(), idx.cuda(), w.cuda(), *fused, 0, "mxfp8")
 
 
 @pytest.mark.parametrize("precision", ["fp8", "mxfp8"])

@@ -1,11 +1,13 @@
-"""mok's GPU layer in precision fp8 through the torch front end on one Hopper GPU (EP = 1): the
-forward and, through autograd or mok.functional.backward, the backward (LayerBackwardFp8,
-recompute mode, on the weight cache the forward made). y and every gradient against the CPU
-backend's fp8 mode (the same recipe and rounding points) and against an fp64 oracle of the bf16
-inputs, within the FP8 rule of the C++ tests (no more than 5 % above the CPU backend's error);
-bitwise repeats, save = recompute mode, autograd = mok.functional.backward; the weight cache made
-anew after an in-place change of a weight (between steps, and between a forward and a backward);
-no host synchronisation; mxfp8 refused with a clear error. Run as
+"""mok's GPU layer in the FP8 modes (fp8: LayerForwardFp8 and LayerBackwardFp8; mxfp8:
+LayerForwardMxfp8 and LayerBackwardMxfp8, the numerics mode on the bf16 engine) through the torch
+front end on one Hopper GPU (EP = 1): the forward and, through autograd or
+mok.functional.backward, the backward (save or recompute mode, on the weight cache the forward
+made). y and every gradient against the CPU backend's same mode (the same recipe and rounding
+points) and against an fp64 oracle of the bf16 inputs, within the FP8 rule of the C++ tests (no
+more than 5 % above the CPU backend's error); bitwise repeats, save = recompute mode, autograd =
+mok.functional.backward; the weight cache made anew after an in-place change of a weight (between
+steps, and between a forward and a backward, and between calls of the two modes on one
+workspace); no host synchronisation. Run as
 
     python3 -m pytest python/tests/test_torch_cuda_fp8.py
 
@@ -26,9 +28,16 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 
 FP8 = mf.MoKConfig(precision="fp8")
 MXFP8 = mf.MoKConfig(precision="mxfp8")
+CONFIGS = {"fp8": FP8, "mxfp8": MXFP8}
+PRECISIONS = list(CONFIGS)
 # (H, I, I_s, E, k, T): whole 128-blocks; two of them along I, one token count not a multiple of 128.
 SHAPES = [(256, 256, 128, 16, 4, 301), (512, 128, 0, 8, 2, 72)]
 SHAPE_IDS = ["H{}-I{}-Is{}-E{}-k{}-T{}".format(*s) for s in SHAPES]
+# mxfp8's blocks of 32 only: H, I and I_s not multiples of 128.
+MX_SHAPES = [(160, 96, 64, 8, 2, 75)]
+# (precision, shape): each mode on every shape its blocks divide.
+CASES = [("fp8", shape) for shape in SHAPES] + [("mxfp8", shape) for shape in SHAPES + MX_SHAPES]
+CASE_IDS = [f"{precision}-" + "H{}-I{}-Is{}-E{}-k{}-T{}".format(*shape) for precision, shape in CASES]
 
 
 def problem(shape, seed):
@@ -88,10 +97,11 @@ def clones(weights):
     return type(weights)(*(t.detach().clone() if t is not None else None for t in weights))
 
 
-def training_step(x, idx, w, weights, dy, context="save"):
-    """Forward and backward through autograd in fp8 on fresh leaves: y and every gradient."""
+def training_step(x, idx, w, weights, dy, context="save", config=FP8):
+    """Forward and backward through autograd in `config`'s FP8 mode on fresh leaves: y and every
+    gradient."""
     mx, mw, mweights = leaves(x, w, weights)
-    y = mf.forward(mx, idx, mw, mweights, context=context, config=FP8)
+    y = mf.forward(mx, idx, mw, mweights, context=context, config=config)
     y.backward(dy)
     result = gradients(mx, mw, mweights)
     result["y"] = y.detach()
@@ -102,39 +112,42 @@ def same_bits(a, b):
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_fp8_forward_follows_the_cpu_recipe(shape):
+@pytest.mark.parametrize("precision,shape", CASES, ids=CASE_IDS)
+def test_fp8_forward_follows_the_cpu_recipe(precision, shape):
+    config = CONFIGS[precision]
     x, idx, w, weights = problem(shape, 5)
     exact = oracle(x, idx, w, weights)
-    cpu = mf.forward(x, idx, w, weights, config=FP8)
+    cpu = mf.forward(x, idx, w, weights, config=config)
     gpu_weights = on_cuda(weights)
     with torch.no_grad():
-        y = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=FP8)
-        again = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=FP8)
+        y = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=config)
+        again = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=config)
     mf.check_errors()
     assert torch.isfinite(y.float()).all()
     assert torch.equal(y.view(torch.int16), again.view(torch.int16)), "a repeat differs bitwise"
     gpu_error, cpu_error = rel_l2(y.cpu(), exact), rel_l2(cpu, exact)
-    print(f"fp8 y vs fp64 {shape}: GPU {gpu_error:.5f}, CPU backend {cpu_error:.5f}, "
+    print(f"{precision} y vs fp64 {shape}: GPU {gpu_error:.5f}, CPU backend {cpu_error:.5f}, "
           f"GPU vs CPU {rel_l2(y.cpu(), cpu):.5f}")
     assert gpu_error <= 1.05 * cpu_error, (gpu_error, cpu_error)
-    # The same recipe: the two differ by the accumulation (the tensor cores' FP8 sums) and the
-    # E4M3 rounding of h that it moves, far less than the quantization itself (~6 % here).
+    # The same recipe: the two differ by the accumulation (fp8: the tensor cores' FP8 sums; mxfp8:
+    # the same exact products summed in another order) and the E4M3 rounding of h that it moves,
+    # far less than the quantization itself (~6 % here).
     assert rel_l2(y.cpu(), cpu) < 0.25 * cpu_error
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_fp8_training_step_follows_the_cpu_recipe(shape):
-    """y, dx, d_topk_w and every weight gradient of an autograd step in fp8 on CUDA against the
-    CPU backend's fp8 step on the same inputs and against fp64 autograd of the bf16 inputs: the
-    GPU's error no more than 5 % above the CPU backend's, the two far closer to each other than to
-    the oracle (the same recipe; they differ by the FP8 tensor cores' sums and the roundings those
-    move, as the forward does)."""
+@pytest.mark.parametrize("precision,shape", CASES, ids=CASE_IDS)
+def test_fp8_training_step_follows_the_cpu_recipe(precision, shape):
+    """y, dx, d_topk_w and every weight gradient of an autograd step in the FP8 mode on CUDA
+    against the CPU backend's step in that mode on the same inputs and against fp64 autograd of the
+    bf16 inputs: the GPU's error no more than 5 % above the CPU backend's, the two far closer to
+    each other than to the oracle (the same recipe; they differ by the sums' order and the
+    roundings that moves, as the forward does)."""
+    config = CONFIGS[precision]
     x, idx, w, weights = problem(shape, 8)
     weights = weights.fused()  # the layout mok.nn.MoE keeps (gradients in it too)
     dy = upstream(shape, 9)
-    cpu = training_step(x, idx, w, weights, dy)
-    gpu = training_step(x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights), dy.cuda())
+    cpu = training_step(x, idx, w, weights, dy, config=config)
+    gpu = training_step(x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights), dy.cuda(), config=config)
     mf.check_errors()
 
     # (fp64 autograd on the GPU: on a few CPU cores it takes tens of seconds)
@@ -151,27 +164,29 @@ def test_fp8_training_step_follows_the_cpu_recipe(shape):
         assert torch.isfinite(mine.float()).all(), f"{name}: non-finite (unwritten?)"
         gpu_error, cpu_error = rel_l2(mine, exact[name]), rel_l2(cpu[name], exact[name])
         apart = rel_l2(mine, cpu[name])
-        print(f"fp8 {name} vs fp64 {shape}: GPU {gpu_error:.5f}, CPU backend {cpu_error:.5f}, "
+        print(f"{precision} {name} vs fp64 {shape}: GPU {gpu_error:.5f}, CPU backend {cpu_error:.5f}, "
               f"GPU vs CPU {apart:.5f}")
         assert gpu_error <= 1.05 * cpu_error, (name, gpu_error, cpu_error)
         assert apart < 0.25 * cpu_error, (name, apart, cpu_error)
     assert gpu["d_topk_w"][3, shape[4] - 1].item() == 0.0, "the unused slot's d_topk_w"
 
 
-def test_fp8_backward_repeats_bitwise():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fp8_backward_repeats_bitwise(precision):
     """Autograd steps on new leaves (the cache quantized anew each time), the save and recompute
     contexts, and mok.functional.backward on the same tensors (the cache as it is) all give the
     same bits; the bf16 gradients autograd gets for bf16 parameters
     are the fp32 ones rounded once."""
+    config = CONFIGS[precision]
     shape = SHAPES[0]
     x, idx, w, weights = problem(shape, 10)
     x, idx, w, weights, dy = x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights.fused()), upstream(shape, 11).cuda()
-    first = training_step(x, idx, w, weights, dy)
+    first = training_step(x, idx, w, weights, dy, config=config)
     for context in ("save", "recompute", "save"):
-        again = training_step(x, idx, w, weights, dy, context)
+        again = training_step(x, idx, w, weights, dy, context, config)
         for name, value in first.items():
             assert same_bits(value, again[name]), f"{name} ({context})"
-    functional = [mf.backward(dy, x, idx, w, weights, config=FP8) for _ in range(2)]
+    functional = [mf.backward(dy, x, idx, w, weights, config=config) for _ in range(2)]
     mf.check_errors()
     for grads in functional:
         assert same_bits(grads.dx, first["dx"])
@@ -185,55 +200,61 @@ def test_fp8_backward_repeats_bitwise():
             assert same_bits(grad, getattr(functional[1].weights, name)), name
 
 
-def test_fp8_saved_context_gives_the_recompute_bits():
-    """forward_save in fp8 keeps the FP8 gate/up GEMM's sums (bf16, T * k rows at EP 1 and the
-    shared expert's T rows), its y is forward's, and the backward reading them gives the bits of
-    the backward that recomputes them."""
-    shape = SHAPES[1]
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_fp8_saved_context_gives_the_recompute_bits(precision, shape):
+    """forward_save in an FP8 mode keeps the gate/up GEMM's sums in the bf16 layer's layout
+    (bf16, T * k rows at EP 1 and the shared expert's T rows), its y is forward's, and the
+    backward reading them gives the bits of the backward that recomputes them."""
     x, idx, w, weights = problem(shape, 12)
     x, idx, w, fused, dy = x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights.fused()), upstream(shape, 13).cuda()
-    y, gate_up, shared_gate_up = torch.ops.mok.forward_save(x, idx, w, *fused, 0, "fp8")
+    y, gate_up, shared_gate_up = torch.ops.mok.forward_save(x, idx, w, *fused, 0, precision)
     tokens, top_k = idx.shape
+    assert gate_up.dtype == torch.bfloat16
     assert gate_up.shape == (tokens * top_k, fused[0].shape[1])
     if fused[2] is not None:
         assert shared_gate_up.shape == (tokens, fused[2].shape[0])
-    assert same_bits(y, torch.ops.mok.forward(x, idx, w, *fused, 0, "fp8"))
-    grads = torch.ops.mok.backward(dy, x, idx, w, *fused, 0, False, gate_up, shared_gate_up, "fp8")
-    expected = torch.ops.mok.backward(dy, x, idx, w, *fused, 0, False, None, None, "fp8")
+    assert same_bits(y, torch.ops.mok.forward(x, idx, w, *fused, 0, precision))
+    grads = torch.ops.mok.backward(dy, x, idx, w, *fused, 0, False, gate_up, shared_gate_up, precision)
+    expected = torch.ops.mok.backward(dy, x, idx, w, *fused, 0, False, None, None, precision)
     for mine, theirs in zip(grads, expected):
         assert same_bits(mine, theirs)
 
 
-def test_fp8_weight_cache_follows_in_place_updates():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fp8_weight_cache_follows_in_place_updates(precision):
+    config = CONFIGS[precision]
     x, idx, w, weights = problem(SHAPES[0], 6)
     gpu_weights = on_cuda(weights)
     with torch.inference_mode():
-        before = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=FP8)
+        before = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=config)
     with torch.no_grad():
         gpu_weights.w_down.mul_(-2.0)  # an optimizer step, in place (same tensors, same addresses)
         weights.w_down.mul_(-2.0)
-        after = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=FP8)
+        after = mf.forward(x.cuda(), idx.cuda(), w.cuda(), gpu_weights, config=config)
     mf.check_errors()
-    cpu_after = mf.forward(x, idx, w, weights, config=FP8)
+    cpu_after = mf.forward(x, idx, w, weights, config=config)
     assert rel_l2(after.cpu(), cpu_after) < 0.02, "the forward read a stale weight cache"
     assert not torch.equal(before, after)
 
 
-def test_fp8_backward_sees_weights_changed_after_the_forward():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fp8_backward_sees_weights_changed_after_the_forward(precision):
     """A backward differentiates the layer at the weights passed to it: changed in place since the
     forward that made the cache, they are quantized anew (the same bits as new tensors of their
     values give)."""
+    config = CONFIGS[precision]
     shape = SHAPES[0]
     x, idx, w, weights = problem(shape, 14)
     x, idx, w, fused, dy = x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights.fused()), upstream(shape, 15).cuda()
     with torch.no_grad():
-        mf.forward(x, idx, w, fused, config=FP8)  # the cache: these weights, as they are now
-    before = mf.backward(dy, x, idx, w, fused, config=FP8)
+        mf.forward(x, idx, w, fused, config=config)  # the cache: these weights, as they are now
+    before = mf.backward(dy, x, idx, w, fused, config=config)
     with torch.no_grad():
         fused.w_gate_up.mul_(-0.5)
         fused.w_shared_down.mul_(3.0)
-    changed = mf.backward(dy, x, idx, w, fused, config=FP8)
-    fresh = mf.backward(dy, x, idx, w, clones(fused), config=FP8)
+    changed = mf.backward(dy, x, idx, w, fused, config=config)
+    fresh = mf.backward(dy, x, idx, w, clones(fused), config=config)
     mf.check_errors()
     assert not torch.equal(before.dx, changed.dx)
     assert same_bits(changed.dx, fresh.dx), "the backward read a stale weight cache"
@@ -242,19 +263,21 @@ def test_fp8_backward_sees_weights_changed_after_the_forward():
         assert same_bits(mine, theirs)
 
 
-def test_module_training_in_fp8_sees_optimizer_steps():
-    """mok.nn.MoE in fp8 on CUDA: steps of forward, backward and an in-place update of the expert
-    weights (an optimizer step: same tensors, new values). Each step's y and gradients are those of
-    the weights as they are at that step: the bits of the same calls on new tensors of their
-    values, on a workspace of their own (so the module's automatic workspace, and its weight
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_module_training_in_fp8_sees_optimizer_steps(precision):
+    """mok.nn.MoE in an FP8 mode on CUDA: steps of forward, backward and an in-place update of the
+    expert weights (an optimizer step: same tensors, new values). Each step's y and gradients are
+    those of the weights as they are at that step: the bits of the same calls on new tensors of
+    their values, on a workspace of their own (so the module's automatic workspace, and its weight
     cache, serve the module alone: only the in-place change tells it to quantize anew)."""
+    config = CONFIGS[precision]
     torch.manual_seed(16)
     hidden, inter, shared, experts, top_k = 256, 256, 128, 16, 4
-    layer = mok.nn.MoE(hidden, inter, experts, top_k, shared_intermediate=shared, config=FP8, device="cuda")
+    layer = mok.nn.MoE(hidden, inter, experts, top_k, shared_intermediate=shared, config=config, device="cuda")
     x = torch.randn(3, 70, hidden, device="cuda")
     dy = torch.randn(3, 70, hidden, device="cuda").to(torch.bfloat16)
     tokens = x.reshape(-1, hidden)
-    checker = mf.create_workspace(layer.shape, tokens.shape[0], "cuda", config=FP8)
+    checker = mf.create_workspace(layer.shape, tokens.shape[0], "cuda", config=config)
     params = (layer.w_gate_up, layer.w_down, layer.w_shared_gate_up, layer.w_shared_down)
     outputs = []
     try:
@@ -282,40 +305,38 @@ def test_module_training_in_fp8_sees_optimizer_steps():
     assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2])
 
 
-def test_no_host_sync_in_an_fp8_training_step():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_no_host_sync_in_an_fp8_training_step(precision):
+    config = CONFIGS[precision]
     shape = SHAPES[0]
     x, idx, w, weights = problem(shape, 17)
     x, idx, w, fused, dy = x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights.fused()), upstream(shape, 18).cuda()
-    training_step(x, idx, w, fused, dy)  # workspaces and buffers made (their allocation syncs)
+    training_step(x, idx, w, fused, dy, config=config)  # workspaces and buffers made (their allocation syncs)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        training_step(x, idx, w, fused, dy)
+        training_step(x, idx, w, fused, dy, config=config)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_mxfp8_on_cuda_is_refused():
-    shape = SHAPES[1]
-    x, idx, w, weights = problem(shape, 7)
-    x, idx, w, fused, dy = x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights.fused()), upstream(shape, 19).cuda()
-    trained = mf.FusedExpertWeights(*(t.detach().clone().requires_grad_() if t is not None else None
-                                      for t in fused))
-    message = "mxfp8 runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's forward and backward"
-    with pytest.raises(NotImplementedError, match=message):
-        mf.forward(x, idx, w, trained, config=MXFP8)
-    with pytest.raises(NotImplementedError, match=message):
-        with torch.no_grad():
-            mf.forward(x, idx, w, fused, config=MXFP8)
-    with pytest.raises(NotImplementedError, match=message):
-        mf.backward(dy, x, idx, w, fused, config=MXFP8)
-    with pytest.raises(NotImplementedError, match=message):
-        mf.create_workspace(mf.LayerShape(*shape[:2], shape[3], shape[4], shape[2]), 64, "cuda", config=MXFP8)
-    layer = mok.nn.MoE(shape[0], shape[1], shape[3], shape[4], config=MXFP8, device="cuda")
-    with pytest.raises(NotImplementedError, match=message):
-        layer(x)
-    for op in (torch.ops.mok.forward, torch.ops.mok.forward_save):
-        with pytest.raises(ValueError, match="precision: " + message):
-            op(x, idx, w, *fused, 0, "mxfp8")
-    with pytest.raises(ValueError, match="precision: " + message):
-        torch.ops.mok.backward(dy, x, idx, w, *fused, 0, False, None, None, "mxfp8")
+def test_fp8_and_mxfp8_share_a_workspace():
+    """The two FP8 modes keep a weight cache each on one workspace, and the torch ops keep the
+    weights of its last FP8 call alive: alternating calls give each mode's own bits, and weights
+    changed in place between them reach both modes (the bits of new tensors of their values)."""
+    shape = SHAPES[0]
+    x, idx, w, weights = problem(shape, 20)
+    x, idx, w, fused = x.cuda(), idx.cuda(), w.cuda(), on_cuda(weights.fused())
+    with torch.no_grad():
+        fp8 = mf.forward(x, idx, w, fused, config=FP8)
+        mxfp8 = mf.forward(x, idx, w, fused, config=MXFP8)
+        assert not torch.equal(fp8, mxfp8)
+        assert same_bits(mf.forward(x, idx, w, fused, config=FP8), fp8)
+        assert same_bits(mf.forward(x, idx, w, fused, config=MXFP8), mxfp8)
+        fused.w_down.mul_(-2.0)  # in place: same tensors, same addresses
+        changed = {name: mf.forward(x, idx, w, fused, config=config) for name, config in CONFIGS.items()}
+        fresh = {name: mf.forward(x, idx, w, clones(fused), config=config) for name, config in CONFIGS.items()}
+    mf.check_errors()
+    for name in CONFIGS:
+        assert same_bits(changed[name], fresh[name]), f"{name} read a stale weight cache"
+    assert not torch.equal(changed["mxfp8"], mxfp8)

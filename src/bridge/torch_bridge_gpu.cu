@@ -1,6 +1,7 @@
 // The GPU half of the bridge: the torch extension's GPU layer workspaces (LayerForward, and made on
-// first use LayerBackward, LayerForwardFp8 and LayerBackwardFp8), each with the NCCL communicator
-// it was made from. Host code only; kernels come with libmok_cuda.
+// first use LayerBackward and each FP8 mode's forward and backward), each with the NCCL
+// communicator it was made from; bf16 and fp8 here, mxfp8 in torch_bridge_mxfp8.cu. Host code
+// only; kernels come with libmok_cuda.
 //
 // Workspaces live in a process-wide registry (leaked at exit on purpose: tearing down NCCL and
 // CUDA objects from static destructors, after the runtime may be gone, crashes more than it
@@ -16,65 +17,35 @@
 #include <tuple>
 #include <utility>
 
+#include "bridge/gpu_workspace.hpp"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "mok/precision.hpp"
 #include "mok/torch_bridge.hpp"
-#include "runtime/comm.hpp"
 #include "runtime/comm_nccl_check.hpp"
-#include "runtime/layer_backward.hpp"
-#include "runtime/layer_backward_fp8.hpp"
-#include "runtime/layer_forward.hpp"
-#include "runtime/layer_forward_fp8.hpp"
 
 namespace mok::torch_bridge {
+
+Workspace::~Workspace() {
+  backward.reset();  // collective teardown of the windows first, then the communicator under them
+  fp8_backward.reset();
+  fp8.reset();
+  mxfp8_backward.reset();
+  mxfp8.reset();
+  layer.reset();
+#if defined(MOK_WITH_NCCL)
+  if (comm != nullptr) {
+    cudaSetDevice(device);
+    ncclCommDestroy(comm);  // no throwing from a destructor
+  }
+#endif
+}
 
 namespace {
 
 // The smallest automatic capacity; growth goes to the next power of two, so a training run with
 // varying batch sizes re-makes its workspace a handful of times at most.
 constexpr int64_t kMinAutomaticTokens = 256;
-
-LayerShape core_shape(const Shape& shape) {
-  return {shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
-          shape.top_k};
-}
-
-struct Workspace {
-  Shape shape;  // E global
-  int device = 0;
-  int rank = 0, num_ranks = 1;
-  int64_t tokens_max = 0;
-  bool automatic = false;
-  ncclComm_t comm = nullptr;  // made here from the unique id; null for EP = 1
-  Communicator communicator;  // over `comm`, or the single rank
-  std::unique_ptr<LayerForward> layer;
-  std::unique_ptr<LayerBackward> backward;  // made by the first bf16 backward call
-  // Made by the first fp8 call; its weight cache serves the fp8 forward and the fp8 backward (the
-  // rule above ForwardCall in torch_bridge.hpp). The backward's transposed layout is there once a
-  // backward has run on the workspace (fp8_trains): forwards alone keep the forward layout only.
-  std::unique_ptr<LayerForwardFp8> fp8;
-  bool fp8_trains = false;
-  std::unique_ptr<LayerBackwardFp8> fp8_backward;  // made by the first fp8 backward call
-  DeviceWeights fp8_weights;                       // the weights the cache was quantized from
-  int64_t fp8_version = -1;                        // and their version then
-
-  Workspace() = default;
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  ~Workspace() {
-    backward.reset();  // collective teardown of the windows first, then the communicator under them
-    fp8_backward.reset();
-    fp8.reset();
-    layer.reset();
-#if defined(MOK_WITH_NCCL)
-    if (comm != nullptr) {
-      cudaSetDevice(device);
-      ncclCommDestroy(comm);  // no throwing from a destructor
-    }
-#endif
-  }
-};
 
 using AutomaticKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
@@ -228,16 +199,6 @@ void check_call(const Workspace& workspace, const Call& call) {
                 " per rank (max_tokens_per_rank)");
 }
 
-DeviceLayerWeights device_weights(const LayerForward& layer, const DeviceWeights& given) {
-  // The element counts come from the layer's shape; the pointers are the caller's tensors.
-  DeviceLayerWeights weights = layer.device_weights();
-  weights.gate_up = const_cast<bf16*>(static_cast<const bf16*>(given.gate_up));
-  weights.down = const_cast<bf16*>(static_cast<const bf16*>(given.down));
-  weights.shared_gate_up = const_cast<bf16*>(static_cast<const bf16*>(given.shared_gate_up));
-  weights.shared_down = const_cast<bf16*>(static_cast<const bf16*>(given.shared_down));
-  return weights;
-}
-
 // The workspace `handle` names, or (handle 0) every automatic workspace of `device`.
 std::vector<std::shared_ptr<Workspace>> workspaces_of(int64_t handle, int device) {
   std::vector<std::shared_ptr<Workspace>> workspaces;
@@ -312,12 +273,12 @@ void destroy_workspace(int64_t handle) {
 // same addresses at the same known version (the rule above ForwardCall in torch_bridge.hpp).
 LayerForwardFp8& fp8_layer_with_weights(Workspace& workspace, const DeviceWeights& given,
                                         int64_t weights_version, cudaStream_t stream) {
+  workspace.mxfp8_cached = {};  // (the torch ops now keep this call's weights alive, not those)
   if (workspace.fp8 != nullptr && workspace.fp8_trains &&
       !workspace.fp8->weight_cache().has_transposed()) {
     // NOTE: collective, as every rank's first backward is; cudaFree waits for the last forward.
     workspace.fp8.reset();
-    workspace.fp8_weights = {};
-    workspace.fp8_version = -1;
+    workspace.fp8_cached = {};
   }
   if (workspace.fp8 == nullptr) {
     LayerForwardFp8Options options;
@@ -326,27 +287,11 @@ LayerForwardFp8& fp8_layer_with_weights(Workspace& workspace, const DeviceWeight
     workspace.fp8 = std::make_unique<LayerForwardFp8>(
         workspace.communicator, core_shape(workspace.shape), workspace.tokens_max, options);
   }
-  const DeviceWeights& cached = workspace.fp8_weights;
-  const bool same_weights = cached.gate_up == given.gate_up && cached.down == given.down &&
-                            cached.shared_gate_up == given.shared_gate_up &&
-                            cached.shared_down == given.shared_down;
-  if (!workspace.fp8->has_weights() || !same_weights || weights_version < 0 ||
-      weights_version != workspace.fp8_version) {
+  if (!workspace.fp8->has_weights() || !workspace.fp8_cached.holds(given, weights_version)) {
     workspace.fp8->quantize_weights(device_weights(*workspace.layer, given), stream);
-    workspace.fp8_weights = given;
-    workspace.fp8_version = weights_version;
+    workspace.fp8_cached = {given, weights_version};
   }
   return *workspace.fp8;
-}
-
-// The context of save mode (SavedContext) a call gives, or null (recompute mode). (const only in
-// a backward call: the backward reads the context)
-const SavedContext* saved_context(const void* gate_up, const void* shared_gate_up,
-                                  SavedContext& storage) {
-  if (gate_up == nullptr) return nullptr;
-  storage = {static_cast<bf16*>(const_cast<void*>(gate_up)),
-             static_cast<bf16*>(const_cast<void*>(shared_gate_up))};
-  return &storage;
 }
 
 void forward_fp8(Workspace& workspace, const ForwardCall& call) {
@@ -357,22 +302,6 @@ void forward_fp8(Workspace& workspace, const ForwardCall& call) {
   layer.forward(static_cast<const bf16*>(call.x), call.topk_idx, call.topk_w,
                 static_cast<bf16*>(call.y), call.num_tokens, stream, nullptr,
                 saved_context(call.saved_gate_up, call.saved_shared_gate_up, save));
-}
-
-// The layer's weight gradients as the call asks for them.
-DeviceLayerGradients device_gradients(const BackwardCall& call) {
-  return {call.grad_gate_up, call.grad_down, call.grad_shared_gate_up, call.grad_shared_down,
-          call.accumulate       ? gemm::WgradOutput::kAccumulateFp32
-          : call.bf16_gradients ? gemm::WgradOutput::kBf16
-                                : gemm::WgradOutput::kFp32};
-}
-
-LayerBackwardOptions backward_options(const Workspace& workspace) {
-  LayerBackwardOptions options;
-  if (workspace.layer->options().copy.num_ctas > 0) {
-    options.copy.num_ctas = workspace.layer->options().copy.num_ctas;
-  }
-  return options;
 }
 
 // The fp8 backward (LayerBackwardFp8, save mode with the call's context, else recompute mode) on
@@ -397,20 +326,6 @@ void backward_fp8(Workspace& workspace, const BackwardCall& call) {
       saved_context(call.saved_gate_up, call.saved_shared_gate_up, saved));
 }
 
-// Runs an fp8 call; when it throws (after its weights may have been quantized into the cache),
-// the cache's record of its weights is dropped, so that the next call quantizes again: the caller
-// keeps the weights of the last call that returned alive, not those of one that threw.
-template <class Body>
-void with_fp8_cache_forgotten_on_error(Workspace& workspace, Body&& body) {
-  try {
-    body();
-  } catch (...) {
-    workspace.fp8_weights = {};
-    workspace.fp8_version = -1;
-    throw;
-  }
-}
-
 void forward(int64_t handle, const ForwardCall& call) {
   translating_errors([&] {
     std::shared_ptr<Workspace> workspace =
@@ -418,11 +333,12 @@ void forward(int64_t handle, const ForwardCall& call) {
     check_call(*workspace, call);
     MOK_CUDA_CHECK(cudaSetDevice(call.device));
     const Precision precision = parse_precision(call.precision);
-    MOK_CHECK_ARG(precision != Precision::kMxfp8, "precision",
-                  "mxfp8 runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
-                  "forward and backward");
     if (precision == Precision::kFp8) {
-      with_fp8_cache_forgotten_on_error(*workspace, [&] { forward_fp8(*workspace, call); });
+      forgetting_cache_on_error(workspace->fp8_cached, [&] { forward_fp8(*workspace, call); });
+      return;
+    }
+    if (precision == Precision::kMxfp8) {
+      forgetting_cache_on_error(workspace->mxfp8_cached, [&] { forward_mxfp8(*workspace, call); });
       return;
     }
     SavedContext save;
@@ -455,11 +371,12 @@ void backward(int64_t handle, const BackwardCall& call) {
     check_call(*workspace, call);
     MOK_CUDA_CHECK(cudaSetDevice(call.device));
     const Precision precision = parse_precision(call.precision);
-    MOK_CHECK_ARG(precision != Precision::kMxfp8, "precision",
-                  "mxfp8 runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
-                  "forward and backward");
     if (precision == Precision::kFp8) {
-      with_fp8_cache_forgotten_on_error(*workspace, [&] { backward_fp8(*workspace, call); });
+      forgetting_cache_on_error(workspace->fp8_cached, [&] { backward_fp8(*workspace, call); });
+      return;
+    }
+    if (precision == Precision::kMxfp8) {
+      forgetting_cache_on_error(workspace->mxfp8_cached, [&] { backward_mxfp8(*workspace, call); });
       return;
     }
     if (workspace->backward == nullptr) {
@@ -488,6 +405,10 @@ void check(int64_t handle, int device, void* stream) {
       if (workspace->fp8_backward != nullptr) {
         workspace->fp8_backward->check(static_cast<cudaStream_t>(stream));
       }
+      if (workspace->mxfp8 != nullptr) workspace->mxfp8->check(static_cast<cudaStream_t>(stream));
+      if (workspace->mxfp8_backward != nullptr) {
+        workspace->mxfp8_backward->check(static_cast<cudaStream_t>(stream));
+      }
     }
   });
 }
@@ -500,6 +421,10 @@ void reset_after_error(int64_t handle, int device) {
       if (workspace->fp8 != nullptr) workspace->fp8->workspace().reset_after_error();
       if (workspace->fp8_backward != nullptr) {
         workspace->fp8_backward->workspace().reset_after_error();
+      }
+      if (workspace->mxfp8 != nullptr) workspace->mxfp8->workspace().reset_after_error();
+      if (workspace->mxfp8_backward != nullptr) {
+        workspace->mxfp8_backward->workspace().reset_after_error();
       }
     }
   });

@@ -16,14 +16,18 @@
 #include "mok/device_buffer.hpp"
 #include "mok/error.hpp"
 #include "mok/gpu.hpp"
+#include "mok/precision.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/fp8_weights.hpp"
 #include "runtime/l2_partitions.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_backward_fp8.hpp"
+#include "runtime/layer_backward_mxfp8.hpp"
 #include "runtime/layer_forward.hpp"
 #include "runtime/layer_forward_fp8.hpp"
+#include "runtime/layer_forward_mxfp8.hpp"
 #include "runtime/layer_timing.hpp"
+#include "runtime/mx_weights.hpp"
 
 namespace mok {
 namespace {
@@ -31,10 +35,10 @@ namespace {
 using runtime::BackwardTiming;
 using runtime::fill_random;
 using runtime::ForwardTiming;
-using runtime::Fp8StepTimings;
+using runtime::Fp8RankTimings;
 using runtime::median;
 using runtime::run_backward;
-using runtime::run_fp8_backward;
+using runtime::run_fp8_forward;
 using runtime::time_forwards;
 using runtime::WarmUp;
 
@@ -102,6 +106,10 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
                 "holds ", spec.problem ? spec.problem->num_tokens : 0, " tokens, expected ",
                 global_tokens);
   MOK_CHECK_ARG(spec.iterations >= 1, "iterations", "must be >= 1, got ", spec.iterations);
+  MOK_CHECK_ARG(!spec.fp8_forward || spec.fp8_precision == Precision::kFp8 ||
+                    spec.fp8_precision == Precision::kMxfp8,
+                "fp8_precision", "an FP8 mode (fp8 or mxfp8), got ",
+                precision_name(spec.fp8_precision));
   const std::vector<Communicator>& comms = local_communicators(spec.ep);
 
   LayerRunResult result;
@@ -124,12 +132,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   }
   WarmUp warm_up_pairs(spec.ep);
   WarmUp warm_up_fp8(spec.ep), warm_up_fp8_pairs(spec.ep);
-  std::vector<Fp8StepTimings> fp8_steps(spec.ep);
-  std::vector<int64_t> fp8_context_bytes(spec.ep, 0);
-  std::vector<int64_t> fp8_backward_bytes(spec.ep);
-  std::vector<ForwardTiming> fp8_timings(spec.ep);
-  std::vector<double> fp8_quantize_ms(spec.ep);
-  std::vector<int64_t> fp8_buffer_bytes(spec.ep), fp8_weight_bytes(spec.ep);
+  std::vector<Fp8RankTimings> fp8_ranks(spec.ep);
   if (spec.fp8_forward && spec.keep_y) {
     result.fp8_y.resize(static_cast<size_t>(global_tokens * hidden));
     if (spec.backward) {
@@ -223,45 +226,23 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
                                 static_cast<size_t>(tokens * hidden) * sizeof(bf16),
                                 cudaMemcpyDeviceToHost));
     }
-    if (spec.fp8_forward) {
-      // (no stale-rows forward first: the FP8 GEMMs read each expert's real rows only)
+    if (spec.fp8_forward && spec.fp8_precision == Precision::kMxfp8) {
+      LayerForwardMxfp8Options mxfp8_options;
+      mxfp8_options.layer = options;
+      mxfp8_options.dgrad_weights = spec.backward;  // (the weight quantization times both copies)
+      LayerForwardMxfp8 mxfp8(comms[rank], shape, tokens, mxfp8_options);
+      run_fp8_forward<LayerBackwardMxfp8>(spec, rank, comms[rank], mxfp8, weights, x.get(),
+                                          topk_idx.get(), topk_w.get(), y.get(), stream,
+                                          warm_up_fp8, warm_up_fp8_pairs, fp8_ranks[rank], result);
+    } else if (spec.fp8_forward) {
       LayerForwardFp8Options fp8_options;
       fp8_options.layer = options;
       if (spec.fp8_cluster > 0) fp8_options.pipeline.cluster = spec.fp8_cluster;
       fp8_options.transposed_weights = spec.backward;  // (the weight quantization times both)
       LayerForwardFp8 fp8(comms[rank], shape, tokens, fp8_options);
-      cudaEvent_t marks[2];
-      for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
-      MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
-      fp8.quantize_weights(weights, stream);
-      MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
-      MOK_CUDA_CHECK(cudaEventSynchronize(marks[1]));
-      float quantize_ms = 0;
-      MOK_CUDA_CHECK(cudaEventElapsedTime(&quantize_ms, marks[0], marks[1]));
-      for (cudaEvent_t mark : marks) cudaEventDestroy(mark);
-      fp8_quantize_ms[rank] = quantize_ms;
-      fp8_buffer_bytes[rank] = fp8.buffer_bytes();
-      fp8_weight_bytes[rank] = fp8.weight_bytes();
-      const auto fp8_forward = [&] {
-        fp8.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream);
-      };
-      warm_up_fp8.run(spec, rank, stream, fp8_forward);
-      fp8.check(stream);
-      const ForwardTiming fp8_timing = time_forwards(spec, stream, [&](const cudaEvent_t* marks) {
-        fp8.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream, marks);
-      });
-      fp8.check(stream);
-      fp8_timings[rank] = fp8_timing;
-      if (spec.keep_y) {
-        MOK_CUDA_CHECK(cudaMemcpy(result.fp8_y.data() + rank * tokens * hidden, y.get(),
-                                  static_cast<size_t>(tokens * hidden) * sizeof(bf16),
-                                  cudaMemcpyDeviceToHost));
-      }
-      if (spec.backward) {
-        run_fp8_backward(spec, rank, comms[rank], fp8, weights, x.get(), topk_idx.get(),
-                         topk_w.get(), y.get(), stream, warm_up_fp8_pairs, fp8_steps[rank],
-                         fp8_backward_bytes[rank], fp8_context_bytes[rank], result);
-      }
+      run_fp8_forward<LayerBackwardFp8>(spec, rank, comms[rank], fp8, weights, x.get(),
+                                        topk_idx.get(), topk_w.get(), y.get(), stream, warm_up_fp8,
+                                        warm_up_fp8_pairs, fp8_ranks[rank], result);
     }
     if (spec.backward) {
       run_backward(spec, rank, comms[rank], weights, x.get(), topk_idx.get(), topk_w.get(), stream,
@@ -306,35 +287,34 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
   }
   if (spec.fp8_forward) {
     result.fp8_phase_ms.assign(kNumForwardPhases, 0.0);
-    for (int rank = 0; rank < spec.ep; ++rank) {
-      result.fp8_forward_ms = std::max(result.fp8_forward_ms, fp8_timings[rank].ms);
-      result.fp8_weight_quantize_ms =
-          std::max(result.fp8_weight_quantize_ms, fp8_quantize_ms[rank]);
+    for (const Fp8RankTimings& fp8 : fp8_ranks) {  // the slowest rank's of each figure
+      result.fp8_forward_ms = std::max(result.fp8_forward_ms, fp8.forward.ms);
+      result.fp8_weight_quantize_ms = std::max(result.fp8_weight_quantize_ms, fp8.quantize_ms);
       result.fp8_buffer_bytes_per_rank =
-          std::max(result.fp8_buffer_bytes_per_rank, fp8_buffer_bytes[rank]);
+          std::max(result.fp8_buffer_bytes_per_rank, fp8.buffer_bytes);
       result.fp8_weight_bytes_per_rank =
-          std::max(result.fp8_weight_bytes_per_rank, fp8_weight_bytes[rank]);
+          std::max(result.fp8_weight_bytes_per_rank, fp8.weight_bytes);
       for (int phase = 0; phase < kNumForwardPhases; ++phase) {
         result.fp8_phase_ms[phase] =
-            std::max(result.fp8_phase_ms[phase], fp8_timings[rank].phase_ms[phase]);
+            std::max(result.fp8_phase_ms[phase], fp8.forward.phase_ms[phase]);
       }
     }
     if (spec.backward) {
       result.fp8_backward_phase_ms.assign(kNumBackwardPhases, 0.0);
-      for (int rank = 0; rank < spec.ep; ++rank) {
-        const BackwardTiming& step = fp8_steps[rank].save;
+      for (const Fp8RankTimings& fp8 : fp8_ranks) {
+        const BackwardTiming& step = fp8.steps.save;
         result.fp8_backward_ms = std::max(result.fp8_backward_ms, step.backward_ms);
         result.fp8_step_ms = std::max(result.fp8_step_ms, step.pair_ms);
         result.fp8_step_cached_weights_ms =
-            std::max(result.fp8_step_cached_weights_ms, fp8_steps[rank].cached.pair_ms);
+            std::max(result.fp8_step_cached_weights_ms, fp8.steps.cached.pair_ms);
         result.fp8_backward_recompute_ms =
-            std::max(result.fp8_backward_recompute_ms, fp8_steps[rank].recompute.backward_ms);
+            std::max(result.fp8_backward_recompute_ms, fp8.steps.recompute.backward_ms);
         result.fp8_step_recompute_ms =
-            std::max(result.fp8_step_recompute_ms, fp8_steps[rank].recompute.pair_ms);
+            std::max(result.fp8_step_recompute_ms, fp8.steps.recompute.pair_ms);
         result.fp8_saved_context_bytes_per_rank =
-            std::max(result.fp8_saved_context_bytes_per_rank, fp8_context_bytes[rank]);
+            std::max(result.fp8_saved_context_bytes_per_rank, fp8.context_bytes);
         result.fp8_backward_buffer_bytes_per_rank =
-            std::max(result.fp8_backward_buffer_bytes_per_rank, fp8_backward_bytes[rank]);
+            std::max(result.fp8_backward_buffer_bytes_per_rank, fp8.backward_buffer_bytes);
         for (int phase = 0; phase < kNumBackwardPhases; ++phase) {
           result.fp8_backward_phase_ms[phase] =
               std::max(result.fp8_backward_phase_ms[phase], step.phase_ms[phase]);
@@ -368,7 +348,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
 }
 
 std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t tokens_per_rank,
-                                   bool backward, bool fp8) {
+                                   bool backward, bool fp8, Precision fp8_precision) {
   const GpuSummary gpus = query_gpus();
   if (gpus.num_hopper_gpus < ep) {
     return detail::concat("EP ", ep, " needs ", ep, " Hopper GPU(s); found ", gpus.description);
@@ -389,18 +369,24 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
     backward_bytes =
         static_cast<double>(LayerBackward::buffer_bytes(shape, ep, tokens_per_rank)) + step_io;
   }
-  if (fp8) {  // the fp8 layer beside the bf16 forward, before the bf16 backward (the larger)
+  if (fp8) {  // the FP8 mode's layer beside the bf16 forward, before the bf16 backward (the larger)
     const int64_t experts = shape.num_experts / ep;
+    const bool mx = fp8_precision == Precision::kMxfp8;
+    // (the cache holds the backward's layout too when there is a backward)
     double fp8_bytes =
-        static_cast<double>(Fp8WeightCache::bytes(shape, experts, /*transposed=*/backward) +
-                            LayerForwardFp8::buffer_bytes(shape, ep, tokens_per_rank));
+        static_cast<double>(mx ? MxWeightCache::bytes(shape, experts, backward) +
+                                     LayerForwardMxfp8::buffer_bytes(shape, ep, tokens_per_rank)
+                               : Fp8WeightCache::bytes(shape, experts, backward) +
+                                     LayerForwardFp8::buffer_bytes(shape, ep, tokens_per_rank));
     if (backward) {
       const double context =
           2.0 * (saved_context_rows(ep, tokens_per_rank, shape.top_k, tokens_per_rank) * 2 *
                      shape.intermediate +
                  tokens_per_rank * 2 * shape.shared_intermediate);
-      fp8_bytes += static_cast<double>(LayerBackwardFp8::buffer_bytes(shape, ep, tokens_per_rank)) +
-                   step_io + context;
+      fp8_bytes +=
+          static_cast<double>(mx ? LayerBackwardMxfp8::buffer_bytes(shape, ep, tokens_per_rank)
+                                 : LayerBackwardFp8::buffer_bytes(shape, ep, tokens_per_rank)) +
+          step_io + context;
     }
     backward_bytes = std::max(backward_bytes, fp8_bytes);
   }
@@ -413,7 +399,8 @@ std::string gpu_layer_unfit_reason(const LayerShape& shape, int ep, int64_t toke
                             " MiB free; the layer needs about ",
                             static_cast<int64_t>((weights + buffers + backward_bytes) / (1 << 20)),
                             " MiB per rank", backward ? " (forward and backward" : " (forward",
-                            fp8 ? ", fp8 beside bf16)" : ")");
+                            fp8 ? ", " : "", fp8 ? precision_name(fp8_precision) : "",
+                            fp8 ? " beside bf16)" : ")");
     }
   }
   return "";

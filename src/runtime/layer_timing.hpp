@@ -1,6 +1,6 @@
 // What run_layer_forward (layer_runner.cu) runs and times on one rank: the warm-up, timed
-// forwards, timed forward + backward pairs and the backward in both context modes, bf16 and fp8.
-// Internal to the runner.
+// forwards, timed forward + backward pairs and the backward in both context modes, in bf16 and in
+// an FP8 mode (fp8 or mxfp8: the same steps on the mode's layer objects). Internal to the runner.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,8 +18,7 @@
 #include "mok/layer_runner.hpp"
 #include "runtime/comm.hpp"
 #include "runtime/layer_backward.hpp"
-#include "runtime/layer_backward_fp8.hpp"
-#include "runtime/layer_forward_fp8.hpp"
+#include "runtime/layer_forward.hpp"
 
 namespace mok::runtime {
 
@@ -138,24 +137,112 @@ BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t strea
   return timing;
 }
 
-// The fp8 training step's timings on one rank: save mode (the forward keeps the context) from
-// the weights' quantization on, the same on cached weights, and recompute mode.
+// The FP8 mode's training step's timings on one rank: save mode (the forward keeps the context)
+// from the weights' quantization on, the same on cached weights, and recompute mode.
 struct Fp8StepTimings {
   BackwardTiming save, cached, recompute;
 };
 
-// The fp8 training step on one rank (spec.fp8_forward and spec.backward): the weights quantized
-// into the forward's cache (both layouts), the fp8 forward, LayerBackwardFp8 on a dy as
-// run_backward's, bf16 weight gradients; warmed up and timed as run_backward's pairs, each pair
-// from the weights' quantization (an optimizer step changes them every step) to the backward's
-// end, in save mode (the forward keeps its context for the backward) and in recompute mode; and
-// the save mode pairs on the cached weights: a gradient-accumulation step after the first, whose
-// weights have not changed since the last quantization.
+// What the FP8 mode's layer measured on one rank (spec.fp8_forward; the step's with
+// spec.backward).
+struct Fp8RankTimings {
+  double quantize_ms = 0;  // the weights into the cache, once
+  ForwardTiming forward;
+  Fp8StepTimings steps;
+  int64_t buffer_bytes = 0, weight_bytes = 0, backward_buffer_bytes = 0, context_bytes = 0;
+};
+
+// The FP8 mode's training step on one rank (spec.fp8_forward and spec.backward): the weights
+// quantized into the forward's cache (both layouts), the forward, the mode's backward (Backward:
+// LayerBackwardFp8 or LayerBackwardMxfp8) on a dy as run_backward's, bf16 weight gradients; warmed
+// up and timed as run_backward's pairs, each pair from the weights' quantization (an optimizer
+// step changes them every step) to the backward's end, in save mode (the forward keeps its context
+// for the backward) and in recompute mode; and the save mode pairs on the cached weights: a
+// gradient-accumulation step after the first, whose weights have not changed since the last
+// quantization. Save mode's dx and d_topk_w into result.fp8_dx, fp8_d_topk_w (keep_y).
+template <class Backward, class Forward>
 void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
-                      LayerForwardFp8& forward_layer, const DeviceLayerWeights& weights,
-                      const bf16* x, const int32_t* topk_idx, const float* topk_w, bf16* y,
-                      cudaStream_t stream, WarmUp& warm_up, Fp8StepTimings& timings,
-                      int64_t& buffer_bytes, int64_t& context_bytes, LayerRunResult& result);
+                      Forward& forward_layer, const DeviceLayerWeights& weights, const bf16* x,
+                      const int32_t* topk_idx, const float* topk_w, bf16* y, cudaStream_t stream,
+                      WarmUp& warm_up, Fp8RankTimings& timings, LayerRunResult& result) {
+  const LayerShape& shape = spec.shape;
+  const int64_t tokens = spec.tokens_per_rank;
+  Backward layer(comm, shape, tokens);
+  timings.backward_buffer_bytes = layer.buffer_bytes();
+  BackwardBuffers io(spec, rank, weights, gemm::WgradOutput::kBf16);
+  DeviceBuffer<bf16> saved_gate_up(saved_context_rows(spec.ep, tokens, shape.top_k, tokens) * 2 *
+                                   shape.intermediate);
+  DeviceBuffer<bf16> saved_shared_gate_up(tokens * 2 * shape.shared_intermediate);
+  timings.context_bytes =
+      static_cast<int64_t>(saved_gate_up.bytes() + saved_shared_gate_up.bytes());
+  const SavedContext context{saved_gate_up.get(),
+                             shape.has_shared() ? saved_shared_gate_up.get() : nullptr};
+  // One step: the weights quantized (or cached), the forward, the backward; save mode (saved: the
+  // context) or recompute mode (null).
+  const auto step = [&](bool quantize, const SavedContext* saved, const cudaEvent_t* marks) {
+    if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+    if (quantize) forward_layer.quantize_weights(weights, stream);
+    forward_layer.forward(x, topk_idx, topk_w, y, tokens, stream, nullptr, saved);
+    layer.backward(forward_layer.weight_cache(), x, topk_idx, topk_w, io.dy.get(), io.dx.get(),
+                   io.d_topk_w.get(), io.grads, tokens, stream,
+                   marks != nullptr ? marks + 1 : nullptr, saved);
+  };
+  const auto check = [&] {
+    forward_layer.check(stream);
+    layer.check(stream);
+  };
+  const auto time_steps = [&](bool quantize, const SavedContext* saved) {
+    return time_pairs(
+        spec, rank, stream, warm_up, layer.phase_order(),
+        [&](const cudaEvent_t* marks) { step(quantize, saved, marks); }, check);
+  };
+  timings.steps.recompute = time_steps(true, nullptr);
+  timings.steps.cached = time_steps(false, &context);
+  timings.steps.save = time_steps(true, &context);  // last: its outputs are the ones kept
+  if (!spec.keep_y) return;
+  io.dx.download(result.fp8_dx.data() + rank * tokens * shape.hidden);
+  io.d_topk_w.download(result.fp8_d_topk_w.data() + rank * tokens * shape.top_k);
+}
+
+// The forward in the FP8 mode on one rank (spec.fp8_forward), after the bf16 one: `layer`
+// (LayerForwardFp8 or LayerForwardMxfp8, made with the dgrads' layout when spec.backward) quantizes
+// the weights once (timed), then is warmed up and timed as the bf16 forward is (no stale-rows
+// forward first: neither mode's GEMMs read padding rows); its y into result.fp8_y (keep_y). With
+// spec.backward, then run_fp8_backward with the mode's backward layer (Backward).
+template <class Backward, class Forward>
+void run_fp8_forward(const LayerRunSpec& spec, int rank, const Communicator& comm, Forward& layer,
+                     const DeviceLayerWeights& weights, const bf16* x, const int32_t* topk_idx,
+                     const float* topk_w, bf16* y, cudaStream_t stream, WarmUp& warm_up,
+                     WarmUp& warm_up_steps, Fp8RankTimings& timings, LayerRunResult& result) {
+  const int64_t tokens = spec.tokens_per_rank, hidden = spec.shape.hidden;
+  cudaEvent_t marks[2];
+  for (cudaEvent_t& mark : marks) MOK_CUDA_CHECK(cudaEventCreate(&mark));
+  MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+  layer.quantize_weights(weights, stream);
+  MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
+  MOK_CUDA_CHECK(cudaEventSynchronize(marks[1]));
+  float quantize_ms = 0;
+  MOK_CUDA_CHECK(cudaEventElapsedTime(&quantize_ms, marks[0], marks[1]));
+  for (cudaEvent_t mark : marks) cudaEventDestroy(mark);
+  timings.quantize_ms = quantize_ms;
+  timings.buffer_bytes = layer.buffer_bytes();
+  timings.weight_bytes = layer.weight_bytes();
+  warm_up.run(spec, rank, stream, [&] { layer.forward(x, topk_idx, topk_w, y, tokens, stream); });
+  layer.check(stream);
+  timings.forward = time_forwards(spec, stream, [&](const cudaEvent_t* phase_marks) {
+    layer.forward(x, topk_idx, topk_w, y, tokens, stream, phase_marks);
+  });
+  layer.check(stream);
+  if (spec.keep_y) {
+    MOK_CUDA_CHECK(cudaMemcpy(result.fp8_y.data() + rank * tokens * hidden, y,
+                              static_cast<size_t>(tokens * hidden) * sizeof(bf16),
+                              cudaMemcpyDeviceToHost));
+  }
+  if (spec.backward) {
+    run_fp8_backward<Backward>(spec, rank, comm, layer, weights, x, topk_idx, topk_w, y, stream,
+                               warm_up_steps, timings, result);
+  }
+}
 
 // The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
 // a dy, warmed up and timed in forward + backward pairs, in recompute mode and (spec.save_context)

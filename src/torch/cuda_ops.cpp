@@ -1,7 +1,8 @@
 // The CUDA kernels of mok::forward and mok::backward: the GPU layer forward (LayerForward) and
-// backward (LayerBackward), or in precision fp8 LayerForwardFp8 and LayerBackwardFp8, on torch's
-// current CUDA stream, with the caller's tensors as weights (no copy) and no host
-// synchronisation. Also the device-fault check and reset ops, which need the current stream.
+// backward (LayerBackward), or in an FP8 mode (fp8: LayerForwardFp8 and LayerBackwardFp8; mxfp8:
+// LayerForwardMxfp8 and LayerBackwardMxfp8), on torch's current CUDA stream, with the caller's
+// tensors as weights (no copy) and no host synchronisation. Also the device-fault check and reset
+// ops, which need the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -41,25 +42,20 @@ Tensor int32_ids(const Tensor& topk_idx) {
   return topk_idx.scalar_type() == at::kInt ? topk_idx : topk_idx.to(at::kInt);
 }
 
-// The GPU layer computes bf16 and fp8, forward and backward (save or recompute mode); mxfp8 runs
-// on CPU tensors only (the CPU backend).
-void check_gpu_precision(c10::string_view precision) {
-  const std::string name(precision.data(), precision.size());
-  MOK_TORCH_CHECK(precision == "bf16" || precision == "fp8", "precision: ", name,
-                  " runs on CPU tensors only so far: the GPU layer computes bf16, and fp8's "
-                  "forward and backward");
-}
+// The FP8 modes read the workspace's weight cache of their mode (see fp8_weights_in_cache).
+bool quantized(c10::string_view precision) { return precision != "bf16"; }
 
-// The fp8 weight cache (one per workspace, read by the fp8 forward and the fp8 backward alike) is
-// quantized from the weights of the workspace's last fp8 call, forward or backward, and made anew
-// when their addresses or their version sum change (the rule above ForwardCall in
-// torch_bridge.hpp). The addresses alone would not do: a weight made anew per call (ExpertWeights'
-// fused gate/up) may land where the last one was. So the tensors of the last call stay referenced
-// here until the next fp8 call on that workspace: while they live no other tensor takes their
-// memory, and the version counters (which only grow) see every in-place change. Inference tensors
-// keep no version: with one among the weights the cache is made anew on every call (-1). A
-// backward gets the forward's weights (autograd's saved tensors: the same tensors and versions,
-// so the forward's cache as it is), or, changed in place since, quantizes them again.
+// An FP8 mode's weight cache (one per workspace and mode, read by the mode's forward and backward
+// alike) is quantized from the weights of the workspace's last call in that mode, forward or
+// backward, and made anew when their addresses or their version sum change (the rule above
+// ForwardCall in torch_bridge.hpp). The addresses alone would not do: a weight made anew per call
+// (ExpertWeights' fused gate/up) may land where the last one was. So the tensors of the last call
+// stay referenced here until the next FP8 call on that workspace (in either mode: the bridge
+// forgets the other mode's weights then): while they live no other tensor takes their memory, and
+// the version counters (which only grow) see every in-place change. Inference tensors keep no
+// version: with one among the weights the cache is made anew on every call (-1). A backward gets
+// the forward's weights (autograd's saved tensors: the same tensors and versions, so the forward's
+// cache as it is), or, changed in place since, quantizes them again.
 std::mutex fp8_weights_mutex;
 // Keyed as the bridge keys its workspaces: the handle, and for the automatic ones (handle 0) the
 // device and the whole shape, so that two layers never share an entry.
@@ -106,8 +102,7 @@ SaveResult run_forward(const Tensor& x, const Tensor& topk_idx, const Tensor& to
                        const OptionalTensor& w_shared_gate_up, const OptionalTensor& w_shared_down,
                        int64_t workspace, c10::string_view precision, bool save) {
   return core_errors_as_value_errors([&] {
-    check_gpu_precision(precision);
-    const bool fp8 = precision == "fp8";
+    const bool fp8 = quantized(precision);  // (the core checks the name)
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     const c10::cuda::CUDAGuard device_guard(x.device());
@@ -189,8 +184,7 @@ BackwardResult backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& to
                              const OptionalTensor& saved_shared_gate_up,
                              c10::string_view precision) {
   return core_errors_as_value_errors([&] {
-    check_gpu_precision(precision);
-    const bool fp8 = precision == "fp8";
+    const bool fp8 = quantized(precision);  // (the core checks the name)
     const LayerCall layer =
         read_layer_call(x, topk_idx, topk_w, w_gate_up, w_down, w_shared_gate_up, w_shared_down);
     check_tensor(dy, "dy", at::kBFloat16, x.device());

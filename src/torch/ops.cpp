@@ -235,15 +235,14 @@ void forget_fp8_weights(int64_t) {}
 
 TORCH_LIBRARY(mok, m) {
   // workspace: a handle from create_workspace; 0 = none (CPU) or the automatic EP = 1 workspace
-  // of the tensors' GPU. precision: "bf16", "fp8" or "mxfp8" (MoKConfig.precision); the GPU layer
-  // computes bf16 and fp8 (forward and backward), mxfp8 runs on CPU tensors only so far.
+  // of the tensors' GPU. precision: "bf16", "fp8" or "mxfp8" (MoKConfig.precision), on CPU and
+  // GPU tensors alike (mxfp8 on the GPU: a numerics mode on the bf16 engine, docs/quantize.md).
   m.def(
       "forward(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
       "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "
       "str precision=\"bf16\") -> Tensor");
   // The forward that also returns what a save-mode backward reads: the gate/up pre-activations
-  // (rows, 2I) and the shared expert's (T, 2I_s) bf16 (empty on CPU and in fp8: their backward
-  // recomputes).
+  // (rows, 2I) and the shared expert's (T, 2I_s) bf16 (empty on CPU: its backward recomputes).
   m.def(
       "forward_save(Tensor x, Tensor topk_idx, Tensor topk_w, Tensor w_gate_up, Tensor w_down, "
       "Tensor? w_shared_gate_up, Tensor? w_shared_down, int workspace=0, "

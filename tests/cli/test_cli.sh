@@ -86,8 +86,6 @@ expect 0 '^PASS$' -- "$mok" run --backend cpu --precision mxfp8 --hidden 64 --in
   --experts 4 --top-k 2 --tokens 5 --routing single-expert --seed 3 --check
 expect 0 'pass: rel-L2 within 5 % \+ 40 % / sqrt\(tokens\) = 7\.5 % at 256 tokens' -- \
   "$mok" run --backend cpu --precision mxfp8 --hidden 64 --intermediate 64 --tokens 256
-expect_error '^mok run: error: --backend: cuda cannot run --precision mxfp8: the GPU layer trains in bf16 and fp8 so far \(--backend cpu runs mxfp8 on the CPU reference\)$' -- \
-  "$mok" run --backend cuda --precision mxfp8 --ep 2
 expect_error '^mok run: error: --hidden: fp8 needs a multiple of 128, got 96$' -- "$mok" run --precision fp8 --hidden 96
 expect_error '^mok run: error: --intermediate: mxfp8 needs a multiple of 32, got 48$' -- "$mok" run --precision mxfp8 --intermediate 48
 expect_error '^mok run: error: --shared-intermediate: fp8 needs a multiple of 128, got 64$' -- \
@@ -145,6 +143,10 @@ if ((gpus >= 1)); then
   expect 0 '^PASS$' -- "$mok" run --backend cuda --tokens 200 --routing skewed:1.5
   expect 0 '^  dx \(sample\) .*  ok$' -- "$mok" run --backend cuda --precision fp8 --tokens 300
   expect 0 '^PASS$' -- "$mok" run --backend cuda --precision fp8 --tokens 173 --routing skewed:1.5
+  expect 0 '^  dx \(sample\) .*  ok$' -- "$mok" run --backend cuda --precision mxfp8 --tokens 300
+  # mxfp8's blocks of 32: H, I and I_s multiples of 32 that fp8's 128 would refuse.
+  expect 0 '^PASS$' -- "$mok" run --backend cuda --precision mxfp8 --tokens 173 --hidden 96 --intermediate 160 \
+    --shared-intermediate 64 --routing skewed:1.5
   expect 0 '^PASS$' -- "$mok" run --backend cuda --tokens 173 --hidden 512 --intermediate 192 \
     --shared-intermediate 64 --experts 16 --top-k 6
 else
@@ -152,10 +154,14 @@ else
     "$mok" run --backend cuda
   expect_error '^mok run: error: --backend: cuda cannot run here: (EP 1 needs 1 Hopper GPU|this build has no CUDA backend)' -- \
     "$mok" run --backend cuda --precision fp8
+  expect_error '^mok run: error: --backend: cuda cannot run here: (EP 1 needs 1 Hopper GPU|this build has no CUDA backend)' -- \
+    "$mok" run --backend cuda --precision mxfp8
 fi
 if ((gpus >= 2)); then
   expect 0 'EP 2 vs EP 1 on the GPU: .* bitwise equal' -- "$mok" run --backend cuda --ep 2 --tokens 300
   expect 0 'EP 2 vs EP 1 on the GPU: .* bitwise equal' -- "$mok" run --backend cuda --precision fp8 --ep 2 \
+    --tokens 300
+  expect 0 'EP 2 vs EP 1 on the GPU: .* bitwise equal' -- "$mok" run --backend cuda --precision mxfp8 --ep 2 \
     --tokens 300
 fi
 

@@ -1,18 +1,21 @@
 // mok run --backend cuda: the fused GPU layer forward and the GPU backward on every rank's GPU,
 // timed, and checked against the CPU reference on a sample of tokens (y, dx, d_topk_w; the weight
 // gradients too where the whole CPU backward is quick) and, for EP > 1, bitwise against EP = 1.
-// --precision fp8: the GPU layer in fp8 (forward, and the training step from the weights'
-// quantization on), checked against the CPU reference's fp8 mode on the sample (y, dx, d_topk_w;
-// the GPU tests check the fp8 weight gradients) and, for EP > 1, bitwise against EP = 1.
+// --precision fp8 or mxfp8: the GPU layer in that FP8 mode (forward, and the training step from
+// the weights' quantization on), checked against the CPU reference's same mode on the sample (y,
+// dx, d_topk_w; the GPU tests check the FP8 modes' weight gradients) and, for EP > 1, bitwise
+// against EP = 1.
 #include "run_cuda.hpp"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "mok/compare.hpp"
 #include "mok/error.hpp"
+#include "mok/precision.hpp"
 #if defined(MOK_WITH_CUDA)
 #include <cuda_runtime.h>
 
@@ -28,8 +31,9 @@ namespace mok::cli {
 namespace {
 
 constexpr int64_t kMinSampleTokens = 256;
-// fp8, GPU against the CPU reference's fp8 (rel-L2): the GPU tests measured y 0.003-0.004 apart
-// (python/tests/test_torch_cuda_fp8.py) beside errors of ~0.064 against fp64.
+// An FP8 mode, GPU against the CPU reference's same mode (rel-L2): the GPU tests measured fp8's y
+// 0.003-0.004 apart (python/tests/test_torch_cuda_fp8.py) beside errors of ~0.064 against fp64;
+// mxfp8 sums the same exact products in another order, as fp8 does.
 constexpr double kFp8SampleTolerance = 2e-2;
 
 // Tokens to check: first, in token order, every token that uses an expert no earlier pick uses
@@ -130,10 +134,10 @@ SampleOutputs reference_sample(const Problem& problem, const std::vector<int64_t
 }
 
 // How far the GPU may be from the CPU reference on the sample (rel-L2). bf16: the same rounding
-// points, sums in another order. fp8: the same, where a sum a few ulps off can move an element
-// across an E4M3 rounding boundary (the GPU tests bound the fp8 layer against the fp64 oracle).
+// points, sums in another order. The FP8 modes: the same, where a sum a few ulps off can move an
+// element across an E4M3 rounding boundary (the GPU tests bound them against the fp64 oracle).
 double sample_tolerance(Precision precision) {
-  return precision == Precision::kFp8 ? kFp8SampleTolerance : kBf16Tolerance;
+  return precision == Precision::kBf16 ? kBf16Tolerance : kFp8SampleTolerance;
 }
 
 template <class T>
@@ -171,15 +175,17 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
   int64_t experts_covered = 0;
   const std::vector<int64_t> tokens = sample_tokens(problem, &experts_covered);
   const LayerShape& shape = problem.shape;
-  const bool fp8 = config.precision == Precision::kFp8;
+  const bool fp8 = config.precision != Precision::kBf16;  // an FP8 mode: fp8 or mxfp8
+  const std::string precision(precision_name(config.precision));
   const double tolerance = sample_tolerance(config.precision);
   std::printf(
       "check: y, dx and d_topk_w of %zu of the %lld tokens (every one of the %lld experts "
       "that received tokens is used by at least one; the rest evenly spaced) against the "
-      "CPU reference%s computed for those tokens (pass: rel-L2 <= %.0e, every element "
+      "CPU reference%s%s computed for those tokens (pass: rel-L2 <= %.0e, every element "
       "written):\n",
       tokens.size(), static_cast<long long>(problem.num_tokens),
-      static_cast<long long>(experts_covered), fp8 ? " in fp8" : "", tolerance);
+      static_cast<long long>(experts_covered), fp8 ? " in " : "", fp8 ? precision.c_str() : "",
+      tolerance);
   std::fflush(stdout);
   const SampleOutputs expected = reference_sample(problem, tokens, true, config.precision);
   bool passed =
@@ -192,8 +198,9 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
                        (shape.top_k * shape.intermediate + shape.shared_intermediate);
   if (fp8) {
     std::printf(
-        "  weight gradients: not compared here in fp8 (the GPU tests check them against the "
-        "CPU reference and the fp64 oracle)\n");
+        "  weight gradients: not compared here in %s (the GPU tests check them against the "
+        "CPU reference and the fp64 oracle)\n",
+        precision.c_str());
   } else if (flops <= kFullCheckMaxFlops) {
     // Every weight gradient against the CPU reference's, at the same EP.
     ProblemOutputs cpu = ProblemOutputs::poisoned(problem, config.ep);
@@ -234,6 +241,7 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
     single.iterations = 1;
     single.backward = true;
     single.fp8_forward = fp8;
+    if (fp8) single.fp8_precision = config.precision;
     const LayerRunResult one = run_layer_forward(single);
     const bool equal = fp8 ? same_bits(one.fp8_y, run.fp8_y) && same_bits(one.fp8_dx, run.fp8_dx) &&
                                  same_bits(one.fp8_d_topk_w, run.fp8_d_topk_w)
@@ -252,9 +260,9 @@ bool check_gpu_result(const RunConfig& config, const Problem& problem, const Lay
 }  // namespace
 
 std::string cuda_backend_unfit_reason(const RunConfig& config) {
+  const bool fp8 = config.precision != Precision::kBf16;
   return gpu_layer_unfit_reason(config.shape, static_cast<int>(config.ep), config.tokens_per_rank,
-                                /*backward=*/true,
-                                /*fp8=*/config.precision == Precision::kFp8);
+                                /*backward=*/true, fp8, config.precision);
 }
 
 std::string cuda_device_description() {
@@ -271,8 +279,9 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
   spec.topk_w = &problem.topk_w;
   spec.problem = &problem;
   spec.backward = true;
-  const bool fp8 = config.precision == Precision::kFp8;
+  const bool fp8 = config.precision != Precision::kBf16;  // an FP8 mode: fp8 or mxfp8
   spec.fp8_forward = fp8;  // (after the bf16 forward, as bench_layer runs it)
+  if (fp8) spec.fp8_precision = config.precision;
   const LayerRunResult run = run_layer_forward(spec);
   result.forward_ms = fp8 ? run.fp8_forward_ms : run.forward_ms;
   result.backward_ms = fp8 ? run.fp8_backward_ms : run.backward_ms;
@@ -286,7 +295,7 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
   outputs.dx = fp8 ? run.fp8_dx : run.dx;
   outputs.d_topk_w = fp8 ? run.fp8_d_topk_w : run.d_topk_w;
   const LayerShape& shape = config.shape;
-  if (!fp8) {  // (the fp8 step keeps no weight gradients for the host)
+  if (!fp8) {  // (the FP8 modes' step keeps no weight gradients for the host)
     gemm::split_gate_up(run.grad_gate_up, shape.num_experts, shape.intermediate, shape.hidden,
                         outputs.grad_gate, outputs.grad_up);
     outputs.grad_down = run.grad_down;
@@ -307,10 +316,10 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
   print_timings(config, result);
   if (fp8) {
     std::printf(
-        "fp8 training step (weights quantized into a %.2f GB cache in both layouts, forward, "
+        "%s training step (weights quantized into a %.2f GB cache in both layouts, forward, "
         "backward): %.3f ms/rank; mok bf16 in the same run: forward %.3f, step %.3f ms/rank\n",
-        run.fp8_weight_bytes_per_rank / 1e9, run.fp8_step_ms, run.forward_ms,
-        run.forward_backward_ms);
+        std::string(precision_name(config.precision)).c_str(), run.fp8_weight_bytes_per_rank / 1e9,
+        run.fp8_step_ms, run.forward_ms, run.forward_backward_ms);
   } else {
     std::printf("fwd+bwd as timed pairs: %.3f ms/rank\n", run.forward_backward_ms);
   }
