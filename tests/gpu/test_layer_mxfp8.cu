@@ -253,8 +253,10 @@ std::vector<double> as_doubles(const std::vector<Value>& values) {
 // same mxfp8 operands with everything else in fp64 (reference::oracle in Precision::kMxfp8): what
 // the recipe itself costs. The CPU reference in mxfp8 meets the same rule here. And the GPU, whose
 // GEMM operands are the reference's dequantized values (only the order of the fp32 sums differs,
-// which moves an E4M3 or bf16 rounding now and then), is within kBf16Tolerance (1 %) of the CPU
-// reference: tighter than the fp8 forward test's 2 %, whose GPU promotes its sums differently.
+// which moves an E4M3 or bf16 rounding now and then), is within 2 % of the CPU reference, the
+// fp8 layer tests' bound.
+constexpr double kGpuVsCpuTolerance = 0.02;
+
 template <class Value>
 void expect_mxfp8_rule(const char* name, const std::vector<Value>& gpu,
                        const std::vector<Value>& cpu, const std::vector<double>& exact,
@@ -276,7 +278,7 @@ void expect_mxfp8_rule(const char* name, const std::vector<Value>& gpu,
             kFp8YardstickTolerance * yardstick_error)
       << "CPU reference: " << cpu_error.describe() << "; yardstick " << yardstick_error;
   EXPECT_GT(yardstick_error, 0x1p-7) << "no quantization error at all?";
-  EXPECT_TRUE(gpu_vs_cpu.within(kBf16Tolerance))
+  EXPECT_TRUE(gpu_vs_cpu.within(kGpuVsCpuTolerance))
       << "GPU vs the CPU mxfp8 reference: " << gpu_vs_cpu.describe();
 }
 
