@@ -399,8 +399,11 @@ TEST(LayerMxfp8, BackwardKnobsGraphAndEpDoNotChangeABit) {
     EXPECT_EQ(differing_output(run_mx_backward(problem, 1, knobs[index]), expected), "")
         << "knob setting " << index;
   }
+  // The EP contract covers dx, d_topk_w and the routed gradients: each rank's shared expert sums
+  // over that rank's own tokens, its 32 x 1 blocks from the rank's first token (the reference's
+  // weight_grads), so its gradients are another sum at each EP degree.
   for (int ep : {2, 4}) {
-    EXPECT_EQ(differing_output(run_mx_backward(problem, ep, MxRun{}), expected), "")
+    EXPECT_EQ(first_different_tensor(run_mx_backward(problem, ep, MxRun{}), expected), "")
         << "EP " << ep << " differs from EP 1";
   }
 }
