@@ -28,6 +28,7 @@
 
 #include "kernels/comm/flags.cuh"
 #include "kernels/comm/workspace_layout.cuh"
+#include "kernels/gemm/swiglu.cuh"
 #include "kernels/quantize/elements.cuh"
 #include "kernels/quantize/mx_round_trip.cuh"
 #include "mok/detail/fp8_numerics.hpp"
@@ -73,15 +74,24 @@ static __global__ void __launch_bounds__(kMxSwiGluThreads)
         up[c] = u.x, up[c + 1] = u.y, up[c + 2] = u.z, up[c + 3] = u.w;
       }
     }
-    float values[kMxBlock];
+    // numerics::swiglu, branch-free where every gate allows it (the same bits: gemm/swiglu.cuh).
+    bool all_fast = true;
 #pragma unroll
-    for (int c = 0; c < kMxBlock; ++c) values[c] = numerics::swiglu(gate[c], up[c]);
-    const uint8_t code = quantize::mx_code(quantize::finite_amax_bits(values));
+    for (int c = 0; c < kMxBlock; ++c) all_fast &= gemm::swiglu_gate_is_fast(gate[c]);
+    float values[kMxBlock];
+    if (all_fast) {
+#pragma unroll
+      for (int c = 0; c < kMxBlock; ++c) values[c] = gemm::swiglu_fast(gate[c], up[c]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kMxBlock; ++c) values[c] = numerics::swiglu(gate[c], up[c]);
+    }
+    const quantize::MxBlockScale round_trip(quantize::mx_code(quantize::finite_amax_bits(values)));
     uint32_t words[kMxBlock / 2];
 #pragma unroll
     for (int w = 0; w < kMxBlock / 2; ++w) {
-      words[w] = quantize::mx_bf16_bits(fp8::mx_round_trip(values[2 * w], code)) |
-                 (quantize::mx_bf16_bits(fp8::mx_round_trip(values[2 * w + 1], code)) << 16);
+      words[w] = quantize::mx_bf16_bits(round_trip(values[2 * w])) |
+                 (quantize::mx_bf16_bits(round_trip(values[2 * w + 1])) << 16);
     }
     uint4* target = reinterpret_cast<uint4*>(hidden + row * inter + block * kMxBlock);
 #pragma unroll
@@ -173,19 +183,21 @@ __device__ inline void swiglu_backward_mx_block(const SwiGluBackwardMxRows& rows
       const __nv_bfloat16* pre = rows.gate_up + gate_up_row * 2 * inter + gate_column;
       const float a = __bfloat162float(pre[0]), b = __bfloat162float(pre[8]);
       const float g = rows.grad_hidden[row * inter + column];
-      const float h = numerics::swiglu(a, b);
+      // numerics::sigmoid's bits, branch-free below |a| = 87 (gemm/swiglu.cuh).
+      const float s = gemm::swiglu_gate_is_fast(a) ? gemm::sigmoid_fast(a) : numerics::sigmoid(a);
+      const float h = numerics::swiglu_from_sigmoid(a, b, s);
       dot[k] = numerics::add_rn(dot[k], mx_warp_sum(numerics::mul_rn(g, h)));
       const numerics::SwiGluGrad d =
-          numerics::swiglu_backward(a, b, numerics::mul_rn(weight[k], g));
+          numerics::swiglu_backward_from_sigmoid(a, b, numerics::mul_rn(weight[k], g), s);
       const float wh = numerics::mul_rn(weight[k], h);
       // 1 x 32 along [d_a | d_b]: the 32 columns of this chunk, of d_a, then of d_b.
       const float values[2] = {d.d_gate, d.d_up};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const uint8_t code =
-            quantize::mx_code(quantize::lanes_max<32>(fp8::finite_magnitude_bits(values[half])));
+        const quantize::MxBlockScale round_trip(
+            quantize::mx_code(quantize::lanes_max<32>(fp8::finite_magnitude_bits(values[half]))));
         rows.d_gate_up_rows[row * 2 * inter + gate_column + 8 * half] =
-            static_cast<uint16_t>(quantize::mx_bf16_bits(fp8::mx_round_trip(values[half], code)));
+            static_cast<uint16_t>(quantize::mx_bf16_bits(round_trip(values[half])));
       }
       stage(0, r, lane) = d.d_gate;
       stage(1, r, lane) = d.d_up;
@@ -200,12 +212,12 @@ __device__ inline void swiglu_backward_mx_block(const SwiGluBackwardMxRows& rows
       for (int r = 0; r < n; ++r) {
         amax_bits = max(amax_bits, fp8::finite_magnitude_bits(stage(output, r, c)));
       }
-      const uint8_t code = quantize::mx_code(amax_bits);
+      const quantize::MxBlockScale round_trip(quantize::mx_code(amax_bits));
       const int64_t col = chunk * kMxBlock + c;
       for (int r = 0; r < n; ++r) {
         const int64_t row = first + r0 + r;
-        const uint16_t bits = static_cast<uint16_t>(
-            quantize::mx_bf16_bits(fp8::mx_round_trip(stage(output, r, c), code)));
+        const uint16_t bits =
+            static_cast<uint16_t>(quantize::mx_bf16_bits(round_trip(stage(output, r, c))));
         if (output == 2) {
           rows.weighted_hidden[row * inter + col] = bits;
         } else {

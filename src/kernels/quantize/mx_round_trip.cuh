@@ -38,6 +38,28 @@ __device__ __forceinline__ uint8_t mx_code(uint32_t amax_bits) {
   return fp8::e8m0_scale_code(__uint_as_float(amax_bits));
 }
 
+// fp8::mx_round_trip(value, code) with the hardware's conversions, given code's factor
+// (e8m0_inverse) and scale (e8m0_to_float): the same value for every float (the encoding is
+// encode_scaled's rule, checked against fp8::encode_e4m3 for every float by
+// tests/gpu/test_quantize.cu; the decoding is exact).
+__device__ __forceinline__ float mx_round_trip_fast(float value, float inverse, float scale) {
+  const uint32_t bits = __float_as_uint(value);
+  const uint32_t code = (bits & fp8::kFloatExponentMask) == fp8::kFloatExponentMask
+                            ? ((bits >> 24) & fp8::kSignBit) | fp8::kE4M3NanCode
+                            : ptx::cvt_e4m3x2(__fmul_rn(value, inverse), 0.0f);
+  return __fmul_rn(ptx::e4m3_to_float(code), scale);
+}
+
+// A block's round trip: its code's factor and scale, once.
+struct MxBlockScale {
+  float inverse, scale;
+  __device__ __forceinline__ explicit MxBlockScale(uint8_t code)
+      : inverse(fp8::e8m0_inverse(code)), scale(fp8::e8m0_to_float(code)) {}
+  __device__ __forceinline__ float operator()(float value) const {
+    return mx_round_trip_fast(value, inverse, scale);
+  }
+};
+
 // in (rows, cols) -> out (rows, cols) bf16 bits, each 1 x 32 block round-tripped; the rows below
 // *row_bound (device; null: rows). cols a multiple of 32. A thread per block, any grid.
 template <class Input>
@@ -60,12 +82,12 @@ __global__ void __launch_bounds__(kMxThreads)
 #pragma unroll
       for (int e = 0; e < Vector::kElements; ++e) values[v * Vector::kElements + e] = part[e];
     }
-    const uint8_t code = mx_code(finite_amax_bits(values));
+    const MxBlockScale round_trip(mx_code(finite_amax_bits(values)));
     uint32_t words[kMxBlock / 2];
 #pragma unroll
     for (int w = 0; w < kMxBlock / 2; ++w) {
-      words[w] = mx_bf16_bits(fp8::mx_round_trip(values[2 * w], code)) |
-                 (mx_bf16_bits(fp8::mx_round_trip(values[2 * w + 1], code)) << 16);
+      words[w] = mx_bf16_bits(round_trip(values[2 * w])) |
+                 (mx_bf16_bits(round_trip(values[2 * w + 1])) << 16);
     }
     uint4* target = reinterpret_cast<uint4*>(out + block * kMxBlock);
 #pragma unroll
@@ -134,9 +156,13 @@ __global__ void __launch_bounds__(kMxThreads)
           amax_bits[c] = max(amax_bits[c], fp8::finite_magnitude_bits(values[c]));
         }
       }
-      uint8_t codes[kColumns];
+      float inverse[kColumns], scale[kColumns];
 #pragma unroll
-      for (int c = 0; c < kColumns; ++c) codes[c] = mx_code(amax_bits[c]);
+      for (int c = 0; c < kColumns; ++c) {
+        const uint8_t code = mx_code(amax_bits[c]);
+        inverse[c] = fp8::e8m0_inverse(code);
+        scale[c] = fp8::e8m0_to_float(code);
+      }
       for (int r = 0; r < n; ++r) {
         const int64_t offset = (first + groups.row(r0 + r, count)) * cols + column;
         float values[kColumns];
@@ -144,8 +170,10 @@ __global__ void __launch_bounds__(kMxThreads)
         uint32_t words[kColumns / 2];
 #pragma unroll
         for (int w = 0; w < kColumns / 2; ++w) {
-          words[w] = mx_bf16_bits(fp8::mx_round_trip(values[2 * w], codes[2 * w])) |
-                     (mx_bf16_bits(fp8::mx_round_trip(values[2 * w + 1], codes[2 * w + 1])) << 16);
+          words[w] = mx_bf16_bits(mx_round_trip_fast(values[2 * w], inverse[2 * w], scale[2 * w])) |
+                     (mx_bf16_bits(mx_round_trip_fast(values[2 * w + 1], inverse[2 * w + 1],
+                                                      scale[2 * w + 1]))
+                      << 16);
         }
         if constexpr (kColumns == 8) {
           *reinterpret_cast<uint4*>(out + offset) =
