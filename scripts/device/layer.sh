@@ -25,6 +25,8 @@
 #                              bf16_backward_ms); layer.json's "-fp8" entries, phases fwd, fwdbwd
 #                              and bwd
 #   layer-torch-fp8-ep1.json   torch-native's FP8 forward (every variant)
+#   layer-mok-mxfp8.json       bench_layer --precision mxfp8 --backward 1, the same fields
+#                              (qwen3-30b-a3b and mixtral-8x7b; MOK_MXFP8_CASES)
 #   mok-run-cuda-{tiny,qwen3-30b}-ep{1,2}.json, layer.log
 #
 #   OUT=/tmp/out scripts/device/layer.sh [BIN_DIR]
@@ -130,6 +132,14 @@ if [[ $bench_layer_help == *--precision* ]]; then
   fi
 else
   say "FP8: skipped (this bench_layer has no --precision)"
+fi
+# mxfp8 (a numerics mode on the bf16 engine: its cost beside bf16) on the shapes whose two
+# round-tripped weight copies fit one GPU beside the bf16 weights.
+rm -f "$OUT/layer-mok-mxfp8.json"
+if [[ $bench_layer_help == *mxfp8* ]]; then
+  step "bench_layer (mok, mxfp8 forward and training step; its bf16 ones beside them)" 240 \
+    "$BIN/bench_layer" --iters 10 --backward 1 --precision mxfp8 \
+    --cases "${MOK_MXFP8_CASES:-qwen3-30b-a3b-ep1,mixtral-8x7b-ep1}" --out "$OUT/layer-mok-mxfp8.json"
 fi
 step "results (mok-bench/2)" 60 python3 bench/baselines/layer_results.py --mok "$OUT/layer-mok.json" \
   "${torch_results[@]}" "${fp8_results[@]}" --commit "$COMMIT" --out "$OUT/layer.json"

@@ -18,7 +18,8 @@
 #                                       python-pytest-integrations.log (transformers, quantizers),
 #                                       transformers-train.{json,log} (the transformers benchmark),
 #                                       python-example-cuda.log (EP 1, then EP 2),
-#                                       python-example-cuda-fp8.log (EP 1, fp8 beside bf16), and
+#                                       python-example-cuda-fp8.log (EP 1, fp8 beside bf16),
+#                                       python-example-cuda-mxfp8.log (the same in mxfp8), and
 #                                       python-example-cpu.log where there is no GPU.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -96,6 +97,9 @@ if ((gpus >= 1)); then
   echo "== example, cuda, EP 1, fp8 (beside mok bf16 and torch-native, from the same start)"
   timeout 120 python3 examples/train_moe_block.py --device cuda --precision fp8 --steps "$steps" 2>&1 \
     | tee "$results/python-example-cuda-fp8.log" || example_status=1
+  echo "== example, cuda, EP 1, mxfp8 (beside mok bf16 and torch-native, from the same start)"
+  timeout 120 python3 examples/train_moe_block.py --device cuda --precision mxfp8 --steps "$steps" \
+    2>&1 | tee "$results/python-example-cuda-mxfp8.log" || example_status=1
 fi
 if ((gpus >= 2)); then
   echo "== example, cuda, EP 2 (torchrun)"
