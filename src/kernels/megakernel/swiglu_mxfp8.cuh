@@ -47,73 +47,67 @@ inline constexpr int kMxSwiGluThreads = 256;
 
 // sums (rows, 2I) fp32 -> hidden (rows, I) bf16 bits, h round-tripped 1 x 32; the rows below
 // *row_bound (device; null: rows) whose row_source is not negative (null: every row). saved: the
-// sums rounded to bf16 at row row_source[r] (null row_source: r), or null. A thread per (row,
-// 32 columns of h), any grid. (static: a definition of its own in every file that includes this
-// one.)
+// sums rounded to bf16 at row row_source[r] (null row_source: r), or null. A lane per 4 columns of
+// h (its 4 gate and 4 up sums: two 16-byte loads), a 32-column block in 8 lanes (amax by
+// shuffles), any grid. (static: a definition of its own in every file that includes this one.)
 static __global__ void __launch_bounds__(kMxSwiGluThreads)
     mx_swiglu_kernel(const float* __restrict__ sums, uint16_t* __restrict__ hidden,
                      uint16_t* __restrict__ saved, const int32_t* __restrict__ row_source,
                      int64_t rows, int64_t inter, const int32_t* __restrict__ row_bound) {
-  const int64_t blocks_per_row = inter / kMxBlock;
+  constexpr int kColumns = 4;  // of h, a lane
+  constexpr int kLanes = kMxBlock / kColumns;
+  const int64_t units_per_row = inter / kColumns;
   const int64_t num_rows = row_bound != nullptr ? static_cast<int64_t>(*row_bound) : rows;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       item < num_rows * blocks_per_row; item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = item / blocks_per_row, block = item % blocks_per_row;
-    const int32_t source = row_source != nullptr ? row_source[row] : static_cast<int32_t>(row);
-    if (source < 0) continue;  // a padding row between experts: no GEMM wrote it
-    // The block's 32 columns of h: 4 pairs of (8 gate, 8 up) sums, 64 consecutive floats.
-    const float4* pairs = reinterpret_cast<const float4*>(sums + row * 2 * inter + block * 64);
-    float gate[kMxBlock], up[kMxBlock];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float4 g = pairs[4 * q + half], u = pairs[4 * q + 2 + half];
-        const int c = 8 * q + 4 * half;
-        gate[c] = g.x, gate[c + 1] = g.y, gate[c + 2] = g.z, gate[c + 3] = g.w;
-        up[c] = u.x, up[c + 1] = u.y, up[c + 2] = u.z, up[c + 3] = u.w;
-      }
+  const int64_t num_units = num_rows * units_per_row;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  // (the loop's bound is the warp's: every lane takes part in the shuffles; a row's units are whole
+  // blocks of 8 lanes, I being a multiple of 32)
+  for (int64_t base =
+           (static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * 32;
+       base < num_units; base += warps * 32) {
+    const int64_t unit = base + lane;
+    const int64_t row = unit / units_per_row;
+    const int64_t column = unit % units_per_row * kColumns;
+    int32_t source = -1;  // a padding row between experts (no GEMM wrote it), or past the end
+    if (unit < num_units)
+      source = row_source != nullptr ? row_source[row] : static_cast<int32_t>(row);
+    const bool live = source >= 0;
+    const int64_t pair = row * 2 * inter + mx_gate_column(column);  // 4 gate sums, 4 up 8 further
+    float4 gate = make_float4(0.0f, 0.0f, 0.0f, 0.0f), up = gate;
+    if (live) {
+      gate = *reinterpret_cast<const float4*>(sums + pair);
+      up = *reinterpret_cast<const float4*>(sums + pair + 8);
     }
-    // numerics::swiglu, branch-free where every gate allows it (the same bits: gemm/swiglu.cuh).
+    const float g[kColumns] = {gate.x, gate.y, gate.z, gate.w};
+    const float u[kColumns] = {up.x, up.y, up.z, up.w};
+    // numerics::swiglu, branch-free where the lane's gates allow it (the same bits:
+    // gemm/swiglu.cuh).
     bool all_fast = true;
 #pragma unroll
-    for (int c = 0; c < kMxBlock; ++c) all_fast &= gemm::swiglu_gate_is_fast(gate[c]);
-    float values[kMxBlock];
-    if (all_fast) {
+    for (int c = 0; c < kColumns; ++c) all_fast &= gemm::swiglu_gate_is_fast(g[c]);
+    float values[kColumns];
 #pragma unroll
-      for (int c = 0; c < kMxBlock; ++c) values[c] = gemm::swiglu_fast(gate[c], up[c]);
-    } else {
-#pragma unroll
-      for (int c = 0; c < kMxBlock; ++c) values[c] = numerics::swiglu(gate[c], up[c]);
+    for (int c = 0; c < kColumns; ++c) {
+      values[c] = all_fast ? gemm::swiglu_fast(g[c], u[c]) : numerics::swiglu(g[c], u[c]);
     }
-    const quantize::MxBlockScale round_trip(quantize::mx_code(quantize::finite_amax_bits(values)));
-    uint32_t words[kMxBlock / 2];
-#pragma unroll
-    for (int w = 0; w < kMxBlock / 2; ++w) {
-      words[w] = quantize::mx_bf16_bits(round_trip(values[2 * w])) |
-                 (quantize::mx_bf16_bits(round_trip(values[2 * w + 1])) << 16);
-    }
-    uint4* target = reinterpret_cast<uint4*>(hidden + row * inter + block * kMxBlock);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      target[q] = make_uint4(words[4 * q], words[4 * q + 1], words[4 * q + 2], words[4 * q + 3]);
-    }
+    const quantize::MxBlockScale round_trip(
+        quantize::mx_code(quantize::lanes_max<kLanes>(quantize::finite_amax_bits(values))));
+    if (!live) continue;
+    const uint32_t h01 = quantize::mx_bf16_bits(round_trip(values[0])) |
+                         (quantize::mx_bf16_bits(round_trip(values[1])) << 16);
+    const uint32_t h23 = quantize::mx_bf16_bits(round_trip(values[2])) |
+                         (quantize::mx_bf16_bits(round_trip(values[3])) << 16);
+    *reinterpret_cast<uint2*>(hidden + row * inter + column) = make_uint2(h01, h23);
     if (saved == nullptr) continue;
-    uint4* saved_row =
-        reinterpret_cast<uint4*>(saved + static_cast<int64_t>(source) * 2 * inter + block * 64);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      uint32_t g[4], u[4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        g[p] = quantize::mx_bf16_bits(gate[8 * q + 2 * p]) |
-               (quantize::mx_bf16_bits(gate[8 * q + 2 * p + 1]) << 16);
-        u[p] = quantize::mx_bf16_bits(up[8 * q + 2 * p]) |
-               (quantize::mx_bf16_bits(up[8 * q + 2 * p + 1]) << 16);
-      }
-      saved_row[2 * q] = make_uint4(g[0], g[1], g[2], g[3]);
-      saved_row[2 * q + 1] = make_uint4(u[0], u[1], u[2], u[3]);
-    }
+    uint16_t* saved_pair =
+        saved + static_cast<int64_t>(source) * 2 * inter + mx_gate_column(column);
+    *reinterpret_cast<uint2*>(saved_pair) =
+        make_uint2(quantize::mx_bf16_bits(g[0]) | (quantize::mx_bf16_bits(g[1]) << 16),
+                   quantize::mx_bf16_bits(g[2]) | (quantize::mx_bf16_bits(g[3]) << 16));
+    *reinterpret_cast<uint2*>(saved_pair + 8) =
+        make_uint2(quantize::mx_bf16_bits(u[0]) | (quantize::mx_bf16_bits(u[1]) << 16),
+                   quantize::mx_bf16_bits(u[2]) | (quantize::mx_bf16_bits(u[3]) << 16));
   }
 }
 

@@ -61,38 +61,41 @@ struct MxBlockScale {
 };
 
 // in (rows, cols) -> out (rows, cols) bf16 bits, each 1 x 32 block round-tripped; the rows below
-// *row_bound (device; null: rows). cols a multiple of 32. A thread per block, any grid.
+// *row_bound (device; null: rows). cols a multiple of 32. A lane per 16-byte input vector, a block
+// in 4 (bf16) or 8 (fp32) lanes, its amax by shuffles (the quantize kernels' layout); any grid.
 template <class Input>
 __global__ void __launch_bounds__(kMxThreads)
     mx_rows_kernel(const Input* __restrict__ in, uint16_t* __restrict__ out, int64_t rows,
                    int64_t cols, const int32_t* __restrict__ row_bound) {
   using Vector = InputVector<Input>;
-  constexpr int kVectors = kMxBlock / Vector::kElements;
-  const int64_t blocks_per_row = cols / kMxBlock;
+  constexpr int kElements = Vector::kElements;
+  constexpr int kLanes = kMxBlock / kElements;
   const int64_t num_rows = row_bound != nullptr ? static_cast<int64_t>(*row_bound) : rows;
-  const int64_t num_blocks = num_rows * blocks_per_row;
-  for (int64_t block = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       block < num_blocks; block += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const Input* source = in + block * kMxBlock;  // (row, block) -> row * cols + block * 32
-    float values[kMxBlock];
+  const int64_t num_vectors = num_rows * cols / kElements;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  // (the loop's bound is the warp's: every lane takes part in the shuffles)
+  for (int64_t base =
+           (static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * 32;
+       base < num_vectors; base += warps * 32) {
+    const int64_t vector = base + lane;
+    const bool active =
+        vector < num_vectors;  // (whole blocks: num_vectors is a multiple of kLanes)
+    float values[kElements] = {};
+    if (active) Vector::load(in + vector * kElements, values);
+    const MxBlockScale round_trip(mx_code(lanes_max<kLanes>(finite_amax_bits(values))));
+    if (!active) continue;
+    uint32_t words[kElements / 2];
 #pragma unroll
-    for (int v = 0; v < kVectors; ++v) {
-      float part[Vector::kElements];
-      Vector::load(source + v * Vector::kElements, part);
-#pragma unroll
-      for (int e = 0; e < Vector::kElements; ++e) values[v * Vector::kElements + e] = part[e];
-    }
-    const MxBlockScale round_trip(mx_code(finite_amax_bits(values)));
-    uint32_t words[kMxBlock / 2];
-#pragma unroll
-    for (int w = 0; w < kMxBlock / 2; ++w) {
+    for (int w = 0; w < kElements / 2; ++w) {
       words[w] = mx_bf16_bits(round_trip(values[2 * w])) |
                  (mx_bf16_bits(round_trip(values[2 * w + 1])) << 16);
     }
-    uint4* target = reinterpret_cast<uint4*>(out + block * kMxBlock);
-#pragma unroll
-    for (int q = 0; q < kMxBlock / 8; ++q) {
-      target[q] = make_uint4(words[4 * q], words[4 * q + 1], words[4 * q + 2], words[4 * q + 3]);
+    if constexpr (kElements == 8) {
+      *reinterpret_cast<uint4*>(out + vector * 8) =
+          make_uint4(words[0], words[1], words[2], words[3]);
+    } else {
+      *reinterpret_cast<uint2*>(out + vector * 4) = make_uint2(words[0], words[1]);
     }
   }
 }
