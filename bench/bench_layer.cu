@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bench_options.hpp"
+#include "layer_fp8_report.hpp"
 #include "mok/error.hpp"
 #include "mok/gemm.hpp"
 #include "mok/layer_runner.hpp"
@@ -304,43 +305,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
                 "", result.backward_recompute_ms, result.forward_backward_recompute_ms);
   }
   const std::string mode(mok::precision_name(args.fp8_precision));  // (with args.fp8)
-  if (args.fp8) {
-    std::printf(
-        "%-26s %s: forward %8.3f ms/rank  %7.1f useful TFLOP/s  (%.2fx the bf16 forward); weights "
-        "quantized in %.3f ms, cache %.2f GB/rank, buffers %.2f GB/rank\n",
-        "", mode.c_str(), result.fp8_forward_ms, flops / (result.fp8_forward_ms * 1e-3) * 1e-12,
-        result.forward_ms / result.fp8_forward_ms, result.fp8_weight_quantize_ms,
-        result.fp8_weight_bytes_per_rank / 1e9, result.fp8_buffer_bytes_per_rank / 1e9);
-    for (size_t phase = 0; phase < result.fp8_phase_ms.size(); ++phase) {
-      if (phase == 0) std::printf("    %s phases (ms, slowest rank): ", mode.c_str());
-      std::printf("%s%s %.3f", phase == 0 ? "" : ", ", result.phase_names[phase].c_str(),
-                  result.fp8_phase_ms[phase]);
-    }
-    std::printf("\n");
-    if (args.backward) {
-      std::printf(
-          "%-26s %s training step (weights quantized + forward + backward, save mode) %8.3f "
-          "ms/rank (%.2fx the bf16 step); backward %8.3f ms/rank (%.2fx the bf16 backward), "
-          "buffers %.2f GB/rank, context %.2f GB/rank\n",
-          "", mode.c_str(), result.fp8_step_ms, result.forward_backward_ms / result.fp8_step_ms,
-          result.fp8_backward_ms, result.backward_ms / result.fp8_backward_ms,
-          result.fp8_backward_buffer_bytes_per_rank / 1e9,
-          result.fp8_saved_context_bytes_per_rank / 1e9);
-      std::printf(
-          "%-26s %s step on the cached weights (forward + backward: gradient accumulation) "
-          "%8.3f ms/rank (%.2fx the bf16 step); recompute mode: step %8.3f, backward %8.3f "
-          "ms/rank\n",
-          "", mode.c_str(), result.fp8_step_cached_weights_ms,
-          result.forward_backward_ms / result.fp8_step_cached_weights_ms,
-          result.fp8_step_recompute_ms, result.fp8_backward_recompute_ms);
-      for (size_t phase = 0; phase < result.fp8_backward_phase_ms.size(); ++phase) {
-        if (phase == 0) std::printf("    %s backward phases (ms, slowest rank): ", mode.c_str());
-        std::printf("%s%s %.3f", phase == 0 ? "" : ", ", result.backward_phase_names[phase].c_str(),
-                    result.fp8_backward_phase_ms[phase]);
-      }
-      std::printf("\n");
-    }
-  }
+  if (args.fp8) mok::bench::print_fp8_mode(result, mode, flops, args.backward);
   std::fflush(stdout);
   // An FP8 mode: the case is its forward's, the bf16 forward beside it.
   const double case_ms = args.fp8 ? result.fp8_forward_ms : result.forward_ms;
@@ -367,39 +332,8 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
       ring_rows, args.schedule_in_kernel ? "true" : "false", args.schedule_ctas,
       args.l2_tickets ? "true" : "false", args.stale_rows ? "true" : "false");
   out << line;
-  if (args.fp8) {
-    out << ", \"precision\": \"" << mode << "\", \"bf16_forward_ms\": " << result.forward_ms
-        << ", \"weight_quantize_ms\": " << result.fp8_weight_quantize_ms
-        << ", \"fp8_weight_bytes_per_rank\": " << result.fp8_weight_bytes_per_rank
-        << ", \"bf16_phases_ms\": {";
-    for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
-      out << (phase == 0 ? "" : ", ") << "\"" << result.phase_names[phase]
-          << "\": " << result.phase_ms[phase];
-    }
-    out << "}";
-  }
-  if (args.backward && args.fp8) {
-    // The FP8 mode's training step (save mode, the weights' quantization inside each step), the
-    // same on the cached weights (gradient accumulation), recompute mode's beside them, and the
-    // bf16 one (save mode) as bf16_*.
-    out << ", \"backward_ms\": " << result.fp8_backward_ms
-        << ", \"fwdbwd_ms\": " << result.fp8_step_ms
-        << ", \"fwdbwd_cached_weights_ms\": " << result.fp8_step_cached_weights_ms
-        << ", \"backward_recompute_ms\": " << result.fp8_backward_recompute_ms
-        << ", \"fwdbwd_recompute_ms\": " << result.fp8_step_recompute_ms
-        << ", \"backward_buffer_bytes_per_rank\": " << result.fp8_backward_buffer_bytes_per_rank
-        << ", \"saved_context_bytes_per_rank\": " << result.fp8_saved_context_bytes_per_rank
-        << ", \"weight_bytes_per_rank\": " << result.weight_bytes_per_rank
-        << ", \"context\": \"save\", \"weight_gradients\": \"bf16\""
-        << ", \"bf16_backward_ms\": " << result.backward_ms
-        << ", \"bf16_fwdbwd_ms\": " << result.forward_backward_ms;
-    out << ", \"backward_phases_ms\": {";
-    for (size_t phase = 0; phase < result.fp8_backward_phase_ms.size(); ++phase) {
-      out << (phase == 0 ? "" : ", ") << "\"" << result.backward_phase_names[phase]
-          << "\": " << result.fp8_backward_phase_ms[phase];
-    }
-    out << "}";
-  } else if (args.backward) {
+  if (args.fp8) mok::bench::json_fp8_mode(out, result, mode, args.backward);
+  if (args.backward && !args.fp8) {
     out << ", \"backward_ms\": " << result.backward_ms
         << ", \"fwdbwd_ms\": " << result.forward_backward_ms
         << ", \"backward_buffer_bytes_per_rank\": " << result.backward_buffer_bytes_per_rank
