@@ -149,12 +149,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
-  // NOTE: ranks emulated on one GPU rely on every rank's kernels finding SMs while the others'
-  // wait on them; a CTA cluster needs SMs side by side in one GPC, which the waiting kernels can
-  // hold (EP 8 emulated hung so): single CTAs there, unless the caller chose.
-  if (comm.ranks_on_device() > 1 && options_.gemm.wgrad_cluster == 0) {
-    options_.gemm.wgrad_cluster = 1;
-  }
+  options_.gemm = wgrads_for_ranks_on_device(comm, options_.gemm);
 }
 
 LayerBackward::~LayerBackward() {
@@ -168,6 +163,14 @@ LayerBackward::~LayerBackward() {
         static_cast<void*>(shared_hidden_), shared_dx, static_cast<void*>(shared_offsets_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
+}
+
+gemm::LaunchOptions wgrads_for_ranks_on_device(const Communicator& comm, gemm::LaunchOptions gemm) {
+  // NOTE: ranks emulated on one GPU rely on every rank's kernels finding SMs while the others'
+  // wait on them; a CTA cluster needs SMs side by side in one GPC, which the waiting kernels can
+  // hold (EP 8 emulated hung so): single CTAs there, unless the caller chose.
+  if (comm.ranks_on_device() > 1 && gemm.wgrad_cluster == 0) gemm.wgrad_cluster = 1;
+  return gemm;
 }
 
 int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num_sms,

@@ -145,6 +145,9 @@ void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64
                               const void* x, const int32_t* topk_idx, const float* topk_w,
                               const void* dy, const void* dx, const float* d_topk_w,
                               const DeviceLayerGradients& grads);
+// The backward's GEMM options on `comm`: with ranks emulated on one GPU, single-CTA wgrads unless
+// the caller chose a cluster (clusters can find no free GPC beside the waiting ranks' kernels).
+gemm::LaunchOptions wgrads_for_ranks_on_device(const Communicator& comm, gemm::LaunchOptions gemm);
 // The SMs the shared expert's GEMMs get beside the dispatch's copy CTAs; 0: one after the other
 // (LayerBackwardOptions' overlap_shared_with_dispatch and local_dispatch_on_every_sm).
 int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num_sms,

@@ -93,10 +93,7 @@ LayerBackwardMxfp8::LayerBackwardMxfp8(const Communicator& comm, const LayerShap
   }
   ones_ = make_ones(tokens_max * shape.top_k, comm.device());
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
-  // As the bf16 backward: ranks emulated on one GPU take single-CTA wgrads unless told otherwise.
-  if (comm.ranks_on_device() > 1 && options_.gemm.wgrad_cluster == 0) {
-    options_.gemm.wgrad_cluster = 1;
-  }
+  options_.gemm = wgrads_for_ranks_on_device(comm, options_.gemm);
 }
 
 LayerBackwardMxfp8::~LayerBackwardMxfp8() {

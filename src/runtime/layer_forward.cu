@@ -192,9 +192,9 @@ std::vector<uint64_t> LayerForward::trace(cudaStream_t stream) const {
   return host;
 }
 
-int LayerForward::shared_gemm_sms_beside_copy() const {
-  if (!options_.overlap_shared_with_dispatch) return 0;
-  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
+int forward_shared_sms_beside_copy(const LayerForwardOptions& options, int num_sms) {
+  if (!options.overlap_shared_with_dispatch) return 0;
+  return gemm_sms_beside_copy(num_sms, options.copy.num_ctas, options.gemm.num_sms);
 }
 
 void LayerForward::run_shared_expert(const DeviceLayerWeights& weights, const bf16* x,
@@ -339,7 +339,8 @@ void LayerForward::run_unfused(const DeviceLayerWeights& weights, const bf16* x,
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
   // NOTE: beside it, the shared expert hides the dispatch, as the megakernel's task order will.
   shared_expert_and_dispatch(
-      side_, stream, has_shared, has_shared ? shared_gemm_sms_beside_copy() : 0, options_.gemm,
+      side_, stream, has_shared,
+      has_shared ? forward_shared_sms_beside_copy(options_, num_sms_) : 0, options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
         run_shared_expert(weights, x, num_tokens, stream, gemm_options);
       },

@@ -117,6 +117,10 @@ enum class ForwardPhase : int {
 inline constexpr int kNumForwardPhases = 8;
 const char* phase_name(ForwardPhase phase);
 
+// The SMs an unfused forward's shared-expert GEMMs get beside the dispatch's copy CTAs on a GPU
+// (or share) of num_sms SMs; 0 = no overlap (LayerForwardOptions::overlap_shared_with_dispatch).
+int forward_shared_sms_beside_copy(const LayerForwardOptions& options, int num_sms);
+
 // Throws mok::Error naming the argument unless 0 <= num_tokens <= tokens_max and, when there are
 // tokens, x, topk_idx, topk_w and y are given: what every layer forward checks first.
 void check_forward_arguments(int64_t num_tokens, int64_t tokens_max, const void* x,
@@ -182,8 +186,6 @@ class LayerForward {
                    const std::function<void()>& phase_done);
   // The fused kernel's grid, split and minibatch from the options and this GPU.
   FusedForwardConfig fused_config() const;
-  // The shared GEMMs' grid when they share the GPU with the copy CTAs; 0 = no overlap possible.
-  int shared_gemm_sms_beside_copy() const;
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;

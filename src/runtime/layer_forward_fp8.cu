@@ -122,11 +122,6 @@ void LayerForwardFp8::gate_up_swiglu(const gemm::GroupedShape& shape, const Fp8O
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-int LayerForwardFp8::shared_gemm_sms_beside_copy() const {
-  if (!options_.overlap_shared_with_dispatch) return 0;
-  return gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms);
-}
-
 void LayerForwardFp8::run_shared_expert(int64_t num_tokens, cudaStream_t stream,
                                         const gemm::LaunchOptions& gemm_options,
                                         bf16* saved_gate_up) {
@@ -181,7 +176,8 @@ void LayerForwardFp8::forward(const bf16* x, const int32_t* topk_idx, const floa
   phase_done();  // kFused: not run
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
   shared_expert_and_dispatch(
-      side_, stream, has_shared, has_shared ? shared_gemm_sms_beside_copy() : 0, options_.gemm,
+      side_, stream, has_shared,
+      has_shared ? forward_shared_sms_beside_copy(options_, num_sms_) : 0, options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
         run_shared_expert(num_tokens, stream, gemm_options,
                           save != nullptr ? save->shared_gate_up : nullptr);

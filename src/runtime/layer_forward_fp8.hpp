@@ -107,7 +107,6 @@ class LayerForwardFp8 {
  private:
   void run_shared_expert(int64_t num_tokens, cudaStream_t stream,
                          const gemm::LaunchOptions& gemm_options, bf16* saved_gate_up);
-  int shared_gemm_sms_beside_copy() const;
   // x (rows, H) · w (E, 2I, H)ᵀ -> h (rows, I) E4M3 and scales, SwiGLU as swiglu_ says (kSeparate:
   // the sums through `sums`, then h for the rows below *row_bound, or all rows when null); saved:
   // the sums in bf16 too (save mode; row r at saved_rows[r], or r when null), or null.

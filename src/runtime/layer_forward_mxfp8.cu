@@ -141,12 +141,9 @@ void LayerForwardMxfp8::forward(const bf16* x, const int32_t* topk_idx, const fl
   phase_done();  // kSchedule
   phase_done();  // kFused: not run
   const bool has_shared = shape_.has_shared() && num_tokens > 0;
-  const int shared_sms =
-      has_shared && options_.overlap_shared_with_dispatch
-          ? gemm_sms_beside_copy(num_sms_, options_.copy.num_ctas, options_.gemm.num_sms)
-          : 0;
   shared_expert_and_dispatch(
-      side_, stream, has_shared, shared_sms, options_.gemm,
+      side_, stream, has_shared,
+      has_shared ? forward_shared_sms_beside_copy(options_, num_sms_) : 0, options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
         run_shared_expert(num_tokens, stream, gemm_options,
                           save != nullptr ? save->shared_gate_up : nullptr);

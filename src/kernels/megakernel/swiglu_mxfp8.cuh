@@ -38,9 +38,6 @@ namespace mok::megakernel {
 
 using quantize::kMxBlock;
 
-// Column c of h: its gate sum at 16 (c / 8) + c % 8 of the gate/up row, its up sum 8 further.
-__device__ __forceinline__ int64_t mx_gate_column(int64_t c) { return c / 8 * 16 + c % 8; }
-
 // ---- forward ----------------------------------------------------------------------------------
 
 inline constexpr int kMxSwiGluThreads = 256;
@@ -73,7 +70,8 @@ static __global__ void __launch_bounds__(kMxSwiGluThreads)
     if (unit < num_units)
       source = row_source != nullptr ? row_source[row] : static_cast<int32_t>(row);
     const bool live = source >= 0;
-    const int64_t pair = row * 2 * inter + mx_gate_column(column);  // 4 gate sums, 4 up 8 further
+    // 4 gate sums, and the 4 up sums 8 further (the interleave's blocks of 8)
+    const int64_t pair = row * 2 * inter + quantize::GateUp8Columns{inter}(column);
     float4 gate = make_float4(0.0f, 0.0f, 0.0f, 0.0f), up = gate;
     if (live) {
       gate = *reinterpret_cast<const float4*>(sums + pair);
@@ -101,7 +99,7 @@ static __global__ void __launch_bounds__(kMxSwiGluThreads)
     *reinterpret_cast<uint2*>(hidden + row * inter + column) = make_uint2(h01, h23);
     if (saved == nullptr) continue;
     uint16_t* saved_pair =
-        saved + static_cast<int64_t>(source) * 2 * inter + mx_gate_column(column);
+        saved + static_cast<int64_t>(source) * 2 * inter + quantize::GateUp8Columns{inter}(column);
     *reinterpret_cast<uint2*>(saved_pair) =
         make_uint2(quantize::mx_bf16_bits(g[0]) | (quantize::mx_bf16_bits(g[1]) << 16),
                    quantize::mx_bf16_bits(g[2]) | (quantize::mx_bf16_bits(g[3]) << 16));
@@ -150,6 +148,7 @@ __device__ inline void swiglu_backward_mx_block(const SwiGluBackwardMxRows& rows
                                                 const StoreDot& store_dot) {
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   const int64_t inter = rows.intermediate;
+  const quantize::GateUp8Columns gate_up_column{inter};  // [d_a | d_b]'s columns, interleaved
   const int64_t r0 = block * kMxBlock;
   const int n = static_cast<int>(count - r0 < kMxBlock ? count - r0 : kMxBlock);
   float weight[kSwiGluBackwardMxRowsPerWarp], dot[kSwiGluBackwardMxRowsPerWarp];
@@ -167,7 +166,7 @@ __device__ inline void swiglu_backward_mx_block(const SwiGluBackwardMxRows& rows
   };
   for (int64_t chunk = 0; chunk < inter / kMxBlock; ++chunk) {
     const int64_t column = chunk * kMxBlock + lane;
-    const int64_t gate_column = mx_gate_column(column);
+    const int64_t gate_column = gate_up_column(column);  // (its up column 8 further)
 #pragma unroll
     for (int k = 0; k < kSwiGluBackwardMxRowsPerWarp; ++k) {
       const int r = warp + kSwiGluBackwardMxWarps * k;
@@ -215,7 +214,7 @@ __device__ inline void swiglu_backward_mx_block(const SwiGluBackwardMxRows& rows
         if (output == 2) {
           rows.weighted_hidden[row * inter + col] = bits;
         } else {
-          rows.d_gate_up_columns[row * 2 * inter + mx_gate_column(col) + 8 * output] = bits;
+          rows.d_gate_up_columns[row * 2 * inter + gate_up_column(col + output * inter)] = bits;
         }
       }
     }

@@ -28,6 +28,7 @@
 
 #include "kernels/quantize/block2d_kernel.cuh"
 #include "kernels/quantize/elements.cuh"
+#include "kernels/quantize/gate_up_columns.cuh"
 #include "mok/detail/numerics.hpp"
 
 namespace mok::quantize {
@@ -102,18 +103,6 @@ struct ExpertRows {
     }
     const int64_t count = counts != nullptr ? counts[low] : offsets[low + 1] - offsets[low];
     return offsets[low] + count;
-  }
-};
-
-// d_gate_up's column `col` (the I gate columns, then the I up columns) as a row of the gate/up
-// weight gradient, whose gate and up rows interleave in blocks of 8 (DeviceLayerWeights).
-struct GateUp8Columns {
-  int64_t inter;
-
-  __host__ __device__ __forceinline__ int64_t operator()(int64_t col) const {
-    const bool up = col >= inter;
-    const int64_t index = up ? col - inter : col;
-    return index / 8 * 16 + (up ? 8 : 0) + index % 8;
   }
 };
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kernels/quantize/elements.cuh"
+#include "kernels/quantize/gate_up_columns.cuh"
 #include "mok/detail/fp8_numerics.hpp"
 
 namespace mok::quantize {
@@ -121,11 +122,7 @@ struct MxColumnGroups {
   }
   // The group's row of logical row r (gate rows, then up rows, when gate_up).
   __device__ __forceinline__ int64_t row(int64_t r, int64_t count) const {
-    if (!gate_up) return r;
-    const int64_t half = count / 2;
-    const bool up = r >= half;
-    const int64_t index = up ? r - half : r;
-    return index / 8 * 16 + (up ? 8 : 0) + index % 8;
+    return gate_up ? GateUp8Columns{count / 2}(r) : r;
   }
 };
 
