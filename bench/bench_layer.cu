@@ -14,10 +14,13 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_options.hpp"
+#include "gpu_monitor.hpp"
 #include "layer_fp8_report.hpp"
 #include "mok/error.hpp"
 #include "mok/gemm.hpp"
@@ -247,10 +250,59 @@ void write_routing(const std::string& path, const mok::Problem& routing) {
              static_cast<std::streamsize>(routing.topk_w.size() * sizeof(float)));
 }
 
-// One forward configuration of one case: runs it, prints a line, appends a JSON entry.
+// The sampled clock and power of one configuration's timed loops: per loop (`loops_sampled`), and
+// per phase of the JSON entry (`clock_mhz`, `power_w`: fwd from the case's forward loop, fwdbwd
+// and bwd from its save mode pairs, the FP8 mode's loops for an FP8 case), or why none.
+void json_clocks(std::ofstream& out, const mok::bench::GpuMonitor& monitor,
+                 const std::string& window_prefix, const Args& args) {
+  if (!monitor.sampling()) {
+    out << ", \"clock_note\": \"" << monitor.note() << "\"";
+    return;
+  }
+  const std::string mode =
+      args.fp8 ? std::string(mok::precision_name(args.fp8_precision)) + "-" : "";
+  std::vector<std::string> loops = {"fwd", "fwdbwd-recompute", "fwdbwd"};
+  if (args.fp8) {
+    for (const char* loop : {"fwd", "fwdbwd-recompute", "fwdbwd-cached", "fwdbwd"}) {
+      loops.push_back(mode + loop);
+    }
+  }
+  out << ", \"loops_sampled\": {";
+  bool first = true;
+  std::printf("    clock, power (medians over each timed loop):");
+  for (const std::string& loop : loops) {
+    const auto window = monitor.window(window_prefix + loop);
+    if (!window) continue;
+    out << (first ? "" : ", ") << "\"" << loop << "\": {\"clock_mhz\": " << window->clock_mhz
+        << ", \"power_w\": " << window->power_w << ", \"samples\": " << window->samples << "}";
+    std::printf(" %s %.0f MHz %.0f W;", loop.c_str(), window->clock_mhz, window->power_w);
+    first = false;
+  }
+  std::printf("\n");
+  out << "}";
+  const auto phase = [&](const char* key, double mok::bench::GpuMonitor::Window::*figure) {
+    out << ", \"" << key << "\": {";
+    bool first_phase = true;
+    for (const auto& [name, loop] : {std::pair<const char*, std::string>{"fwd", mode + "fwd"},
+                                     {"fwdbwd", mode + "fwdbwd"},
+                                     {"bwd", mode + "fwdbwd"}}) {
+      const auto window = monitor.window(window_prefix + loop);
+      if (!window) continue;
+      out << (first_phase ? "" : ", ") << "\"" << name << "\": " << (*window).*figure;
+      first_phase = false;
+    }
+    out << "}";
+  };
+  phase("clock_mhz", &mok::bench::GpuMonitor::Window::clock_mhz);
+  phase("power_w", &mok::bench::GpuMonitor::Window::power_w);
+}
+
+// One forward configuration of one case: runs it, prints a line, appends a JSON entry; its timed
+// loops sampled by `monitor` under windows named window_prefix + loop.
 void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::Problem& routing,
                const std::string& routing_path, const Args& args, int comm_ctas, int minibatch_rows,
-               int ring_rows, std::ofstream& out, bool& first) {
+               int ring_rows, mok::bench::GpuMonitor& monitor, const std::string& window_prefix,
+               std::ofstream& out, bool& first) {
   mok::LayerRunSpec spec;
   spec.shape = shape;
   spec.ep = which.ep;
@@ -280,6 +332,13 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.fp8_forward = args.fp8;
   spec.fp8_precision = args.fp8_precision;
   spec.fp8_cluster = args.fp8_cluster;
+  spec.timed_loop = [&](const std::string& loop, bool begin) {
+    if (begin) {
+      monitor.start(window_prefix + loop);
+    } else {
+      monitor.stop(window_prefix + loop);
+    }
+  };
   const mok::LayerRunResult result = mok::run_layer_forward(spec);
   const double flops = static_cast<double>(which.tokens_per_rank) * shape.forward_flops_per_token();
   const double tflops = flops / (result.forward_ms * 1e-3) * 1e-12;
@@ -354,6 +413,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     phases("backward_phases_ms", result.backward_phase_ms);
     phases("backward_recompute_phases_ms", result.backward_recompute_phase_ms);
   }
+  json_clocks(out, monitor, window_prefix, args);
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {
     std::printf("%s%s %.3f", phase == 0 ? "    phases (ms, slowest rank): " : ", ",
@@ -395,6 +455,8 @@ int run(int argc, char** argv) {
   std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   out << "{\"date\": \"" << date << "\", \"cases\": [\n";
   bool first = true, failed = false;
+  std::unique_ptr<mok::bench::GpuMonitor> monitor;  // made for the first case that runs
+  int configurations = 0;
   if (args.custom && !args.cases.empty()) {
     throw mok::bench::UsageError("--cases",
                                  "cannot be combined with a custom shape (--hidden ...)");
@@ -416,6 +478,7 @@ int run(int argc, char** argv) {
       continue;
     }
     try {
+      if (!monitor) monitor = std::make_unique<mok::bench::GpuMonitor>(0);
       const mok::Problem routing = routing_of(which, shape);
       std::string routing_path;
       if (!args.routing_dir.empty()) {
@@ -425,8 +488,9 @@ int run(int argc, char** argv) {
       for (const int comm_ctas : args.comm_ctas) {
         for (const int minibatch_rows : args.minibatch_rows) {
           for (const int ring_rows : args.ring_rows) {
+            const std::string window_prefix = std::to_string(configurations++) + "/";
             bench_one(which, shape, routing, routing_path, args, comm_ctas, minibatch_rows,
-                      ring_rows, out, first);
+                      ring_rows, *monitor, window_prefix, out, first);
           }
         }
       }

@@ -198,6 +198,11 @@ def run_line(record):
     if clocks and powers:
         parts.append(f"baseline loops sampled at {min(clocks):.0f}–{max(clocks):.0f} MHz, "
                      f"{min(powers):.0f}–{max(powers):.0f} W")
+    mok_clocks = [e["mok_clock_mhz"] for e in record["cases"] if e.get("mok_clock_mhz")]
+    mok_powers = [e["mok_power_w"] for e in record["cases"] if e.get("mok_power_w")]
+    if mok_clocks and mok_powers:
+        parts.append(f"mok's at {min(mok_clocks):.0f}–{max(mok_clocks):.0f} MHz, "
+                     f"{min(mok_powers):.0f}–{max(mok_powers):.0f} W")
     return "; ".join(parts)
 
 

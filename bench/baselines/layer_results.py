@@ -22,7 +22,8 @@ variant's ms), speedup = baseline_ms / mok_ms, useful_tflops (mok's: 6·T·H·(k
 fwd, 3x for fwdbwd, 2x for bwd), baseline_tflops, fraction_of_dense (mok's useful TFLOP/s / the
 dense bf16 GEMM rate of the same run), baseline_fraction_of_dense, peak_memory_gb {mok, baseline}
 and memory_note, clock_mhz and power_w (medians sampled during the fastest variant's timed loop;
-mok_clock_mhz / mok_power_w where bench_layer sampled its own), dense_gemm_tflops. The baseline's
+mok_clock_mhz / mok_power_w: bench_layer's own, over the forward loop for fwd and the save mode
+pairs for fwdbwd and bwd, None where it sampled none), dense_gemm_tflops. The baseline's
 figures for phases mok has none for yet go to `baseline_without_mok`, and every variant's check to
 `baseline_checks`.
 
@@ -165,6 +166,13 @@ def rounded(value, digits):
     return None if value is None else round(value, digits)
 
 
+def mok_sampled(case, key, phase):
+    """bench_layer's median clock or power over the timed loop behind `phase` (its `clock_mhz` and
+    `power_w` per phase), None where it sampled none."""
+    value = case.get(key)
+    return value.get(phase) if isinstance(value, dict) else value
+
+
 def entry_for(case, phase, mok_ms, torch_case, dense_tflops, precision="bf16"):
     """One mok-bench/2 case entry (see the module docstring)."""
     loop = "fwd" if phase == "fwd" else "fwdbwd"  # the timed loop bwd's figures come from
@@ -206,8 +214,8 @@ def entry_for(case, phase, mok_ms, torch_case, dense_tflops, precision="bf16"):
         "memory_note": note,
         "clock_mhz": (variant or {}).get("clock_mhz", {}).get(loop),
         "power_w": (variant or {}).get("power_w", {}).get(loop),
-        "mok_clock_mhz": case.get("clock_mhz"),
-        "mok_power_w": case.get("power_w"),
+        "mok_clock_mhz": mok_sampled(case, "clock_mhz", phase),
+        "mok_power_w": mok_sampled(case, "power_w", phase),
         "gbps": None,
         "dense_gemm_tflops": dense_tflops,
     }

@@ -26,7 +26,9 @@ def mok_fixture():
                     "routing": "uniform", "mok_ms": 2.0, "buffer_bytes_per_rank": 1_000_000,
                     "fused": True, **SHAPE}
     with_backward = dict(forward_only, name="tiny-ep2", ep=2, fwdbwd_ms=5.0, backward_ms=3.0,
-                         backward_buffer_bytes_per_rank=500_000)
+                         backward_buffer_bytes_per_rank=500_000,
+                         clock_mhz={"fwd": 1600.0, "fwdbwd": 1500.0, "bwd": 1500.0},
+                         power_w={"fwd": 650.0, "fwdbwd": 700.0, "bwd": 700.0})
     return {"date": "2026-12-01T10:00:00Z", "cases": [forward_only, with_backward]}
 
 
@@ -122,6 +124,10 @@ def test_layer_record_phases_and_figures(layer_record):
     assert fwd["useful_tflops"] == round(flops / 2e-3 / 1e12, 2)
     assert fwd["fraction_of_dense"] == round(flops / 2e-3 / 1e12 / 600.0, 4)
     assert fwd["clock_mhz"] == 1400.0 and fwd["power_w"] == 690.0
+    # mok's own samples: none for tiny-ep1; tiny-ep2's per phase.
+    assert fwd["mok_clock_mhz"] is None and fwd["mok_power_w"] is None
+    assert [(e["mok_clock_mhz"], e["mok_power_w"]) for e in record["cases"][1:]] == [
+        (1600.0, 650.0), (1500.0, 700.0), (1500.0, 700.0)]
     weights = 2 * (16 * 3 * 128 * 256 + 3 * 256 * 128)
     assert fwd["peak_memory_gb"] == {"mok": round((1_000_000 + weights) / 1e9, 3), "baseline": 1.5}
     fwdbwd, bwd = record["cases"][2], record["cases"][3]
@@ -283,6 +289,7 @@ def test_report_picks_the_latest_and_writes_the_table(tmp_path, layer_record):
     text = report.report_text(latest, {}, str(tmp_path))
     assert "700 W power cap" in text
     assert "commit abc123" in text and "NVIDIA H200" in text and "2026-12-01" in text
+    assert "baseline loops sampled at 1350–1400 MHz, 690–699 W; mok's at 1500–1600 MHz, 650–700 W" in text
     lines = [line for line in text.splitlines() if line.startswith("| tiny")]
     assert lines[0] == ("| tiny-ep1 | fwd | 2.00 ms | 0.49 TFLOP/s | 4.00 ms (torch-native batched_view) "
                         "| 2.00× | 0.00 |")

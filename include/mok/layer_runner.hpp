@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,12 @@ struct LayerRunSpec {
   double warmup_ms = 0;
   int iterations = 20;
   bool keep_y = true;  // download y (global, (T_global, H)) after the last forward
+  // When set, rank 0's thread calls it with begin = true just before each timed loop is enqueued
+  // (after its warm-up) and with begin = false once the loop's work has finished, naming the loop:
+  // "fwd", "fwdbwd-recompute", "fwdbwd" (save mode), and for the FP8 mode "<mode>-fwd",
+  // "<mode>-fwdbwd-recompute", "<mode>-fwdbwd-cached", "<mode>-fwdbwd" (mode: "fp8" or "mxfp8").
+  // bench_layer samples the GPU's clock and power in these windows.
+  std::function<void(const std::string& loop, bool begin)> timed_loop;
 };
 
 struct LayerRunResult {

@@ -209,9 +209,10 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     warm_up.run(spec, rank, stream, forward);
     layer.check(stream);
 
-    const ForwardTiming timing = time_forwards(spec, stream, [&](const cudaEvent_t* marks) {
-      layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream, marks);
-    });
+    const ForwardTiming timing =
+        time_forwards(spec, rank, "fwd", stream, [&](const cudaEvent_t* marks) {
+          layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream, marks);
+        });
     layer.check(stream);
     result.rank_ms[rank] = timing.ms;
     rank_phase_ms[rank] = timing.phase_ms;

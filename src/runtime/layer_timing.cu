@@ -30,15 +30,18 @@ void fill_random(bf16* out, int64_t count, double scale, uint64_t seed, uint64_t
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-ForwardTiming time_forwards(const LayerRunSpec& spec, cudaStream_t stream,
+ForwardTiming time_forwards(const LayerRunSpec& spec, int rank, const std::string& loop,
+                            cudaStream_t stream,
                             const std::function<void(const cudaEvent_t*)>& forward) {
   constexpr int kMarks = kNumForwardPhases + 1;  // before the first step and after each
   std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
   for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+  mark_timed_loop(spec, rank, loop, true);
   for (int iteration = 0; iteration < spec.iterations; ++iteration) {
     forward(&events[static_cast<size_t>(iteration) * kMarks]);
   }
   MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  mark_timed_loop(spec, rank, loop, false);
   std::vector<float> times(spec.iterations);
   std::vector<std::vector<float>> phase_times(kNumForwardPhases, times);
   for (int iteration = 0; iteration < spec.iterations; ++iteration) {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "mok/cuda_check.hpp"
@@ -85,8 +86,15 @@ struct ForwardTiming {
   std::vector<double> phase_ms;
 };
 
-ForwardTiming time_forwards(const LayerRunSpec& spec, cudaStream_t stream,
+ForwardTiming time_forwards(const LayerRunSpec& spec, int rank, const std::string& loop,
+                            cudaStream_t stream,
                             const std::function<void(const cudaEvent_t*)>& forward);
+
+// spec.timed_loop's call for `loop` (rank 0 only): begin, or end once its work has finished.
+inline void mark_timed_loop(const LayerRunSpec& spec, int rank, const std::string& loop,
+                            bool begin) {
+  if (rank == 0 && spec.timed_loop) spec.timed_loop(loop, begin);
+}
 
 // One rank's backward inputs and outputs: dy (the problem's, or seeded random values), dx,
 // d_topk_w and the weight gradients in `output` (fp32-sized buffers: any output fits).
@@ -102,19 +110,22 @@ struct BackwardBuffers {
 // Warms up and times spec.iterations training-step pairs on `stream`: pair(marks) enqueues one,
 // recording marks[0] before its first step and the backward's kNumBackwardPhases + 1 phase marks
 // at marks[1 ..], its phases in `order` (marks null: no events); check() waits and throws a
-// device fault.
+// device fault. `loop` names the timed pairs for spec.timed_loop.
 template <class Pair, class Check>
-BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, cudaStream_t stream, WarmUp& warm_up,
-                          const BackwardPhaseOrder& order, const Pair& pair, const Check& check) {
+BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, const std::string& loop,
+                          cudaStream_t stream, WarmUp& warm_up, const BackwardPhaseOrder& order,
+                          const Pair& pair, const Check& check) {
   warm_up.run(spec, rank, stream, [&] { pair(nullptr); });
   check();
   constexpr int kMarks = kNumBackwardPhases + 2;
   std::vector<cudaEvent_t> events(static_cast<size_t>(spec.iterations) * kMarks);
   for (cudaEvent_t& event : events) MOK_CUDA_CHECK(cudaEventCreate(&event));
+  mark_timed_loop(spec, rank, loop, true);
   for (int iteration = 0; iteration < spec.iterations; ++iteration) {
     pair(&events[static_cast<size_t>(iteration) * kMarks]);
   }
   check();
+  mark_timed_loop(spec, rank, loop, false);
   std::vector<float> backward_times(spec.iterations), pair_times(spec.iterations);
   std::vector<std::vector<float>> phase_times(kNumBackwardPhases, backward_times);
   for (int iteration = 0; iteration < spec.iterations; ++iteration) {
@@ -191,14 +202,15 @@ void run_fp8_backward(const LayerRunSpec& spec, int rank, const Communicator& co
     forward_layer.check(stream);
     layer.check(stream);
   };
-  const auto time_steps = [&](bool quantize, const SavedContext* saved) {
+  const std::string mode(precision_name(spec.fp8_precision));
+  const auto time_steps = [&](bool quantize, const SavedContext* saved, const char* loop) {
     return time_pairs(
-        spec, rank, stream, warm_up, layer.phase_order(),
+        spec, rank, mode + loop, stream, warm_up, layer.phase_order(),
         [&](const cudaEvent_t* marks) { step(quantize, saved, marks); }, check);
   };
-  timings.steps.recompute = time_steps(true, nullptr);
-  timings.steps.cached = time_steps(false, &context);
-  timings.steps.save = time_steps(true, &context);  // last: its outputs are the ones kept
+  timings.steps.recompute = time_steps(true, nullptr, "-fwdbwd-recompute");
+  timings.steps.cached = time_steps(false, &context, "-fwdbwd-cached");
+  timings.steps.save = time_steps(true, &context, "-fwdbwd");  // last: its outputs are kept
   if (!spec.keep_y) return;
   io.dx.download(result.fp8_dx.data() + rank * tokens * shape.hidden);
   io.d_topk_w.download(result.fp8_d_topk_w.data() + rank * tokens * shape.top_k);
@@ -229,7 +241,8 @@ void run_fp8_forward(const LayerRunSpec& spec, int rank, const Communicator& com
   timings.weight_bytes = layer.weight_bytes();
   warm_up.run(spec, rank, stream, [&] { layer.forward(x, topk_idx, topk_w, y, tokens, stream); });
   layer.check(stream);
-  timings.forward = time_forwards(spec, stream, [&](const cudaEvent_t* phase_marks) {
+  const std::string loop = std::string(precision_name(spec.fp8_precision)) + "-fwd";
+  timings.forward = time_forwards(spec, rank, loop, stream, [&](const cudaEvent_t* phase_marks) {
     layer.forward(x, topk_idx, topk_w, y, tokens, stream, phase_marks);
   });
   layer.check(stream);
@@ -273,7 +286,8 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   // Timed pairs of one mode (saved: its context, or null for recompute mode).
   const auto time_mode = [&](const SavedContext* saved, BackwardTiming& timing) {
     timing = time_pairs(
-        spec, rank, stream, warm_up, layer.phase_order(),
+        spec, rank, saved != nullptr ? "fwdbwd" : "fwdbwd-recompute", stream, warm_up,
+        layer.phase_order(),
         [&](const cudaEvent_t* marks) {
           if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
           forward(saved);
