@@ -49,7 +49,7 @@ struct DeviceBytes {
 
 // Before a case is timed it runs for warmup_ms (at least 4 launches): under the power cap the
 // clock follows the power drawn over the last fraction of a second, so after a few launches of
-// warm-up a case still ran at the clock its predecessor left (docs/perf-notes/gemm.md v19).
+// warm-up a case still ran at the clock its predecessor left (docs/perf-notes/gemm.md).
 inline void warm_up(const std::function<void()>& launch, double warmup_ms) {
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0;; ++i) {

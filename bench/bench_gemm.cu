@@ -43,8 +43,9 @@ using mok::bench::warm_up;
 
 // The SwiGLU epilogue's cost: the plain and the SwiGLU-fused gate/up launched alternately (AB BA
 // AB ...), each launch (or block of `block` launches) timed on its own, so that both see the same
-// clocks and temperature; a back-to-back median of each, minutes apart, moved the ratio by ±10 %
-// between runs. Longer blocks let each kernel's own power draw set the clock it runs at.
+// clocks and temperature; a back-to-back median of each, minutes apart, moved the ratio between
+// runs by more than the epilogue costs (docs/perf-notes/gemm.md). Longer blocks let each kernel's
+// own power draw set the clock it runs at.
 struct PairTimes {
   double plain_ms, swiglu_ms;
 };

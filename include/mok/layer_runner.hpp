@@ -47,8 +47,8 @@ struct LayerRunSpec {
   // Before the warm-up, one forward with every expert id shifted by one, so that the row buffers
   // hold rows of another routing where this one pads, as in training, where the routing changes
   // every step. The MMAs multiply up to 63 padding rows per expert, and with a fresh allocation's
-  // zeros there the forward ran 0.5-1 % faster at deepseek-v3 EP1 (docs/perf-notes/layer.md v32):
-  // a figure training would not see.
+  // zeros there the forward ran faster at deepseek-v3 EP1 (docs/perf-notes/layer.md): a figure
+  // training would not see.
   bool stale_rows = true;
   // After the timed forwards, one more with the fused kernel's per-CTA timeline, summarised.
   bool trace = false;

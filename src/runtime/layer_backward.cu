@@ -300,7 +300,7 @@ void LayerBackward::recompute_gate_up(const DeviceLayerWeights& weights, int gro
   const comm::WorkspaceLayout& layout = workspace_.layout();
   // (rows, H) -> (rows, 2I) bf16: the gate/up pre-activations again. kAuto picks the engine by
   // the rows an expert gets in this call, as for the down dgrad: ping-pong tiles over short
-  // experts, cooperative over long ones (docs/perf-notes/backward.md v30).
+  // experts, cooperative over long ones (docs/perf-notes/backward.md).
   gemm::LaunchOptions recompute_options = options_.gemm;
   recompute_options.group_rows = group_rows;
   gemm::grouped_forward(

@@ -302,14 +302,14 @@ FusedForwardConfig LayerForward::fused_config() const {
                 fused.minibatch_rows);
   FusedForwardConfig config;
   // 0: no communication CTAs; the producer warpgroups' spare warps of every CTA dispatch. Ahead
-  // of the 8-32 communication CTAs the shapes had before on all four benchmark cases, -0.6 to
-  // -2 % (docs/perf-notes/layer.md v42).
+  // of the 8-32 communication CTAs the shapes had before on all four benchmark cases
+  // (docs/perf-notes/layer.md).
   config.comm_ctas = fused.comm_ctas;
   config.num_ctas = options_.gemm.num_sms > 0
                         ? std::min(num_sms_, config.comm_ctas + options_.gemm.num_sms)
                         : num_sms_;
   // 8192: ahead of 2048 on all five benchmark cases (deepseek-v3 EP1 / EP2, qwen3-30b,
-  // qwen3-235b, skewed) in four alternated rounds at 031b0d6 (docs/perf-notes/layer.md v20).
+  // qwen3-235b, skewed) in alternated rounds (docs/perf-notes/layer.md).
   // A ring smaller than two minibatches cuts them to half the ring (ring_config).
   const int rows = fused.minibatch_rows > 0 ? fused.minibatch_rows : 8192;
   const RingBlocks ring =

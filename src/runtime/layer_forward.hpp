@@ -36,7 +36,7 @@ namespace mok {
 struct FusedForwardOptions {
   bool enabled = true;  // off: the unfused composition (reference for the fused kernel's bits)
   // CTAs that dispatch before they compute; 0 (default): none, three otherwise idle warps of
-  // every CTA's producer warpgroup dispatch beside its tiles (docs/perf-notes/layer.md v42).
+  // every CTA's producer warpgroup dispatch beside its tiles (docs/perf-notes/layer.md).
   int comm_ctas = 0;
   int minibatch_rows = 0;  // routed rows per minibatch of gate/up then down tiles; default 8192
   // Rows of the ring that holds the dispatched rows and their hidden rows: 0 = every row a call

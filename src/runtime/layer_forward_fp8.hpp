@@ -51,8 +51,8 @@ struct LayerForwardFp8Options {
   Fp8SwiGlu swiglu = Fp8SwiGlu::kInGemm;
   // The FP8 GEMMs' clusters and ring (same bits whichever). Single CTAs: with an expert's 2-3 M
   // blocks at EP 1, a cluster's second CTA often has no rows and idles through the K loop; the
-  // forward measured 2-11 % faster at deepseek-v3 and qwen3-30b-a3b, level elsewhere
-  // (docs/perf-notes/fp8.md v4).
+  // forward measured faster at deepseek-v3 and qwen3-30b-a3b, level elsewhere
+  // (docs/perf-notes/fp8.md).
   gemm::Fp8Pipeline pipeline{/*cluster=*/1, /*stages=*/0};
   // The weight cache holds the dgrads' transposed layout too (fp8_weights.hpp), made by the same
   // quantize_weights, for a LayerBackwardFp8 of the same layer to read (weight_cache()).

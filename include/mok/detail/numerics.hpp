@@ -91,7 +91,7 @@ MOK_HOST_DEVICE float exp_rounded_exponent(float x) {
 // exp(x - n ln 2) for the integer n = exp_rounded_exponent(x), given n.
 //
 // Cheap enough for the SwiGLU epilogue, where every operation here is paid 64 times per thread
-// and tile while the tensor cores wait (docs/perf-notes/gemm.md v18): the reduction takes ln 2 as
+// and tile while the tensor cores wait (docs/perf-notes/gemm.md): the reduction takes ln 2 as
 // one float (1.9e-9 off, which n turns into up to n * 0.032 * 2^-24 of relative error in exp,
 // about 4 * 2^-24 at n = 126), and exp(r) = 1 + r + r^2 q(r) with q of degree 3: a minimax fit
 // (Remez exchange on the relative error of exp over |r| <= ln2/2, truncation error 1.76 * 2^-24)

@@ -67,7 +67,7 @@ __device__ inline void dispatch_pull_fp8(const WorkspaceView& view, const Fp8Row
 // tokens instead of the rows: a warp reads token t's row once and writes it to the expert row of
 // each of its slots (local_row, from the schedule). The pull reads a token's row once per slot, in
 // the experts' order, where the (T, H) rows do not stay in L2; this reads each once
-// (perf-notes/backward.md v12). x, dy: the caller's (T, H) tensors (either null: the other's
+// (perf-notes/backward.md). x, dy: the caller's (T, H) tensors (either null: the other's
 // rows only).
 __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const char* x,
                                              const char* dy) {

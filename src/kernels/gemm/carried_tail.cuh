@@ -4,10 +4,10 @@
 //
 // On its own, such a block is a half tile (is_half_tile) that streams the whole weight tile through
 // its stages to multiply 64 rows, most of them padding: with balanced routing (no tails) the fused
-// forward ran 13 % faster at deepseek-v3 EP1 and 8 % at EP2 (docs/perf-notes/layer.md v34), and
-// random routing leaves most experts a tail. As a tile of its own with these narrow MMAs it was
-// slower still (each k16 step of a narrow wgmma waits for the one before: +8 %, v34). Beside a full
-// tile's m64n256 MMAs, the weight tile is already in the stages and the narrow MMAs' latency hides.
+// forward ran faster at deepseek-v3 EP1 and EP2 (docs/perf-notes/layer.md), and random routing
+// leaves most experts a tail. As a tile of its own with these narrow MMAs it was slower still (each
+// k16 step of a narrow wgmma waits for the one before). Beside a full tile's m64n256 MMAs, the
+// weight tile is already in the stages and the narrow MMAs' latency hides.
 //
 // kRows is 8 (m64n8, 8 more accumulators a consumer thread): with 16, ptxas serialised every
 // wgmma of the fused kernel for want of registers (C7512), the tile's 128 accumulators beside.

@@ -342,7 +342,7 @@ struct Fp8Mainloop {
 
   // One piece's wgmma group of k_steps steps into a fresh `partial`.
   // NOTE: one whole unrolled sequence per step count, chosen before the first wgmma: a condition
-  // on each wgmma made ptxas serialize them (perf-notes/backward.md v7).
+  // on each wgmma made ptxas serialize them (perf-notes/backward.md).
   __device__ static void issue_wgrad_steps(int k_steps, uint32_t a_base, uint32_t b_base,
                                            float (&partial)[kPieceAccumulators]) {
     switch (k_steps) {
@@ -460,7 +460,7 @@ struct Fp8Mainloop {
   // NOTE: the warp sync orders every lane's shared loads of the stage before lane 0's arrival.
   // On a cluster lane r arrives on CTA r's barrier (whose multicast writes into this CTA's
   // stage), with the plain remote arrive: an explicit .release.cluster slowed the bf16 engine's
-  // clustered wgrad (perf-notes/backward.md v8).
+  // clustered wgrad (perf-notes/backward.md).
   __device__ static void release_stage(const Storage& smem, int stage, int lane_idx) {
     __syncwarp();
     if constexpr (kClusterSize > 1) {

@@ -69,9 +69,9 @@ inline constexpr uint32_t kStagingRowBytes = 256;
 inline constexpr uint32_t kWarpStagingBytes = 16 * kStagingRowBytes;
 
 // Stages of the cooperative engine's ring. A 4th stage for bf16 outputs (it fits beside the 32 KB
-// staging tile) measured no faster, and slower on the qwen3-30b forward GEMMs (perf-notes/gemm.md
-// v10) and 7-24 % slower on the EP 1 gate/up dgrad; wgrad's tiles, 4 k-blocks each at EP 1,
-// take it: with 3 they run 13-15 % slower (perf-notes/backward.md v7, v22).
+// staging tile) measured no faster, and slower on the qwen3-30b forward GEMMs (perf-notes/gemm.md)
+// and on the EP 1 gate/up dgrad; wgrad's tiles, 4 k-blocks each at EP 1, take it: with 3 they wait
+// on their loads and run slower (perf-notes/backward.md).
 __host__ __device__ constexpr int cooperative_stages(GemmKind kind, EpilogueKind epilogue) {
   return kind == GemmKind::kWgrad || !uses_staged_store(epilogue) ? 4 : 3;
 }
@@ -80,7 +80,7 @@ __host__ __device__ constexpr int cooperative_stages(GemmKind kind, EpilogueKind
 // M blocks 2p and 2p + 1 at one N block, and each CTA loads half of their common B tile by TMA
 // multicast into both. At EP 1 an expert's K is its ~256 rows, so a (128, 256) tile moves 384
 // bytes of operands per 256 FLOP; sharing B cuts the L2 reads by a third. Measured on H200
-// (perf-notes/backward.md v8): wgrad down -3 to -4 %, gate/up level; what limits these short
+// (perf-notes/backward.md): wgrad down a little faster, gate/up level; what limits these short
 // tiles is the ring's depth against the loads' latency, not the L2's bandwidth.
 inline constexpr int kWgradClusterSize = 2;
 

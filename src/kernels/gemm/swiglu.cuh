@@ -46,7 +46,7 @@ __device__ __forceinline__ float one_plus_exp_fast(float t) {
 // documented accuracy of rcp.approx alone (1/d comes within 2^-49 of a midpoint, e.g. for
 // d = 2 - 2^-23), so it rests on the exhaustive check of every float of the range in
 // tests/gpu/test_gemm_swiglu.cu (one step found no mismatch on H200 where two had been used
-// before: two fmas fewer per SwiGLU output, docs/perf-notes/gemm.md v17).
+// before: two fmas fewer per SwiGLU output, docs/perf-notes/gemm.md).
 __device__ __forceinline__ float reciprocal_rn(float d) {
   const float approximate = ptx::reciprocal_approximate(d);
   const float error = __fmaf_rn(-d, approximate, 1.0f);

@@ -89,7 +89,7 @@ __device__ inline char* tile_row_in_c(const TileInC& place, const GroupedTile& t
 // the k-blocks) and the B tile. An M block past M, or past the group's rows (a count that is not a
 // multiple), is computed or skipped by the kernel but never stored.
 // kRotateRounds: rounds rotate (tile_rounds.hpp), on single CTAs only; the cooperative engines'
-// (bf16 and FP8) were measured faster so, the ping-pong engine's not (perf-notes/backward.md v21).
+// (bf16 and FP8) were measured faster so, the ping-pong engine's not (perf-notes/backward.md).
 template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1,
           bool kRotateRounds = kClusterSize == 1>
 class GroupedTileScheduler {

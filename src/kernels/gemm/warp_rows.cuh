@@ -7,7 +7,7 @@
 //
 // They replaced one bulk copy per row: a `cp.async.bulk` takes its addresses from uniform
 // registers, so a warp issues its rows' copies one lane at a time, and the TMA unit, which also
-// serves the producer's loads, works through them one by one (perf-notes/gemm.md v10).
+// serves the producer's loads, works through them one by one (perf-notes/gemm.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,9 +32,9 @@ struct WarpRows {
   static_assert(32 % kVectors == 0, "a warp copies whole rows at a time");
   static constexpr int kRowsAtOnce = 32 / kVectors;
   // The copy loop of plain outputs is unrolled, so that a lane's staged loads are in flight
-  // together (the fused forward −0.5 to −1 % at deepseek-v3, perf-notes/layer.md v37); for SwiGLU
-  // outputs the same unroll made the SwiGLU GEMM slower (its cost over the plain one up by 0.6–1.2
-  // points), so that loop stays rolled.
+  // together (faster in the fused forward at deepseek-v3, perf-notes/layer.md); for SwiGLU outputs
+  // the same unroll made the SwiGLU GEMM slower (its cost over the plain one went up), so that loop
+  // stays rolled.
   static constexpr int kCopyUnroll = kSwiGlu ? 1 : 16 / kRowsAtOnce;
 
   // The bf16 output pairs of accum[0, kColumns / 2) in fragment order: packed[2 o + half] is

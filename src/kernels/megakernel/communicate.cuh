@@ -153,7 +153,7 @@ __device__ inline void signal_combine_if_no_rows(const FusedForwardParams& param
 
 // The dispatch with no communication CTAs (num_comm_ctas = 0): warps 1-3 of every CTA's producer
 // warpgroup, idle otherwise, once the schedule is made, beside the CTA's tiles. Spread over every
-// SM, the copy is not held to the ~23 GB/s one SM's loads reach (docs/perf-notes/layer.md v42).
+// SM, the copy is not held to the rate one SM's loads reach (docs/perf-notes/layer.md).
 __device__ inline void dispatch_beside_tiles(const FusedForwardParams& params) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   int scheduled = 0;

@@ -46,7 +46,7 @@ struct RowsToSavedContext {
 // rows through its staging rows (`staging`, the epilogue's, free until the tile's own stores) 8
 // rows and 128 columns at a time, then stores whole rows, so that every store writes full 32-byte
 // sectors: stored straight from the fragment, a bf16 pair per store writes half a sector of a row
-// (perf-notes/backward.md v10 has what it cost the forward). The staged rows are
+// (perf-notes/backward.md has what it cost the forward). The staged rows are
 // 272 bytes apart, so that the fragment's stores (8 rows, one 16-byte vector each) hit every bank
 // once with offsets known at compile time: the epilogue's XOR-swizzled rows, or packed pairs beside
 // the accumulators (which the SwiGLU epilogue still needs), spilled registers.

@@ -38,7 +38,8 @@ struct SwiGluBackwardRows {
 };
 
 // Blocks of 8 columns a lane loads before it computes them: their loads in flight together (one
-// block at a time left the kernel at ~40 % of HBM bandwidth, each load waiting for the last).
+// block at a time left the kernel far below HBM bandwidth, each load waiting for the last;
+// perf-notes/backward.md).
 inline constexpr int kSwiGluBlocksAtOnce = 4;
 
 // One row: returns Σ_i g_i · h_i (every lane holds the same value). gate_up_row: the row's

@@ -70,7 +70,7 @@ struct TaskShape {
 // of the blocks before it ("carried"): each of those tiles also multiplies kCarriedTailRows of
 // the tail's rows by the weight tile already in its stages, with wgmma's N over them
 // (gemm/carried_tail.cuh), instead of a tile of its own that streams the whole weight tile for a
-// few rows and multiplies 64 (docs/perf-notes/layer.md v34). Carrier j (the block j + 1 before
+// few rows and multiplies 64 (docs/perf-notes/layer.md). Carrier j (the block j + 1 before
 // the tail) takes the tail's rows 8 j .. 8 j + 7; a tail needs ceil(rows / 8) carriers, at most
 // kMaxTailCarriers, all in the tail's minibatch. With several carriers the tail's counters reach
 // their counts only once every carrier has raised them; the dispatch's ring-slot wait does not

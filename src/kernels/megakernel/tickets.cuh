@@ -5,7 +5,7 @@
 // line that partition does not hold crosses the fabric between them. Consecutive tasks of the list
 // share their weight tile (one expert's column block, row blocks inner), so when the CTAs that run
 // them sit on one side, the tile crosses at most once instead of once per side. (ncu at deepseek-v3
-// EP1: the fabric was 94 % busy, the most loaded unit of L2; docs/perf-notes/layer.md.)
+// EP1 named the fabric the most loaded unit of L2; docs/perf-notes/layer.md.)
 //
 // Each partition draws grants of kTicketGrant consecutive tickets from the call's counter
 // (next_task) and its CTAs take the grant's tickets in order. Every CTA's tickets still increase,
