@@ -268,18 +268,20 @@ void json_clocks(std::ofstream& out, const mok::bench::GpuMonitor& monitor,
     }
   }
   out << ", \"loops_sampled\": {";
-  bool first = true;
-  std::printf("    clock, power (medians over each timed loop):");
+  std::string line;
   for (const std::string& loop : loops) {
     const auto window = monitor.window(window_prefix + loop);
     if (!window) continue;
-    out << (first ? "" : ", ") << "\"" << loop << "\": {\"clock_mhz\": " << window->clock_mhz
+    out << (line.empty() ? "" : ", ") << "\"" << loop << "\": {\"clock_mhz\": " << window->clock_mhz
         << ", \"power_w\": " << window->power_w << ", \"samples\": " << window->samples << "}";
-    std::printf(" %s %.0f MHz %.0f W;", loop.c_str(), window->clock_mhz, window->power_w);
-    first = false;
+    char figures[160];
+    std::snprintf(figures, sizeof(figures), " %s %.0f MHz %.0f W;", loop.c_str(), window->clock_mhz,
+                  window->power_w);
+    line += figures;
   }
-  std::printf("\n");
   out << "}";
+  if (!line.empty())
+    std::printf("    clock, power (medians over each timed loop):%s\n", line.c_str());
   const auto phase = [&](const char* key, double mok::bench::GpuMonitor::Window::*figure) {
     out << ", \"" << key << "\": {";
     bool first_phase = true;
