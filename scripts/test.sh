@@ -6,12 +6,14 @@
 # reason, and the totals over both alone on the last line: "N passed, N failed, N skipped".
 #
 # Python: a python3 (or $MOK_PYTHON) that imports torch and pytest is used as it is; otherwise
-# torch (the PyPI wheel, which runs on the CPU), pytest and transformers ($transformers_requirement,
-# for mok.integrations.transformers' tests) are installed from PyPI into a virtual environment,
+# torch (the PyPI wheel, which runs on the CPU), pytest, transformers ($transformers_requirement,
+# for mok.integrations.transformers' tests) and accelerate (which transformers loads a model under
+# its expert parallelism with) are installed from PyPI into a virtual environment,
 # $MOK_PYTHON_ENV (default: python-env in the build folder; about 4 GB, under two minutes where
 # PyPI is fast). If that install fails, the command fails; where there is no network,
 # MOK_SKIP_PYTHON=1 leaves the Python tests out, and the summary says so. An existing environment
-# without transformers gets it installed; if that fails, its tests skip with the reason.
+# without transformers or accelerate gets them installed; if that fails, their tests skip with the
+# reason.
 set -euo pipefail
 start_seconds=$SECONDS
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -25,6 +27,8 @@ export MOK_BUILD_DIR=$build_dir
 python=""
 python_skip_reason=""
 transformers_requirement="transformers>=5.17,<6"
+# accelerate: transformers loads a model under its own expert parallelism through it (the EP tests).
+extra_requirements=(accelerate)
 if [[ ${MOK_SKIP_PYTHON:-0} == 1 ]]; then
   python_skip_reason="MOK_SKIP_PYTHON=1"
   echo "python tests: left out ($python_skip_reason)"
@@ -35,9 +39,9 @@ else
     python=$("$base_python" -c "import sys; print(sys.executable)")
   elif [[ -x $python_env/bin/python ]] && "$python_env/bin/python" -c "import torch, pytest" 2>/dev/null; then
     python=$python_env/bin/python
-    if ! "$python" -c "import transformers" 2>/dev/null; then
-      echo "python tests: installing $transformers_requirement from PyPI into $python_env"
-      "$python" -m pip install --quiet --progress-bar off "$transformers_requirement" ||
+    if ! "$python" -c "import transformers, accelerate" 2>/dev/null; then
+      echo "python tests: installing $transformers_requirement ${extra_requirements[*]} from PyPI into $python_env"
+      "$python" -m pip install --quiet --progress-bar off "$transformers_requirement" "${extra_requirements[@]}" ||
         echo "python tests: transformers could not be installed; its tests will skip"
     fi
   else
@@ -45,7 +49,7 @@ else
     install_start=$SECONDS
     if "$base_python" -m venv "$python_env" &&
       "$python_env/bin/python" -m pip install --quiet --progress-bar off torch pytest numpy \
-        "$transformers_requirement" &&
+        "$transformers_requirement" "${extra_requirements[@]}" &&
       "$python_env/bin/python" -c "import torch, pytest"; then
       python=$python_env/bin/python
       echo "python tests: installed torch $("$python" -c "import torch; print(torch.__version__)") in $((SECONDS - install_start)) s"

@@ -132,6 +132,48 @@ def test_experts_module_error_against_fp64_is_at_most_transformers_own(family, d
             assert 0 < mine_error <= their_error, f"{name}: mok {mine_error:.3e}, {implementation} {their_error:.3e}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flagged", [False, True])
+def test_expert_parallel_routes_to_other_ranks_are_skipped(flagged, device):
+    """transformers' expert parallelism (AllReduceEP) hands each rank's experts module its E_l
+    local experts and marks the routes to other ranks' experts as id E_l with weight 0. Each rank's
+    half of an 8-expert module, on the routing of the whole: mok's output and gradients against the
+    fp64 eager run of the same half no worse than eager's in bf16, exact zeros for the skipped
+    routes' d_topk_w, and the two halves' outputs summing to the whole module's within bf16
+    rounding."""
+    whole = experts_modules(tiny_model("qwen3_moe", "eager", torch.float32))[0].to(device)
+    num_experts, _, hidden = whole.gate_up_proj.shape
+    local_experts = num_experts // 2
+    gen = torch.Generator().manual_seed(5)
+    tokens, top_k = 96, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.randn(tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices.to(device)
+    w = torch.rand(tokens, top_k, generator=gen).to(device)
+    dy = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    halves = []
+    for rank in range(2):
+        half = copy.deepcopy(whole)
+        experts = slice(rank * local_experts, (rank + 1) * local_experts)
+        half.gate_up_proj = torch.nn.Parameter(whole.gate_up_proj.detach()[experts].clone())
+        half.down_proj = torch.nn.Parameter(whole.down_proj.detach()[experts].clone())
+        half.num_experts = local_experts
+        if flagged:
+            half._is_expert_parallel = True
+        off_rank = idx // local_experts != rank
+        local_idx = torch.where(off_rank, local_experts, idx % local_experts)
+        local_w = w.masked_fill(off_rank, 0.0)
+        oracle = run_experts(half, "eager", torch.float64, x, local_idx, local_w, dy)
+        mine = run_experts(half, "mok", torch.bfloat16, x, local_idx, local_w, dy)
+        theirs = run_experts(half, "eager", torch.bfloat16, x, local_idx, local_w, dy)
+        for name, reference in oracle.items():
+            mine_error, their_error = rel_l2(mine[name], reference), rel_l2(theirs[name], reference)
+            assert 0 < mine_error <= their_error, f"rank {rank} {name}: mok {mine_error:.3e}, eager {their_error:.3e}"
+        assert torch.all(mine["d_topk_w"][off_rank] == 0)
+        halves.append(mine["y"].double())
+    full = run_experts(whole, "mok", torch.bfloat16, x, idx, w, dy)["y"].double()
+    assert rel_l2(halves[0] + halves[1], full) < 1e-2
+
+
 # ---- accuracy: whole models ---------------------------------------------------------------------
 
 # Whole models, bf16: the attention, norms, routers and embeddings that every implementation shares

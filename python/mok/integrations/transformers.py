@@ -32,6 +32,10 @@ experts implementation, so "eager" or "grouped_mm" never read mok's layout. Read
 its gradient in the HF layout with `gate_up_proj_hf(module)`. bf16 weights are passed to mok as
 they are; other dtypes are cast to bf16 on every call (mok computes in bf16), as autocast would.
 
+Under transformers' own expert parallelism (`DistributedConfig(ep_size=...)`) each rank's module
+holds its shard of the experts: mok converts each rank's own experts, and skips the routes that
+transformers marks as another rank's (id E_local, weight 0), as transformers' experts do.
+
 What autograd keeps (`set_context`, as `mok.functional.forward`'s `context`): "save" (the default)
 keeps the routed gate/up pre-activations beside the inputs, 2I bf16 values a routed row (e.g. 0.4 GB
 a layer at Qwen3-30B-A3B's shape and 16,384 tokens), so that the backward skips their recompute;
@@ -49,6 +53,11 @@ from torch import nn
 from .. import _ops  # noqa: F401  (loads the ops)
 from .. import functional as _functional
 from .._reference import GATE_UP_BLOCK, fuse_gate_up, split_gate_up
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - a torch built without distributed
+    _DTensor = None
 
 try:
     import transformers
@@ -90,9 +99,31 @@ def gate_up_to_hf(gate_up: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _permute_rows_(tensor: torch.Tensor, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Converts (E, 2I, H) in place, one expert at a time: the copy in flight is one expert's."""
+    """Converts (E, 2I, H) in place, one expert at a time: the copy in flight is one expert's.
+    Under transformers' expert parallelism the experts' forward sees its parameters' local shards
+    as views made by an autograd function (DTensor.to_local); those are rewritten through `.data`,
+    which leaves the view's autograd version alone (the shard's storage is what changes)."""
+    if _DTensor is not None and isinstance(tensor, _DTensor):
+        tensor = _local_experts(tensor)
+    elif not tensor.is_leaf:
+        tensor = tensor.data
     for expert in range(tensor.shape[0]):
         tensor[expert].copy_(convert(tensor[expert]))
+
+
+def _local_experts(tensor: torch.Tensor) -> torch.Tensor:
+    """A distributed (E, 2I, H) tensor's local shard, which holds whole experts when its
+    placements split dim 0 alone (expert parallelism, FSDP): each rank converts its own."""
+    split = [placement.dim for placement in tensor.placements if placement.is_shard()]
+    if any(dim != 0 for dim in split):
+        raise UnsupportedExperts(f"gate_up_proj is sharded along dims {split}; mok converts whole experts "
+                                 "(a placement that splits dim 0 only)")
+    return tensor.to_local().data
+
+
+def _grad_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """A parameter's gradient; none for the local views expert parallelism hands the forward."""
+    return tensor.grad if tensor.is_leaf else None
 
 
 # ---- which experts modules mok computes ---------------------------------------------------------
@@ -194,7 +225,7 @@ def _to_mok_layout(module: nn.Module, name: Optional[str] = None) -> None:
         module.register_forward_pre_hook(_hf_layout_for_other_implementations)
         module._mok_hooks = True
     _permute_rows_(module.gate_up_proj, gate_up_to_mok)
-    if module.gate_up_proj.grad is not None:
+    if _grad_of(module.gate_up_proj) is not None:
         _permute_rows_(module.gate_up_proj.grad, gate_up_to_mok)
     module._mok_layout = True
 
@@ -202,7 +233,7 @@ def _to_mok_layout(module: nn.Module, name: Optional[str] = None) -> None:
 @torch.compiler.disable
 def _to_hf_layout(module: nn.Module) -> None:
     _permute_rows_(module.gate_up_proj, gate_up_to_hf)
-    if module.gate_up_proj.grad is not None:
+    if _grad_of(module.gate_up_proj) is not None:
         _permute_rows_(module.gate_up_proj.grad, gate_up_to_hf)
     module._mok_layout = False
 
@@ -270,6 +301,19 @@ def get_context() -> str:
     return _context
 
 
+def _skip_other_ranks_experts(module: nn.Module, top_k_index: torch.Tensor) -> torch.Tensor:
+    """Under transformers' expert parallelism a rank's experts module holds its E_l local experts
+    and gets the routes to other ranks' experts as id E_l (its `num_experts`) with weight 0, as its
+    own "eager" experts skip them; with `_is_expert_parallel` set, "grouped_mm" skips every id >= E_l.
+    mok skips them the same way, as unused slots (-1); any other id outside [0, E_l) still raises."""
+    local_experts = module.gate_up_proj.shape[0]
+    if getattr(module, "_is_expert_parallel", False):
+        off_rank = top_k_index >= local_experts
+    else:
+        off_rank = top_k_index == local_experts
+    return top_k_index.masked_fill(off_rank, -1)
+
+
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ExpertsInterface function: sum_j top_k_weights[:, j] * F_{top_k_index[:, j]}(x) for the
@@ -281,6 +325,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         _to_mok_layout(self)
     if top_k_index.dtype not in (torch.int32, torch.int64):
         top_k_index = top_k_index.long()
+    top_k_index = _skip_other_ranks_experts(self, top_k_index)
     weights = _functional.FusedExpertWeights(*(weight.to(torch.bfloat16).contiguous()
                                                 for weight in (self.gate_up_proj, self.down_proj)))
     y = _functional.forward(hidden_states.to(torch.bfloat16).contiguous(), top_k_index.contiguous(),
