@@ -34,7 +34,10 @@ they are; other dtypes are cast to bf16 on every call (mok computes in bf16), as
 
 Under transformers' own expert parallelism (`DistributedConfig(ep_size=...)`) each rank's module
 holds its shard of the experts: mok converts each rank's own experts, and skips the routes that
-transformers marks as another rank's (id E_local, weight 0), as transformers' experts do.
+transformers marks as another rank's (id E_local, weight 0), as transformers' experts do. Under
+FSDP (or DeepSpeed ZeRO-3) the forward sees a gathered copy of the weights, where a conversion
+would be lost: call `attach(model)` after sharding, which converts the stored shards; the first
+call otherwise raises UnsupportedExperts saying so.
 
 What autograd keeps (`set_context`, as `mok.functional.forward`'s `context`): "save" (the default)
 keeps the routed gate/up pre-activations beside the inputs, 2I bf16 values a routed row (e.g. 0.4 GB
@@ -45,6 +48,7 @@ there on an H100). Both give the same bits.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -58,6 +62,10 @@ try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # pragma: no cover - a torch built without distributed
     _DTensor = None
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # pragma: no cover - a torch built without distributed
+    _FSDPModule = None
 
 try:
     import transformers
@@ -216,9 +224,39 @@ def _hf_layout_for_other_implementations(module, args) -> None:
         _to_hf_layout(module)
 
 
+def _gathered_copy(module: nn.Module) -> Optional[str]:
+    """What holds `module`'s weights only as a gathered copy during this call, or None. A sharding
+    wrapper (FSDP's fully_shard, DeepSpeed ZeRO-3) gathers the stored shards into the module for
+    each forward and drops the copy after it, so a layout rewritten there would be lost, silently,
+    by the next gather. Looked for once, when mok would rewrite the layout: DeepSpeed marks its
+    parameters, FSDP2 runs the module inside an FSDPModule's forward (a caller's frame)."""
+    if hasattr(module.gate_up_proj, "ds_id"):
+        return "DeepSpeed ZeRO-3"
+    if _FSDPModule is None or isinstance(module.gate_up_proj, _DTensor or ()):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), _FSDPModule):
+            return f"FSDP ({type(frame.f_locals['self']).__name__})"
+        frame = frame.f_back
+    return None
+
+
+def _check_stored_weights(module: nn.Module, name: Optional[str], change: str, remedy: str) -> None:
+    holder = _gathered_copy(module)
+    if holder is not None:
+        where = f"{name} ({type(module).__name__})" if name else type(module).__name__
+        raise UnsupportedExperts(f"experts_implementation='mok': {where} holds a copy of its weights that "
+                                 f"{holder} gathered for this forward, and {change} there would be lost "
+                                 f"with the copy. {remedy}")
+
+
 @torch.compiler.disable
 def _to_mok_layout(module: nn.Module, name: Optional[str] = None) -> None:
     _check_supported(module, name)
+    _check_stored_weights(module, name, "mok's one-time layout conversion",
+                          "Call mok.integrations.transformers.attach(model) after the model is sharded and "
+                          "before its first forward: it converts the stored shards.")
     if not getattr(module, "_mok_hooks", False):
         module.register_state_dict_post_hook(_state_dict_in_hf_layout)
         module.register_load_state_dict_pre_hook(_load_state_dict_from_hf_layout)
@@ -232,6 +270,9 @@ def _to_mok_layout(module: nn.Module, name: Optional[str] = None) -> None:
 
 @torch.compiler.disable
 def _to_hf_layout(module: nn.Module) -> None:
+    _check_stored_weights(module, None, "putting back the Hugging Face layout",
+                          "Call mok.integrations.transformers.detach(model) outside the forward before "
+                          "switching experts implementations.")
     _permute_rows_(module.gate_up_proj, gate_up_to_hf)
     if _grad_of(module.gate_up_proj) is not None:
         _permute_rows_(module.gate_up_proj.grad, gate_up_to_hf)
