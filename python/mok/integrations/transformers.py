@@ -62,10 +62,12 @@ try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # pragma: no cover - a torch built without distributed
     _DTensor = None
-try:
+try:  # the sharding wrappers whose forward gathers a layer's weights (FSDP2, FSDP1)
     from torch.distributed.fsdp import FSDPModule as _FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as _FullyShardedDataParallel
+    _SHARDING_WRAPPERS = (_FSDPModule, _FullyShardedDataParallel)
 except ImportError:  # pragma: no cover - a torch built without distributed
-    _FSDPModule = None
+    _SHARDING_WRAPPERS = ()
 
 try:
     import transformers
@@ -229,14 +231,14 @@ def _gathered_copy(module: nn.Module) -> Optional[str]:
     wrapper (FSDP's fully_shard, DeepSpeed ZeRO-3) gathers the stored shards into the module for
     each forward and drops the copy after it, so a layout rewritten there would be lost, silently,
     by the next gather. Looked for once, when mok would rewrite the layout: DeepSpeed marks its
-    parameters, FSDP2 runs the module inside an FSDPModule's forward (a caller's frame)."""
+    parameters, FSDP runs the module inside a wrapper's forward (a caller's frame)."""
     if hasattr(module.gate_up_proj, "ds_id"):
         return "DeepSpeed ZeRO-3"
-    if _FSDPModule is None or isinstance(module.gate_up_proj, _DTensor or ()):
+    if not _SHARDING_WRAPPERS or isinstance(module.gate_up_proj, _DTensor or ()):
         return None
     frame = sys._getframe(1)
     while frame is not None:
-        if isinstance(frame.f_locals.get("self"), _FSDPModule):
+        if isinstance(frame.f_locals.get("self"), _SHARDING_WRAPPERS):
             return f"FSDP ({type(frame.f_locals['self']).__name__})"
         frame = frame.f_back
     return None
