@@ -248,6 +248,9 @@ def _check_stored_weights(module: nn.Module, name: Optional[str], change: str, r
     holder = _gathered_copy(module)
     if holder is not None:
         where = f"{name} ({type(module).__name__})" if name else type(module).__name__
+        if holder.startswith("DeepSpeed"):  # its partitions are not distributed tensors attach converts
+            remedy = ("mok does not convert ZeRO-3's partitions: use ZeRO stage 1 or 2, FSDP with "
+                      "attach(model), or another experts_implementation.")
         raise UnsupportedExperts(f"experts_implementation='mok': {where} holds a copy of its weights that "
                                  f"{holder} gathered for this forward, and {change} there would be lost "
                                  f"with the copy. {remedy}")
