@@ -261,22 +261,14 @@ void json_clocks(std::ofstream& out, const mok::bench::GpuMonitor& monitor,
   }
   const std::string mode =
       args.fp8 ? std::string(mok::precision_name(args.fp8_precision)) + "-" : "";
-  std::vector<std::string> loops = {"fwd", "fwdbwd-recompute", "fwdbwd"};
-  if (args.fp8) {
-    for (const char* loop : {"fwd", "fwdbwd-recompute", "fwdbwd-cached", "fwdbwd"}) {
-      loops.push_back(mode + loop);
-    }
-  }
   out << ", \"loops_sampled\": {";
   std::string line;
-  for (const std::string& loop : loops) {
-    const auto window = monitor.window(window_prefix + loop);
-    if (!window) continue;
-    out << (line.empty() ? "" : ", ") << "\"" << loop << "\": {\"clock_mhz\": " << window->clock_mhz
-        << ", \"power_w\": " << window->power_w << ", \"samples\": " << window->samples << "}";
+  for (const auto& [loop, window] : monitor.windows(window_prefix)) {
+    out << (line.empty() ? "" : ", ") << "\"" << loop << "\": {\"clock_mhz\": " << window.clock_mhz
+        << ", \"power_w\": " << window.power_w << ", \"samples\": " << window.samples << "}";
     char figures[160];
-    std::snprintf(figures, sizeof(figures), " %s %.0f MHz %.0f W;", loop.c_str(), window->clock_mhz,
-                  window->power_w);
+    std::snprintf(figures, sizeof(figures), " %s %.0f MHz %.0f W;", loop.c_str(), window.clock_mhz,
+                  window.power_w);
     line += figures;
   }
   out << "}";

@@ -72,6 +72,15 @@ class GpuMonitor {
     if (clocks.empty()) return;
     windows_[name] = {median(clocks), median(powers), static_cast<int>(clocks.size())};
   }
+  // The windows whose names begin with `prefix`, by the rest of their names.
+  std::map<std::string, Window> windows(const std::string& prefix) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    std::map<std::string, Window> found;
+    for (const auto& [name, window] : windows_) {
+      if (name.compare(0, prefix.size(), prefix) == 0) found[name.substr(prefix.size())] = window;
+    }
+    return found;
+  }
   // The window's medians; none when it has no samples (not sampling, or shorter than the period).
   std::optional<Window> window(const std::string& name) const {
     const std::lock_guard<std::mutex> lock(mutex_);

@@ -30,15 +30,15 @@ if DistributedConfig is None or "ep_implementation" not in getattr(DistributedCo
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 
+# The tiny Qwen3-MoE config, the error measure and the whole-model factor of the single-process tests.
+from test_transformers_experts import MODEL_ERROR_FACTOR, rel_l2, tiny_config  # noqa: E402
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformers_ep_worker.py")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, num_attention_heads=4, max_position_embeddings=128, tie_word_embeddings=False,
-        num_hidden_layers=2, num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    config = tiny_config("qwen3_moe")
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("qwen3-moe")
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
@@ -53,15 +53,6 @@ def run_ranks(model_dir, out_dir, implementation, parallel, dtype="bfloat16", at
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return [torch.load(f"{out_dir}/rank{rank}.pt") for rank in range(2)]
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-# Whole models in bf16: the attention, norms and routers every implementation shares move the
-# error by some percent either way (test_transformers_experts.py's MODEL_ERROR_FACTOR).
-MODEL_ERROR_FACTOR = 1.25
 
 
 def expert_grads(rank_result):

@@ -24,10 +24,6 @@ def local(tensor):
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().clone()
 
 
-def experts_modules(model):
-    return [(name, module) for name, module in model.named_modules() if mt.is_experts_module(module)]
-
-
 def gate_up_shards(model):
     return {name: local(value) for name, value in model.state_dict().items() if name.endswith("gate_up_proj")}
 
@@ -59,7 +55,7 @@ def main(model_dir, out_dir, implementation, parallel, dtype, attach=""):
         dist.destroy_process_group()
         return
     grads = {}
-    for name, module in experts_modules(model):
+    for name, module in mt._experts_modules(model):
         gate_up = local(mt.gate_up_proj_hf(module, grad=True))
         grads[f"{name}.gate_up_proj"] = gate_up
         grads[f"{name}.down_proj"] = local(module.down_proj.grad)

@@ -113,12 +113,16 @@ def _permute_rows_(tensor: torch.Tensor, convert: Callable[[torch.Tensor], torch
     Under transformers' expert parallelism the experts' forward sees its parameters' local shards
     as views made by an autograd function (DTensor.to_local); those are rewritten through `.data`,
     which leaves the view's autograd version alone (the shard's storage is what changes)."""
-    if _DTensor is not None and isinstance(tensor, _DTensor):
+    if _is_dtensor(tensor):
         tensor = _local_experts(tensor)
     elif not tensor.is_leaf:
         tensor = tensor.data
     for expert in range(tensor.shape[0]):
         tensor[expert].copy_(convert(tensor[expert]))
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return _DTensor is not None and isinstance(tensor, _DTensor)
 
 
 def _local_experts(tensor: torch.Tensor) -> torch.Tensor:
@@ -234,7 +238,7 @@ def _gathered_copy(module: nn.Module) -> Optional[str]:
     parameters, FSDP runs the module inside a wrapper's forward (a caller's frame)."""
     if hasattr(module.gate_up_proj, "ds_id"):
         return "DeepSpeed ZeRO-3"
-    if not _SHARDING_WRAPPERS or isinstance(module.gate_up_proj, _DTensor or ()):
+    if not _SHARDING_WRAPPERS or _is_dtensor(module.gate_up_proj):
         return None
     frame = sys._getframe(1)
     while frame is not None:
