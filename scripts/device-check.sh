@@ -5,7 +5,8 @@
 #   scripts/device-check.sh [PART...]     PART: tests, run, or a scripts/device/PART.sh (gemm, comm,
 #                                         python)
 # MOK_BUILD_DIR names the build folder (default build-device); with MOK_PREBUILT=1 the binaries in
-# it (built elsewhere, e.g. carried in) are used as they are.
+# it (built elsewhere, e.g. carried in, or packed by scripts/build-for-device.sh) are used as they
+# are.
 #
 # With no PART it runs all of them. Each part's files land in $OUT/results/ (packed into
 # $OUT/device-results.tar.gz at the end, since only a few files come back); the whole log is
@@ -23,6 +24,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 
 export MOK_BUILD_DIR=${MOK_BUILD_DIR:-$root/build-device}
+# Binaries packed by scripts/build-for-device.sh travel as build-pack/build-cuda.tar.xz.
+pack="$root/build-pack/build-cuda.tar.xz"
+if [[ "${MOK_PREBUILT:-0}" == 1 && ! -f "$MOK_BUILD_DIR/COMMIT" && -f "$pack" ]]; then
+  mkdir -p "$MOK_BUILD_DIR" && xz -dc "$pack" | tar -x -C "$MOK_BUILD_DIR" || exit 1
+  echo "== unpacked $pack into $MOK_BUILD_DIR"
+fi
 # The commit: from the COMMIT file that scripts/build-for-device.sh leaves beside carried
 # binaries (a checkout there may hold some other history), else from git.
 if [[ "${MOK_PREBUILT:-0}" == 1 && -f "$MOK_BUILD_DIR/COMMIT" ]]; then

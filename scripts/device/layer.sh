@@ -33,7 +33,10 @@
 # BIN_DIR holds mok, mok_gpu_tests and bench_layer (default $MOK_BUILD_DIR, set by
 # scripts/device-check.sh). Results go to $MOK_RESULTS_DIR when device-check sets it, else $OUT.
 # MOK_PART_TESTS=0 skips the GPU tests (device-check has run them). MOK_LAYER_CASES picks
-# bench_layer cases (comma-separated names; default all).
+# bench_layer cases (comma-separated names; default all); MOK_FP8_CASES the FP8 ones (default the
+# same). MOK_LAYER_QUICK=1 runs only what layer.json needs, for a short machine window: the fused
+# bench_layer (forward and training step), torch-native, FP8 (MOK_LAYER_FP8=0: not), results and
+# chart; it needs only mok and bench_layer in BIN_DIR (scripts/build-for-device.sh mok bench_layer).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -57,11 +60,13 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, logs it, remembers a failure
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 
-if [ "${MOK_PART_TESTS:-1}" = 1 ]; then
+quick=${MOK_LAYER_QUICK:-0}
+if [ "${MOK_PART_TESTS:-1}" = 1 ] && [ "$quick" != 1 ]; then
   step "GPU tests (layer forward, fused and unfused; layer backward)" 240 "$BIN/mok_gpu_tests" \
     --gtest_filter='*LayerForward*:*Fused*:*LayerBackward*'
 fi
 
+if [ "$quick" != 1 ]; then
 step "mok run --backend cuda, tiny, EP 1, --check (forward and backward)" 120 \
   "$BIN/mok" run --backend cuda --tokens 1000 --routing skewed:1.2 --json "$OUT/mok-run-cuda-tiny-ep1.json"
 step "mok run --backend cuda, qwen3-30b-a3b, EP 1, 4096 tokens, --check" 240 \
@@ -76,12 +81,14 @@ if ((gpus >= 2)); then
 else
   say "mok run --backend cuda at EP 2: skipped ($gpus GPU)"
 fi
+fi  # quick
 
 routing_dir=$(mktemp -d)
 cases=()
 if [ -n "${MOK_LAYER_CASES:-}" ]; then cases=(--cases "$MOK_LAYER_CASES"); fi
 step "bench_layer (mok, fused)" 200 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
   --routing-dir "$routing_dir" "${cases[@]}"
+if [ "$quick" != 1 ]; then
 step "bench_layer (mok, fused after the schedule kernels; forward)" 200 "$BIN/bench_layer" \
   --iters 20 --backward 0 --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" \
   "${cases[@]}"
@@ -98,6 +105,7 @@ if ((gpus >= 2)); then
 else
   say "bench_layer sweep and ring rounds (EP 2 cases): skipped ($gpus GPU)"
 fi
+fi  # quick
 # The torch-native baseline on bench_layer's routing: every variant checked, then fwd, the
 # forward under autograd and the training step timed (20 iterations after 500 ms of warm-up
 # each), peak memory, clock and power; the dense GEMM rate in the EP 1 process.
@@ -119,11 +127,15 @@ fi
 fp8_results=()
 rm -f "$OUT/layer-mok-fp8.json" "$OUT/layer-torch-fp8-ep1.json"  # no stale figures from a past run
 bench_layer_help=$("$BIN/bench_layer" --help 2>&1)
-if [[ $bench_layer_help == *--precision* ]]; then
+fp8_cases=("${cases[@]}")
+if [ -n "${MOK_FP8_CASES:-}" ]; then fp8_cases=(--cases "$MOK_FP8_CASES"); fi
+if [ "${MOK_LAYER_FP8:-1}" = 0 ]; then
+  say "FP8: skipped (MOK_LAYER_FP8=0)"
+elif [[ $bench_layer_help == *--precision* ]]; then
   mkdir -p "$routing_dir/fp8"
   step "bench_layer (mok, FP8 forward and training step; its bf16 ones beside them)" 400 \
     "$BIN/bench_layer" --iters 20 --backward 1 --precision fp8 --out "$OUT/layer-mok-fp8.json" \
-    --routing-dir "$routing_dir/fp8" "${cases[@]}"
+    --routing-dir "$routing_dir/fp8" "${fp8_cases[@]}"
   if [ -f "$OUT/layer-mok-fp8.json" ]; then
     step "torch-native FP8, EP 1 (rowwise torch._scaled_grouped_mm; forward, dense FP8 GEMM)" 300 \
       python3 bench/baselines/torch_native.py measure --mok "$OUT/layer-mok-fp8.json" --ep 1 \
@@ -136,7 +148,7 @@ fi
 # mxfp8 (a numerics mode on the bf16 engine: its cost beside bf16) on the shapes whose two
 # round-tripped weight copies fit one GPU beside the bf16 weights.
 rm -f "$OUT/layer-mok-mxfp8.json"
-if [[ $bench_layer_help == *mxfp8* ]]; then
+if [[ $bench_layer_help == *mxfp8* && $quick != 1 ]]; then
   step "bench_layer (mok, mxfp8 forward and training step; its bf16 ones beside them)" 240 \
     "$BIN/bench_layer" --iters 10 --backward 1 --precision mxfp8 \
     --cases "${MOK_MXFP8_CASES:-qwen3-30b-a3b-ep1,mixtral-8x7b-ep1}" --out "$OUT/layer-mok-mxfp8.json"
