@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -261,9 +262,11 @@ void json_clocks(std::ofstream& out, const mok::bench::GpuMonitor& monitor,
   }
   const std::string mode =
       args.fp8 ? std::string(mok::precision_name(args.fp8_precision)) + "-" : "";
+  const std::map<std::string, mok::bench::GpuMonitor::Window> loops =
+      monitor.windows(window_prefix);
   out << ", \"loops_sampled\": {";
   std::string line;
-  for (const auto& [loop, window] : monitor.windows(window_prefix)) {
+  for (const auto& [loop, window] : loops) {
     out << (line.empty() ? "" : ", ") << "\"" << loop << "\": {\"clock_mhz\": " << window.clock_mhz
         << ", \"power_w\": " << window.power_w << ", \"samples\": " << window.samples << "}";
     char figures[160];
@@ -280,9 +283,9 @@ void json_clocks(std::ofstream& out, const mok::bench::GpuMonitor& monitor,
     for (const auto& [name, loop] : {std::pair<const char*, std::string>{"fwd", mode + "fwd"},
                                      {"fwdbwd", mode + "fwdbwd"},
                                      {"bwd", mode + "fwdbwd"}}) {
-      const auto window = monitor.window(window_prefix + loop);
-      if (!window) continue;
-      out << (first_phase ? "" : ", ") << "\"" << name << "\": " << (*window).*figure;
+      const auto window = loops.find(loop);
+      if (window == loops.end()) continue;
+      out << (first_phase ? "" : ", ") << "\"" << name << "\": " << window->second.*figure;
       first_phase = false;
     }
     out << "}";

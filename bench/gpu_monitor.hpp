@@ -5,9 +5,9 @@
 //
 // NVML is opened at run time (libnvidia-ml.so.1, which the driver installs): nothing to link, and
 // a machine without it (CI, no GPU) gets a note instead of samples. start(name) and stop(name)
-// mark a window; window(name) gives the median clock and power of the samples taken in it. NVML's
-// power reading is the driver's average over its last second on Hopper, so a loop shorter than
-// that includes the warm-up just before it, which runs the same work.
+// mark a window; windows(prefix) gives the median clock and power of the samples taken in it.
+// NVML's power reading is the driver's average over its last second on Hopper, so a loop shorter
+// than that includes the warm-up just before it, which runs the same work.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,7 +18,6 @@
 #include <chrono>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -72,7 +71,8 @@ class GpuMonitor {
     if (clocks.empty()) return;
     windows_[name] = {median(clocks), median(powers), static_cast<int>(clocks.size())};
   }
-  // The windows whose names begin with `prefix`, by the rest of their names.
+  // The medians of the windows whose names begin with `prefix`, by the rest of their names; a
+  // window without samples (not sampling, or shorter than the period) is not among them.
   std::map<std::string, Window> windows(const std::string& prefix) const {
     const std::lock_guard<std::mutex> lock(mutex_);
     std::map<std::string, Window> found;
@@ -80,13 +80,6 @@ class GpuMonitor {
       if (name.compare(0, prefix.size(), prefix) == 0) found[name.substr(prefix.size())] = window;
     }
     return found;
-  }
-  // The window's medians; none when it has no samples (not sampling, or shorter than the period).
-  std::optional<Window> window(const std::string& name) const {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    const auto found = windows_.find(name);
-    if (found == windows_.end()) return std::nullopt;
-    return found->second;
   }
 
  private:
