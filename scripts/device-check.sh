@@ -3,7 +3,7 @@
 # the benchmarks and collects logs and results under $OUT.
 #
 #   scripts/device-check.sh [PART...]     PART: tests, run, or a scripts/device/PART.sh (gemm, comm,
-#                                         python)
+#                                         layer, python, transformers, ...)
 # MOK_BUILD_DIR names the build folder (default build-device); with MOK_PREBUILT=1 the binaries in
 # it (built elsewhere, e.g. carried in, or packed by scripts/build-for-device.sh) are used as they
 # are.
@@ -49,6 +49,9 @@ if [[ -n "$nccl_root" ]]; then
 fi
 
 export MOK_RESULTS_DIR="$results"
+# One install of the Python package for every part that needs it (scripts/device/python.sh install).
+MOK_PYTHON_TARGET=${MOK_PYTHON_TARGET:-$(mktemp -d)}
+export MOK_PYTHON_TARGET
 start=$(date +%s)
 if [[ "${MOK_PREBUILT:-0}" == 1 ]]; then
   echo "== using the binaries in $MOK_BUILD_DIR as they are"

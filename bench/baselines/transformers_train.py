@@ -39,7 +39,9 @@ Output: one JSON of schema mok-bench/2 (bench/report.py reads it; benchmark
 baseline_tokens_per_s_per_gpu, moe_ms / moe_share {mok, baseline} and rest_ms (the stand-in's
 step), moe_useful_tflops {mok, baseline} (the routed experts' 18·T·H·k·I per MoE layer over their
 time), peak_memory_gb {mok, baseline}, check, clock_mhz / power_w (sampled during each timed
-loop), and the run's dense bf16 GEMM rate.
+loop), and the run's dense bf16 GEMM rate. --append adds the cases to the JSON already at --out
+(replacing those of the same name; errors and skipped cases kept), so that models run one process
+each can share one file (scripts/device/transformers.sh).
 """
 import argparse
 import datetime
@@ -299,6 +301,8 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny models of both families: a smoke test")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense GEMM rate")
     parser.add_argument("--out", default="transformers-train.json", help="the JSON (default %(default)s)")
+    parser.add_argument("--append", action="store_true",
+                        help="add the cases to the JSON at --out (same names replaced) instead of overwriting it")
     args = parser.parse_args(argv)
     args.tokens = args.tokens or (512 if args.quick else 16384)
     args.seq = min(args.seq or (128 if args.quick else 4096), args.tokens)
@@ -313,6 +317,24 @@ def parse_args(argv=None):
     if args.tokens < 1 or args.steps < 1:
         parser.error("--tokens and --steps: at least 1")
     return args
+
+
+def appended(path, record):
+    """record with the cases, errors and skipped cases of the mok-bench/2 JSON at path before it
+    (a case of the same name as one of record's is replaced); record alone where there is none."""
+    try:
+        with open(path) as file:
+            earlier = json.load(file)
+    except FileNotFoundError:
+        return record
+    if earlier.get("schema") != record["schema"] or earlier.get("benchmark") != record["benchmark"]:
+        raise SystemExit(f"--append: {path} is not a {record['benchmark']} {record['schema']} JSON")
+    names = {case["name"] for case in record["cases"]}
+    merged = dict(record)
+    merged["cases"] = [case for case in earlier.get("cases", []) if case["name"] not in names] + record["cases"]
+    merged["errors"] = earlier.get("errors", []) + record["errors"]
+    merged["skipped"] = earlier.get("skipped", []) + record["skipped"]
+    return merged
 
 
 def main(argv=None):
@@ -367,6 +389,8 @@ def main(argv=None):
         "errors": errors,
         "skipped": skipped,
     }
+    if args.append:
+        record = appended(args.out, record)
     with open(args.out, "w") as file:
         json.dump(record, file, indent=2)
     print(f"wrote {args.out}")

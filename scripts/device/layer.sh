@@ -34,9 +34,10 @@
 # scripts/device-check.sh). Results go to $MOK_RESULTS_DIR when device-check sets it, else $OUT.
 # MOK_PART_TESTS=0 skips the GPU tests (device-check has run them). MOK_LAYER_CASES picks
 # bench_layer cases (comma-separated names; default all); MOK_FP8_CASES the FP8 ones (default the
-# same). MOK_LAYER_QUICK=1 runs only what layer.json needs, for a short machine window: the fused
-# bench_layer (forward and training step), torch-native, FP8 (MOK_LAYER_FP8=0: not), results and
-# chart; it needs only mok and bench_layer in BIN_DIR (scripts/build-for-device.sh mok bench_layer).
+# same, less deepseek-v3 on a GPU of less than 100 GB). MOK_LAYER_QUICK=1 runs only what layer.json
+# needs, for a short machine window: the fused bench_layer (forward and training step),
+# torch-native, FP8 (MOK_LAYER_FP8=0: not), results and chart; it needs only mok and bench_layer in
+# BIN_DIR (scripts/build-for-device.sh mok bench_layer).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -59,6 +60,11 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, logs it, remembers a failure
 
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+gpu_memory_mib() {
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  echo "${mib:-0}"
+}
 
 quick=${MOK_LAYER_QUICK:-0}
 if [ "${MOK_PART_TESTS:-1}" = 1 ] && [ "$quick" != 1 ]; then
@@ -128,7 +134,13 @@ fp8_results=()
 rm -f "$OUT/layer-mok-fp8.json" "$OUT/layer-torch-fp8-ep1.json"  # no stale figures from a past run
 bench_layer_help=$("$BIN/bench_layer" --help 2>&1)
 fp8_cases=("${cases[@]}")
-if [ -n "${MOK_FP8_CASES:-}" ]; then fp8_cases=(--cases "$MOK_FP8_CASES"); fi
+if [ -n "${MOK_FP8_CASES:-}" ]; then
+  fp8_cases=(--cases "$MOK_FP8_CASES")
+elif [ -z "${MOK_LAYER_CASES:-}" ] && (($(gpu_memory_mib) < 100000)); then
+  # deepseek-v3's bf16 and fp8 weights together need more than an H100's 80 GB.
+  fp8_cases=(--cases "qwen3-30b-a3b-ep1,qwen3-235b-a22b-ep1,mixtral-8x7b-ep1")
+  say "FP8: deepseek-v3 left out ($(gpu_memory_mib) MiB of GPU memory)"
+fi
 if [ "${MOK_LAYER_FP8:-1}" = 0 ]; then
   say "FP8: skipped (MOK_LAYER_FP8=0)"
 elif [[ $bench_layer_help == *--precision* ]]; then

@@ -2,21 +2,28 @@
 # The PyTorch front end on the GPU machine: `pip install .` the way a user would (no network
 # there, so without build isolation), then the pytest suites (the CPU one, and the CUDA one under
 # torchrun on 2 GPUs) and the training example (CPU; CUDA at EP 1, in bf16 and fp8, and, under
-# torchrun, EP 2).
+# torchrun, EP 2). The transformers benchmark is a part of its own (transformers.sh).
 #
 #   scripts/device/python.sh prebuild   HERE (no GPU, no torch needed): builds the core and the
 #                                       torch bridge, position-independent, into
 #                                       $MOK_TORCH_PREBUILT_DIR (default build-torch-prebuilt/) from
 #                                       the committed core (git HEAD) and the working tree's
-#                                       src/torch + CMakeLists.txt; that folder travels (carry).
-#   scripts/device/python.sh            THERE: installs (linking the prebuilt folder when it exists,
-#                                       so only src/torch/*.cpp compile there; else the whole core
-#                                       is compiled: about 30 s on 32 cores), runs everything, logs
+#                                       src/torch + CMakeLists.txt; its lib*.a travel (carry, or
+#                                       MOK_PACK_TORCH=1 scripts/build-for-device.sh, which puts
+#                                       them in build-pack/torch/).
+#   scripts/device/python.sh install    THERE: installs the package into $MOK_PYTHON_TARGET
+#                                       (default a new temporary folder) unless it holds one
+#                                       already (device-check.sh sets one folder for all its
+#                                       parts), and prints the folder on its last line. The
+#                                       prebuilt libraries are taken from $MOK_TORCH_PREBUILT_DIR,
+#                                       else build-pack/torch/, else build-torch-prebuilt/, where
+#                                       they exist (only src/torch/*.cpp compile there); else the
+#                                       whole core is compiled (about 30 s on 32 cores).
+#   scripts/device/python.sh            THERE: installs (as above), runs everything, logs
 #                                       to $MOK_RESULTS_DIR (default /tmp): python-pip-install.log,
 #                                       python-pytest-cpu.log, python-pytest-cuda.log,
 #                                       python-pytest-cuda-backward.log,
 #                                       python-pytest-integrations.log (transformers, quantizers),
-#                                       transformers-train.{json,log} (the transformers benchmark),
 #                                       python-example-cuda.log (EP 1, then EP 2),
 #                                       python-example-cuda-fp8.log (EP 1, fp8 beside bf16),
 #                                       python-example-cuda-mxfp8.log (the same in mxfp8), and
@@ -43,15 +50,30 @@ if [[ ${1:-} == prebuild ]]; then
 fi
 
 results=${MOK_RESULTS_DIR:-/tmp}
-target=$(mktemp -d)
-define=()
-if [[ -f $prebuilt/libmok_torch_bridge.a ]]; then
-  define=(-C "cmake.define.MOK_TORCH_PREBUILT_DIR=$prebuilt")
+if [[ ${1:-} == install ]]; then
+  target=${MOK_PYTHON_TARGET:-$(mktemp -d)}
+  if compgen -G "$target/mok/_mok_torch*.so" >/dev/null; then
+    echo "pip install: the package in $target is installed already" >&2
+  else
+    if [[ -z ${MOK_TORCH_PREBUILT_DIR:-} && -f $root/build-pack/torch/libmok_torch_bridge.a ]]; then
+      prebuilt=$root/build-pack/torch
+    fi
+    define=()
+    if [[ -f $prebuilt/libmok_torch_bridge.a ]]; then
+      define=(-C "cmake.define.MOK_TORCH_PREBUILT_DIR=$prebuilt")
+    fi
+    mkdir -p "$target"
+    start=$SECONDS
+    python3 -m pip install --no-build-isolation --no-deps --no-index --target "$target" "${define[@]}" \
+      "$root" >"$results/python-pip-install.log" 2>&1 ||
+      { tail -n 60 "$results/python-pip-install.log" >&2; exit 1; }
+    echo "pip install: ok in $((SECONDS - start)) s ($(ls "$target"/mok/_mok_torch*.so)${define:+, prebuilt core})" >&2
+  fi
+  echo "$target"
+  exit 0
 fi
-start=$SECONDS
-python3 -m pip install --no-build-isolation --no-deps --no-index --target "$target" "${define[@]}" "$root" \
-  >"$results/python-pip-install.log" 2>&1 || { tail -n 60 "$results/python-pip-install.log"; exit 1; }
-echo "pip install: ok in $((SECONDS - start)) s ($(ls "$target"/mok/_mok_torch*.so)${define:+, prebuilt core})"
+target=$("$root/scripts/device/python.sh" install | tail -n 1)
+[[ -n $target ]] || exit 1
 cd "$root"
 export PYTHONPATH="$target" PYTHONUNBUFFERED=1
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -109,13 +131,4 @@ fi
 if ((gpus == 0)); then
   python3 examples/train_moe_block.py --steps 200 2>&1 | tee "$results/python-example-cpu.log" || example_status=1
 fi
-# Transformers models' training step, "mok" against "grouped_mm" (MOK_TRANSFORMERS_BENCH=0: not).
-bench_status=0
-if ((gpus >= 1)) && [[ ${MOK_TRANSFORMERS_BENCH:-1} == 1 ]]; then
-  echo "== benchmark: transformers training step"
-  (cd bench/baselines && timeout 300 python3 transformers_train.py \
-    --out "$results/transformers-train.json") >"$results/transformers-train.log" 2>&1 || bench_status=$?
-  tail -n 20 "$results/transformers-train.log"
-fi
-exit $((cpu_status || cuda_status || backward_status || example_status || integrations_status || \
-  bench_status))
+exit $((cpu_status || cuda_status || backward_status || example_status || integrations_status))
