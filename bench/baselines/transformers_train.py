@@ -39,9 +39,10 @@ Output: one JSON of schema mok-bench/2 (bench/report.py reads it; benchmark
 baseline_tokens_per_s_per_gpu, moe_ms / moe_share {mok, baseline} and rest_ms (the stand-in's
 step), moe_useful_tflops {mok, baseline} (the routed experts' 18·T·H·k·I per MoE layer over their
 time), peak_memory_gb {mok, baseline}, check, clock_mhz / power_w (sampled during each timed
-loop), and the run's dense bf16 GEMM rate. --append adds the cases to the JSON already at --out
-(replacing those of the same name; errors and skipped cases kept), so that models run one process
-each can share one file (scripts/device/transformers.sh).
+loop), the commit, device and date of the run, and the run's dense bf16 GEMM rate. --append adds
+the cases to the JSON already at --out (replacing those of the same name; errors and skipped
+cases kept), so that models run one process each can share one file
+(scripts/device/transformers.sh); the file's own commit, device and date are the last run's.
 """
 import argparse
 import datetime
@@ -368,12 +369,16 @@ def main(argv=None):
                   f"of the step: mok {share['mok']:.0%}, grouped_mm {share['baseline']:.0%}; loss check "
                   f"{'passed' if entry['check']['passed'] else 'FAILED'}", flush=True)
     dense = dense_gemm(run) if run.on_gpu and not args.no_dense else None
+    commit = git_commit()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for entry in entries:  # each case says where it ran, also in a file that --append gathers
+        entry.update(commit=commit, device=device_name, date=date)
     record = {
         "schema": "mok-bench/2",
         "benchmark": "transformers-train",
-        "commit": git_commit(),
+        "commit": commit,
         "device": device_name,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": date,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "power_limit_w": run.monitor.power_limit_w if run.monitor else None,
