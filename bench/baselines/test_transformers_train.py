@@ -1,8 +1,9 @@
 """transformers_train.py's fallback when a model does not fit the GPU: fewer layers, then a skip
 with its reason when even one layer does not fit the baseline, and an error when mok runs out of
 memory where the baseline fitted. measure_case is replaced by a stand-in that runs out of memory
-where told (no model is built)."""
+where told (no model is built). And --append's merge of a run into an earlier file."""
 
+import json
 import os
 import sys
 
@@ -58,3 +59,31 @@ def test_mok_out_of_memory_where_the_baseline_fitted_is_an_error(monkeypatch):
     entry, errors, skipped = tt.measure_with_fallback(FakeRun(), "model", {}, 1)
     assert entry is None and skipped is None
     assert len(errors) == 1 and "in mok" in errors[0]
+
+
+def record(cases, errors=(), skipped=(), commit="new"):
+    return {"schema": "mok-bench/2", "benchmark": "transformers-train", "commit": commit,
+            "cases": [{"name": name, "commit": commit} for name in cases],
+            "errors": list(errors), "skipped": list(skipped)}
+
+
+def test_append_keeps_other_cases_and_replaces_the_same_name(tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(record(["qwen", "deepseek"], errors=["old error"], skipped=["old skip"],
+                                      commit="old")))
+    merged = tt.appended(str(path), record(["qwen"], skipped=["new skip"]))
+    assert merged["commit"] == "new"
+    assert [(case["name"], case["commit"]) for case in merged["cases"]] == [("deepseek", "old"), ("qwen", "new")]
+    assert merged["errors"] == ["old error"] and merged["skipped"] == ["old skip", "new skip"]
+
+
+def test_append_without_an_earlier_file_is_the_run_alone(tmp_path):
+    run = record(["qwen"])
+    assert tt.appended(str(tmp_path / "none.json"), run) == run
+
+
+def test_append_refuses_another_benchmark(tmp_path):
+    path = tmp_path / "layer.json"
+    path.write_text(json.dumps({"schema": "mok-bench/2", "benchmark": "layer", "cases": []}))
+    with pytest.raises(SystemExit, match="not a transformers-train mok-bench/2 JSON"):
+        tt.appended(str(path), record(["qwen"]))
