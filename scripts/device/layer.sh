@@ -60,11 +60,7 @@ step() {  # step NAME TIMEOUT COMMAND...: runs it, logs it, remembers a failure
 
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-gpu_memory_mib() {
-  local mib
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-  echo "${mib:-0}"
-}
+gpu_memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
 
 quick=${MOK_LAYER_QUICK:-0}
 if [ "${MOK_PART_TESTS:-1}" = 1 ] && [ "$quick" != 1 ]; then
@@ -136,10 +132,10 @@ bench_layer_help=$("$BIN/bench_layer" --help 2>&1)
 fp8_cases=("${cases[@]}")
 if [ -n "${MOK_FP8_CASES:-}" ]; then
   fp8_cases=(--cases "$MOK_FP8_CASES")
-elif [ -z "${MOK_LAYER_CASES:-}" ] && (($(gpu_memory_mib) < 100000)); then
+elif [ -z "${MOK_LAYER_CASES:-}" ] && ((${gpu_memory_mib:-0} < 100000)); then
   # deepseek-v3's bf16 and fp8 weights together need more than an H100's 80 GB.
   fp8_cases=(--cases "qwen3-30b-a3b-ep1,qwen3-235b-a22b-ep1,mixtral-8x7b-ep1")
-  say "FP8: deepseek-v3 left out ($(gpu_memory_mib) MiB of GPU memory)"
+  say "FP8: deepseek-v3 left out (${gpu_memory_mib:-no} MiB of GPU memory)"
 fi
 if [ "${MOK_LAYER_FP8:-1}" = 0 ]; then
   say "FP8: skipped (MOK_LAYER_FP8=0)"
