@@ -183,9 +183,9 @@ int64_t LayerBackwardFp8::buffer_bytes() const {
   return buffer_bytes(shape_, workspace_.num_ranks(), tokens_max_, options_);
 }
 
-void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
-                                         const DeviceLayerGradients& grads, int tokens,
-                                         cudaStream_t stream,
+void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights, const bf16* x,
+                                         const bf16* dy, const DeviceLayerGradients& grads,
+                                         int tokens, cudaStream_t stream,
                                          const gemm::LaunchOptions& gemm_options,
                                          const bf16* saved_gate_up) {
   const int hidden = static_cast<int>(shape_.hidden);
@@ -198,12 +198,12 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
   const gemm::GroupedShape gate_up{1, tokens, 2 * inter, hidden};
   const gemm::GroupedShape down{1, tokens, hidden, inter};
   if (saved_gate_up == nullptr) {
-    quantize_fp8_rows(workspace_.x(), op.x, tokens, hidden, nullptr, num_sms_, stream);
+    quantize_fp8_rows(x, op.x, tokens, hidden, nullptr, num_sms_, stream);
     gemm::grouped_forward_fp8(gate_up, op.x.data, op.x.scales, forward.shared_gate_up.data,
                               forward.shared_gate_up.scales, shared_offsets_, op.gate_up,
                               gemm::ForwardOutput::kBf16, stream, gemm_options, pipeline_);
   }
-  quantize_fp8_rows(workspace_.dy(), op.dy, tokens, hidden, nullptr, num_sms_, stream);
+  quantize_fp8_rows(dy, op.dy, tokens, hidden, nullptr, num_sms_, stream);
   gemm::grouped_dgrad_fp8(down, op.dy.data, op.dy.scales, transposed.shared_down.data,
                           transposed.shared_down.scales, shared_offsets_, op.grad_hidden,
                           gemm::DgradOutput::kFp32, stream, gemm_options, pipeline_);
@@ -221,10 +221,9 @@ void LayerBackwardFp8::run_shared_expert(const Fp8WeightCache& weights,
                           shared_offsets_, shared_dx_, gemm::DgradOutput::kFp32, stream,
                           gemm_options, pipeline_);
   // The wgrads over the tokens in order, their operands 128 x 1 down the tokens.
-  weight_gradients(op, workspace_.x(), workspace_.dy(), 1,
-                   static_cast<int>(round_up_to_block(tokens)), inter, shared_offsets_, nullptr,
-                   grads.shared_gate_up, grads.shared_down, grads.output, stream, gemm_options,
-                   [] {});
+  weight_gradients(op, x, dy, 1, static_cast<int>(round_up_to_block(tokens)), inter,
+                   shared_offsets_, nullptr, grads.shared_gate_up, grads.shared_down, grads.output,
+                   stream, gemm_options, [] {});
 }
 
 template <class Between>
@@ -358,15 +357,17 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
   const int tokens = static_cast<int>(num_tokens);
   const PhaseMarks mark(phase_events, stream);
   mark();
-  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
+  // One rank alone: no dispatch; its expert rows are gathered from x and dy and quantized in
+  // one pass (quantize_expert_rows) instead of copied and then read by three quantizers. The
+  // rows are staged in the window only for peers to pull: the shared expert reads the caller's.
+  const bool one_rank = gathers_expert_rows();
+  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream,
+                        /*stage_rows=*/!one_rank);
   mark();
   const int experts = static_cast<int>(workspace_.layout().experts_per_rank());
   const int32_t* row_bound = workspace_.expert_offsets() + experts;  // the dispatched rows' end
   const int64_t rows = workspace_.layout().rows_capacity();
   const bool shared = shape_.has_shared() && tokens > 0;
-  // One rank alone: no dispatch; its expert rows are gathered from x and dy and quantized in
-  // one pass (quantize_expert_rows) instead of copied and then read by three quantizers.
-  const bool one_rank = gathers_expert_rows();
   shared_expert_and_dispatch(
       side_, stream, shared,
       shared && !one_rank
@@ -374,7 +375,8 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
           : 0,
       options_.gemm,
       [&](const gemm::LaunchOptions& gemm_options) {
-        run_shared_expert(weights, grads, tokens, stream, gemm_options, saved_shared_gate_up);
+        run_shared_expert(weights, x, dy, grads, tokens, stream, gemm_options,
+                          saved_shared_gate_up);
       },
       [&](cudaStream_t rows_stream, bool beside) {
         if (!one_rank) dispatch_x_and_dy(workspace_, options_, rows_stream, beside, x, dy);

@@ -128,11 +128,11 @@ class LayerBackwardFp8 {
   static void free_operands(Operands& operands);
   static int64_t operand_bytes(int64_t rows, int64_t padded_rows, int64_t hidden, int64_t inter);
 
-  // The shared expert's backward over `tokens` of this rank's tokens; saved_gate_up: its saved
-  // pre-activations, or null to recompute them.
-  void run_shared_expert(const Fp8WeightCache& weights, const DeviceLayerGradients& grads,
-                         int tokens, cudaStream_t stream, const gemm::LaunchOptions& gemm_options,
-                         const bf16* saved_gate_up);
+  // The shared expert's backward over `tokens` of this rank's tokens x and dy (the caller's);
+  // saved_gate_up: its saved pre-activations, or null to recompute them.
+  void run_shared_expert(const Fp8WeightCache& weights, const bf16* x, const bf16* dy,
+                         const DeviceLayerGradients& grads, int tokens, cudaStream_t stream,
+                         const gemm::LaunchOptions& gemm_options, const bf16* saved_gate_up);
   // One rank alone: the routed expert rows of x and dy gathered from the tokens and quantized in
   // one pass: dy's (and, x_rows, x's) 1 x 128 rows and both 128 x 1 operands of the wgrads.
   void quantize_expert_rows(const bf16* x, const bf16* dy, bool x_rows, cudaStream_t stream);
