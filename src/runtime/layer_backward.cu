@@ -69,8 +69,8 @@ WorkspaceOptions bf16_backward_workspace(const LayerBackwardOptions& options, in
 
 void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
                            const float* topk_w, const bf16* dy, int64_t num_tokens,
-                           cudaStream_t stream, bool stage_rows) {
-  if (stage_rows) {
+                           cudaStream_t stream) {
+  if (workspace.num_ranks() > 1) {
     stage_tokens(workspace, x, num_tokens, stream);
     MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.dy(), dy,
                                    static_cast<size_t>(num_tokens * workspace.layout().row_bytes()),
@@ -414,8 +414,7 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   mark();
   // This rank's x, dy and router weights into its window, for the expert ranks (one rank alone
   // dispatches its rows from x and dy in place).
-  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream,
-                        /*stage_rows=*/!one_rank);
+  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
   mark();
   // The routed gate/up pre-activations again (recompute mode), on x's expert rows: one rank alone
   // dispatches them first, before dy's rows go over them; elsewhere they came with dy's.

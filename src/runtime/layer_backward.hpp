@@ -127,10 +127,11 @@ WorkspaceOptions bf16_backward_workspace(const LayerBackwardOptions& options, in
 bool shared_dx_in_weighted_hidden(const LayerShape& shape, const comm::WorkspaceLayout& layout);
 
 // The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
-// x, dy (with stage_rows) and topk_w into the window and the schedule ...
+// topk_w, and x and dy where peers pull them (EP > 1: one rank alone reads the caller's x and dy
+// where they lie), into the window and the schedule ...
 void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
                            const float* topk_w, const bf16* dy, int64_t num_tokens,
-                           cudaStream_t stream, bool stage_rows = true);
+                           cudaStream_t stream);
 // ... (no token) the shared expert's gradients zero, unless they accumulate ...
 void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& grads,
                            cudaStream_t stream);

@@ -357,17 +357,15 @@ void LayerBackwardFp8::backward(const Fp8WeightCache& weights, const bf16* x,
   const int tokens = static_cast<int>(num_tokens);
   const PhaseMarks mark(phase_events, stream);
   mark();
-  // One rank alone: no dispatch; its expert rows are gathered from x and dy and quantized in
-  // one pass (quantize_expert_rows) instead of copied and then read by three quantizers. The
-  // rows are staged in the window only for peers to pull: the shared expert reads the caller's.
-  const bool one_rank = gathers_expert_rows();
-  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream,
-                        /*stage_rows=*/!one_rank);
+  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
   mark();
   const int experts = static_cast<int>(workspace_.layout().experts_per_rank());
   const int32_t* row_bound = workspace_.expert_offsets() + experts;  // the dispatched rows' end
   const int64_t rows = workspace_.layout().rows_capacity();
   const bool shared = shape_.has_shared() && tokens > 0;
+  // One rank alone: no dispatch; its expert rows are gathered from x and dy and quantized in
+  // one pass (quantize_expert_rows) instead of copied and then read by three quantizers.
+  const bool one_rank = gathers_expert_rows();
   shared_expert_and_dispatch(
       side_, stream, shared,
       shared && !one_rank

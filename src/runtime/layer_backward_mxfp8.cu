@@ -244,10 +244,7 @@ void LayerBackwardMxfp8::backward(const MxWeightCache& weights, const bf16* x,
   const int tokens = static_cast<int>(num_tokens);
   const PhaseMarks mark(phase_events, stream);
   mark();
-  // One rank alone dispatches its rows from the caller's x and dy (dispatch_x_and_dy), as the
-  // shared expert reads them: the window's copies are only for peers to pull.
-  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream,
-                        /*stage_rows=*/workspace_.num_ranks() > 1);
+  stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
   mark();
   const bool shared = shape_.has_shared() && tokens > 0;
   shared_expert_and_dispatch(
