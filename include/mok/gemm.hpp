@@ -27,7 +27,9 @@ struct GroupedShape {
   // Optional (device, E int32): rows of expert e are expert_offsets[e] .. expert_offsets[e] +
   // expert_counts[e], the rest up to expert_offsets[e + 1] being padding that no tile reads into
   // a result (a tile-padded row layout, as the layer's schedule makes). Null: every row up to
-  // expert_offsets[e + 1] is the expert's.
+  // expert_offsets[e + 1] is the expert's. A negative count leaves expert e out of the call: no
+  // row of it is read and nothing of its result is written (a wgrad writes no zeros for it), so
+  // that a call can cover a chunk of the experts.
   const int* expert_counts = nullptr;
   // Optional (device, capacity_rows int32), for bf16 results of grouped_forward and grouped_dgrad
   // only: row r of the result is written to row output_rows[r] of y / dx instead of row r (a

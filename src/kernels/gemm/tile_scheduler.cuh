@@ -144,7 +144,12 @@ class GroupedTileScheduler {
     if (group >= num_groups_) return;
     row_begin_ = offsets_[group];
     row_count_ = counts_ != nullptr ? counts_[group] : offsets_[group + 1] - row_begin_;
-    const int num_m_groups = kRowsAreM
+    // A negative count: the group is not part of this call (a chunk of the experts: GroupedShape's
+    // expert_counts), so no tile at all, not even a wgrad's zeros.
+    const bool absent = row_count_ < 0;
+    if (absent) row_count_ = 0;
+    const int num_m_groups = absent ? 0
+                             : kRowsAreM
                                  ? ceil_div(ceil_div(row_count_, Config::BLOCK_M), kClusterSize)
                                  : num_fixed_m_blocks_;
     group_num_tiles_ = num_m_groups * num_n_blocks_;
