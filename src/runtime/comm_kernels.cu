@@ -74,8 +74,9 @@ __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
 }
 
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
-    dispatch_tokens_kernel(comm::WorkspaceView view, const char* x, const char* dy) {
-  comm::dispatch_tokens_local(view, x, dy);
+    dispatch_tokens_kernel(comm::WorkspaceView view, const char* x, const char* dy,
+                           comm::TokenRowsOut out) {
+  comm::dispatch_tokens_local(view, x, dy, out);
 }
 
 __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
@@ -241,8 +242,25 @@ void dispatch_tokens(CommWorkspace& ws, const CopyConfig& config, cudaStream_t s
   MOK_CHECK_ARG(x != nullptr || dy != nullptr, "x", "neither x nor dy to dispatch");
   MOK_CHECK_ARG(dy == nullptr || ws.layout().backward, "workspace",
                 "dispatching dy needs a workspace with the backward's regions");
+  comm::TokenRowsOut out;
+  out.x_rows = ws.view().expert_x_row(0);
+  out.dy_rows = dy != nullptr ? ws.view().expert_dy_row(0) : nullptr;
   launch_copy(ws, config, stream, dispatch_tokens_kernel, reinterpret_cast<const char*>(x),
-              reinterpret_cast<const char*>(dy));
+              reinterpret_cast<const char*>(dy), out);
+}
+
+void dispatch_tokens_window(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
+                            const bf16* tokens, bf16* rows, const int32_t* window) {
+  MOK_CHECK_ARG(ws.num_ranks() == 1, "workspace",
+                "the dispatch by tokens is one rank's alone; this workspace has ", ws.num_ranks(),
+                " ranks");
+  MOK_CHECK_ARG(tokens != nullptr && rows != nullptr && window != nullptr, "tokens",
+                "null tokens, rows or window");
+  comm::TokenRowsOut out;
+  out.x_rows = reinterpret_cast<char*>(rows);
+  out.window = window;
+  launch_copy(ws, config, stream, dispatch_tokens_kernel, reinterpret_cast<const char*>(tokens),
+              static_cast<const char*>(nullptr), out);
 }
 
 void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream, uint8_t* data,

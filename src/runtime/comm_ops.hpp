@@ -52,6 +52,11 @@ void dispatch(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
 // each of its slots' rows (dispatch reads it once per slot). The same rows as dispatch's.
 void dispatch_tokens(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
                      const bf16* x, const bf16* dy = nullptr);
+// The same for one tensor (x or dy: `tokens`, (T, H)) and a window of the expert rows alone:
+// window (device int32 {first, count}) names rows first .. first + count - 1, which go into rows
+// (count, H) from its first row (a chunk of the experts: LayerBackwardOptions::chunk_rows).
+void dispatch_tokens_window(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
+                            const bf16* tokens, bf16* rows, const int32_t* window);
 
 // After stage_fp8_tokens on every rank: pulls every routed row's packed fp8 row into data (rows,
 // H) E4M3 and scales (rows, H / 128) fp32 (the rows' order as dispatch's; ws.expert_x() unused).

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/comm/flags.cuh"
+#include "kernels/megakernel/expert_chunks.cuh"
 #include "kernels/megakernel/swiglu_backward.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
@@ -18,27 +19,15 @@ namespace mok {
 namespace {
 
 __global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
-    swiglu_backward_routed_kernel(comm::WorkspaceView view, megakernel::SwiGluBackwardRows rows) {
+    swiglu_backward_routed_kernel(comm::WorkspaceView view, megakernel::SwiGluBackwardRows rows,
+                                  megakernel::RoutedRowSet set) {
   if (comm::cta_sees_error(view)) return;
-  megakernel::swiglu_backward_routed(view, rows);
+  megakernel::swiglu_backward_routed(view, rows, set);
 }
 
 __global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
     swiglu_backward_shared_kernel(megakernel::SwiGluBackwardRows rows, int32_t num_rows) {
   megakernel::swiglu_backward_shared(rows, num_rows);
-}
-
-__global__ void collect_d_topk_w_kernel(comm::WorkspaceView view, float* d_topk_w,
-                                        int32_t num_tokens) {
-  if (comm::cta_sees_error(view)) return;
-  megakernel::collect_d_topk_w(view, d_topk_w, num_tokens);
-}
-
-__global__ void fill_kernel(float* values, int64_t count, float value) {
-  for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
-       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    values[index] = value;
-  }
 }
 
 // The rows a routed expert gets in a call of num_tokens tokens, on average (T k / E_l, every rank
@@ -67,53 +56,18 @@ WorkspaceOptions bf16_backward_workspace(const LayerBackwardOptions& options, in
   return workspace;
 }
 
-void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
-                           const float* topk_w, const bf16* dy, int64_t num_tokens,
-                           cudaStream_t stream) {
-  if (workspace.num_ranks() > 1) {
-    stage_tokens(workspace, x, num_tokens, stream);
-    MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.dy(), dy,
-                                   static_cast<size_t>(num_tokens * workspace.layout().row_bytes()),
-                                   cudaMemcpyDeviceToDevice, stream));
-  }
-  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.topk_w(), topk_w,
-                                 static_cast<size_t>(num_tokens * workspace.layout().top_k * 4),
-                                 cudaMemcpyDeviceToDevice, stream));
-  schedule(workspace, topk_idx, num_tokens, stream);
-}
-
-void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& grads,
-                           cudaStream_t stream) {
-  if (!shape.has_shared() || grads.output == gemm::WgradOutput::kAccumulateFp32) return;
-  const size_t element_bytes = grads.output == gemm::WgradOutput::kBf16 ? 2 : 4;
-  const size_t elements = static_cast<size_t>(shape.shared_intermediate * shape.hidden);
-  MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_gate_up, 0, 2 * elements * element_bytes, stream));
-  MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_down, 0, elements * element_bytes, stream));
-}
-
-void collect_d_topk_w(const CommWorkspace& workspace, float* d_topk_w, int64_t num_tokens,
-                      int num_sms, cudaStream_t stream) {
-  const int64_t num_slots = num_tokens * workspace.layout().top_k;
-  if (num_slots == 0) return;
-  const int ctas = static_cast<int>(std::clamp<int64_t>((num_slots + 255) / 256, 1, num_sms));
-  collect_d_topk_w_kernel<<<ctas, 256, 0, stream>>>(workspace.view(), d_topk_w,
-                                                    static_cast<int32_t>(num_tokens));
+void LayerBackward::swiglu_backward_routed(const CommWorkspace& workspace,
+                                           const megakernel::SwiGluBackwardRows& rows,
+                                           const megakernel::RoutedRowSet& set,
+                                           cudaStream_t stream) const {
+  swiglu_backward_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
+      workspace.view(), rows, set);
   MOK_CUDA_CHECK_LAUNCH();
 }
 
 bool shared_dx_in_weighted_hidden(const LayerShape& shape, const comm::WorkspaceLayout& layout) {
   return layout.rows_in_expert_dy && shape.has_shared() &&
          layout.rows_capacity() * shape.intermediate * 2 >= layout.tokens_max * shape.hidden * 4;
-}
-
-float* make_ones(int64_t count, int device) {
-  float* ones = device_alloc<float>(count);
-  MOK_CUDA_CHECK(cudaSetDevice(device));
-  fill_kernel<<<static_cast<unsigned>(std::clamp<int64_t>((count + 255) / 256, 1, 1024)), 256>>>(
-      ones, count, 1.0f);
-  MOK_CUDA_CHECK_LAUNCH();
-  MOK_CUDA_CHECK(cudaDeviceSynchronize());
-  return ones;
 }
 
 LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, int64_t tokens_max,
@@ -128,24 +82,48 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
                 "the GPU layer needs a multiple of 8, got ", shape.shared_intermediate);
   MOK_CHECK_ARG(shape.hidden % 8 == 0, "hidden", "the GPU layer needs a multiple of 8, got ",
                 shape.hidden);
-  const int64_t rows = workspace_.layout().rows_capacity();
-  checked_int(rows, "rows capacity");
+  MOK_CHECK_ARG(
+      options.chunk_rows == 0 ||
+          (comm.num_ranks() == 1 && options.chunk_rows >= std::max<int64_t>(tokens_max, 1)),
+      "chunk_rows",
+      "a chunked backward needs one rank and at least tokens_max rows (an expert gets up "
+      "to T rows), got ",
+      options.chunk_rows, " rows on ", comm.num_ranks(), " ranks, tokens_max ", tokens_max);
+  const int64_t rows = routed_buffer_rows();
+  checked_int(workspace_.layout().rows_capacity(), "rows capacity");
+  checked_int(rows, "chunk_rows");
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
   const int64_t shared_inter = shape.shared_intermediate;
+  shared_dx_deferred_ = shared_dx_deferred(shape, workspace_.layout(), options);
   // d_gate_up in g's bytes: a row of each takes 4I bytes, and the SwiGLU backward reads every
   // 32-byte block of g (8 fp32) before it writes the block's 8 gate and 8 up gradients (16 bf16)
   // over it; no kernel reads g after (megakernel/swiglu_backward.cuh).
-  grad_hidden_ = device_alloc<float>(rows * inter);
+  if (options.chunk_rows > 0) {
+    const ChunkBuffers layout = ChunkBuffers::make(shape, rows);
+    chunk_buffers_ = device_alloc<char>(layout.bytes);
+    chunk_rows_ = reinterpret_cast<bf16*>(chunk_buffers_ + layout.rows_offset);
+    grad_hidden_ = reinterpret_cast<float*>(chunk_buffers_ + layout.grad_hidden_offset);
+    weighted_hidden_ = reinterpret_cast<bf16*>(chunk_buffers_ + layout.weighted_hidden_offset);
+    chunk_tables_ = device_alloc<int32_t>(
+        megakernel::ExpertChunk::ints(workspace_.layout().experts_per_rank(), rows));
+  } else {
+    grad_hidden_ = device_alloc<float>(rows * inter);
+    weighted_hidden_ = device_alloc<bf16>(rows * inter);
+  }
   d_gate_up_ = reinterpret_cast<bf16*>(grad_hidden_);
-  weighted_hidden_ = device_alloc<bf16>(rows * inter);
   ones_ = make_ones(tokens_max * shape.top_k, comm.device());
   if (shape.has_shared()) {
     shared_grad_hidden_ = device_alloc<float>(tokens_max * shared_inter);
     shared_d_gate_up_ = reinterpret_cast<bf16*>(shared_grad_hidden_);
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
-    // One rank alone, with room: in w·h's bytes, dead once the down wgrad has read them.
-    shared_dx_ = shared_dx_after_wgrad_down() ? reinterpret_cast<float*>(weighted_hidden_)
-                                              : device_alloc<float>(tokens_max * hidden);
+    // One rank alone, with room: in w·h's bytes (or a chunk's buffers), dead once the (last)
+    // down wgrad has read them.
+    if (shared_dx_deferred_) {
+      shared_dx_ = chunk_buffers_ != nullptr ? reinterpret_cast<float*>(chunk_buffers_)
+                                             : reinterpret_cast<float*>(weighted_hidden_);
+    } else {
+      shared_dx_ = device_alloc<float>(tokens_max * hidden);
+    }
     shared_offsets_ = device_alloc<int32_t>(2);
   }
   num_sms_ = workspace_.num_sms();  // (a share of the GPU when ranks are emulated on it)
@@ -155,74 +133,37 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
 LayerBackward::~LayerBackward() {
   // (d_gate_up_ and shared_d_gate_up_ live in the g buffers, shared_dx_ may live in w·h's: not
   // freed twice.)
+  // A chunked backward's g and w·h live in chunk_buffers_.
   void* shared_dx = shared_dx_after_wgrad_down() ? nullptr : shared_dx_;
+  const bool chunked = chunk_buffers_ != nullptr;
   for (void* memory :
-       {static_cast<void*>(gate_up_), static_cast<void*>(grad_hidden_),
-        static_cast<void*>(weighted_hidden_), static_cast<void*>(ones_),
+       {static_cast<void*>(gate_up_), chunked ? nullptr : static_cast<void*>(grad_hidden_),
+        chunked ? nullptr : static_cast<void*>(weighted_hidden_), static_cast<void*>(ones_),
         static_cast<void*>(shared_gate_up_), static_cast<void*>(shared_grad_hidden_),
-        static_cast<void*>(shared_hidden_), shared_dx, static_cast<void*>(shared_offsets_)}) {
+        static_cast<void*>(shared_hidden_), shared_dx, static_cast<void*>(shared_offsets_),
+        static_cast<void*>(chunk_buffers_), static_cast<void*>(chunk_tables_)}) {
     cudaFree(memory);  // null is fine; errors here cannot be reported from a destructor
   }
-}
-
-gemm::LaunchOptions wgrads_for_ranks_on_device(const Communicator& comm, gemm::LaunchOptions gemm) {
-  // NOTE: ranks emulated on one GPU rely on every rank's kernels finding SMs while the others'
-  // wait on them; a CTA cluster needs SMs side by side in one GPC, which the waiting kernels can
-  // hold (EP 8 emulated hung so): single CTAs there, unless the caller chose.
-  if (comm.ranks_on_device() > 1 && gemm.wgrad_cluster == 0) gemm.wgrad_cluster = 1;
-  return gemm;
-}
-
-int backward_shared_sms_beside_copy(const LayerBackwardOptions& options, int num_sms,
-                                    int num_ranks) {
-  if (!options.overlap_shared_with_dispatch) return 0;
-  // One rank: the dispatch copies local rows on every SM in a fraction of the shared expert's
-  // time; beside it, its CTAs would hold SMs from the shared GEMMs for all of it.
-  if (options.local_dispatch_on_every_sm && num_ranks == 1) return 0;
-  return gemm_sms_beside_copy(num_sms, options.copy.num_ctas, options.gemm.num_sms);
-}
-
-void dispatch_x_and_dy(CommWorkspace& workspace, const LayerBackwardOptions& options,
-                       cudaStream_t stream, bool beside, const bf16* x, const bf16* dy) {
-  if (workspace.num_ranks() > 1) {
-    dispatch(workspace, options.copy, stream, comm::DispatchTensor::kX);
-    dispatch(workspace, options.copy, stream, comm::DispatchTensor::kDy);
-    return;
-  }
-  // One rank alone: by token, from the caller's x and dy (nothing was staged).
-  CopyConfig copy = options.copy;
-  if (!beside && options.local_dispatch_on_every_sm) copy.num_ctas = 0;
-  dispatch_tokens(workspace, copy, stream, x, dy);
-}
-
-void check_backward_arguments(const LayerShape& shape, int64_t tokens_max, int64_t num_tokens,
-                              const void* x, const int32_t* topk_idx, const float* topk_w,
-                              const void* dy, const void* dx, const float* d_topk_w,
-                              const DeviceLayerGradients& grads) {
-  MOK_CHECK_ARG(num_tokens >= 0 && num_tokens <= tokens_max, "num_tokens", num_tokens,
-                " out of range [0, ", tokens_max, "]");
-  MOK_CHECK_ARG(num_tokens == 0 || (x != nullptr && topk_idx != nullptr && topk_w != nullptr &&
-                                    dy != nullptr && dx != nullptr && d_topk_w != nullptr),
-                "x", "null tensor pointer for ", num_tokens, " tokens");
-  MOK_CHECK_ARG(grads.gate_up != nullptr && grads.down != nullptr, "grads",
-                "null routed expert gradients");
-  MOK_CHECK_ARG(
-      !shape.has_shared() || (grads.shared_gate_up != nullptr && grads.shared_down != nullptr),
-      "grads", "null shared expert gradients (I_s = ", shape.shared_intermediate, ")");
 }
 
 int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int64_t tokens_max,
                                     const LayerBackwardOptions& options, bool recompute) {
   const comm::WorkspaceLayout layout =
       workspace_layout(shape, num_ranks, tokens_max, bf16_backward_workspace(options, num_ranks));
-  const int64_t rows = layout.rows_capacity();
+  const bool chunked = options.chunk_rows > 0;
+  const int64_t rows = chunked ? options.chunk_rows : layout.rows_capacity();
   const int64_t inter = shape.intermediate, shared_inter = shape.shared_intermediate;
   int64_t bytes = layout.window_bytes + layout.local_bytes;
-  bytes += rows * inter * (4 + 2);        // g (then d_gate_up in its bytes), w·h
+  if (chunked) {
+    bytes += ChunkBuffers::make(shape, rows).bytes;  // the chunk's rows, g, w·h
+    bytes += megakernel::ExpertChunk::ints(layout.experts_per_rank(), rows) * 4;
+  } else {
+    bytes += rows * inter * (4 + 2);  // g (then d_gate_up in its bytes), w·h
+  }
   bytes += tokens_max * shape.top_k * 4;  // ones
   if (shape.has_shared()) {
     bytes += tokens_max * shared_inter * (4 + 2);  // g (then d_gate_up), h
-    if (!shared_dx_in_weighted_hidden(shape, layout)) bytes += tokens_max * shape.hidden * 4;
+    if (!shared_dx_deferred(shape, layout, options)) bytes += tokens_max * shape.hidden * 4;
   }
   if (recompute) bytes += recompute_bytes(shape, rows, tokens_max);
   return bytes;
@@ -237,9 +178,20 @@ int64_t LayerBackward::buffer_bytes() const {
                       /*recompute=*/gate_up_ != nullptr);
 }
 
+int64_t LayerBackward::routed_buffer_rows() const {
+  return options_.chunk_rows > 0 ? options_.chunk_rows : workspace_.layout().rows_capacity();
+}
+
+bool LayerBackward::shared_dx_deferred(const LayerShape& shape, const comm::WorkspaceLayout& layout,
+                                       const LayerBackwardOptions& options) {
+  if (options.chunk_rows > 0)
+    return shared_dx_in_chunk(shape, layout.tokens_max, options.chunk_rows);
+  return shared_dx_in_weighted_hidden(shape, layout);
+}
+
 void LayerBackward::allocate_recompute_buffers() {
   if (gate_up_ != nullptr) return;
-  const int64_t rows = workspace_.layout().rows_capacity();
+  const int64_t rows = routed_buffer_rows();
   gate_up_ = device_alloc<bf16>(rows * 2 * shape_.intermediate);
   if (shape_.has_shared()) {
     shared_gate_up_ = device_alloc<bf16>(tokens_max_ * 2 * shape_.shared_intermediate);
@@ -343,9 +295,8 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
       reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
       reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
       inter};
-  swiglu_backward_routed_kernel<<<num_sms_ * 4, megakernel::kSwiGluBackwardThreads, 0, stream>>>(
-      workspace_.view(), swiglu_rows);
-  MOK_CUDA_CHECK_LAUNCH();
+  swiglu_backward_routed(workspace_, swiglu_rows, megakernel::every_routed_row(workspace_.view()),
+                         stream);
   mark();
   // dW_down = dyᵀ · (w·h).
   const auto wgrad_down = [&] {
@@ -410,6 +361,28 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   const int tokens = static_cast<int>(num_tokens);
   const bool one_rank = workspace_.layout().rows_in_expert_dy;
   const int group_rows = routed_group_rows(workspace_.layout(), num_tokens);
+  const bool shared = shape_.has_shared() && tokens > 0;
+  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
+  const auto reduce = [&] {
+    combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
+    collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
+  };
+  if (options_.chunk_rows > 0) {
+    MOK_CHECK_ARG(phase_events == nullptr, "phase_events",
+                  "a chunked backward (chunk_rows > 0) takes no phase marks");
+    stage_backward_inputs(workspace_, x, topk_idx, topk_w, dy, num_tokens, stream);
+    if (shared) {
+      run_shared_expert(weights, x, dy, saved_shared_gate_up, grads, tokens, stream, options_.gemm);
+    } else {
+      zero_shared_gradients(shape_, grads, stream);
+    }
+    run_routed_chunks(weights, x, dy, saved_gate_up, grads, num_tokens, stream);
+    if (shared && shared_dx_after_wgrad_down()) {
+      shared_dx_dgrad(weights, tokens, stream, options_.gemm);
+    }
+    reduce();
+    return;
+  }
   const PhaseMarks mark(phase_events, stream);
   mark();
   // This rank's x, dy and router weights into its window, for the expert ranks (one rank alone
@@ -428,7 +401,6 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     mark();
   };
   if (one_rank) gate_up();
-  const bool shared = shape_.has_shared() && tokens > 0;
   shared_expert_and_dispatch(
       side_, stream, shared,
       shared ? backward_shared_sms_beside_copy(options_, num_sms_, workspace_.num_ranks()) : 0,
@@ -447,11 +419,6 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     gate_up();
   }
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
-  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
-  const auto reduce = [&] {
-    combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
-    collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
-  };
   // One rank alone, with room: the shared dx into w·h's bytes, after the down wgrad.
   const auto shared_dx = [&] {
     if (shared && shared_dx_after_wgrad_down()) {
@@ -459,36 +426,6 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
     }
   };
   run_routed_experts(weights, x, group_rows, saved_gate_up, grads, shared_dx, reduce, stream, mark);
-}
-
-const char* phase_name(BackwardPhase phase) {
-  switch (phase) {
-    case BackwardPhase::kSchedule:
-      return "schedule";
-    case BackwardPhase::kSharedExpert:
-      return "shared-expert";
-    case BackwardPhase::kDispatch:
-      return "dispatch";
-    case BackwardPhase::kDispatchX:
-      return "dispatch-x";
-    case BackwardPhase::kGateUp:
-      return "gate-up";
-    case BackwardPhase::kDownDgrad:
-      return "down-dgrad";
-    case BackwardPhase::kSwiGluBackward:
-      return "swiglu-backward";
-    case BackwardPhase::kGateUpDgrad:
-      return "gate-up-dgrad";
-    case BackwardPhase::kCombinePush:
-      return "combine-push";
-    case BackwardPhase::kWgradDown:
-      return "wgrad-down";
-    case BackwardPhase::kWgradGateUp:
-      return "wgrad-gate-up";
-    case BackwardPhase::kCombineReduce:
-      return "combine-reduce";
-  }
-  return "?";
 }
 
 }  // namespace mok

@@ -51,6 +51,10 @@
 #include "runtime/workspace.hpp"
 
 namespace mok {
+namespace megakernel {
+struct SwiGluBackwardRows;
+struct RoutedRowSet;
+}  // namespace megakernel
 
 struct LayerBackwardOptions {
   CopyConfig copy{32};         // dispatch and combine CTAs (as the unfused forward's)
@@ -63,7 +67,17 @@ struct LayerBackwardOptions {
   // expert's GEMMs (not beside them, whatever overlap_shared_with_dispatch says) and copies on
   // every SM instead of copy.num_ctas. Same bits either way.
   bool local_dispatch_on_every_sm = true;
+  // Rows the routed chain's buffers hold. 0 (the default): every routed row at once. Else the
+  // routed experts run in chunks of whole experts of at most this many rows (at least tokens_max:
+  // an expert gets up to T rows), so that the buffers hold the combine's slots and one chunk's
+  // rows instead of every row's intermediates (perf-notes/backward.md); the same bits, for more
+  // launches. One rank alone (EP 1); a chunked backward takes no phase marks.
+  int64_t chunk_rows = 0;
 };
+
+// The chunk the low-memory backward takes for a layer of tokens_max tokens: 1.5 T_max rows, at
+// most ceil(2k) chunks (perf-notes/backward.md).
+inline int64_t low_memory_chunk_rows(int64_t tokens_max) { return tokens_max + tokens_max / 2; }
 
 // Weight gradients in the layouts of DeviceLayerWeights (gate/up interleaved in blocks of 8
 // rows): fresh fp32, fresh bf16 (what autograd gives bf16 parameters; the fp32 sums rounded once),
@@ -125,8 +139,18 @@ WorkspaceOptions bf16_backward_workspace(const LayerBackwardOptions& options, in
 // bf16, which are dead once the down wgrad has read them: one rank alone (rows_in_expert_dy), with
 // room (k·I >= 2H). Its dx dgrad then runs after the down wgrad, in the gate/up dgrad's phase.
 bool shared_dx_in_weighted_hidden(const LayerShape& shape, const comm::WorkspaceLayout& layout);
+// A chunked backward's routed buffers (LayerBackwardOptions::chunk_rows): one chunk's expert rows
+// (x's or dy's, bf16), g (fp32; then d_gate_up in its bytes) and w·h (bf16), each `rows` rows,
+// in one allocation; where it holds the shared expert's dx (T_max, H) fp32, that goes there after
+// the last chunk (shared_dx_in_chunk).
+struct ChunkBuffers {
+  int64_t rows_offset = 0, grad_hidden_offset = 0, weighted_hidden_offset = 0, bytes = 0;
+  static ChunkBuffers make(const LayerShape& shape, int64_t rows);
+};
+bool shared_dx_in_chunk(const LayerShape& shape, int64_t tokens_max, int64_t chunk_rows);
 
-// The steps the bf16 and fp8 backwards share (each on `stream`, no host synchronisation):
+// The steps the bf16 and fp8 backwards share (layer_backward_steps.cu; each on `stream`, no host
+// synchronisation):
 // topk_w, and x and dy where peers pull them (EP > 1: one rank alone reads the caller's x and dy
 // where they lie), into the window and the schedule ...
 void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_t* topk_idx,
@@ -211,11 +235,12 @@ class LayerBackward {
   void run_shared_expert(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
                          const bf16* saved_gate_up, const DeviceLayerGradients& grads, int tokens,
                          cudaStream_t stream, const gemm::LaunchOptions& gemm_options);
-  // Whether the shared expert's dx lives in w·h's bytes (shared_dx_in_weighted_hidden), so that
-  // its dgrad waits for the down wgrad.
-  bool shared_dx_after_wgrad_down() const {
-    return shared_dx_in_weighted_hidden(shape_, workspace_.layout());
-  }
+  // Whether the shared expert's dx lives in the routed chain's bytes (w·h's:
+  // shared_dx_in_weighted_hidden; a chunked backward's: shared_dx_in_chunk), so that its dgrad
+  // waits for the down wgrad (of the last chunk).
+  bool shared_dx_after_wgrad_down() const { return shared_dx_deferred_; }
+  static bool shared_dx_deferred(const LayerShape& shape, const comm::WorkspaceLayout& layout,
+                                 const LayerBackwardOptions& options);
   // The shared expert's dx (fp32, for the reduce) from its d_gate_up.
   void shared_dx_dgrad(const DeviceLayerWeights& weights, int tokens, cudaStream_t stream,
                        const gemm::LaunchOptions& gemm_options);
@@ -235,6 +260,19 @@ class LayerBackward {
                           const bf16* saved_gate_up, const DeviceLayerGradients& grads,
                           const SharedDx& shared_dx, const Reduce& reduce, cudaStream_t stream,
                           const Mark& mark);
+
+  // The routed chain a chunk of whole experts at a time (LayerBackwardOptions::chunk_rows), every
+  // step after the schedule and the shared expert but the shared dx and the reduce
+  // (layer_backward_chunks.cu).
+  void run_routed_chunks(const DeviceLayerWeights& weights, const bf16* x, const bf16* dy,
+                         const bf16* saved_gate_up, const DeviceLayerGradients& grads,
+                         int64_t num_tokens, cudaStream_t stream);
+  // The routed rows the buffers below hold: rows_capacity, or a chunk's (chunk_rows).
+  int64_t routed_buffer_rows() const;
+  // The SwiGLU backward of the set's routed rows (megakernel/swiglu_backward.cuh).
+  void swiglu_backward_routed(const CommWorkspace& workspace,
+                              const megakernel::SwiGluBackwardRows& rows,
+                              const megakernel::RoutedRowSet& set, cudaStream_t stream) const;
 
   LayerShape shape_;
   int64_t tokens_max_ = 0;
@@ -256,6 +294,12 @@ class LayerBackward {
   float* shared_dx_ = nullptr;           // (T_max, H) fp32; one rank alone, in w·h's bytes
                                          // when they hold it (shared_dx_after_wgrad_down)
   int32_t* shared_offsets_ = nullptr;    // (2): 0, T of the current call
+  bool shared_dx_deferred_ = false;
+  // Chunked (options_.chunk_rows > 0): the chunk's buffers (ChunkBuffers; g and w·h above point
+  // into it) and the current chunk's tables (megakernel::ExpertChunk).
+  char* chunk_buffers_ = nullptr;
+  bf16* chunk_rows_ = nullptr;  // (chunk_rows, H) bf16: dy's, then x's rows
+  int32_t* chunk_tables_ = nullptr;
 };
 
 }  // namespace mok

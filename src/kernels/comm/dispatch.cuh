@@ -63,14 +63,24 @@ __device__ inline void dispatch_pull_fp8(const WorkspaceView& view, const Fp8Row
   });
 }
 
+// Where the dispatch by token writes: x's and dy's expert rows (either null where that tensor is
+// not dispatched), and, for a chunk of the experts (LayerBackwardOptions::chunk_rows), window:
+// device int32 {first row, rows} of the expert rows the chunk holds, which land in x_rows and
+// dy_rows from their first row (row - first); null: every expert row, at its index.
+struct TokenRowsOut {
+  char* x_rows = nullptr;
+  char* dy_rows = nullptr;
+  const int32_t* window = nullptr;
+};
+
 // One rank alone (EP 1), every routed row is one of its own tokens', so the dispatch can walk the
 // tokens instead of the rows: a warp reads token t's row once and writes it to the expert row of
 // each of its slots (local_row, from the schedule). The pull reads a token's row once per slot, in
 // the experts' order, where the (T, H) rows do not stay in L2; this reads each once
 // (perf-notes/backward.md). x, dy: the caller's (T, H) tensors (either null: the other's
-// rows only).
+// rows only). A token none of whose slots is in the window is not read.
 __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const char* x,
-                                             const char* dy) {
+                                             const char* dy, const TokenRowsOut& out) {
   if (cta_sees_error(view)) return;
   constexpr int kUnroll = 4;  // 16-byte vectors a lane holds
   const WorkspaceLayout& layout = view.layout;
@@ -78,6 +88,8 @@ __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const ch
   const int32_t* local_row = view.local_row();
   const int64_t top_k = layout.top_k, row_bytes = layout.row_bytes();
   const int64_t num_vectors = row_bytes / 16;
+  const int32_t window_first = out.window != nullptr ? out.window[0] : 0;
+  const int32_t window_rows = out.window != nullptr ? out.window[1] : INT32_MAX;
   // One tensor's row of `token` to the expert rows that lanes [0, slots) hold (-1: none).
   const auto scatter = [&](const char* rows, char* expert_rows, int64_t token, int32_t row,
                            int slots, int lane) {
@@ -106,13 +118,17 @@ __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const ch
   for_each_row_warp(num_tokens, [&](int64_t token, int lane) {
     for (int64_t first = 0; first < top_k; first += 32) {
       const int slots = static_cast<int>(top_k - first < 32 ? top_k - first : 32);
-      int32_t row = -1;  // lane i: the expert row of slot first + i
+      int32_t row = -1;  // lane i: the expert row of slot first + i, within the window
       if (lane < slots) {
         const int64_t index = token * top_k + first + lane;
-        if (ids[index] >= 0) row = local_row[index];
+        if (ids[index] >= 0) {
+          const int32_t expert_row = local_row[index] - window_first;
+          if (expert_row >= 0 && expert_row < window_rows) row = expert_row;
+        }
       }
-      if (x != nullptr) scatter(x, view.expert_x_row(0), token, row, slots, lane);
-      if (dy != nullptr) scatter(dy, view.expert_dy_row(0), token, row, slots, lane);
+      if (__ballot_sync(0xffffffffu, row >= 0) == 0) continue;  // (the same in every lane)
+      if (x != nullptr) scatter(x, out.x_rows, token, row, slots, lane);
+      if (dy != nullptr) scatter(dy, out.dy_rows, token, row, slots, lane);
     }
   });
 }

@@ -129,19 +129,30 @@ __device__ inline float swiglu_backward_row(const SwiGluBackwardRows& rows, int6
   return dot;
 }
 
-// Every row of the local experts that holds a token's (t, j), a warp each (padding rows are
-// skipped: no GEMM reads them into a result): backward_row(row, packed source, w) returns the
-// row's d_topk_w (every lane the same), which goes into the owner's window (one writer per
-// element); w comes from there too.
+// The expert rows a routed pass covers: every local expert's (the workspace's row_source, up to
+// its last offset) or a chunk's (megakernel/expert_chunks.cuh), rows counted from the chunk's
+// first.
+struct RoutedRowSet {
+  const int32_t* row_source;  // (rows): each row's packed source, -1 for padding
+  const int32_t* end;         // (1): the rows
+};
+MOK_COMM_HOST_DEVICE RoutedRowSet every_routed_row(const comm::WorkspaceView& view) {
+  return {view.row_source(), view.offsets() + view.layout.experts_per_rank()};
+}
+
+// Every row of the set that holds a token's (t, j), a warp each (padding rows are skipped: no
+// GEMM reads them into a result): backward_row(row, packed source, w) returns the row's d_topk_w
+// (every lane the same), which goes into the owner's window (one writer per element); w comes
+// from there too.
 template <class BackwardRow>
-__device__ inline void for_each_routed_row(const comm::WorkspaceView& view,
+__device__ inline void for_each_routed_row(const comm::WorkspaceView& view, const RoutedRowSet& set,
                                            const BackwardRow& backward_row) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
+  const int64_t num_rows = *set.end;
   for (int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows;
        row += warps) {
-    const int32_t packed = view.row_source()[row];
+    const int32_t packed = set.row_source[row];
     if (packed < 0) continue;
     const comm::RowSource source = comm::unpack_row_source(view.layout, packed);
     const int64_t slot = source.token * view.layout.top_k + source.slot;
@@ -161,11 +172,13 @@ __device__ inline void for_each_shared_row(int64_t num_rows, const BackwardRow& 
   }
 }
 
-// The routed rows; in save mode their pre-activations are read by source.
+// The set's routed rows (rows' g, d_gate_up, w·h and recomputed gate/up row-indexed as the
+// set's); in save mode their pre-activations are read by source.
 __device__ inline void swiglu_backward_routed(const comm::WorkspaceView& view,
-                                              const SwiGluBackwardRows& rows) {
+                                              const SwiGluBackwardRows& rows,
+                                              const RoutedRowSet& set) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  for_each_routed_row(view, [&](int64_t row, int32_t packed, float weight) {
+  for_each_routed_row(view, set, [&](int64_t row, int32_t packed, float weight) {
     return swiglu_backward_row(rows, row, rows.saved_by_source ? packed : row, weight, lane);
   });
 }
