@@ -62,6 +62,7 @@ struct Args {
   int fp8_cluster = 0;
   mok::gemm::GemmEngine backward_engine = mok::gemm::GemmEngine::kAuto;
   int wgrad_cluster = 0;
+  bool chunked_backward = false;
   // A case of any shape (--hidden and the rest): the preset's values where a flag is not given.
   bool custom = false;
   BenchCase custom_case{"custom", "deepseek-v3", "uniform", 1, 8192};
@@ -80,6 +81,12 @@ usage: bench_layer [options]
   --backward 0|1            1: also the GPU backward, timed alone and as forward + backward
                             pairs, in recompute mode and in save mode (the forward keeps its
                             context) (default 1)
+  --chunked-backward 0|1    1: with --backward 1, at EP 1, save mode again with the low-memory
+                            backward (the routed experts in chunks of 1.5 T rows), its outputs
+                            checked bitwise against save mode's; the JSON's cases then carry
+                            backward_chunked_ms, fwdbwd_chunked_ms,
+                            backward_chunked_buffer_bytes_per_rank and chunked_same_bits
+                            (default 0)
   --precision bf16|fp8|mxfp8
                             fp8 or mxfp8: after the bf16 forward, the forward in that FP8 mode
                             (fp8: the DeepSeek-V3 recipe, not yet fused; mxfp8: OCP MX blocks of
@@ -147,6 +154,8 @@ bool parse(int argc, char** argv, Args& args) {
           args.iters = integer(key, value);
         else if (key == "--backward")
           args.backward = integer(key, value) != 0;
+        else if (key == "--chunked-backward")
+          args.chunked_backward = integer(key, value) != 0;
         else if (key == "--backward-engine") {
           if (value == "auto")
             args.backward_engine = mok::gemm::GemmEngine::kAuto;
@@ -326,6 +335,7 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   spec.bf16_gradients = true;
   spec.backward_engine = static_cast<int>(args.backward_engine);
   spec.wgrad_cluster = args.wgrad_cluster;
+  spec.chunked_backward = args.chunked_backward;
   spec.fp8_forward = args.fp8;
   spec.fp8_precision = args.fp8_precision;
   spec.fp8_cluster = args.fp8_cluster;
@@ -359,6 +369,14 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
         result.backward_buffer_bytes_per_rank / 1e9, result.saved_context_bytes_per_rank / 1e9);
     std::printf("%-26s recompute mode: backward %8.3f ms/rank; forward + backward %8.3f ms/rank\n",
                 "", result.backward_recompute_ms, result.forward_backward_recompute_ms);
+    if (result.backward_chunked_ms > 0) {
+      std::printf(
+          "%-26s low-memory save mode: backward %8.3f ms/rank; forward + backward %8.3f ms/rank; "
+          "backward buffers %.2f GB/rank; %s save mode's bits\n",
+          "", result.backward_chunked_ms, result.forward_backward_chunked_ms,
+          result.backward_chunked_buffer_bytes_per_rank / 1e9,
+          result.chunked_same_bits ? "the same as" : "DIFFERENT FROM");
+    }
   }
   const std::string mode(mok::precision_name(args.fp8_precision));  // (with args.fp8)
   if (args.fp8) mok::bench::print_fp8_mode(result, mode, flops, args.backward);
@@ -399,6 +417,13 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
         << ", \"backward_recompute_ms\": " << result.backward_recompute_ms
         << ", \"fwdbwd_recompute_ms\": " << result.forward_backward_recompute_ms
         << ", \"weight_gradients\": \"bf16\"";
+    if (result.backward_chunked_ms > 0) {
+      out << ", \"backward_chunked_ms\": " << result.backward_chunked_ms
+          << ", \"fwdbwd_chunked_ms\": " << result.forward_backward_chunked_ms
+          << ", \"backward_chunked_buffer_bytes_per_rank\": "
+          << result.backward_chunked_buffer_bytes_per_rank
+          << ", \"chunked_same_bits\": " << (result.chunked_same_bits ? "true" : "false");
+    }
     const auto phases = [&](const char* key, const std::vector<double>& ms) {
       out << ", \"" << key << "\": {";
       for (size_t phase = 0; phase < ms.size(); ++phase) {
@@ -436,6 +461,8 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
   out << "}}";
   out.flush();
   first = false;
+  MOK_CHECK_ARG(result.backward_chunked_ms == 0 || result.chunked_same_bits, "--chunked-backward",
+                "the low-memory backward's outputs differ from save mode's");
 }
 
 }  // namespace

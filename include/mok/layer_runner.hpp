@@ -66,6 +66,10 @@ struct LayerRunSpec {
   // CTAs per cluster of the backward's wgrad GEMMs (gemm::LaunchOptions::wgrad_cluster; 0 = the
   // default; same bits whichever).
   int wgrad_cluster = 0;
+  // With `backward`, save_context and EP 1: save mode again with the low-memory backward (the
+  // routed experts in chunks of 1.5 T rows: LayerBackwardOptions::chunk_rows), timed after save
+  // mode without a phase breakdown, its outputs checked bitwise against save mode's.
+  bool chunked_backward = false;
   // After the forward's timing, the forward in the FP8 mode fp8_precision on the same inputs and
   // weights (fp8: LayerForwardFp8; mxfp8: LayerForwardMxfp8, the numerics mode on the bf16
   // engine): the weight cache quantized once (timed), then warmed up and timed as the bf16 forward
@@ -110,6 +114,12 @@ struct LayerRunResult {
   double forward_backward_recompute_ms = 0;
   int64_t backward_buffer_bytes_per_rank = 0;
   int64_t saved_context_bytes_per_rank = 0;
+  // spec.chunked_backward: the low-memory backward's medians and buffers, and whether every output
+  // had save mode's bits (dx, d_topk_w and every weight gradient).
+  double backward_chunked_ms = 0;
+  double forward_backward_chunked_ms = 0;
+  int64_t backward_chunked_buffer_bytes_per_rank = 0;
+  bool chunked_same_bits = false;
   std::vector<std::string> backward_phase_names;  // LayerBackward's phases, in order
   std::vector<double> backward_phase_ms;          // median over the timed pairs, slowest rank
   std::vector<double> backward_recompute_phase_ms;

@@ -88,8 +88,13 @@ fi  # quick
 routing_dir=$(mktemp -d)
 cases=()
 if [ -n "${MOK_LAYER_CASES:-}" ]; then cases=(--cases "$MOK_LAYER_CASES"); fi
-step "bench_layer (mok, fused)" 200 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
-  --routing-dir "$routing_dir" "${cases[@]}"
+# (--chunked-backward: save mode again with the low-memory backward, where this bench_layer has it)
+chunked=()
+if [[ $("$BIN/bench_layer" --help 2>&1) == *--chunked-backward* ]]; then
+  chunked=(--chunked-backward 1)
+fi
+step "bench_layer (mok, fused)" 260 "$BIN/bench_layer" --iters 20 --out "$OUT/layer-mok.json" \
+  --routing-dir "$routing_dir" "${cases[@]}" "${chunked[@]}"
 if [ "$quick" != 1 ]; then
 step "bench_layer (mok, fused after the schedule kernels; forward)" 200 "$BIN/bench_layer" \
   --iters 20 --backward 0 --schedule-in-kernel 0 --out "$OUT/layer-mok-separate-schedule.json" \

@@ -110,11 +110,12 @@ struct BackwardBuffers {
 // Warms up and times spec.iterations training-step pairs on `stream`: pair(marks) enqueues one,
 // recording marks[0] before its first step and the backward's kNumBackwardPhases + 1 phase marks
 // at marks[1 ..], its phases in `order` (marks null: no events); check() waits and throws a
-// device fault. `loop` names the timed pairs for spec.timed_loop.
+// device fault. `loop` names the timed pairs for spec.timed_loop. phases false: pair records
+// marks[0], marks[1] and the last mark alone (a backward without phase marks), phase times 0.
 template <class Pair, class Check>
 BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, const std::string& loop,
                           cudaStream_t stream, WarmUp& warm_up, const BackwardPhaseOrder& order,
-                          const Pair& pair, const Check& check) {
+                          const Pair& pair, const Check& check, bool phases = true) {
   warm_up.run(spec, rank, stream, [&] { pair(nullptr); });
   check();
   constexpr int kMarks = kNumBackwardPhases + 2;
@@ -132,7 +133,7 @@ BackwardTiming time_pairs(const LayerRunSpec& spec, int rank, const std::string&
     const cudaEvent_t* marks = &events[static_cast<size_t>(iteration) * kMarks];
     MOK_CUDA_CHECK(cudaEventElapsedTime(&backward_times[iteration], marks[1], marks[kMarks - 1]));
     MOK_CUDA_CHECK(cudaEventElapsedTime(&pair_times[iteration], marks[0], marks[kMarks - 1]));
-    for (int step = 0; step < kNumBackwardPhases; ++step) {
+    for (int step = 0; step < kNumBackwardPhases && phases; ++step) {
       const int phase = static_cast<int>(order[step]);
       MOK_CUDA_CHECK(
           cudaEventElapsedTime(&phase_times[phase][iteration], marks[1 + step], marks[2 + step]));
@@ -257,6 +258,56 @@ void run_fp8_forward(const LayerRunSpec& spec, int rank, const Communicator& com
   }
 }
 
+// Save mode again with the low-memory backward (spec.chunked_backward, EP 1): timed as
+// run_backward's pairs without phases, its buffers, and its outputs against save mode's, which
+// `io` holds, bitwise (result.chunked_same_bits).
+template <class Forward>
+void time_chunked_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
+                           LayerBackwardOptions options, const DeviceLayerWeights& weights,
+                           const bf16* x, const int32_t* topk_idx, const float* topk_w,
+                           cudaStream_t stream, const Forward& forward, WarmUp& warm_up,
+                           BackwardBuffers& io, const SavedContext& context,
+                           LayerRunResult& result) {
+  const int64_t tokens = spec.tokens_per_rank;
+  options.chunk_rows = low_memory_chunk_rows(tokens);
+  LayerBackward layer(comm, spec.shape, tokens, options);
+  result.backward_chunked_buffer_bytes_per_rank = layer.buffer_bytes();
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto outputs = [&] {
+    std::vector<std::vector<char>> bytes;
+    const auto add = [&](const auto& buffer) {
+      const auto values = buffer.download();
+      const auto* data = reinterpret_cast<const char*>(values.data());
+      bytes.emplace_back(data, data + values.size() * sizeof(values[0]));
+    };
+    add(io.dx);
+    add(io.d_topk_w);
+    add(io.grad_gate_up);
+    add(io.grad_down);
+    if (spec.shape.has_shared()) {
+      add(io.grad_shared_gate_up);
+      add(io.grad_shared_down);
+    }
+    return bytes;
+  };
+  const std::vector<std::vector<char>> saved_outputs = outputs();
+  constexpr int kLastMark = kNumBackwardPhases + 1;
+  const BackwardTiming timing = time_pairs(
+      spec, rank, "fwdbwd-chunked", stream, warm_up, layer.phase_order(),
+      [&](const cudaEvent_t* marks) {
+        if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[0], stream));
+        forward(&context);
+        if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[1], stream));
+        layer.backward(weights, x, topk_idx, topk_w, io.dy.get(), io.dx.get(), io.d_topk_w.get(),
+                       io.grads, tokens, stream, nullptr, &context);
+        if (marks != nullptr) MOK_CUDA_CHECK(cudaEventRecord(marks[kLastMark], stream));
+      },
+      [&] { layer.check(stream); }, /*phases=*/false);
+  result.backward_chunked_ms = timing.backward_ms;
+  result.forward_backward_chunked_ms = timing.pair_ms;
+  result.chunked_same_bits = outputs() == saved_outputs;
+}
+
 // The backward part of run_layer_forward for one rank: LayerBackward on the forward's inputs and
 // a dy, warmed up and timed in forward + backward pairs, in recompute mode and (spec.save_context)
 // save mode, whose forwards keep the context; the last mode's outputs into `result` (keep_y).
@@ -298,6 +349,10 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   };
   time_mode(nullptr, recompute);
   if (spec.save_context) time_mode(&context, save);
+  if (spec.chunked_backward && spec.save_context && spec.ep == 1) {
+    time_chunked_backward(spec, rank, comm, options, weights, x, topk_idx, topk_w, stream, forward,
+                          warm_up, io, context, result);
+  }
   if (!spec.keep_y) return;
   const int64_t experts_local = shape.num_experts / spec.ep;
   io.dx.download(result.dx.data() + rank * tokens * hidden);
