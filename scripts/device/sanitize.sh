@@ -62,6 +62,9 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 #                                                      tiles (mbarriers staged / free), TMA stores
 #   LayerMxfp8.SaveModeGivesRecomputesBits             the mxfp8 layer, forward and backward, at
 #                                                      EP 1 and 2: the round trips, both SwiGLUs
+#   LayerBackwardChunks.AccumulatesAndReplaysInAGraph  the low-memory backward: chunk tables, the
+#                                                      dispatch into a chunk's rows, GEMMs that
+#                                                      leave experts out (count -1)
 # (racecheck reports the FP8 engine's scale hand-off, the producer's cp.async writes of a stage's
 # scales against the consumers' reads, which cp.async.mbarrier.arrive orders and the tool does not
 # follow; docs/perf-notes/reliability.md. Seen 2026-12-03, not yet classified here.)
@@ -70,7 +73,8 @@ cases+=":LayerBackwardEp1.AccumulatesIntoMainGrad"
 cases+=":GroupedGemmForward.PingpongEqualsCooperativeBitwise"
 cases+=":GroupedGemmBackward.PingpongEqualsCooperativeBitwise:CommLayerEp1.MatchesReferenceOnOneGpu"
 fault_cases="FaultRecovery.*:CommErrors.RepeatedExpertIdInTheFusedForwardBecomesHostError"
-fp8_cases="GroupedGemmFp8Wgrad.ExactDataUnpaddedSpans:LayerMxfp8.SaveModeGivesRecomputesBits"
+memcheck_synccheck_cases="GroupedGemmFp8Wgrad.ExactDataUnpaddedSpans:LayerMxfp8.SaveModeGivesRecomputesBits"
+memcheck_synccheck_cases+=":LayerBackwardChunks.AccumulatesAndReplaysInAGraph"
 handoff_case="FusedForwardEp1.EqualsUnfusedBitwiseAndRepeats"
 tools=${MOK_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}
 declare -A limit=([memcheck]=90 [racecheck]=150 [synccheck]=60 [initcheck]=90)
@@ -156,7 +160,7 @@ for tool in $tools; do
   filter=${MOK_SANITIZE_FILTER:-$cases}
   [[ "$tool" == memcheck && -z "${MOK_SANITIZE_FILTER:-}" ]] && filter+=":$fault_cases"
   [[ ("$tool" == memcheck || "$tool" == synccheck) && -z "${MOK_SANITIZE_FILTER:-}" ]] &&
-    filter+=":$fp8_cases"
+    filter+=":$memcheck_synccheck_cases"
   seconds=${MOK_SANITIZE_TIMEOUT:-${limit[$tool]}}
   log="$OUT/sanitize-$tool.log"
   start=$(date +%s)

@@ -101,6 +101,8 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   if (options.chunk_rows > 0) {
     const ChunkBuffers layout = ChunkBuffers::make(shape, rows);
     chunk_buffers_ = device_alloc<char>(layout.bytes);
+    // Rows past a chunk's that a GEMM tile reads (and drops) are then never uninitialised memory.
+    MOK_CUDA_CHECK(cudaMemset(chunk_buffers_, 0, static_cast<size_t>(layout.bytes)));
     chunk_rows_ = reinterpret_cast<bf16*>(chunk_buffers_ + layout.rows_offset);
     grad_hidden_ = reinterpret_cast<float*>(chunk_buffers_ + layout.grad_hidden_offset);
     weighted_hidden_ = reinterpret_cast<bf16*>(chunk_buffers_ + layout.weighted_hidden_offset);
@@ -377,6 +379,8 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       zero_shared_gradients(shape_, grads, stream);
     }
     run_routed_chunks(weights, x, dy, saved_gate_up, grads, num_tokens, stream);
+    // (one rank: no row moves, but the reduce waits for the push's combine flag)
+    combine_push(workspace_, options_.copy, stream);
     if (shared && shared_dx_after_wgrad_down()) {
       shared_dx_dgrad(weights, tokens, stream, options_.gemm);
     }
