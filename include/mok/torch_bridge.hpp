@@ -86,6 +86,9 @@ struct WorkspaceSpec {
   int copy_ctas = 0;       // communication CTAs (fused kernel and unfused copies); 0 = default
   int minibatch_rows = 0;  // the fused kernel's routed rows per minibatch; 0 = default
   int64_t ring_rows = 0;   // the fused kernel's ring of received rows; 0 = every row, one round
+  // The bf16 backward in chunks of whole experts (LayerBackwardOptions::chunk_rows, 1.5 T_max
+  // rows): less memory, the same bits. One rank alone.
+  bool low_memory_backward = false;
 };
 
 // Collective when num_ranks > 1 (every rank at once): makes the NCCL communicator from the unique

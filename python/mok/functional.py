@@ -134,12 +134,17 @@ class MoKConfig:
         the memory, and any routing still runs, in further rounds through the ring (no token is
         dropped). The CPU backend has no ring and ignores it.
     precision: "bf16", "fp8" or "mxfp8" (the module docstring); all three on CPU and CUDA tensors,
-        forward and backward."""
+        forward and backward.
+    low_memory_backward: the bf16 GPU backward runs the routed experts in chunks of whole experts
+        (1.5 max_tokens_per_rank rows each), so that its buffers hold one chunk's rows instead of
+        every routed row's; the same bits, for more kernel launches. EP 1 (no group) alone; the
+        FP8 modes and the CPU backend ignore it."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
     ring_rows: Optional[int] = None
     precision: str = "bf16"
+    low_memory_backward: bool = False
 
     def __post_init__(self):
         for name in ("num_comm_sms", "minibatch_tokens", "ring_rows"):
@@ -150,6 +155,8 @@ class MoKConfig:
         if self.ring_rows is not None and self.ring_rows < min_ring_rows:
             raise ValueError(f"MoKConfig.ring_rows: the ring needs at least {min_ring_rows} rows (two row "
                              f"blocks), got {self.ring_rows}")
+        if not isinstance(self.low_memory_backward, bool):
+            raise ValueError(f"MoKConfig.low_memory_backward: must be a bool, got {self.low_memory_backward!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
 
@@ -253,12 +260,16 @@ def create_workspace(shape: LayerShape, max_tokens_per_rank: int, device, group=
         return Workspace(shape, max_tokens_per_rank, device, config)
     if device.type != "cuda":
         raise ValueError(f"device: mok runs on cpu or cuda, got {device}")
+    if config.low_memory_backward and ep_size > 1:
+        raise NotImplementedError("MoKConfig.low_memory_backward: the chunked backward runs at EP 1 "
+                                  f"(no group) for now; this group has {ep_size} ranks")
     device = _cuda_device(device)
     unique_id = _unique_id(group, ep_rank, device) if ep_size > 1 else torch.empty(0, dtype=torch.uint8)
     handle = torch.ops.mok.create_workspace(
         unique_id, ep_rank, ep_size, device.index, shape.hidden, shape.intermediate,
         shape.shared_intermediate, shape.num_experts, shape.top_k, max_tokens_per_rank,
-        config.num_comm_sms or 0, (config.minibatch_tokens or 0) * shape.top_k, config.ring_rows or 0)
+        config.num_comm_sms or 0, (config.minibatch_tokens or 0) * shape.top_k, config.ring_rows or 0,
+        config.low_memory_backward)
     _ops.WORKSPACE_GROUPS[handle] = group if ep_size > 1 else None
     _ops.WORKSPACE_SIZES[handle] = (ep_size, max_tokens_per_rank)
     return Workspace(shape, max_tokens_per_rank, device, config, ep_size, ep_rank, group, handle)

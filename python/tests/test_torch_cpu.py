@@ -216,6 +216,8 @@ def test_errors_carry_the_core_message():
         mf.MoKConfig(num_comm_sms=0)
     with pytest.raises(ValueError, match="ring_rows: the ring needs at least 256 rows"):
         mf.MoKConfig(ring_rows=200)
+    with pytest.raises(ValueError, match="low_memory_backward: must be a bool"):
+        mf.MoKConfig(low_memory_backward=1)
 
 
 def test_workspace_checks_calls():

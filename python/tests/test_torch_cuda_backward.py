@@ -2,7 +2,8 @@
 shapes besides the presets (top-1 to top-6, odd token counts, I not a multiple of 128): y and every
 gradient against an fp64 autograd oracle, no worse than a bf16 PyTorch autograd layer measured against the
 same oracle; bitwise repeats; save mode (the forward keeps the gate/up pre-activations) against
-recompute mode, bitwise; a CUDA graph of forward + backward replayed; main_grad accumulation;
+recompute mode, bitwise; the low-memory backward (MoKConfig.low_memory_backward) against the
+default one, bitwise; a CUDA graph of forward + backward replayed; main_grad accumulation;
 no host synchronisation. Run as
 
     python3 -m pytest python/tests/test_torch_cuda_backward.py
@@ -125,9 +126,9 @@ def test_output_and_gradients_no_worse_than_bf16_autograd(shape):
     assert mine["d_topk_w"][unused].item() == 0.0
 
 
-def run_step(x, idx, w, weights, dy, context="save"):
+def run_step(x, idx, w, weights, dy, context="save", workspace=None):
     mx, mw, mweights = leaves(x, w, weights)
-    mf.forward(mx, idx, mw, mweights, context=context).backward(dy)
+    mf.forward(mx, idx, mw, mweights, workspace=workspace, context=context).backward(dy)
     return gradients(mx, mw, mweights)
 
 
@@ -139,6 +140,21 @@ def test_save_mode_equals_recompute_mode_bitwise(shape):
     assert saved.keys() == recomputed.keys()
     for name, value in saved.items():
         assert torch.equal(value.view(torch.uint8), recomputed[name].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-I{}-Is{}-E{}-k{}-T{}".format(*s))
+def test_low_memory_backward_equals_the_default_bitwise(shape):
+    # MoKConfig(low_memory_backward=True): the routed experts in chunks of 1.5 T rows, no sum split.
+    hidden, inter, shared, experts, top_k, tokens = shape
+    x, idx, w, weights, dy = problem(shape, seed=9)
+    workspace = mf.create_workspace(mf.LayerShape(hidden, inter, experts, top_k, shared), tokens, "cuda",
+                                    config=mf.MoKConfig(low_memory_backward=True))
+    for context in ("save", "recompute"):
+        default = run_step(x, idx, w, weights, dy, context)
+        chunked = run_step(x, idx, w, weights, dy, context, workspace)
+        assert default.keys() == chunked.keys()
+        for name, value in default.items():
+            assert torch.equal(value.view(torch.uint8), chunked[name].view(torch.uint8)), f"{context}: {name}"
 
 
 def test_save_mode_context_shapes():

@@ -40,8 +40,9 @@ struct Workspace {
   int rank = 0, num_ranks = 1;
   int64_t tokens_max = 0;
   bool automatic = false;
-  ncclComm_t comm = nullptr;  // made here from the unique id; null for EP = 1
-  Communicator communicator;  // over `comm`, or the single rank
+  bool low_memory_backward = false;  // WorkspaceSpec's: the bf16 backward in chunks
+  ncclComm_t comm = nullptr;         // made here from the unique id; null for EP = 1
+  Communicator communicator;         // over `comm`, or the single rank
   std::unique_ptr<LayerForward> layer;
   std::unique_ptr<LayerBackward> backward;  // made by the first bf16 backward call
   // Each FP8 mode's forward is made by the mode's first call; its weight cache serves the mode's

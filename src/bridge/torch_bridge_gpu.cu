@@ -96,6 +96,9 @@ std::shared_ptr<Workspace> make_workspace(const WorkspaceSpec& spec, bool automa
   workspace->num_ranks = spec.num_ranks;
   workspace->tokens_max = spec.tokens_max;
   workspace->automatic = automatic;
+  MOK_CHECK_ARG(!spec.low_memory_backward || spec.num_ranks == 1, "low_memory_backward",
+                "the chunked backward runs at EP 1 alone, not on ", spec.num_ranks, " ranks");
+  workspace->low_memory_backward = spec.low_memory_backward;
   // Host checks of the shape before any collective call, so that a bad shape fails alike on every
   // rank instead of leaving the others waiting in ncclCommInitRank.
   core_shape(spec.shape).validate(spec.num_ranks);
@@ -380,9 +383,12 @@ void backward(int64_t handle, const BackwardCall& call) {
       return;
     }
     if (workspace->backward == nullptr) {
-      workspace->backward =
-          std::make_unique<LayerBackward>(workspace->communicator, core_shape(workspace->shape),
-                                          workspace->tokens_max, backward_options(*workspace));
+      LayerBackwardOptions options = backward_options(*workspace);
+      if (workspace->low_memory_backward) {
+        options.chunk_rows = low_memory_chunk_rows(workspace->tokens_max);
+      }
+      workspace->backward = std::make_unique<LayerBackward>(
+          workspace->communicator, core_shape(workspace->shape), workspace->tokens_max, options);
     }
     const DeviceLayerGradients grads = device_gradients(call);
     SavedContext saved;

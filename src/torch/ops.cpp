@@ -189,7 +189,7 @@ int64_t create_workspace_op(const Tensor& unique_id, int64_t rank, int64_t num_r
                             int64_t device, int64_t hidden, int64_t intermediate,
                             int64_t shared_intermediate, int64_t num_experts, int64_t top_k,
                             int64_t max_tokens_per_rank, int64_t copy_ctas, int64_t minibatch_rows,
-                            int64_t ring_rows) {
+                            int64_t ring_rows, bool low_memory_backward) {
   return core_errors_as_value_errors([&] {
     bridge::WorkspaceSpec spec;
     spec.shape = {hidden, intermediate, shared_intermediate, num_experts, top_k};
@@ -200,6 +200,7 @@ int64_t create_workspace_op(const Tensor& unique_id, int64_t rank, int64_t num_r
     spec.copy_ctas = static_cast<int>(copy_ctas);
     spec.minibatch_rows = static_cast<int>(minibatch_rows);
     spec.ring_rows = ring_rows;
+    spec.low_memory_backward = low_memory_backward;
     if (unique_id.defined() && unique_id.numel() > 0) {
       MOK_TORCH_CHECK(unique_id.scalar_type() == at::kByte && unique_id.device().is_cpu() &&
                           unique_id.is_contiguous(),
@@ -257,7 +258,8 @@ TORCH_LIBRARY(mok, m) {
   m.def(
       "create_workspace(Tensor unique_id, int rank, int num_ranks, int device, int hidden, "
       "int intermediate, int shared_intermediate, int num_experts, int top_k, "
-      "int max_tokens_per_rank, int copy_ctas, int minibatch_rows=0, int ring_rows=0) -> int",
+      "int max_tokens_per_rank, int copy_ctas, int minibatch_rows=0, int ring_rows=0, "
+      "bool low_memory_backward=False) -> int",
       &create_workspace_op);
   m.def("destroy_workspace(int workspace) -> ()", &destroy_workspace_op);
   m.def("check(int workspace, int device) -> ()", &check_op);
