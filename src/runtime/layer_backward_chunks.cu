@@ -14,9 +14,10 @@
 //   gate/up wgrad       the chunk's experts' dW_gate_up
 //
 // and after the last chunk the shared dx (into the chunk's bytes, where they hold it), the
-// combine's push (its flag, which the reduce waits for) and the reduce (LayerBackward::backward). No sum is split: the bits are the unchunked backward's.
-// The host does not know the routing, so it enqueues the most chunks the packing can make
-// (megakernel::expert_chunk_bound); a chunk past the last is empty, and its GEMMs find no tile.
+// combine's push (its flag, which the reduce waits for) and the reduce (LayerBackward::backward).
+// No sum is split: the bits are the unchunked backward's. The host does not know the routing, so it
+// enqueues the most chunks the packing can make (megakernel::expert_chunk_bound); a chunk past the
+// last is empty, and its GEMMs find no tile.
 #include <algorithm>
 
 #include <cuda_runtime.h>
