@@ -30,15 +30,12 @@ __global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
   megakernel::swiglu_backward_shared(rows, num_rows);
 }
 
-// The rows a routed expert gets in a call of num_tokens tokens, on average (T k / E_l, every rank
-// taken to hold T tokens), for kAuto's engine choice (gemm::LaunchOptions::group_rows): not the
-// workspace's capacity, which a larger max_tokens_per_rank inflates.
+}  // namespace
+
 int routed_group_rows(const comm::WorkspaceLayout& layout, int64_t num_tokens) {
   const int64_t experts = std::max<int64_t>(layout.experts_per_rank(), 1);
   return static_cast<int>(std::max<int64_t>(1, num_tokens * layout.top_k / experts));
 }
-
-}  // namespace
 
 WorkspaceOptions backward_workspace(const LayerBackwardOptions& options) {
   WorkspaceOptions workspace = options.workspace;
@@ -180,6 +177,16 @@ int64_t LayerBackward::buffer_bytes() const {
                       /*recompute=*/gate_up_ != nullptr);
 }
 
+megakernel::SwiGluBackwardRows LayerBackward::routed_swiglu_rows(const bf16* saved_gate_up) const {
+  const bool saved = saved_gate_up != nullptr;
+  return {reinterpret_cast<const __nv_bfloat16*>(saved ? saved_gate_up : gate_up_),
+          saved,
+          grad_hidden_,
+          reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
+          reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
+          static_cast<int>(shape_.intermediate)};
+}
+
 int64_t LayerBackward::routed_buffer_rows() const {
   return options_.chunk_rows > 0 ? options_.chunk_rows : workspace_.layout().rows_capacity();
 }
@@ -289,14 +296,7 @@ void LayerBackward::run_routed_experts(const DeviceLayerWeights& weights, const 
   gemm::grouped_dgrad({experts, rows, hidden, inter, counts}, workspace_.expert_dy(), weights.down,
                       offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream, down_options);
   mark();
-  const bool saved = saved_gate_up != nullptr;
-  const megakernel::SwiGluBackwardRows swiglu_rows{
-      reinterpret_cast<const __nv_bfloat16*>(saved ? saved_gate_up : gate_up_),
-      saved,
-      grad_hidden_,
-      reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
-      reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
-      inter};
+  const megakernel::SwiGluBackwardRows swiglu_rows = routed_swiglu_rows(saved_gate_up);
   swiglu_backward_routed(workspace_, swiglu_rows, megakernel::every_routed_row(workspace_.view()),
                          stream);
   mark();

@@ -128,6 +128,11 @@ inline constexpr BackwardPhaseOrder kOneRankBackwardPhaseOrder = {
     BackwardPhase::kWgradDown,     BackwardPhase::kGateUpDgrad, BackwardPhase::kCombinePush,
     BackwardPhase::kCombineReduce, BackwardPhase::kDispatchX,   BackwardPhase::kWgradGateUp};
 
+// The rows a routed expert gets in a call of num_tokens tokens, on average (T k / E_l, every rank
+// taken to hold T tokens), for kAuto's engine choice (gemm::LaunchOptions::group_rows): not the
+// workspace's capacity, which a larger max_tokens_per_rank inflates.
+int routed_group_rows(const comm::WorkspaceLayout& layout, int64_t num_tokens);
+
 // A backward's workspace: every row at once, expert_y for the dx rows, the backward's regions.
 WorkspaceOptions backward_workspace(const LayerBackwardOptions& options);
 // LayerBackward's: each expert's rows unpadded (block_m 1, whatever options.workspace says: every
@@ -269,6 +274,9 @@ class LayerBackward {
                          int64_t num_tokens, cudaStream_t stream);
   // The routed rows the buffers below hold: rows_capacity, or a chunk's (chunk_rows).
   int64_t routed_buffer_rows() const;
+  // The SwiGLU backward's buffers over the routed rows (saved_gate_up: save mode's context, else
+  // the recomputed pre-activations).
+  megakernel::SwiGluBackwardRows routed_swiglu_rows(const bf16* saved_gate_up) const;
   // The SwiGLU backward of the set's routed rows (megakernel/swiglu_backward.cuh).
   void swiglu_backward_routed(const CommWorkspace& workspace,
                               const megakernel::SwiGluBackwardRows& rows,

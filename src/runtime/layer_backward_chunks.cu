@@ -70,16 +70,9 @@ void LayerBackward::run_routed_chunks(const DeviceLayerWeights& weights, const b
   if (options_.local_dispatch_on_every_sm) copy.num_ctas = 0;
   gemm::LaunchOptions gemm_options = options_.gemm;
   // (kAuto's engine by the rows an expert gets in this call, as the unchunked backward's)
-  gemm_options.group_rows =
-      static_cast<int>(std::max<int64_t>(1, num_tokens * layout.top_k / std::max(experts, 1)));
+  gemm_options.group_rows = routed_group_rows(layout, num_tokens);
   const bool saved = saved_gate_up != nullptr;
-  const megakernel::SwiGluBackwardRows swiglu_rows{
-      reinterpret_cast<const __nv_bfloat16*>(saved ? saved_gate_up : gate_up_),
-      saved,
-      grad_hidden_,
-      reinterpret_cast<__nv_bfloat16*>(d_gate_up_),
-      reinterpret_cast<__nv_bfloat16*>(weighted_hidden_),
-      inter};
+  const megakernel::SwiGluBackwardRows swiglu_rows = routed_swiglu_rows(saved_gate_up);
   const megakernel::RoutedRowSet chunk_set{chunk.row_source, chunk.offsets + experts};
   const int chunks =
       static_cast<int>(megakernel::expert_chunk_bound(num_tokens, layout.top_k, experts, rows));

@@ -39,6 +39,12 @@ inline std::string first_different_tensor(const BackwardOutputs& a, const Backwa
   return "";
 }
 
+// The routings of the save mode and chunked backward tests: uniform with unused slots, signed
+// weights and a shared expert; skewed, most experts empty; every token on one expert.
+inline const std::vector<Case> kBackwardRoutings = {{"uniform", 0.2, true, true},
+                                                    {"skewed:4", 0.0, false, true},
+                                                    {"single-expert", 0.0, true, false}};
+
 struct BackwardRun {
   LayerBackwardOptions layer;
   int repeats = 1;  // runs after the first; each must give the first's bits

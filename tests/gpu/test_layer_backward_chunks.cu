@@ -53,10 +53,7 @@ TEST_P(LayerBackwardChunks, EqualEveryExpertAtOnceBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Routings, LayerBackwardChunks,
-                         ::testing::Values(Case{"uniform", 0.2, true, true},
-                                           Case{"skewed:4", 0.0, false, true},
-                                           Case{"single-expert", 0.0, true, false}),
+INSTANTIATE_TEST_SUITE_P(Routings, LayerBackwardChunks, ::testing::ValuesIn(kBackwardRoutings),
                          [](const auto& info) { return case_name(info.param); });
 
 TEST(LayerBackwardChunksShapes, OddShapesEqualEveryExpertAtOnce) {
