@@ -69,8 +69,9 @@ if [ "${MOK_PART_TESTS:-1}" = 1 ] && [ "$quick" != 1 ]; then
 fi
 
 if [ "$quick" != 1 ]; then
-step "mok run --backend cuda, tiny, EP 1, --check (forward and backward)" 120 \
-  "$BIN/mok" run --backend cuda --tokens 1000 --routing skewed:1.2 --json "$OUT/mok-run-cuda-tiny-ep1.json"
+step "mok run --backend cuda, tiny, EP 1, --check (forward and backward; the low-memory one too)" 120 \
+  "$BIN/mok" run --backend cuda --tokens 1000 --routing skewed:1.2 --low-memory-backward \
+  --json "$OUT/mok-run-cuda-tiny-ep1.json"
 step "mok run --backend cuda, qwen3-30b-a3b, EP 1, 4096 tokens, --check" 240 \
   "$BIN/mok" run --backend cuda --preset qwen3-30b-a3b --tokens 4096 \
   --json "$OUT/mok-run-cuda-qwen3-30b-ep1.json"

@@ -1,6 +1,7 @@
 // Small helpers of the runtime's layers: raw device allocations that the layer objects own (freed
 // in their destructors), the check that a size fits the GEMM engine's int32 rows, the offsets
-// of the one-expert group the shared expert runs as, and the events that end a call's phases.
+// of the one-expert group the shared expert runs as, the events that end a call's phases, and a
+// fingerprint of a buffer's bytes (to compare two runs' outputs without copying them out).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,6 +32,13 @@ inline int checked_int(int64_t value, const char* argument) {
 
 // SMs of the current CUDA device (a grid of one CTA per SM).
 int current_device_sm_count();
+
+// A 64-bit fingerprint of `bytes` bytes (from an 8-byte aligned address) of device memory on the
+// current device, waiting for `stream`: the sum over words i of a bijective mix of (word i, i),
+// so that the result does not depend on the order the sum is taken in, and any one word's change
+// changes it. Equal buffers give equal fingerprints; two runs' outputs that differ give different
+// ones but for a chance of about 2^-64.
+uint64_t device_fingerprint(const void* data, int64_t bytes, cudaStream_t stream);
 
 // The offsets {0, rows} of a group of one expert (the shared expert over a call's tokens),
 // written on `stream` itself, so that the count may change between calls without a host sync.

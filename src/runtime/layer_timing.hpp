@@ -18,6 +18,7 @@
 #include "mok/device_buffer.hpp"
 #include "mok/layer_runner.hpp"
 #include "runtime/comm.hpp"
+#include "runtime/device_memory.hpp"
 #include "runtime/layer_backward.hpp"
 #include "runtime/layer_forward.hpp"
 
@@ -273,12 +274,13 @@ void time_chunked_backward(const LayerRunSpec& spec, int rank, const Communicato
   LayerBackward layer(comm, spec.shape, tokens, options);
   result.backward_chunked_buffer_bytes_per_rank = layer.buffer_bytes();
   MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Fingerprints of every output (device_fingerprint: no copy to the host, whose memory the
+  // weight gradients of a large layer would fill twice over).
   const auto outputs = [&] {
-    std::vector<std::vector<char>> bytes;
+    std::vector<uint64_t> prints;
     const auto add = [&](const auto& buffer) {
-      const auto values = buffer.download();
-      const auto* data = reinterpret_cast<const char*>(values.data());
-      bytes.emplace_back(data, data + values.size() * sizeof(values[0]));
+      prints.push_back(
+          device_fingerprint(buffer.get(), static_cast<int64_t>(buffer.bytes()), stream));
     };
     add(io.dx);
     add(io.d_topk_w);
@@ -288,9 +290,9 @@ void time_chunked_backward(const LayerRunSpec& spec, int rank, const Communicato
       add(io.grad_shared_gate_up);
       add(io.grad_shared_down);
     }
-    return bytes;
+    return prints;
   };
-  const std::vector<std::vector<char>> saved_outputs = outputs();
+  const std::vector<uint64_t> saved_outputs = outputs();
   constexpr int kLastMark = kNumBackwardPhases + 1;
   const BackwardTiming timing = time_pairs(
       spec, rank, "fwdbwd-chunked", stream, warm_up, layer.phase_order(),

@@ -63,6 +63,14 @@ expect_error "^mok run: error: --routing: skewed:ALPHA needs ALPHA in \[0, 10\],
 expect_error "^mok run: error: --precision: unknown precision 'fp4' \\(bf16, fp8, mxfp8\\)$" -- "$mok" run --precision fp4
 expect_error "^mok run: error: --preset: unknown preset 'nope'" -- "$mok" run --preset nope
 expect_error "^mok run: error: --backend: unknown backend 'tpu'" -- "$mok" run --backend tpu
+# The low-memory backward is the GPU backward's mode, in bf16 at EP 1.
+expect_error "^mok run: error: --low-memory-backward: the GPU backward's mode, and this run is on the cpu backend \\(asked for\\)$" \
+  -- "$mok" run --backend cpu --low-memory-backward
+expect_error "^mok run: error: --low-memory-backward: the low-memory backward runs in bf16 at EP 1; this run is fp8 at EP 1$" \
+  -- "$mok" run --precision fp8 --hidden 128 --intermediate 128 --shared-intermediate 128 --low-memory-backward
+expect_error "^mok run: error: --low-memory-backward: the low-memory backward runs in bf16 at EP 1; this run is bf16 at EP 2$" \
+  -- "$mok" run --ep 2 --low-memory-backward
+expect 0 '^  --low-memory-backward$' -- "$mok" run --help
 expect_error "^mok run: error: MOK_PROGRESS: expected auto, always or never, got 'x'$" -- env MOK_PROGRESS=x "$mok" run
 
 # --- FP8 modes: the CPU reference, checked against the quantize-then-fp64 yardstick ------------

@@ -22,6 +22,9 @@ struct RunConfig {
   uint64_t seed = 0;
   int num_threads = 0;
   bool check = true;
+  // cuda, bf16, EP 1: the low-memory backward (LayerBackwardOptions::chunk_rows) timed too, its
+  // outputs compared bitwise with the default backward's.
+  bool low_memory_backward = false;
   std::string backend;
 };
 

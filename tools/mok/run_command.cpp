@@ -64,6 +64,11 @@ options:
   --check              compare with the fp64 oracle (cpu) or the CPU reference on a token sample
                        (cuda) and, when R > 1, with an EP=1 run (default)
   --no-check           skip the comparison
+  --low-memory-backward
+                       cuda backend, bf16, EP 1: also time the low-memory GPU backward (the
+                       routed experts in chunks of 1.5 T rows; MoKConfig(low_memory_backward=True)
+                       in PyTorch) after the default one, print its buffers, and compare its
+                       outputs with the default backward's bitwise (a difference fails the run)
   --json FILE          also write the figures as JSON (schema mok-bench/1); FILE is checked before
                        the run. '--json -' writes the JSON to standard output and everything else
                        to standard error
@@ -152,6 +157,11 @@ RunConfig read_config(const Args& args) {
   config.seed = static_cast<uint64_t>(args.integer("seed", 0, 0, INT64_MAX));
   config.num_threads = static_cast<int>(args.integer("threads", 0, 0, 1024));
   config.check = !args.has("no-check");
+  config.low_memory_backward = args.has("low-memory-backward");
+  MOK_CHECK_ARG(
+      !config.low_memory_backward || (config.ep == 1 && config.precision == Precision::kBf16),
+      "--low-memory-backward", "the low-memory backward runs in bf16 at EP 1; this run is ",
+      precision_name(config.precision), " at EP ", config.ep);
   return config;
 }
 
@@ -295,7 +305,7 @@ int run_command(const std::vector<std::string>& words) {
   const Args args(words,
                   {"preset", "hidden", "intermediate", "shared-intermediate", "experts", "top-k",
                    "tokens", "ep", "backend", "precision", "routing", "seed", "threads", "json"},
-                  {"check", "no-check"});
+                  {"check", "no-check", "low-memory-backward"});
   args.forbid_together("check", "no-check");
   RunConfig config = read_config(args);
 
@@ -313,6 +323,9 @@ int run_command(const std::vector<std::string>& words) {
   MOK_CHECK_ARG(backend != "cuda" || cuda_unfit.empty(), "--backend",
                 "cuda cannot run here: ", cuda_unfit);
   config.backend = cuda_unfit.empty() ? "cuda" : "cpu";
+  MOK_CHECK_ARG(!config.low_memory_backward || config.backend == "cuda", "--low-memory-backward",
+                "the GPU backward's mode, and this run is on the cpu backend (",
+                backend == "cpu" ? std::string("asked for") : cuda_unfit, ")");
   if (config.backend == "cuda") return run_gpu(config, precision, json.get());
 
   const int threads = config.num_threads > 0

@@ -282,6 +282,7 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
   const bool fp8 = config.precision != Precision::kBf16;  // an FP8 mode: fp8 or mxfp8
   spec.fp8_forward = fp8;  // (after the bf16 forward, as bench_layer runs it)
   if (fp8) spec.fp8_precision = config.precision;
+  spec.chunked_backward = config.low_memory_backward;
   const LayerRunResult run = run_layer_forward(spec);
   result.forward_ms = fp8 ? run.fp8_forward_ms : run.forward_ms;
   result.backward_ms = fp8 ? run.fp8_backward_ms : run.backward_ms;
@@ -323,8 +324,17 @@ bool run_cuda(const RunConfig& config, const Problem& problem, RunResult& result
   } else {
     std::printf("fwd+bwd as timed pairs: %.3f ms/rank\n", run.forward_backward_ms);
   }
+  if (config.low_memory_backward) {
+    std::printf(
+        "low-memory backward (chunks of 1.5 T rows): backward %.3f ms/rank, fwd+bwd %.3f ms/rank, "
+        "%.2f GB backward buffers; outputs %s the default backward's\n",
+        run.backward_chunked_ms, run.forward_backward_chunked_ms,
+        run.backward_chunked_buffer_bytes_per_rank / 1e9,
+        run.chunked_same_bits ? "bitwise equal to" : "DIFFERENT FROM");
+  }
   std::printf("%s\n", run.l2_partitions.c_str());
-  return config.check ? check_gpu_result(config, problem, run, outputs) : true;
+  const bool chunked_passed = !config.low_memory_backward || run.chunked_same_bits;
+  return (config.check ? check_gpu_result(config, problem, run, outputs) : true) && chunked_passed;
 }
 
 #else
