@@ -15,7 +15,10 @@ backward_buffer_bytes_per_rank) and torch_native.py measure's JSONs (one per EP)
 Per case and phase (fwd: mok_ms; fwdbwd: fwdbwd_ms; bwd: backward_ms, the backward's save mode
 where bench_layer timed it; a phase only where mok has a figure for it) one entry: name, preset,
 ep, tokens_per_rank, precision, phase, mok_ms, mok_context ("save" or "recompute", fwdbwd and bwd),
-mok_recompute_ms (recompute mode's time beside save mode's), saved_context_bytes_per_token and
+mok_recompute_ms (recompute mode's time beside save mode's), mok_low_memory_ms, mok_low_memory_gb
+and mok_low_memory_same_bits (the low-memory backward's time, memory as peak_memory_gb's mok, and
+whether its outputs had save mode's bits, where bench_layer --chunked-backward ran it; else None),
+saved_context_bytes_per_token and
 baseline_saved_bytes_per_token (what autograd keeps: mok's context, torch's saved tensors), baseline
 (the fastest checked torch-native variant's name), baseline_ms, baseline_variants (every timed
 variant's ms), speedup = baseline_ms / mok_ms, useful_tflops (mok's: 6·T·H·(k·I + I_s) per rank for
@@ -61,6 +64,9 @@ import os
 PHASES = (("fwd", "mok_ms"), ("fwdbwd", "fwdbwd_ms"), ("bwd", "backward_ms"))
 # The same phases in the backward's recompute mode, reported beside save mode's (mok_recompute_ms).
 RECOMPUTE_KEYS = {"fwdbwd": "fwdbwd_recompute_ms", "bwd": "backward_recompute_ms"}
+# And in the low-memory backward (bench_layer --chunked-backward: save mode, the routed experts in
+# chunks), reported beside save mode's (mok_low_memory_ms).
+LOW_MEMORY_KEYS = {"fwdbwd": "fwdbwd_chunked_ms", "bwd": "backward_chunked_ms"}
 FLOP_FACTOR = {"fwd": 1, "fwdbwd": 3, "bwd": 2}
 # An fp8 case's bf16 figure of each phase (mok's bf16 layer in the same process; save mode).
 FP8_BF16_KEYS = {"fwd": "bf16_forward_ms", "fwdbwd": "bf16_fwdbwd_ms", "bwd": "bf16_backward_ms"}
@@ -125,6 +131,15 @@ def mok_memory(case, phase, precision="bf16"):
     if phase != "fwd":
         note += ("; mok's weight gradients count as far as its backward buffers hold them")
     return (None if buffers is None else round((buffers + weights) / 1e9, 3)), note
+
+
+def low_memory_gb(case, phase, precision="bf16"):
+    """mok_memory's GB with the low-memory backward's buffers in place of save mode's backward's;
+    None for fwd and where bench_layer did not run it."""
+    chunked = case.get("backward_chunked_buffer_bytes_per_rank")
+    if phase == "fwd" or chunked is None:
+        return None
+    return mok_memory(dict(case, backward_buffer_bytes_per_rank=chunked), phase, precision)[0]
 
 
 def load_torch(paths, precision="bf16"):
@@ -195,6 +210,9 @@ def entry_for(case, phase, mok_ms, torch_case, dense_tflops, precision="bf16"):
         # the backward's context mode, and its recompute mode's time beside save mode's
         "mok_context": case.get("context", "recompute") if phase != "fwd" else None,
         "mok_recompute_ms": rounded(case.get(RECOMPUTE_KEYS.get(phase, "")), 4),
+        "mok_low_memory_ms": rounded(case.get(LOW_MEMORY_KEYS.get(phase, "")), 4),
+        "mok_low_memory_gb": low_memory_gb(case, phase, precision),
+        "mok_low_memory_same_bits": case.get("chunked_same_bits") if phase != "fwd" else None,
         "saved_context_bytes_per_token": (
             round(case["saved_context_bytes_per_rank"] / case["tokens_per_rank"])
             if phase != "fwd" and case.get("saved_context_bytes_per_rank") else None),

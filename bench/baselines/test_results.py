@@ -26,7 +26,9 @@ def mok_fixture():
                     "routing": "uniform", "mok_ms": 2.0, "buffer_bytes_per_rank": 1_000_000,
                     "fused": True, **SHAPE}
     with_backward = dict(forward_only, name="tiny-ep2", ep=2, fwdbwd_ms=5.0, backward_ms=3.0,
-                         backward_buffer_bytes_per_rank=500_000,
+                         backward_buffer_bytes_per_rank=500_000, fwdbwd_chunked_ms=5.5,
+                         backward_chunked_ms=3.5, backward_chunked_buffer_bytes_per_rank=200_000,
+                         chunked_same_bits=True,
                          clock_mhz={"fwd": 1600.0, "fwdbwd": 1500.0, "bwd": 1500.0},
                          power_w={"fwd": 650.0, "fwdbwd": 700.0, "bwd": 700.0})
     return {"date": "2026-12-01T10:00:00Z", "cases": [forward_only, with_backward]}
@@ -137,6 +139,12 @@ def test_layer_record_phases_and_figures(layer_record):
     ep2_weights = 2 * (8 * 3 * 128 * 256 + 3 * 256 * 128)
     assert fwdbwd["peak_memory_gb"]["mok"] == round((1_500_000 + ep2_weights) / 1e9, 3)
     assert fwdbwd["clock_mhz"] == 1350.0 and "backward_buffer_bytes_per_rank" in fwdbwd["memory_note"]
+    # The low-memory backward beside save mode: its times, its memory (its buffers in place of save
+    # mode's backward buffers), its bits; nothing for fwd or where it did not run.
+    assert (fwdbwd["mok_low_memory_ms"], bwd["mok_low_memory_ms"]) == (5.5, 3.5)
+    assert fwdbwd["mok_low_memory_gb"] == round((1_200_000 + ep2_weights) / 1e9, 3)
+    assert fwdbwd["mok_low_memory_same_bits"] is True and bwd["mok_low_memory_same_bits"] is True
+    assert record["cases"][1]["mok_low_memory_ms"] is None and record["cases"][1]["mok_low_memory_gb"] is None
     assert record["baseline_checks"]["tiny-ep1"]["batched_view_kn"] == {"passed": False}
 
 
