@@ -91,7 +91,6 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
   checked_int(rows, "chunk_rows");
   const int64_t hidden = shape.hidden, inter = shape.intermediate;
   const int64_t shared_inter = shape.shared_intermediate;
-  shared_dx_deferred_ = shared_dx_deferred(shape, workspace_.layout(), options);
   // d_gate_up in g's bytes: a row of each takes 4I bytes, and the SwiGLU backward reads every
   // 32-byte block of g (8 fp32) before it writes the block's 8 gate and 8 up gradients (16 bf16)
   // over it; no kernel reads g after (megakernel/swiglu_backward.cuh).
@@ -117,7 +116,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     shared_hidden_ = device_alloc<bf16>(tokens_max * shared_inter);
     // One rank alone, with room: in w·h's bytes (or a chunk's buffers), dead once the (last)
     // down wgrad has read them.
-    if (shared_dx_deferred_) {
+    if (shared_dx_after_wgrad_down()) {
       shared_dx_ = chunk_buffers_ != nullptr ? reinterpret_cast<float*>(chunk_buffers_)
                                              : reinterpret_cast<float*>(weighted_hidden_);
     } else {

@@ -243,7 +243,9 @@ class LayerBackward {
   // Whether the shared expert's dx lives in the routed chain's bytes (w·h's:
   // shared_dx_in_weighted_hidden; a chunked backward's: shared_dx_in_chunk), so that its dgrad
   // waits for the down wgrad (of the last chunk).
-  bool shared_dx_after_wgrad_down() const { return shared_dx_deferred_; }
+  bool shared_dx_after_wgrad_down() const {
+    return shared_dx_deferred(shape_, workspace_.layout(), options_);
+  }
   static bool shared_dx_deferred(const LayerShape& shape, const comm::WorkspaceLayout& layout,
                                  const LayerBackwardOptions& options);
   // The shared expert's dx (fp32, for the reduce) from its d_gate_up.
@@ -302,7 +304,6 @@ class LayerBackward {
   float* shared_dx_ = nullptr;           // (T_max, H) fp32; one rank alone, in w·h's bytes
                                          // when they hold it (shared_dx_after_wgrad_down)
   int32_t* shared_offsets_ = nullptr;    // (2): 0, T of the current call
-  bool shared_dx_deferred_ = false;
   // Chunked (options_.chunk_rows > 0): the chunk's buffers (ChunkBuffers; g and w·h above point
   // into it) and the current chunk's tables (megakernel::ExpertChunk).
   char* chunk_buffers_ = nullptr;

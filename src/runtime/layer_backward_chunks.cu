@@ -36,11 +36,10 @@ __global__ void __launch_bounds__(megakernel::kExpertChunkThreads)
   megakernel::write_expert_chunk(view, chunk, index, capacity);
 }
 
-int64_t aligned(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
-
 }  // namespace
 
 ChunkBuffers ChunkBuffers::make(const LayerShape& shape, int64_t rows) {
+  const auto aligned = [](int64_t bytes) { return comm::align_up(bytes, comm::kRegionAlignment); };
   ChunkBuffers buffers;
   buffers.rows_offset = 0;
   buffers.grad_hidden_offset = aligned(rows * shape.hidden * 2);

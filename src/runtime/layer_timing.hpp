@@ -273,7 +273,6 @@ void time_chunked_backward(const LayerRunSpec& spec, int rank, const Communicato
   options.chunk_rows = low_memory_chunk_rows(tokens);
   LayerBackward layer(comm, spec.shape, tokens, options);
   result.backward_chunked_buffer_bytes_per_rank = layer.buffer_bytes();
-  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
   // Fingerprints of every output (device_fingerprint: no copy to the host, whose memory the
   // weight gradients of a large layer would fill twice over).
   const auto outputs = [&] {
