@@ -37,6 +37,11 @@ struct GroupedShape {
   // as many rows as the largest index + 1. Rows past the experts' counts are never written either
   // way. Null: row r.
   const int* output_rows = nullptr;
+  // Optional (device, 2 int32): only experts expert_range[0] .. expert_range[1] - 1 take part in
+  // the call, every other one as if its count were negative (nothing read, nothing written), and
+  // the tiles are found among those alone: a call over a chunk of the experts costs what its
+  // experts do, an empty range next to nothing. Null: every expert.
+  const int* expert_range = nullptr;
 };
 
 // Which kernel runs a grouped GEMM. Both sum every output element over the same k-blocks in the

@@ -41,7 +41,8 @@ struct Fp8Pipeline {
 
 // y_e = x_e · W_eᵀ from FP8 operands. shape.k a positive multiple of 128, shape.n a positive
 // multiple of 8 (16 for kSwiGluBf16, whose W is gate/up-interleaved as interleave_gate_up makes
-// it); the rows of expert e as in grouped_forward (expert_offsets, optional expert_counts).
+// it); the rows of expert e as in grouped_forward (expert_offsets, optional expert_counts; no
+// expert_range: every FP8 GEMM refuses one).
 // x, w 16-byte aligned, y 16-byte aligned; options.engine kAuto or kCooperative (the one FP8
 // engine). Asynchronous on `stream`, no host synchronisation.
 void grouped_forward_fp8(const GroupedShape& shape, const uint8_t* x, const float* x_scales,

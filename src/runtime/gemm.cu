@@ -171,6 +171,7 @@ void grouped_forward(const GroupedShape& shape, const bf16* x, const bf16* w,
   GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.n, shape.k, y,
                            shape.expert_counts};
   params.output_rows = shape.output_rows;
+  params.group_range = shape.expert_range;
   switch (output) {
     case ForwardOutput::kBf16:
       launch<GemmKind::kForward, EpilogueKind::kStoreBf16>(map_a, map_b, params, config, stream);
@@ -212,6 +213,7 @@ void grouped_dgrad(const GroupedShape& shape, const bf16* dy, const bf16* w,
   GroupedGemmParams params{expert_offsets,     shape.num_experts, 0, shape.k, shape.n, dx,
                            shape.expert_counts};
   params.output_rows = shape.output_rows;
+  params.group_range = shape.expert_range;
   if (output == DgradOutput::kFp32) {
     launch<GemmKind::kDgrad, EpilogueKind::kStoreFp32>(map_a, map_b, params, config, stream);
   } else {
@@ -232,8 +234,9 @@ void grouped_wgrad(const GroupedShape& shape, const bf16* dy, const bf16* x,
       make_tensor_map_2d(dy, shape.capacity_rows, shape.n, TileConfig::BLOCK_K, "dy");
   const CUtensorMap map_b =
       make_tensor_map_2d(x, shape.capacity_rows, shape.k, TileConfig::BLOCK_K, "x");
-  const GroupedGemmParams params{expert_offsets,     shape.num_experts, shape.n, shape.k, 0, dw,
-                                 shape.expert_counts};
+  GroupedGemmParams params{expert_offsets,     shape.num_experts, shape.n, shape.k, 0, dw,
+                           shape.expert_counts};
+  params.group_range = shape.expert_range;
   const EpilogueKind epilogue = output == WgradOutput::kFp32   ? EpilogueKind::kStoreFp32
                                 : output == WgradOutput::kBf16 ? EpilogueKind::kStoreBf16
                                                                : EpilogueKind::kAccumulateFp32;

@@ -38,6 +38,8 @@ void check_common(const GroupedShape& shape, const int* expert_offsets,
   MOK_CHECK_ARG(options.num_sms >= 0, "options.num_sms", "must be >= 0, got ", options.num_sms);
   MOK_CHECK_ARG(options.engine != GemmEngine::kPingpong, "options.engine",
                 "the FP8 GEMM has the cooperative engine only (kAuto or kCooperative)");
+  MOK_CHECK_ARG(shape.expert_range == nullptr, "shape.expert_range",
+                "the FP8 GEMMs take every expert (no range of them yet)");
   if (shape.num_experts == 0) return;
   MOK_CHECK_ARG(expert_offsets != nullptr, "expert_offsets", "is null");
   for (const Operand& operand : operands) {

@@ -33,7 +33,8 @@ namespace {
 __global__ void __launch_bounds__(megakernel::kExpertChunkThreads)
     write_expert_chunk_kernel(comm::WorkspaceView view, megakernel::ExpertChunk chunk,
                               int32_t index, int32_t capacity) {
-  megakernel::write_expert_chunk(view, chunk, index, capacity);
+  extern __shared__ int32_t staged_counts[];  // E_l
+  megakernel::write_expert_chunk(view, chunk, index, capacity, staged_counts);
 }
 
 }  // namespace
@@ -75,35 +76,42 @@ void LayerBackward::run_routed_chunks(const DeviceLayerWeights& weights, const b
   const megakernel::RoutedRowSet chunk_set{chunk.row_source, chunk.offsets + experts};
   const int chunks =
       static_cast<int>(megakernel::expert_chunk_bound(num_tokens, layout.top_k, experts, rows));
+  // The chunk's GEMMs: its experts' rows (counts -1 outside it), their tiles found among its
+  // experts alone (an empty chunk's GEMMs end at once).
+  const auto chunk_shape = [&](int n, int k) {
+    gemm::GroupedShape shape{experts, rows, n, k, chunk.counts};
+    shape.expert_range = chunk.range;
+    return shape;
+  };
+  const size_t staged_bytes = static_cast<size_t>(experts) * sizeof(int32_t);
   for (int index = 0; index < chunks; ++index) {
-    write_expert_chunk_kernel<<<1, megakernel::kExpertChunkThreads, 0, stream>>>(
+    write_expert_chunk_kernel<<<1, megakernel::kExpertChunkThreads, staged_bytes, stream>>>(
         workspace_.view(), chunk, index, rows);
     MOK_CUDA_CHECK_LAUNCH();
     if (!saved) {
       // (rows, H) -> (rows, 2I) bf16: the chunk's gate/up pre-activations again.
       dispatch_tokens_window(workspace_, copy, stream, x, chunk_rows_, chunk.window);
-      gemm::grouped_forward({experts, rows, 2 * inter, hidden, chunk.counts}, chunk_rows_,
-                            weights.gate_up, chunk.offsets, gate_up_, gemm::ForwardOutput::kBf16,
-                            stream, gemm_options);
+      gemm::grouped_forward(chunk_shape(2 * inter, hidden), chunk_rows_, weights.gate_up,
+                            chunk.offsets, gate_up_, gemm::ForwardOutput::kBf16, stream,
+                            gemm_options);
     }
     dispatch_tokens_window(workspace_, copy, stream, dy, chunk_rows_, chunk.window);
     // g = dy · W_down: (rows, H) -> (rows, I) fp32.
-    gemm::grouped_dgrad({experts, rows, hidden, inter, chunk.counts}, chunk_rows_, weights.down,
-                        chunk.offsets, grad_hidden_, gemm::DgradOutput::kFp32, stream,
-                        gemm_options);
+    gemm::grouped_dgrad(chunk_shape(hidden, inter), chunk_rows_, weights.down, chunk.offsets,
+                        grad_hidden_, gemm::DgradOutput::kFp32, stream, gemm_options);
     swiglu_backward_routed(workspace_, swiglu_rows, chunk_set, stream);
     // dW_down = dyᵀ · (w·h), the chunk's experts.
-    gemm::grouped_wgrad({experts, rows, hidden, inter, chunk.counts}, chunk_rows_, weighted_hidden_,
-                        chunk.offsets, grads.down, grads.output, stream, options_.gemm);
+    gemm::grouped_wgrad(chunk_shape(hidden, inter), chunk_rows_, weighted_hidden_, chunk.offsets,
+                        grads.down, grads.output, stream, options_.gemm);
     // dx rows = d_gate_up · W_gate_up, each into its slot (row t · k + j, the row's source).
-    gemm::GroupedShape gate_up_dgrad{experts, rows, 2 * inter, hidden, chunk.counts};
+    gemm::GroupedShape gate_up_dgrad = chunk_shape(2 * inter, hidden);
     gate_up_dgrad.output_rows = chunk.row_source;
     gemm::grouped_dgrad(gate_up_dgrad, d_gate_up_, weights.gate_up, chunk.offsets,
                         workspace_.slots(), gemm::DgradOutput::kBf16, stream, options_.gemm);
     // dW_gate_up = d_gate_upᵀ · x, on x's rows over dy's.
     dispatch_tokens_window(workspace_, copy, stream, x, chunk_rows_, chunk.window);
-    gemm::grouped_wgrad({experts, rows, 2 * inter, hidden, chunk.counts}, d_gate_up_, chunk_rows_,
-                        chunk.offsets, grads.gate_up, grads.output, stream, options_.gemm);
+    gemm::grouped_wgrad(chunk_shape(2 * inter, hidden), d_gate_up_, chunk_rows_, chunk.offsets,
+                        grads.gate_up, grads.output, stream, options_.gemm);
   }
 }
 

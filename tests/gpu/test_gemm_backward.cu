@@ -1,10 +1,12 @@
 // dgrad dx_e = dy_e · W_e and wgrad dW_e = dy_eᵀ · x_e against host references, with experts of
 // 0, 1, 127, 128, 129 and thousands of rows (the wgrad K-loop runs over them, tails included);
 // wgrad fresh fp32 / bf16 and accumulated into an fp32 main_grad; wgrad bitwise equal whatever
-// the number of SMs; dgrad bitwise equal on both engines, plain and scattered.
+// the number of SMs; dgrad bitwise equal on both engines, plain and scattered; a call over a
+// range of the experts computes those alone.
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -98,6 +100,18 @@ class GroupedGemmBackward : public ::testing::Test {
     }
     grouped_wgrad(p_->shape(), dy_->get(), x_->get(), offsets_->get(), dw.get(), output, nullptr,
                   LaunchOptions{num_sms, engine, cluster});
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    return dw.download();
+  }
+
+  // wgrad on `shape` (e.g. a range of the experts), its output poisoned first.
+  template <class T>
+  std::vector<T> run_wgrad(const GroupedShape& shape, WgradOutput output,
+                           const LaunchOptions& options) {
+    DeviceBuffer<T> dw(static_cast<size_t>(p_->num_experts) * kOut * kIn);
+    dw.poison();
+    grouped_wgrad(shape, dy_->get(), x_->get(), offsets_->get(), dw.get(), output, nullptr,
+                  options);
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     return dw.download();
   }
@@ -399,6 +413,67 @@ TEST_F(GroupedGemmBackward, WgradClustersEqualSingleCtasBitwise) {
         << "wgrad bf16: single CTAs on " << num_sms << " CTAs differ from the full grid";
   }
   EXPECT_THROW(run_wgrad<float>(WgradOutput::kFp32, 0, nullptr, kCooperative, 3), mok::Error);
+}
+
+// A call over a range of the experts (GroupedShape::expert_range, as a chunk of the low-memory
+// backward makes: the experts outside given count -1, or their own counts): each expert of the
+// range gets the whole call's result bitwise, everything else stays poisoned, on both engines,
+// single CTAs and clusters, several grids; an empty range writes nothing; a range of every expert
+// is the plain call.
+TEST_F(GroupedGemmBackward, ExpertRangeComputesItsExpertsAlone) {
+  const auto dx_all = run_dgrad(0, GemmEngine::kCooperative);
+  const auto dw_all = run_wgrad<bf16>(p_->shape(), WgradOutput::kBf16, LaunchOptions{});
+  const int experts = p_->num_experts;
+  for (const auto& [first, end] : {std::pair{5, 17}, std::pair{0, 1}, std::pair{12, experts},
+                                   std::pair{9, 9}, std::pair{0, experts}}) {
+    DeviceBuffer<int> range(2);
+    range.upload(std::vector<int>{first, end});
+    std::vector<int> counts(kRowsPerExpert);
+    for (int e = 0; e < experts; ++e) {
+      if (e < first || e >= end) counts[e] = -1;
+    }
+    DeviceBuffer<int> chunk_counts(counts.size());
+    chunk_counts.upload(counts);
+    for (const bool negative : {false, true}) {
+      GroupedShape shape = p_->shape();
+      shape.expert_range = range.get();
+      if (negative) shape.expert_counts = chunk_counts.get();
+      for (const auto& [engine, num_sms, cluster] :
+           {std::tuple{GemmEngine::kCooperative, 0, 0}, std::tuple{GemmEngine::kCooperative, 7, 1},
+            std::tuple{GemmEngine::kPingpong, 0, 0}, std::tuple{GemmEngine::kPingpong, 3, 0}}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "experts [" << first << ", " << end << "), counts "
+                     << (negative ? "-1 outside" : "all") << ", engine " << static_cast<int>(engine)
+                     << ", " << num_sms << " CTAs");
+        const LaunchOptions options{num_sms, engine, cluster};
+        const auto dx = run_dgrad(shape, p_->capacity, options);
+        int64_t wrong = 0;
+        for (int row = 0; row < p_->capacity; ++row) {
+          const auto expert = std::upper_bound(p_->offsets.begin(), p_->offsets.end(), row) -
+                              p_->offsets.begin() - 1;
+          const bool inside = row < p_->total_rows && expert >= first && expert < end;
+          for (int column = 0; column < kIn; ++column) {
+            const size_t index = static_cast<size_t>(row) * kIn + column;
+            wrong += inside ? (dx[index].bits != dx_all[index].bits ? 1 : 0)
+                            : (is_poison(dx[index]) ? 0 : 1);
+          }
+        }
+        EXPECT_EQ(wrong, 0) << "dgrad: elements not the whole call's inside the range, or "
+                               "written outside it";
+        const auto dw = run_wgrad<bf16>(shape, WgradOutput::kBf16, options);
+        wrong = 0;
+        for (int e = 0; e < experts; ++e) {
+          const bool inside = e >= first && e < end;
+          for (size_t i = static_cast<size_t>(e) * kOut * kIn;
+               i < static_cast<size_t>(e + 1) * kOut * kIn; ++i) {
+            wrong += inside ? (dw[i].bits != dw_all[i].bits ? 1 : 0) : (is_poison(dw[i]) ? 0 : 1);
+          }
+        }
+        EXPECT_EQ(wrong, 0) << "wgrad: elements not the whole call's inside the range, or "
+                               "written outside it";
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -81,6 +81,9 @@ struct TokenRowsOut {
 // rows only). A token none of whose slots is in the window is not read.
 __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const char* x,
                                              const char* dy, const TokenRowsOut& out) {
+  const int32_t window_first = out.window != nullptr ? out.window[0] : 0;
+  const int32_t window_rows = out.window != nullptr ? out.window[1] : INT32_MAX;
+  if (window_rows <= 0) return;  // an empty chunk: no token to walk
   if (cta_sees_error(view)) return;
   constexpr int kUnroll = 4;  // 16-byte vectors a lane holds
   const WorkspaceLayout& layout = view.layout;
@@ -88,8 +91,6 @@ __device__ inline void dispatch_tokens_local(const WorkspaceView& view, const ch
   const int32_t* local_row = view.local_row();
   const int64_t top_k = layout.top_k, row_bytes = layout.row_bytes();
   const int64_t num_vectors = row_bytes / 16;
-  const int32_t window_first = out.window != nullptr ? out.window[0] : 0;
-  const int32_t window_rows = out.window != nullptr ? out.window[1] : INT32_MAX;
   // One tensor's row of `token` to the expert rows that lanes [0, slots) hold (-1: none).
   const auto scatter = [&](const char* rows, char* expert_rows, int64_t token, int32_t row,
                            int slots, int lane) {

@@ -28,6 +28,8 @@ __host__ __device__ inline bool fp8_is_half_tile(const GroupedTile& tile) {
 }
 
 template <GemmKind kKind, int kClusterSize>
-using Fp8Scheduler = GroupedTileScheduler<kKind, Fp8TileConfig, kClusterSize>;
+using Fp8Scheduler = GroupedTileScheduler<kKind, Fp8TileConfig, kClusterSize,
+                                          /*kRotateRounds=*/kClusterSize == 1,
+                                          /*kGroupRange=*/false>;
 
 }  // namespace mok::gemm

@@ -133,6 +133,9 @@ struct GroupedGemmParams {
   // forward/dgrad, staged bf16 outputs: row r of the call's rows goes to output row
   // output_rows[r] (device, [rows]); null: row r.
   const int32_t* output_rows = nullptr;
+  // [2] device, or null: the call's groups are group_range[0] .. group_range[1] - 1 (the others
+  // take no tile); null: 0 .. num_groups - 1.
+  const int* group_range = nullptr;
 };
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

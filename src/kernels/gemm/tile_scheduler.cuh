@@ -90,8 +90,10 @@ __device__ inline char* tile_row_in_c(const TileInC& place, const GroupedTile& t
 // multiple), is computed or skipped by the kernel but never stored.
 // kRotateRounds: rounds rotate (tile_rounds.hpp), on single CTAs only; the cooperative engines'
 // (bf16 and FP8) were measured faster so, the ping-pong engine's not (perf-notes/backward.md).
+// kGroupRange: honours GroupedGemmParams::group_range (the bf16 engines); the FP8 engine's
+// launchers refuse a range, and its kernels leave it out (their register budget had no room).
 template <GemmKind kKind, class Config = TileConfig, int kClusterSize = 1,
-          bool kRotateRounds = kClusterSize == 1>
+          bool kRotateRounds = kClusterSize == 1, bool kGroupRange = true>
 class GroupedTileScheduler {
  public:
   static constexpr bool kRowsAreM = kKind != GemmKind::kWgrad;
@@ -107,7 +109,13 @@ class GroupedTileScheduler {
         tile_idx_(static_cast<int>(blockIdx.x) / kClusterSize),
         rotation_step_(kRotate ? rotation_step(static_cast<int>(gridDim.x)) : 0),
         cluster_rank_(static_cast<int>(blockIdx.x) % kClusterSize) {
-    load_group(0);
+    int first = 0;
+    if (kGroupRange &&
+        params.group_range != nullptr) {  // a range of the groups: the tiles are theirs alone
+      first = max(params.group_range[0], 0);
+      num_groups_ = min(params.group_range[1], num_groups_);
+    }
+    load_group(first);
   }
 
   // Whether next_tile will find one.

@@ -17,16 +17,18 @@ namespace mok::megakernel {
 // the chunk's steps read in place of the workspace's.
 struct ExpertChunk {
   int32_t* window;      // (2): first expert row of the chunk, its rows
+  int32_t* range;       // (2): the chunk's experts [first, end) (the grouped GEMMs' expert_range:
+                        // their tiles are found among these alone; first = end: none)
   int32_t* counts;      // (E_l): rows of each expert in the chunk, -1 outside it (the grouped
                         // GEMMs then leave it out, a wgrad writing nothing for it)
   int32_t* offsets;     // (E_l + 1): first row of each expert within the chunk's rows
   int32_t* row_source;  // (capacity): the workspace's row_source of the chunk's rows
 
   static MOK_HOST_DEVICE int64_t ints(int64_t experts, int64_t capacity) {
-    return 2 + experts + (experts + 1) + capacity;
+    return 2 + 2 + experts + (experts + 1) + capacity;
   }
   static MOK_HOST_DEVICE ExpertChunk at(int32_t* base, int64_t experts) {
-    return {base, base + 2, base + 2 + experts, base + 2 + 2 * experts + 1};
+    return {base, base + 2, base + 4, base + 4 + experts, base + 4 + 2 * experts + 1};
   }
 };
 
