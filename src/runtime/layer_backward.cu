@@ -30,6 +30,13 @@ __global__ void __launch_bounds__(megakernel::kSwiGluBackwardThreads)
   megakernel::swiglu_backward_shared(rows, num_rows);
 }
 
+// Every chunk's tables of a chunked backward of up to tokens_max tokens and `rows` a chunk.
+int64_t chunk_table_ints(const comm::WorkspaceLayout& layout, int64_t tokens_max, int64_t rows) {
+  const int64_t experts = layout.experts_per_rank();
+  return megakernel::expert_chunk_bound(tokens_max, layout.top_k, experts, rows) *
+         megakernel::ExpertChunk::ints(experts, rows);
+}
+
 }  // namespace
 
 int routed_group_rows(const comm::WorkspaceLayout& layout, int64_t num_tokens) {
@@ -102,8 +109,7 @@ LayerBackward::LayerBackward(const Communicator& comm, const LayerShape& shape, 
     chunk_rows_ = reinterpret_cast<bf16*>(chunk_buffers_ + layout.rows_offset);
     grad_hidden_ = reinterpret_cast<float*>(chunk_buffers_ + layout.grad_hidden_offset);
     weighted_hidden_ = reinterpret_cast<bf16*>(chunk_buffers_ + layout.weighted_hidden_offset);
-    chunk_tables_ = device_alloc<int32_t>(
-        megakernel::ExpertChunk::ints(workspace_.layout().experts_per_rank(), rows));
+    chunk_tables_ = device_alloc<int32_t>(chunk_table_ints(workspace_.layout(), tokens_max, rows));
   } else {
     grad_hidden_ = device_alloc<float>(rows * inter);
     weighted_hidden_ = device_alloc<bf16>(rows * inter);
@@ -154,7 +160,7 @@ int64_t LayerBackward::buffer_bytes(const LayerShape& shape, int num_ranks, int6
   int64_t bytes = layout.window_bytes + layout.local_bytes;
   if (chunked) {
     bytes += ChunkBuffers::make(shape, rows).bytes;  // the chunk's rows, g, w·h
-    bytes += megakernel::ExpertChunk::ints(layout.experts_per_rank(), rows) * 4;
+    bytes += chunk_table_ints(layout, tokens_max, rows) * 4;
   } else {
     bytes += rows * inter * (4 + 2);  // g (then d_gate_up in its bytes), w·h
   }

@@ -2,8 +2,8 @@
 // chunk of whole experts at a time, so that the routed buffers hold one chunk's rows instead of
 // every row's. Per chunk, on the stream, after the schedule and the shared expert:
 //
-//   chunk tables        which experts the chunk holds, their offsets in its rows, the rows'
-//                       sources (megakernel/expert_chunk_plan.hpp, expert_chunks.cuh: one CTA)
+//   (before the first)  every chunk's tables: which experts it holds, their offsets in its rows,
+//                       the rows' sources (megakernel/expert_chunk_plan.hpp, expert_chunks.cuh)
 //   x's rows            recompute mode: the chunk's rows of x, then its gate/up pre-activations
 //   dy's rows           the chunk's rows of dy (over x's)
 //   down dgrad          g (fp32)
@@ -30,11 +30,15 @@
 namespace mok {
 namespace {
 
+// Every chunk's tables, CTA c chunk c's (megakernel::ExpertChunk::at).
 __global__ void __launch_bounds__(megakernel::kExpertChunkThreads)
-    write_expert_chunk_kernel(comm::WorkspaceView view, megakernel::ExpertChunk chunk,
-                              int32_t index, int32_t capacity) {
+    write_expert_chunks_kernel(comm::WorkspaceView view, int32_t* tables, int32_t capacity) {
   extern __shared__ int32_t staged_counts[];  // E_l
-  megakernel::write_expert_chunk(view, chunk, index, capacity, staged_counts);
+  const int64_t experts = view.layout.experts_per_rank();
+  const auto index = static_cast<int32_t>(blockIdx.x);
+  megakernel::write_expert_chunk(view,
+                                 megakernel::ExpertChunk::at(tables, experts, capacity, index),
+                                 index, capacity, staged_counts);
 }
 
 }  // namespace
@@ -64,7 +68,6 @@ void LayerBackward::run_routed_chunks(const DeviceLayerWeights& weights, const b
   const int rows = static_cast<int>(routed_buffer_rows());
   const int hidden = static_cast<int>(shape_.hidden);
   const int inter = static_cast<int>(shape_.intermediate);
-  const megakernel::ExpertChunk chunk = megakernel::ExpertChunk::at(chunk_tables_, experts);
   // The rows one rank copies are local: on every SM, as the unchunked backward's by default.
   CopyConfig copy = options_.copy;
   if (options_.local_dispatch_on_every_sm) copy.num_ctas = 0;
@@ -73,21 +76,24 @@ void LayerBackward::run_routed_chunks(const DeviceLayerWeights& weights, const b
   gemm_options.group_rows = routed_group_rows(layout, num_tokens);
   const bool saved = saved_gate_up != nullptr;
   const megakernel::SwiGluBackwardRows swiglu_rows = routed_swiglu_rows(saved_gate_up);
-  const megakernel::RoutedRowSet chunk_set{chunk.row_source, chunk.offsets + experts};
   const int chunks =
       static_cast<int>(megakernel::expert_chunk_bound(num_tokens, layout.top_k, experts, rows));
-  // The chunk's GEMMs: its experts' rows (counts -1 outside it), their tiles found among its
-  // experts alone (an empty chunk's GEMMs end at once).
-  const auto chunk_shape = [&](int n, int k) {
-    gemm::GroupedShape shape{experts, rows, n, k, chunk.counts};
-    shape.expert_range = chunk.range;
-    return shape;
-  };
+  // Every chunk's tables first, one CTA a chunk (a launch a chunk cost more than its walk).
   const size_t staged_bytes = static_cast<size_t>(experts) * sizeof(int32_t);
+  write_expert_chunks_kernel<<<chunks, megakernel::kExpertChunkThreads, staged_bytes, stream>>>(
+      workspace_.view(), chunk_tables_, rows);
+  MOK_CUDA_CHECK_LAUNCH();
   for (int index = 0; index < chunks; ++index) {
-    write_expert_chunk_kernel<<<1, megakernel::kExpertChunkThreads, staged_bytes, stream>>>(
-        workspace_.view(), chunk, index, rows);
-    MOK_CUDA_CHECK_LAUNCH();
+    const megakernel::ExpertChunk chunk =
+        megakernel::ExpertChunk::at(chunk_tables_, experts, rows, index);
+    const megakernel::RoutedRowSet chunk_set{chunk.row_source, chunk.offsets + experts};
+    // The chunk's GEMMs: its experts' rows (counts -1 outside it), their tiles found among its
+    // experts alone (an empty chunk's GEMMs end at once).
+    const auto chunk_shape = [&](int n, int k) {
+      gemm::GroupedShape shape{experts, rows, n, k, chunk.counts};
+      shape.expert_range = chunk.range;
+      return shape;
+    };
     if (!saved) {
       // (rows, H) -> (rows, 2I) bf16: the chunk's gate/up pre-activations again.
       dispatch_tokens_window(workspace_, copy, stream, x, chunk_rows_, chunk.window);

@@ -82,21 +82,56 @@ TEST(ExpertChunks, EveryExpertOnceWithinCapacityAndBound) {
 TEST(ExpertChunks, WorstCasesReachNoFurtherThanTheBound) {
   // 100 tokens, top-8, capacity 1.5 T (spare S = 50): experts of T and S + 1 rows in turn (5 take
   // every token, 6 share the other 3 slots), so no two fit in a chunk but the last two (51 + 45):
-  // 10 chunks, under the bound ceil(T k / S) = 16.
+  // 10 chunks, under the bound min(ceil(T k / S), 2 ceil(T k / capacity) - 1) = min(16, 11).
   const int tokens = 100, top_k = 8;
   const int64_t capacity = tokens + tokens / 2;
   std::vector<int32_t> alternating;
   for (int pair = 0; pair < 5; ++pair) alternating.insert(alternating.end(), {100, 51});
   alternating.push_back(800 - 5 * 151);
   EXPECT_EQ(expect_valid_chunks(alternating, tokens, top_k, capacity), 10);
-  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 11, capacity), 11);  // (no more than experts)
-  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 64, capacity), 16);
+  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 10, capacity), 10);  // (no more than experts)
+  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 64, capacity), 11);
+  // A large spare: its own bound is the tighter (T k = 800, capacity 790: ceil(800 / 690) = 2).
+  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 64, 790), 2);
   // Everything fits: one chunk; no token: one (the wgrads' zeros).
   EXPECT_EQ(expert_chunk_bound(tokens, top_k, 16, int64_t{tokens} * top_k), 1);
   EXPECT_EQ(expert_chunk_bound(0, top_k, 16, 1), 1);
   EXPECT_EQ(expert_chunk_bound(tokens, 1, 1, tokens), 1);
-  // No spare rows (capacity T): the bound falls back to one chunk an expert.
-  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 16, tokens), 16);
+  // No spare rows (capacity T): two chunks in a row still hold more than T rows.
+  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 64, tokens), 15);
+  EXPECT_EQ(expert_chunk_bound(tokens, top_k, 12, tokens), 12);
+}
+
+// Every routing of a few tokens: any rows per expert up to T (T tokens with k distinct experts
+// each can give any such counts summing to T k; -1 slots give less), every capacity from T up:
+// the packing never makes more chunks than the bound, and the bound is reached at some routing.
+TEST(ExpertChunks, BoundHoldsForEveryRoutingOfFewTokens) {
+  const int tokens = 4, top_k = 3, experts = 6;
+  for (int64_t capacity = tokens; capacity <= tokens * top_k; ++capacity) {
+    SCOPED_TRACE(::testing::Message() << "capacity " << capacity);
+    const int64_t bound = expert_chunk_bound(tokens, top_k, experts, capacity);
+    int64_t most = 0;
+    std::vector<int32_t> counts(experts, 0);
+    for (;;) {
+      const int sum = std::accumulate(counts.begin(), counts.end(), 0);
+      if (sum <= tokens * top_k) {
+        int64_t chunks = 0;
+        while (expert_chunk_range(counts.data(), experts, static_cast<int32_t>(chunks), capacity)
+                   .first != experts) {
+          ++chunks;
+        }
+        most = std::max(most, chunks);
+        ASSERT_LE(chunks, bound) << "counts " << ::testing::PrintToString(counts);
+      }
+      int digit = 0;  // the next vector of counts in [0, T]^E
+      while (digit < experts && counts[digit] == tokens) counts[digit++] = 0;
+      if (digit == experts) break;
+      ++counts[digit];
+    }
+    // (at these sizes some routing reaches the bound, or one chunk short of it: capacities 5, 8
+    // and 9)
+    EXPECT_GE(most, bound - 1) << "the bound is loose by more than one chunk";
+  }
 }
 
 }  // namespace

@@ -4,7 +4,8 @@
 // The experts are packed in order, greedily: a chunk ends before the first expert whose rows would
 // take it past `capacity` rows. An expert holds at most T rows (its ids in a token's top-k are
 // distinct: the schedule checks), so with capacity = T + S every chunk but the last holds more
-// than S rows, and a call of T tokens has at most ceil(T k / S) chunks (expert_chunk_bound).
+// than S rows, and any two chunks in a row more than the capacity: a call of T tokens has at most
+// min(ceil(T k / S), 2 ceil(T k / capacity) - 1) chunks (expert_chunk_bound).
 #pragma once
 
 #include <cstdint>
@@ -13,8 +14,8 @@
 
 namespace mok::megakernel {
 
-// One chunk's tables, in one device allocation of ExpertChunk::ints(E_l, capacity) int32, which
-// the chunk's steps read in place of the workspace's.
+// One chunk's tables, ExpertChunk::ints(E_l, capacity) int32 (chunk c's at c times that in one
+// allocation for every chunk), which the chunk's steps read in place of the workspace's.
 struct ExpertChunk {
   int32_t* window;      // (2): first expert row of the chunk, its rows
   int32_t* range;       // (2): the chunk's experts [first, end) (the grouped GEMMs' expert_range:
@@ -27,8 +28,11 @@ struct ExpertChunk {
   static MOK_HOST_DEVICE int64_t ints(int64_t experts, int64_t capacity) {
     return 2 + 2 + experts + (experts + 1) + capacity;
   }
-  static MOK_HOST_DEVICE ExpertChunk at(int32_t* base, int64_t experts) {
-    return {base, base + 2, base + 4, base + 4 + experts, base + 4 + 2 * experts + 1};
+  // Chunk `index`'s tables in the allocation at `base` (every chunk's, each of `capacity` rows).
+  static MOK_HOST_DEVICE ExpertChunk at(int32_t* base, int64_t experts, int64_t capacity,
+                                        int64_t index = 0) {
+    int32_t* const table = base + index * ints(experts, capacity);
+    return {table, table + 2, table + 4, table + 4 + experts, table + 4 + 2 * experts + 1};
   }
 };
 
@@ -61,13 +65,16 @@ MOK_HOST_DEVICE ExpertRange expert_chunk_range(const int32_t* counts, int32_t ex
 
 // The chunks a chunked backward of num_tokens tokens enqueues (the host does not know the
 // routing): the most the packing can make of up to T k rows, each expert's at most T, at least 1.
+// Two bounds, the tighter taken: two chunks in a row hold more than `capacity` rows (the second's
+// first expert did not fit the first), so n chunks hold more than floor(n / 2) capacities and
+// n <= 2 ceil(T k / capacity) - 1; and every chunk but the last holds more than capacity - T rows.
 MOK_HOST_DEVICE int64_t expert_chunk_bound(int64_t num_tokens, int64_t top_k, int64_t experts,
                                            int64_t capacity) {
   const int64_t rows = num_tokens * top_k;
   if (rows <= capacity || experts <= 1) return 1;
-  // Every chunk but the last holds more than capacity - T rows.
+  int64_t bound = 2 * ((rows + capacity - 1) / capacity) - 1;
   const int64_t spare = capacity - num_tokens;
-  const int64_t bound = spare > 0 ? (rows + spare - 1) / spare : experts;
+  if (spare > 0 && (rows + spare - 1) / spare < bound) bound = (rows + spare - 1) / spare;
   return bound < experts ? bound : experts;
 }
 

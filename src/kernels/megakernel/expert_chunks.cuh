@@ -1,7 +1,7 @@
-// The current chunk's tables of a chunked backward (expert_chunk_plan.hpp), written on the device
-// by one CTA after the schedule. Every routed sum is one expert's (a wgrad over its rows) or one
-// row's (a dgrad, the SwiGLU backward), so running the routed chain a chunk at a time splits none
-// of them: the bits are those of every expert at once, whatever the chunks.
+// The chunks' tables of a chunked backward (expert_chunk_plan.hpp), written on the device after
+// the schedule, every chunk's at once, one CTA a chunk. Every routed sum is one expert's (a wgrad
+// over its rows) or one row's (a dgrad, the SwiGLU backward), so running the routed chain a chunk
+// at a time splits none of them: the bits are those of every expert at once, whatever the chunks.
 #pragma once
 
 #include <cstdint>
