@@ -13,7 +13,8 @@
 # PyPI is fast). If that install fails, the command fails; where there is no network,
 # MOK_SKIP_PYTHON=1 leaves the Python tests out, and the summary says so. An existing environment
 # without transformers or accelerate gets them installed; if that fails, their tests skip with the
-# reason.
+# reason. The transformers integration's tests then run a second time on the oldest transformers
+# mok supports (the floor of $transformers_requirement, installed into the build folder).
 set -euo pipefail
 start_seconds=$SECONDS
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -93,6 +94,37 @@ if [[ -n $python ]]; then
     tee "$pytest_log" || pytest_status=$?
 fi
 
+# ---- the transformers integration on the oldest transformers mok supports -----------------------
+# The floor of $transformers_requirement, the GPU machine's release: its experts code differs from
+# the newest's (5.17's eager loop refuses the expert-parallel sentinel id that 5.25's takes), so the
+# integration's tests run on both. Installed once into the build folder; without network they are
+# left out, with the reason.
+floor_version=${transformers_requirement#*>=}
+floor_version=${floor_version%%,*}
+floor_xml=$build_dir/pytest-transformers-floor-junit.xml
+floor_status=0
+floor_ran=""
+rm -f "$floor_xml"
+if [[ -n $python ]]; then
+  floor_dir=$build_dir/transformers-$floor_version
+  if [[ ! -d $floor_dir/transformers ]] &&
+    ! "$python" -m pip install --quiet --progress-bar off --target "$floor_dir" \
+      "transformers==$floor_version"; then
+    rm -rf "$floor_dir"
+  fi
+  if PYTHONPATH="$floor_dir" "$python" -c \
+    "import sys, transformers; sys.exit(transformers.__version__ != '$floor_version')" 2>/dev/null; then
+    floor_ran=ran
+    (cd "$root" && MOK_TORCH_LIBRARY="$build_dir/_mok_torch.so" PYTHONPATH="$floor_dir:$root/python" \
+      timeout "${MOK_PYTEST_TIMEOUT:-900}" "$python" -m pytest -q -rs -p no:cacheprovider \
+      --junitxml="$floor_xml" python/tests/test_transformers_experts.py \
+      python/tests/test_transformers_expert_parallel.py) 2>&1 |
+      tee "$build_dir/pytest-transformers-floor.log" || floor_status=$?
+  else
+    echo "transformers $floor_version could not be installed: the integration's run on it is left out"
+  fi
+fi
+
 # ---- summary ------------------------------------------------------------------------------------
 echo
 echo "==================================== summary ===================================="
@@ -106,13 +138,18 @@ if [[ -n $python ]]; then
     tail -n 1 "$pytest_log"
   fi
   ((pytest_status == 5)) && echo "pytest collected no test (exit 5): counted as a failure"
+  if [[ -n $floor_ran ]]; then
+    echo "== pytest, the transformers integration on transformers $floor_version"
+    tail -n 1 "$build_dir/pytest-transformers-floor.log"
+  fi
 else
   echo "python tests: skipped ($python_skip_reason)"
 fi
 echo "== test command: $((SECONDS - start_seconds)) s"
 # Counts from the JUnit files of both runners; a GoogleTest skip's reason is the text between its
 # "Skipped" line and its "[  SKIPPED ]" line.
-python3 - "$ctest_xml" "$ctest_status" "$pytest_xml" "$pytest_status" "${python:+ran}" <<'PYTHON'
+python3 - "$ctest_xml" "$ctest_status" "$pytest_xml" "$pytest_status" "${python:+ran}" \
+  "$floor_xml" "$floor_status" "$floor_ran" "$floor_version" <<'PYTHON'
 import collections
 import re
 import sys
@@ -120,6 +157,7 @@ import textwrap
 import xml.etree.ElementTree as ElementTree
 
 ctest_xml, ctest_status, pytest_xml, pytest_status, pytest_ran = sys.argv[1:6]
+floor_xml, floor_status, floor_ran, floor_version = sys.argv[6:10]
 counts = collections.Counter()
 skip_reasons = collections.defaultdict(list)  # reason -> test names
 
@@ -130,7 +168,7 @@ def gtest_skip_reason(output):
 
 
 def test_name(case, runner):
-    if runner == "pytest":  # module::test[parameters]
+    if runner.startswith("pytest"):  # module::test[parameters]
         return case.get("classname", "").rsplit(".", 1)[-1] + "::" + case.get("name")
     return case.get("name").split("  # GetParam()")[0]  # Suite.Test or Instance/Suite.Test/parameters
 
@@ -161,6 +199,8 @@ def read(path, runner, status):
 read(ctest_xml, "ctest", ctest_status)
 if pytest_ran:
     read(pytest_xml, "pytest", pytest_status)
+if floor_ran:
+    read(floor_xml, f"pytest (transformers {floor_version})", floor_status)
 if skip_reasons:
     print("== skipped, and why")
     for reason, names in sorted(skip_reasons.items(), key=lambda item: -len(item[1])):

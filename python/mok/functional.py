@@ -137,8 +137,10 @@ class MoKConfig:
         forward and backward.
     low_memory_backward: the bf16 GPU backward runs the routed experts in chunks of whole experts
         (1.5 max_tokens_per_rank rows each), so that its buffers hold one chunk's rows instead of
-        every routed row's; the same bits, for more kernel launches. EP 1 (no group) alone; the
-        FP8 modes and the CPU backend ignore it."""
+        every routed row's; the same bits, for more kernel launches (on one H100: a third less
+        backward memory, 0.76 instead of 1.14 GB at qwen3-30b-a3b with 16384 tokens, for a
+        backward 3-11 % slower). EP 1 (no group) alone; the FP8 modes and the CPU backend ignore
+        it."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
