@@ -139,8 +139,9 @@ class MoKConfig:
         (1.5 max_tokens_per_rank rows each), so that its buffers hold one chunk's rows instead of
         every routed row's; the same bits, for more kernel launches (on one H100: a third less
         backward memory, 0.76 instead of 1.14 GB at qwen3-30b-a3b with 16384 tokens, for a
-        backward 3-11 % slower). EP 1 (no group) alone; the FP8 modes and the CPU backend ignore
-        it."""
+        backward 3-11 % slower). bf16 at EP 1 (no group) alone: with precision "fp8" or "mxfp8"
+        it is a ValueError, as `mok run --low-memory-backward` refuses them; the CPU backend,
+        which keeps no GPU buffers, ignores it."""
 
     num_comm_sms: Optional[int] = None
     minibatch_tokens: Optional[int] = None
@@ -161,6 +162,9 @@ class MoKConfig:
             raise ValueError(f"MoKConfig.low_memory_backward: must be a bool, got {self.low_memory_backward!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"MoKConfig.precision: unknown precision {self.precision!r} (one of {PRECISIONS})")
+        if self.low_memory_backward and self.precision != "bf16":
+            raise ValueError(f"MoKConfig.low_memory_backward: the low-memory backward is bf16's; precision "
+                             f"{self.precision!r} has none (its buffers are the FP8 backward's)")
 
 
 @dataclasses.dataclass(frozen=True)

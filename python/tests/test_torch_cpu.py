@@ -218,6 +218,10 @@ def test_errors_carry_the_core_message():
         mf.MoKConfig(ring_rows=200)
     with pytest.raises(ValueError, match="low_memory_backward: must be a bool"):
         mf.MoKConfig(low_memory_backward=1)
+    for precision in ("fp8", "mxfp8"):
+        with pytest.raises(ValueError, match=f"low-memory backward is bf16's; precision '{precision}'"):
+            mf.MoKConfig(precision=precision, low_memory_backward=True)
+    assert mf.MoKConfig(low_memory_backward=True).low_memory_backward
 
 
 def test_workspace_checks_calls():
