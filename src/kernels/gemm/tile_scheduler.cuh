@@ -110,8 +110,8 @@ class GroupedTileScheduler {
         rotation_step_(kRotate ? rotation_step(static_cast<int>(gridDim.x)) : 0),
         cluster_rank_(static_cast<int>(blockIdx.x) % kClusterSize) {
     int first = 0;
-    if (kGroupRange &&
-        params.group_range != nullptr) {  // a range of the groups: the tiles are theirs alone
+    // A range of the groups: the tiles are theirs alone.
+    if (kGroupRange && params.group_range != nullptr) {
       first = max(params.group_range[0], 0);
       num_groups_ = min(params.group_range[1], num_groups_);
     }
