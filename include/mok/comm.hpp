@@ -97,6 +97,8 @@ class CommEngine {
   // Every rank waits here until every rank has arrived (on the device, with the timeout).
   void rank_barrier(void* stream);
   void dispatch(const CommCopyConfig& copy, void* stream);
+  // One rank alone (EP 1) launches nothing here: its rows stay where the experts wrote them, and
+  // its combine_reduce, on the same stream after them, waits for no peer.
   void combine_push(const CommCopyConfig& copy, void* stream);
   // topk_w (T, k) fp32; y (T, H) bf16, 16-byte aligned; shared_output (T, H) fp32 added last
   // (a shared expert's output), or null.

@@ -13,41 +13,26 @@ namespace mok {
 
 namespace {
 
-constexpr int kGatherThreads = 256;
-
 __global__ void begin_call_kernel(comm::WorkspaceView view) { comm::begin_call(view); }
 
-__global__ void gather_push_kernel(comm::WorkspaceView view, const int32_t* topk_idx,
-                                   int32_t num_tokens) {
-  comm::gather_push(view, topk_idx, num_tokens);
-}
+// The schedule's passes (token_schedule.cuh) in one kernel, grid barriers between them (every CTA
+// resident: at most one per SM of the workspace's share, and little shared memory). Shared
+// memory: E_l + 1 offsets, then E_l row counters per warp.
+constexpr int kScheduleThreads = 256;
 
-// The schedule's sliced passes (token_schedule.cuh), one kernel each, so that kernel boundaries
-// are their barriers. Shared memory: E_l row counters per warp, after place_rows' E_l + 1 offsets.
-constexpr int kSliceThreads = 256;
-
-__global__ void __launch_bounds__(kSliceThreads) count_kernel(comm::WorkspaceView view) {
-  extern __shared__ int32_t counters[];
-  const int cta = static_cast<int>(blockIdx.x), num_ctas = static_cast<int>(gridDim.x);
-  comm::count_rows(view, cta, num_ctas);
-  comm::count_slices(view, cta, num_ctas, counters);
-}
-
-__global__ void __launch_bounds__(kSliceThreads) scan_slices_kernel(comm::WorkspaceView view) {
-  comm::scan_slices(view, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
-}
-
-__global__ void __launch_bounds__(kSliceThreads) place_rows_kernel(comm::WorkspaceView view) {
+__global__ void __launch_bounds__(kScheduleThreads)
+    schedule_kernel(comm::WorkspaceView view, const int32_t* topk_idx, int32_t num_tokens) {
   extern __shared__ int32_t scratch[];
-  comm::place_rows(view, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), scratch,
-                   scratch + view.layout.experts_per_rank() + 1);
+  if (comm::cta_sees_error(view)) return;
+  comm::make_schedule(view, topk_idx, num_tokens, static_cast<int>(blockIdx.x),
+                      static_cast<int>(gridDim.x), scratch);
 }
 
 // Dynamic shared memory of the sliced passes for E_l local experts; above the default 48 KB
 // (E_l > ~1,300) the kernels are allowed more, up to the device's limit.
 size_t slice_pass_bytes(const CommWorkspace& ws) {
   const int64_t experts = ws.layout().experts_per_rank();
-  const size_t bytes = static_cast<size_t>((experts + 1 + kSliceThreads / 32 * experts) * 4);
+  const size_t bytes = static_cast<size_t>((experts + 1 + kScheduleThreads / 32 * experts) * 4);
   constexpr size_t kDefaultLimit = 48 * 1024;
   if (bytes > kDefaultLimit) {
     static const int limit = [] {
@@ -59,10 +44,8 @@ size_t slice_pass_bytes(const CommWorkspace& ws) {
     }();
     MOK_CHECK_ARG(bytes <= static_cast<size_t>(limit), "num_experts", "the schedule's ", experts,
                   " local experts need ", bytes, " bytes of shared memory, more than ", limit);
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bytes)));
     MOK_CUDA_CHECK(cudaFuncSetAttribute(
-        place_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+        schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   }
   return bytes;
 }
@@ -104,8 +87,8 @@ __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
 
 __global__ void __launch_bounds__(comm::kReduceThreads)
     combine_reduce_kernel(comm::WorkspaceView view, const float* topk_w, const float* shared_output,
-                          __nv_bfloat16* y, int32_t num_tokens) {
-  comm::combine_reduce(view, topk_w, shared_output, y, num_tokens);
+                          __nv_bfloat16* y, float* d_topk_w, int32_t num_tokens) {
+  comm::combine_reduce(view, topk_w, shared_output, y, d_topk_w, num_tokens);
 }
 
 __global__ void rank_barrier_kernel(comm::WorkspaceView view) {
@@ -124,15 +107,19 @@ int resolve_ctas(const CommWorkspace& ws, const CopyConfig& config) {
   return config.num_ctas == 0 ? ws.num_sms() : config.num_ctas;
 }
 
+void check_threads(const CopyConfig& config) {
+  MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
+                    config.threads_per_cta % 32 == 0,
+                "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
+                "], got ", config.threads_per_cta);
+}
+
 // A copy kernel on config's CTAs and threads: kernel(ws.view(), args...).
 template <class... Args>
 void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
                  void (*kernel)(comm::WorkspaceView, Args...), Args... args) {
   const int num_ctas = resolve_ctas(ws, config);
-  MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
-                    config.threads_per_cta % 32 == 0,
-                "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
-                "], got ", config.threads_per_cta);
+  check_threads(config);
   kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view(), args...);
   MOK_CUDA_CHECK_LAUNCH();
 }
@@ -193,30 +180,19 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
                 " tokens");
   const comm::WorkspaceLayout& layout = ws.layout();
   begin_call(ws, stream);
-  const int64_t num_ids = num_tokens * layout.top_k;
-  const int gather_ctas =
-      static_cast<int>(std::clamp<int64_t>(ceil_div(num_ids, kGatherThreads * 8), 1, ws.num_sms()));
-  gather_push_kernel<<<gather_ctas, kGatherThreads, 0, stream>>>(ws.view(), topk_idx,
-                                                                 static_cast<int32_t>(num_tokens));
-  MOK_CUDA_CHECK_LAUNCH();
-  // Every id counted and checked, and each slice's rows per local expert; the rows before each
-  // slice; every row placed (global token order within an expert, padding -1).
+  // Two launches: begin_call (the epoch the passes read), then the passes. CTAs for the widest
+  // pass: 8 ids a thread in count_rows, a warp a slice in count_slices and place_rows, a warp an
+  // expert in scan_slices.
   const size_t shared_bytes = slice_pass_bytes(ws);
-  const int64_t slice_warps = layout.num_ranks * layout.slices_per_source();
+  const int64_t warps_per_cta = kScheduleThreads / 32;
   const int64_t all_ids = layout.num_ranks * layout.tokens_max * layout.top_k;
-  const int64_t warps_per_cta = kSliceThreads / 32;
-  const int count_ctas = static_cast<int>(std::clamp<int64_t>(
-      std::max(ceil_div(all_ids, int64_t{kSliceThreads} * 8), ceil_div(slice_warps, warps_per_cta)),
-      1, ws.num_sms()));
-  count_kernel<<<count_ctas, kSliceThreads, shared_bytes, stream>>>(ws.view());
-  MOK_CUDA_CHECK_LAUNCH();
-  const int scan_ctas = static_cast<int>(
-      std::clamp<int64_t>(ceil_div(layout.experts_per_rank(), warps_per_cta), 1, ws.num_sms()));
-  scan_slices_kernel<<<scan_ctas, kSliceThreads, 0, stream>>>(ws.view());
-  MOK_CUDA_CHECK_LAUNCH();
-  const int place_ctas =
-      static_cast<int>(std::clamp<int64_t>(ceil_div(slice_warps, warps_per_cta), 1, ws.num_sms()));
-  place_rows_kernel<<<place_ctas, kSliceThreads, shared_bytes, stream>>>(ws.view());
+  const int64_t widest =
+      std::max({ceil_div(all_ids, int64_t{kScheduleThreads} * 8),
+                ceil_div(layout.num_ranks * layout.slices_per_source(), warps_per_cta),
+                ceil_div(layout.experts_per_rank(), warps_per_cta)});
+  const int ctas = static_cast<int>(std::clamp<int64_t>(widest, 1, ws.num_sms()));
+  schedule_kernel<<<ctas, kScheduleThreads, shared_bytes, stream>>>(
+      ws.view(), topk_idx, static_cast<int32_t>(num_tokens));
   MOK_CUDA_CHECK_LAUNCH();
 }
 
@@ -274,14 +250,17 @@ void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stre
   MOK_CHECK_ARG(ws.layout().has_expert_y() || ws.layout().num_ranks == 1, "workspace",
                 "the standalone combine push needs expert_y; this workspace (a fused forward's) "
                 "has none");
-  // One rank: no row to push (combine.cuh), one CTA raises the flag.
-  CopyConfig one_cta = config;
-  if (ws.layout().num_ranks == 1 && config.num_ctas >= 0) one_cta.num_ctas = 1;
-  launch_copy(ws, one_cta, stream, combine_push_kernel);
+  if (ws.layout().num_ranks == 1) {
+    // One rank: no row to push and no flag its reduce waits for (combine.cuh): no launch.
+    resolve_ctas(ws, config);
+    check_threads(config);
+    return;
+  }
+  launch_copy(ws, config, stream, combine_push_kernel);
 }
 
 void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_output, bf16* y,
-                    int64_t num_tokens, cudaStream_t stream) {
+                    int64_t num_tokens, cudaStream_t stream, float* d_topk_w) {
   check_num_tokens(ws, num_tokens);
   MOK_CHECK_ARG(num_tokens == 0 || topk_w != nullptr, "topk_w", "null pointer for ", num_tokens,
                 " tokens");
@@ -304,7 +283,7 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
   const int ctas = static_cast<int>(std::clamp<int64_t>(ceil_div(items, comm::kReduceThreads), 1,
                                                         int64_t{ws.num_sms()} * per_sm));
   combine_reduce_kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(
-      ws.view(), topk_w, shared_output, reinterpret_cast<__nv_bfloat16*>(y),
+      ws.view(), topk_w, shared_output, reinterpret_cast<__nv_bfloat16*>(y), d_topk_w,
       static_cast<int32_t>(num_tokens));
   MOK_CUDA_CHECK_LAUNCH();
 }

@@ -63,11 +63,14 @@ void dispatch_tokens_window(CommWorkspace& ws, const CopyConfig& config, cudaStr
 void dispatch_fp8(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream, uint8_t* data,
                   float* scales);
 
+// One rank alone: launches nothing (no row to move, no peer to signal).
 void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream);
 
 // topk_w (T, k) fp32; shared_output (T, H) fp32 or null; y (T, H) bf16. T as in `schedule`.
+// d_topk_w (T, k) fp32 or null: the backward's router-weight gradients, collected from the window
+// in the same launch. One rank alone waits for no push: the stream orders what wrote its rows.
 void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_output, bf16* y,
-                    int64_t num_tokens, cudaStream_t stream);
+                    int64_t num_tokens, cudaStream_t stream, float* d_topk_w = nullptr);
 
 // Every rank waits here until every rank has arrived (device-side, with the timeout).
 void rank_barrier(CommWorkspace& ws, cudaStream_t stream);

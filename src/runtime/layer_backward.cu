@@ -369,10 +369,10 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
   const bool one_rank = workspace_.layout().rows_in_expert_dy;
   const int group_rows = routed_group_rows(workspace_.layout(), num_tokens);
   const bool shared = shape_.has_shared() && tokens > 0;
-  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
+  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding; d_topk_w beside it.
   const auto reduce = [&] {
-    combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
-    collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
+    combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream,
+                   d_topk_w);
   };
   if (options_.chunk_rows > 0) {
     MOK_CHECK_ARG(phase_events == nullptr, "phase_events",
@@ -384,8 +384,6 @@ void LayerBackward::backward(const DeviceLayerWeights& weights, const bf16* x,
       zero_shared_gradients(shape_, grads, stream);
     }
     run_routed_chunks(weights, x, dy, saved_gate_up, grads, num_tokens, stream);
-    // (one rank: no row moves, but the reduce waits for the push's combine flag)
-    combine_push(workspace_, options_.copy, stream);
     if (shared && shared_dx_after_wgrad_down()) {
       shared_dx_dgrad(weights, tokens, stream, options_.gemm);
     }

@@ -15,11 +15,11 @@
 //   routed down dgrad     g = W_downᵀ dy, fp32 (rows, I)
 //   SwiGLU backward       d_topk_w = <g, h> into the owner's window; d_gate_up (bf16), w·h (bf16)
 //   routed gate/up dgrad  dx rows (bf16) into expert_y
-//   combine push          dx rows to their owners' slots
+//   combine push          dx rows to their owners' slots (one rank alone: none)
 //   wgrads                down: dyᵀ · (w·h); gate/up: d_gate_upᵀ · x, each over the expert's rows
 //                         in global token order (the same K order at any EP degree)
-//   combine reduce        dx = Σ_j slot_j (j in order, fp32) + shared dx, rounded once
-//   d_topk_w              collected from the window (0 for unused slots)
+//   combine reduce        dx = Σ_j slot_j (j in order, fp32) + shared dx, rounded once; in the
+//                         same launch d_topk_w, collected from the window (0 for unused slots)
 //
 // One rank alone reads x and dy from the caller's tensors and keeps its expert rows of x, of dy
 // and the dx rows in one region, in turn (kOneRankBackwardPhaseOrder): x's rows for the gate/up
@@ -164,10 +164,6 @@ void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_
 // ... (no token) the shared expert's gradients zero, unless they accumulate ...
 void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& grads,
                            cudaStream_t stream);
-// ... and, after the combine's reduce, d_topk_w (T, k) of this rank's tokens from its window (0
-// for unused slots).
-void collect_d_topk_w(const CommWorkspace& workspace, float* d_topk_w, int64_t num_tokens,
-                      int num_sms, cudaStream_t stream);
 // (count) floats of 1.0f (the reduce's weights for dx: exact), made synchronously.
 float* make_ones(int64_t count, int device);
 // The arguments every backward takes, with errors that name them (nothing is enqueued).

@@ -263,9 +263,9 @@ void LayerBackwardMxfp8::backward(const MxWeightCache& weights, const bf16* x,
   mark();  // (x's rows came with dy's: kDispatchX)
   run_routed_experts(weights, grads, saved_gate_up, stream, mark);
   if (tokens == 0) zero_shared_gradients(shape_, grads, stream);
-  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding.
-  combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream);
-  collect_d_topk_w(workspace_, d_topk_w, num_tokens, num_sms_, stream);
+  // dx = Σ_j slot_j (weights of 1: exact) + shared dx, one rounding; d_topk_w beside it.
+  combine_reduce(workspace_, ones_, shared ? shared_dx_ : nullptr, dx, num_tokens, stream,
+                 d_topk_w);
   mark();
 }
 

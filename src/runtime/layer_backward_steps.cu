@@ -1,12 +1,10 @@
 // The steps the bf16 and fp8 backwards share (layer_backward.hpp): staging the inputs, the
-// shared expert's gradients when there is no token, d_topk_w from the window, the dispatch of x
-// and dy rows, the arguments' checks, and the launch choices both make.
+// shared expert's gradients when there is no token, the dispatch of x and dy rows, the arguments'
+// checks, and the launch choices both make.
 #include <algorithm>
 
 #include <cuda_runtime.h>
 
-#include "kernels/comm/flags.cuh"
-#include "kernels/megakernel/swiglu_backward.cuh"
 #include "mok/cuda_check.hpp"
 #include "mok/error.hpp"
 #include "runtime/device_memory.hpp"
@@ -14,12 +12,6 @@
 
 namespace mok {
 namespace {
-
-__global__ void collect_d_topk_w_kernel(comm::WorkspaceView view, float* d_topk_w,
-                                        int32_t num_tokens) {
-  if (comm::cta_sees_error(view)) return;
-  megakernel::collect_d_topk_w(view, d_topk_w, num_tokens);
-}
 
 __global__ void fill_kernel(float* values, int64_t count, float value) {
   for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
@@ -52,16 +44,6 @@ void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& 
   const size_t elements = static_cast<size_t>(shape.shared_intermediate * shape.hidden);
   MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_gate_up, 0, 2 * elements * element_bytes, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(grads.shared_down, 0, elements * element_bytes, stream));
-}
-
-void collect_d_topk_w(const CommWorkspace& workspace, float* d_topk_w, int64_t num_tokens,
-                      int num_sms, cudaStream_t stream) {
-  const int64_t num_slots = num_tokens * workspace.layout().top_k;
-  if (num_slots == 0) return;
-  const int ctas = static_cast<int>(std::clamp<int64_t>((num_slots + 255) / 256, 1, num_sms));
-  collect_d_topk_w_kernel<<<ctas, 256, 0, stream>>>(workspace.view(), d_topk_w,
-                                                    static_cast<int32_t>(num_tokens));
-  MOK_CUDA_CHECK_LAUNCH();
 }
 
 float* make_ones(int64_t count, int device) {

@@ -1,6 +1,6 @@
 // mok::GpuLayer, the public door to the GPU layer: forward and backward on its own weights match
-// the CPU reference within tolerance (y, dx, d_topk_w), repeat bitwise, and a bad call names its
-// argument.
+// the CPU reference within tolerance (y, dx, d_topk_w), repeat bitwise, enqueue the launches the
+// docs name, and a bad call names its argument.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -13,6 +13,26 @@
 namespace mok::comm_test {
 namespace {
 
+// The problem's weights into the layer's, in the engine's layouts.
+void upload_weights(const Problem& problem, const GpuLayer& layer) {
+  const LayerShape& shape = problem.shape;
+  const GpuLayerWeights& weights = layer.weights();
+  const int hidden = static_cast<int>(shape.hidden);
+  const auto upload = [](bf16* device, const std::vector<bf16>& host) {
+    MOK_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  };
+  upload(weights.gate_up,
+         gemm::interleave_gate_up(problem.gate, problem.up, static_cast<int>(shape.num_experts),
+                                  static_cast<int>(shape.intermediate), hidden));
+  upload(weights.down, problem.down);
+  if (shape.has_shared()) {
+    upload(weights.shared_gate_up,
+           gemm::interleave_gate_up(problem.shared_gate, problem.shared_up, 1,
+                                    static_cast<int>(shape.shared_intermediate), hidden));
+    upload(weights.shared_down, problem.shared_down);
+  }
+}
+
 TEST(GpuLayer, ForwardAndBackwardMatchTheReferenceAndRepeat) {
   MOK_REQUIRE_HOPPER_GPUS(1);
   const Problem problem = layer_problem({"skewed:1.2", 0.1, true, true}, 257, 3);
@@ -20,19 +40,7 @@ TEST(GpuLayer, ForwardAndBackwardMatchTheReferenceAndRepeat) {
   const int64_t tokens = problem.num_tokens, hidden = shape.hidden, top_k = shape.top_k;
   GpuLayer layer(0, shape, tokens);
   const GpuLayerWeights& weights = layer.weights();
-  const int experts = static_cast<int>(shape.num_experts);
-  const auto upload = [](bf16* device, const std::vector<bf16>& host) {
-    MOK_CUDA_CHECK(cudaMemcpy(device, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
-  };
-  upload(weights.gate_up,
-         gemm::interleave_gate_up(problem.gate, problem.up, experts,
-                                  static_cast<int>(shape.intermediate), static_cast<int>(hidden)));
-  upload(weights.down, problem.down);
-  upload(weights.shared_gate_up,
-         gemm::interleave_gate_up(problem.shared_gate, problem.shared_up, 1,
-                                  static_cast<int>(shape.shared_intermediate),
-                                  static_cast<int>(hidden)));
-  upload(weights.shared_down, problem.shared_down);
+  upload_weights(problem, layer);
   DeviceBuffer<bf16> x(problem.x), dy(problem.dy), y(tokens * hidden), dx(tokens * hidden);
   DeviceBuffer<int32_t> topk_idx(problem.topk_idx);
   DeviceBuffer<float> topk_w(problem.topk_w), d_topk_w(tokens * top_k);
@@ -71,6 +79,63 @@ TEST(GpuLayer, ForwardAndBackwardMatchTheReferenceAndRepeat) {
   EXPECT_EQ(first_difference(y.download(), first_y), -1) << "y differs on a repeat";
   EXPECT_EQ(first_difference(dx.download(), first_dx), -1) << "dx differs on a repeat";
   EXPECT_EQ(d_topk_w.download(), first_d_topk_w) << "d_topk_w differs on a repeat";
+}
+
+// What one call enqueues, counted in a captured graph (kernels, copies and fills): the fused
+// forward's three launches, and the save-mode backward's eleven at EP 1 without a shared expert
+// (the topk_w copy, begin_call, the schedule, dy's rows, the down dgrad, the SwiGLU backward, the
+// down wgrad, the gate/up dgrad, the reduce with d_topk_w, x's rows, the gate/up wgrad). A step
+// that adds a launch fails here until the docs say so too.
+TEST(GpuLayer, LaunchesOfTheForwardAndTheSaveModeBackward) {
+  MOK_REQUIRE_HOPPER_GPUS(1);
+  const LayerShape shape{256, 128, 0, 8, 2};
+  const Problem problem = testing::make_problem({"uniform", 0.1, true, true}, 96, 7, shape);
+  const int64_t tokens = problem.num_tokens;
+  GpuLayer layer(0, shape, tokens);
+  upload_weights(problem, layer);
+  const GpuLayerWeights& weights = layer.weights();
+  DeviceBuffer<bf16> x(problem.x), dy(problem.dy), y(tokens * shape.hidden);
+  DeviceBuffer<bf16> dx(tokens * shape.hidden), saved(layer.saved_context_elements(tokens));
+  DeviceBuffer<int32_t> topk_idx(problem.topk_idx);
+  DeviceBuffer<float> topk_w(problem.topk_w), d_topk_w(tokens * shape.top_k);
+  DeviceBuffer<bf16> grad_gate_up(weights.gate_up_elements), grad_down(weights.down_elements);
+  const GpuLayerGradients grads{grad_gate_up.get(), grad_down.get(), nullptr, nullptr,
+                                gemm::WgradOutput::kBf16};
+  const GpuSavedContext context{saved.get(), nullptr};
+  cudaStream_t stream = nullptr;
+  MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto forward = [&] {
+    layer.forward(x.get(), topk_idx.get(), topk_w.get(), y.get(), tokens, stream, &context);
+  };
+  const auto backward = [&] {
+    layer.backward(x.get(), topk_idx.get(), topk_w.get(), dy.get(), dx.get(), d_topk_w.get(), grads,
+                   tokens, stream, &context);
+  };
+  forward();  // (eagerly first: whatever a first call sets up is not in the count)
+  backward();
+  layer.check(stream);
+  const auto launches = [&](const auto& enqueue) {
+    cudaGraph_t graph = nullptr;
+    MOK_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    enqueue();
+    MOK_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    size_t count = 0;
+    MOK_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count));
+    std::vector<cudaGraphNode_t> nodes(count);
+    MOK_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &count));
+    int enqueued = 0;
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type{};
+      MOK_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+      enqueued += type == cudaGraphNodeTypeKernel || type == cudaGraphNodeTypeMemcpy ||
+                  type == cudaGraphNodeTypeMemset;
+    }
+    MOK_CUDA_CHECK(cudaGraphDestroy(graph));
+    return enqueued;
+  };
+  EXPECT_EQ(launches(forward), 3);
+  EXPECT_EQ(launches(backward), 11);
+  MOK_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(GpuLayer, TooManyTokensNameTheArgument) {

@@ -4,7 +4,9 @@
 //           Rows of this rank's own tokens stay where the expert wrote them (expert_y): copying
 //           them into the local slots would only spend the SMs' time. (A workspace without
 //           expert_y, the fused forward's, has every row in the slots.)
-//   reduce  the owner waits for every rank's combine flag, then for each token sums
+//           One rank alone has no row to move and no peer to tell: it launches no push.
+//   reduce  the owner waits for every rank's combine flag (one rank alone: for none, the stream
+//           orders the kernels that wrote its rows before it), then for each token sums
 //           w[t, j] * slot[t, j] in fp32 in j order (skipping -1 slots), adds the fp32 shared
 //           expert output (0 when there is none), and rounds to bf16 once. Each element has one
 //           fixed order of operations, the CPU reference's, so the result is bitwise reproducible
@@ -51,14 +53,32 @@ __device__ inline void combine_push(const WorkspaceView& view) {
   }
 }
 
-// topk_w (T, k) fp32; shared_output (T, H) fp32 or null; y (T, H) bf16.
+// The backward's d_topk_w (T, k) fp32 of this rank's tokens from its window, 0 for unused slots
+// (the expert ranks stored them before their push); every thread of the grid takes its share.
+__device__ inline void collect_d_topk_w(const WorkspaceView& view, float* d_topk_w,
+                                        int32_t num_tokens) {
+  const int32_t* ids = view.topk(view.rank, view.rank);
+  const float* gathered = view.d_topk_w(view.rank);
+  const int64_t count = static_cast<int64_t>(num_tokens) * view.layout.top_k;
+  for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    d_topk_w[index] = ids[index] < 0 ? 0.0f : gathered[index];
+  }
+}
+
+// topk_w (T, k) fp32; shared_output (T, H) fp32 or null; y (T, H) bf16; d_topk_w (T, k) fp32 or
+// null: the backward's, collected beside the sum.
 __device__ inline void combine_reduce(const WorkspaceView& view, const float* topk_w,
-                                      const float* shared_output, __nv_bfloat16* y,
+                                      const float* shared_output, __nv_bfloat16* y, float* d_topk_w,
                                       int32_t num_tokens) {
   if (cta_sees_error(view)) return;
   DeviceState* state = view.state();
-  if (!wait_flags_all_ranks(view, FlagKind::kCombine, state->epoch, Phase::kReduce)) return;
   const WorkspaceLayout& layout = view.layout;
+  if (layout.num_ranks > 1 &&
+      !wait_flags_all_ranks(view, FlagKind::kCombine, state->epoch, Phase::kReduce)) {
+    return;
+  }
+  if (d_topk_w != nullptr) collect_d_topk_w(view, d_topk_w, num_tokens);
   const int32_t* ids = view.topk(view.rank, view.rank);  // (T, k), this rank's own, gathered
   // NOTE: the item's token and column in 32 bits (the launcher checks the count fits): a 64-bit
   // division is a long subroutine, once per item.

@@ -20,7 +20,8 @@ enum class ErrorCode : uint32_t {
   kTimeout = 2,           // a flag did not reach the call's epoch in time
   kExpertOutOfRange = 3,  // topk_idx holds an id outside [-1, E)
   kTokenCountOutOfRange = 4,
-  kTaskTimeout = 5,     // a fused-forward task waited too long for a row block's counter
+  kTaskTimeout = 5,     // a fused-forward task waited too long for a row block's counter, or a
+                        // grid barrier for a CTA
   kExpertRepeated = 6,  // a row of topk_idx holds an expert id twice (-1 may repeat)
 };
 

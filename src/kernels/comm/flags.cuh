@@ -1,6 +1,6 @@
 // Cross-GPU readiness: system-scope release/acquire flags that hold a per-call epoch, waits that
 // time out into the error record, and the "last CTA out signals" pattern that turns the stores of
-// a whole grid into one flag per peer.
+// a whole grid into one flag per peer; and the barrier across one kernel's CTAs.
 //
 // Every flag lives in the window of the rank that waits on it and is written by the rank that
 // signals, so polling stays in local memory and only the one signalling store crosses NVLink.
@@ -80,6 +80,54 @@ __device__ inline void signal_all_ranks(const WorkspaceView& view, FlagKind kind
   for (int owner = 0; owner < view.layout.num_ranks; ++owner) {
     ptx::store_release_system(view.flag(owner, kind, view.rank), value);
   }
+}
+
+// The whole CTA: a barrier across the first `num_ctas` CTAs of the grid, which must all be
+// resident (the schedule's passes run so, in one kernel). The last to arrive resets the count and
+// bumps the generation the others wait on. False, for every thread, when an error was recorded or
+// the wait timed out (recorded as a task timeout in `phase`: a CTA of the grid never arrived, e.g.
+// other kernels held the SMs it needed).
+__device__ inline bool grid_barrier(const WorkspaceView& view, int num_ctas, Phase phase) {
+  DeviceState* state = view.state();
+  __shared__ int passed;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t generation = ptx::load_acquire_gpu(&state->barrier_generation);
+    __threadfence();
+    bool ok = true;
+    if (atomicAdd(&state->barrier_count, 1u) == static_cast<uint32_t>(num_ctas) - 1) {
+      state->barrier_count = 0;
+      __threadfence();
+      atomicAdd(&state->barrier_generation, 1u);
+    } else {
+      ErrorRecord* error = &state->error;
+      const uint64_t start_ns = ptx::global_timer_ns();
+      for (uint32_t spin = 0; ptx::load_acquire_gpu(&state->barrier_generation) == generation;
+           ++spin) {
+        if ((spin & 63u) == 63u) {
+          if (has_error(error)) {
+            ok = false;
+            break;
+          }
+          if (ptx::global_timer_ns() - start_ns > view.timeout_ns) {
+            ErrorDetail detail{phase};
+            detail.value = static_cast<int32_t>(state->barrier_count);
+            detail.expected = static_cast<uint32_t>(num_ctas);
+            raise_error(error, ErrorCode::kTaskTimeout, static_cast<uint32_t>(view.rank), detail);
+            ok = false;
+            break;
+          }
+        }
+        __nanosleep(64);
+      }
+    }
+    __threadfence();
+    passed = ok ? 1 : 0;
+  }
+  __syncthreads();
+  const bool result = passed != 0;
+  __syncthreads();
+  return result;
 }
 
 // Called by every thread of every CTA once its stores are issued. True in thread 0 of the CTA that

@@ -1,6 +1,6 @@
 // The expert-parallel schedule, built on the GPU with no host reads:
 //   1. begin_call      bump the call's epoch, zero the counters (one CTA), the fused forward's too
-//   2. gather_push     push this rank's topk_idx (T, k) and T into every rank's window, then
+//   2. gather_copy     copy this rank's topk_idx (T, k) and T into every rank's window, then
 //                      signal the gather flag (its x is in the window too: pulls may start)
 //   3. count_rows      wait for every rank's gather flag, validate every id (in range, distinct
 //                      within its row), count the rows of each local expert
@@ -13,10 +13,8 @@
 //                      (in global order), and each warp places its slices' rows from there, in
 //                      order; for this rank's own tokens, the row of each (t, j) (local_row) where
 //                      the combine reads rows in place or the backward dispatches by token.
-//                      The standalone schedule runs them as kernels, the fused forward inside its
-//                      kernel with grid barriers between them.
-// Kernel boundaries (grid barriers in the fused forward) separate the steps; within a step
-// nothing depends on timing.
+// make_schedule runs steps 2-4 in one kernel, grid barriers between them (the standalone schedule
+// kernel, and the fused forward's schedule CTAs); within a step nothing depends on timing.
 #pragma once
 
 #include <cstdint>
@@ -41,7 +39,6 @@ __device__ inline void begin_call(const WorkspaceView& view) {
   if (threadIdx.x == 0) {
     state->call_began_ns = ptx::global_timer_ns();
     state->epoch += 1;
-    state->gather_arrivals = 0;
     state->combine_arrivals = 0;
     state->down_tiles_done = 0;
     state->next_task = 0;
@@ -69,19 +66,7 @@ __device__ inline void gather_copy(const WorkspaceView& view, const int32_t* top
   }
 }
 
-__device__ inline void gather_push(const WorkspaceView& view, const int32_t* topk_idx,
-                                   int32_t num_tokens) {
-  DeviceState* state = view.state();
-  if (cta_sees_error(view)) return;
-  const uint32_t epoch = state->epoch;
-  gather_copy(view, topk_idx, num_tokens, static_cast<int>(blockIdx.x),
-              static_cast<int>(gridDim.x));
-  if (last_block_arrived(&state->gather_arrivals)) {
-    signal_all_ranks(view, FlagKind::kGather, epoch);
-  }
-}
-
-// CTA `cta` of `num_ctas` (all of the grid by default) counts its share of the ids.
+// CTA `cta` of `num_ctas` counts its share of the ids.
 __device__ inline void count_rows(const WorkspaceView& view, int cta, int num_ctas) {
   DeviceState* state = view.state();
   if (cta_sees_error(view)) return;
@@ -132,10 +117,6 @@ __device__ inline void count_rows(const WorkspaceView& view, int cta, int num_ct
       }
     }
   }
-}
-
-__device__ inline void count_rows(const WorkspaceView& view) {
-  count_rows(view, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
 __device__ __forceinline__ int64_t padded_rows(int64_t count, int64_t block_m) {
@@ -335,6 +316,35 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
       __syncwarp();
     }
   }
+}
+
+// Steps 2-4 on CTAs [0, num_ctas) of the grid, all resident, after begin_call (an earlier
+// launch), with grid barriers between the steps; the gather flag is raised once every CTA's ids
+// are copied. `scratch`: shared memory for (E_l + 1) + warps * E_l ints. The caller's own work
+// before the first barrier (the fused forward stages x there) is ordered before the gather flag.
+// False when an error was recorded; the caller publishes the outcome as its kernel needs.
+__device__ inline bool make_schedule(const WorkspaceView& view, const int32_t* topk_idx,
+                                     int32_t num_tokens, int cta, int num_ctas, int32_t* scratch) {
+  const uint32_t epoch = view.state()->epoch;
+  gather_copy(view, topk_idx, num_tokens, cta, num_ctas);
+  bool ok = grid_barrier(view, num_ctas, Phase::kSchedule);
+  if (ok && cta == 0 && threadIdx.x == 0) {
+    __threadfence_system();
+    signal_all_ranks(view, FlagKind::kGather, epoch);
+  }
+  // E_l + 1 offsets, then E_l row counters per warp.
+  int32_t* offsets = scratch;
+  int32_t* counters = scratch + view.layout.experts_per_rank() + 1;
+  if (ok) {
+    count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
+    count_slices(view, cta, num_ctas, counters);
+  }
+  ok = ok && grid_barrier(view, num_ctas, Phase::kSchedule);
+  if (ok) scan_slices(view, cta, num_ctas);
+  ok = ok && grid_barrier(view, num_ctas, Phase::kSchedule);
+  if (ok) place_rows(view, cta, num_ctas, offsets, counters);
+  ok = ok && grid_barrier(view, num_ctas, Phase::kSchedule);
+  return ok;
 }
 
 }  // namespace mok::comm

@@ -86,12 +86,11 @@ inline constexpr int kMaxL2Partitions = 2;
 struct DeviceState {
   uint32_t epoch;               // bumped once per call by the first kernel of the call
   uint32_t barrier_epoch;       // bumped by each standalone barrier
-  uint32_t gather_arrivals;     // CTAs of the gather push that finished this call
   uint32_t combine_arrivals;    // CTAs of the combine push that finished this call
   uint32_t down_tiles_done;     // routed down tiles of the fused forward stored this call
   uint32_t next_task;           // the fused forward's next task ticket
   uint32_t schedule_epoch;      // the fused forward's schedule is complete for this epoch
-  uint32_t barrier_count;       // the fused forward's communication CTAs in the current barrier
+  uint32_t barrier_count;       // CTAs in the current grid barrier (comm::grid_barrier)
   uint32_t barrier_generation;  // barriers passed (never reset)
   // The fused forward's ticket grant of each L2 partition: (first ticket + 1) << 32 | tickets
   // taken from it (kernels/megakernel/tickets.cuh).

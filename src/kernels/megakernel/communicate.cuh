@@ -25,9 +25,8 @@ inline constexpr int kProducerDispatchUnroll = 4;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
-// The schedule, on the first num_schedule_ctas CTAs: the steps of token_schedule.cuh, the same as
-// the standalone schedule's kernels, with barriers across those CTAs in place of kernel
-// boundaries, while the other CTAs run shared gate/up tiles. Ends by publishing schedule_epoch,
+// The schedule, on the first num_schedule_ctas CTAs: comm::make_schedule, the standalone schedule
+// kernel's code, while the other CTAs run shared gate/up tiles. Ends by publishing schedule_epoch,
 // which the compute producers also wait for before their first routed task (a failed schedule
 // publishes it too: they then find the error and skip the routed tasks).
 // NOTE: not inlined: inlined, its loops spilled ~140 B of registers in the whole kernel.
@@ -49,24 +48,7 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
     comm::copy_row_warp<comm::RowLoad::kBypassL1>(source, view.x_row(view.rank, token),
                                                   layout.row_bytes(), lane);
   }
-  comm::gather_copy(view, params.topk_idx, params.num_tokens, cta, num_ctas);
-  bool ok = ctas_barrier(view, num_ctas);
-  if (ok && cta == 0 && threadIdx.x == 0) {
-    __threadfence_system();
-    comm::signal_all_ranks(view, comm::FlagKind::kGather, epoch);
-  }
-  // E_l + 1 offsets, then E_l row counters per warp.
-  int32_t* offsets = scratch;
-  int32_t* counters = scratch + layout.experts_per_rank() + 1;
-  if (ok) {
-    comm::count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
-    comm::count_slices(view, cta, num_ctas, counters);
-  }
-  ok = ok && ctas_barrier(view, num_ctas);
-  if (ok) comm::scan_slices(view, cta, num_ctas);
-  ok = ok && ctas_barrier(view, num_ctas);
-  if (ok) comm::place_rows(view, cta, num_ctas, offsets, counters);
-  ok = ok && ctas_barrier(view, num_ctas);
+  comm::make_schedule(view, params.topk_idx, params.num_tokens, cta, num_ctas, scratch);
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.
   if (cta == 0 && threadIdx.x == 0) ptx::store_release_gpu(&view.state()->schedule_epoch, epoch);

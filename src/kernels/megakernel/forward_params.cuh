@@ -37,7 +37,7 @@ struct FusedForwardParams {
   int minibatch_mblocks;  // row blocks per minibatch
   int ring_mblocks;       // row blocks of expert_x and the routed hidden rows (task_list.cuh)
   int has_shared;
-  int schedule_in_kernel;  // 0: the schedule kernels (comm_ops.hpp) ran before the launch
+  int schedule_in_kernel;  // 0: the standalone schedule (comm_ops.hpp) ran before the launch
   // blockIdx.x below this makes the schedule (>= num_comm_ctas); the others start on the shared
   // gate/up tiles at once
   int num_schedule_ctas;

@@ -190,17 +190,4 @@ __device__ inline void swiglu_backward_shared(const SwiGluBackwardRows& rows, in
                       [&](int64_t row) { swiglu_backward_row(rows, row, row, 1.0f, lane); });
 }
 
-// d_topk_w (T, k) of this rank's tokens from its window, 0 for unused slots; after the combine's
-// reduce has acquired every rank's combine flag (the expert ranks stored them before their push).
-__device__ inline void collect_d_topk_w(const comm::WorkspaceView& view, float* d_topk_w,
-                                        int64_t num_tokens) {
-  const int32_t* ids = view.topk(view.rank, view.rank);
-  const float* gathered = view.d_topk_w(view.rank);
-  const int64_t count = num_tokens * view.layout.top_k;
-  for (int64_t index = blockIdx.x * blockDim.x + threadIdx.x; index < count;
-       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    d_topk_w[index] = ids[index] < 0 ? 0.0f : gathered[index];
-  }
-}
-
 }  // namespace mok::megakernel

@@ -67,42 +67,6 @@ __device__ inline bool wait_counter(const comm::WorkspaceView& view, comm::TaskC
       });
 }
 
-// The whole CTA: a barrier across the first `num_ctas` CTAs of the grid (all resident). The last
-// to arrive resets the count and bumps the generation the others wait on. False, for every thread,
-// when an error was recorded or the wait timed out (recorded as a task timeout of row block -1).
-__device__ inline bool ctas_barrier(const comm::WorkspaceView& view, int num_ctas) {
-  comm::DeviceState* state = view.state();
-  __shared__ int passed;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t generation = ptx::load_acquire_gpu(&state->barrier_generation);
-    __threadfence();
-    bool ok = true;
-    if (atomicAdd(&state->barrier_count, 1u) == static_cast<uint32_t>(num_ctas) - 1) {
-      state->barrier_count = 0;
-      __threadfence();
-      atomicAdd(&state->barrier_generation, 1u);
-    } else {
-      ok = spin_until(
-          view, [&] { return ptx::load_acquire_gpu(&state->barrier_generation) != generation; },
-          [&] {
-            // A CTA of the grid never arrived (not resident: other kernels hold SMs?).
-            comm::ErrorDetail detail{comm::Phase::kSchedule};
-            detail.value = static_cast<int32_t>(state->barrier_count);
-            detail.expected = static_cast<uint32_t>(num_ctas);
-            comm::raise_error(&state->error, comm::ErrorCode::kTaskTimeout,
-                              static_cast<uint32_t>(view.rank), detail);
-          });
-    }
-    __threadfence();
-    passed = ok ? 1 : 0;
-  }
-  __syncthreads();
-  const bool result = passed != 0;
-  __syncthreads();
-  return result;
-}
-
 // The 256 threads of the two consumer warpgroups.
 __device__ __forceinline__ void consumer_barrier() {
   ptx::named_barrier_sync<static_cast<uint32_t>(gemm::NamedBarrier::kConsumers),
