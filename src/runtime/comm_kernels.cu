@@ -85,10 +85,14 @@ __global__ void __launch_bounds__(comm::kVectorMaxThreads, 1)
   comm::combine_push(view);
 }
 
-__global__ void __launch_bounds__(comm::kReduceThreads)
+// kCollect: the backward's, which also collects d_topk_w. Three CTAs an SM (at most 85 registers
+// a thread): with the collect the compiler took 88, and at two CTAs an SM the reduce kept fewer
+// loads in flight and ran ~10 % slower (docs/perf-notes/backward.md v33).
+template <bool kCollect>
+__global__ void __launch_bounds__(comm::kReduceThreads, 3)
     combine_reduce_kernel(comm::WorkspaceView view, const float* topk_w, const float* shared_output,
                           __nv_bfloat16* y, float* d_topk_w, int32_t num_tokens) {
-  comm::combine_reduce(view, topk_w, shared_output, y, d_topk_w, num_tokens);
+  comm::combine_reduce(view, topk_w, shared_output, y, kCollect ? d_topk_w : nullptr, num_tokens);
 }
 
 __global__ void rank_barrier_kernel(comm::WorkspaceView view) {
@@ -271,10 +275,12 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
                 " columns are more 8-column vectors than the reduce indexes in 32 bits");
   // One wave of resident CTAs looping over the items: a grid of several waves left its last one
   // part-full (76 registers a thread: 3 CTAs of 256 per SM).
+  const auto kernel =
+      d_topk_w != nullptr ? combine_reduce_kernel<true> : combine_reduce_kernel<false>;
   static const int resident_per_sm = [] {  // the same for every device mok runs on (sm_90)
-    int resident = 0;
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, combine_reduce_kernel,
-                                                                 comm::kReduceThreads, 0));
+    int resident = 0;                      // (both kernels hold 3 CTAs an SM: their launch bounds)
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, combine_reduce_kernel<false>, comm::kReduceThreads, 0));
     return std::max(resident, 1);
   }();
   // (ranks emulated on one GPU: one CTA per SM of the rank's share, so that waiting CTAs leave
@@ -282,9 +288,9 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
   const int per_sm = ws.shares_device() ? 1 : resident_per_sm;
   const int ctas = static_cast<int>(std::clamp<int64_t>(ceil_div(items, comm::kReduceThreads), 1,
                                                         int64_t{ws.num_sms()} * per_sm));
-  combine_reduce_kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(
-      ws.view(), topk_w, shared_output, reinterpret_cast<__nv_bfloat16*>(y), d_topk_w,
-      static_cast<int32_t>(num_tokens));
+  kernel<<<ctas, comm::kReduceThreads, 0, stream>>>(ws.view(), topk_w, shared_output,
+                                                    reinterpret_cast<__nv_bfloat16*>(y), d_topk_w,
+                                                    static_cast<int32_t>(num_tokens));
   MOK_CUDA_CHECK_LAUNCH();
 }
 
