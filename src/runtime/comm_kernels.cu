@@ -106,16 +106,14 @@ void check_num_tokens(const CommWorkspace& ws, int64_t num_tokens) {
                 " out of range [0, ", ws.layout().tokens_max, "]");
 }
 
+// A copy kernel's grid from config, whose CTAs and threads are checked.
 int resolve_ctas(const CommWorkspace& ws, const CopyConfig& config) {
   MOK_CHECK_ARG(config.num_ctas >= 0, "num_ctas", "must be >= 0, got ", config.num_ctas);
-  return config.num_ctas == 0 ? ws.num_sms() : config.num_ctas;
-}
-
-void check_threads(const CopyConfig& config) {
   MOK_CHECK_ARG(config.threads_per_cta >= 32 && config.threads_per_cta <= comm::kVectorMaxThreads &&
                     config.threads_per_cta % 32 == 0,
                 "threads_per_cta", "must be a multiple of 32 in [32, ", comm::kVectorMaxThreads,
                 "], got ", config.threads_per_cta);
+  return config.num_ctas == 0 ? ws.num_sms() : config.num_ctas;
 }
 
 // A copy kernel on config's CTAs and threads: kernel(ws.view(), args...).
@@ -123,7 +121,6 @@ template <class... Args>
 void launch_copy(const CommWorkspace& ws, const CopyConfig& config, cudaStream_t stream,
                  void (*kernel)(comm::WorkspaceView, Args...), Args... args) {
   const int num_ctas = resolve_ctas(ws, config);
-  check_threads(config);
   kernel<<<num_ctas, config.threads_per_cta, 0, stream>>>(ws.view(), args...);
   MOK_CUDA_CHECK_LAUNCH();
 }
@@ -255,9 +252,9 @@ void combine_push(CommWorkspace& ws, const CopyConfig& config, cudaStream_t stre
                 "the standalone combine push needs expert_y; this workspace (a fused forward's) "
                 "has none");
   if (ws.layout().num_ranks == 1) {
-    // One rank: no row to push and no flag its reduce waits for (combine.cuh): no launch.
+    // One rank: no row to push and no flag its reduce waits for (combine.cuh): no launch (the
+    // config is checked all the same).
     resolve_ctas(ws, config);
-    check_threads(config);
     return;
   }
   launch_copy(ws, config, stream, combine_push_kernel);
@@ -274,11 +271,11 @@ void combine_reduce(CommWorkspace& ws, const float* topk_w, const float* shared_
   MOK_CHECK_ARG(items <= INT32_MAX, "num_tokens", num_tokens, " tokens of ", ws.layout().hidden,
                 " columns are more 8-column vectors than the reduce indexes in 32 bits");
   // One wave of resident CTAs looping over the items: a grid of several waves left its last one
-  // part-full (76 registers a thread: 3 CTAs of 256 per SM).
+  // part-full (3 CTAs of 256 per SM: the kernels' launch bounds).
   const auto kernel =
       d_topk_w != nullptr ? combine_reduce_kernel<true> : combine_reduce_kernel<false>;
   static const int resident_per_sm = [] {  // the same for every device mok runs on (sm_90)
-    int resident = 0;                      // (both kernels hold 3 CTAs an SM: their launch bounds)
+    int resident = 0;                      // (the same for both kernels)
     MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &resident, combine_reduce_kernel<false>, comm::kReduceThreads, 0));
     return std::max(resident, 1);

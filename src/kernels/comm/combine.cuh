@@ -43,9 +43,8 @@ __device__ inline void combine_push(const WorkspaceView& view) {
   if (cta_sees_error(view)) return;
   DeviceState* state = view.state();
   const uint32_t epoch = state->epoch;
-  // One rank: every row is its own, read in place by the reduce; only the flag is left to raise.
-  const int64_t num_rows =
-      view.layout.num_ranks == 1 ? 0 : view.offsets()[view.layout.experts_per_rank()];
+  // (One rank alone never launches it: combine_push's launcher.)
+  const int64_t num_rows = view.offsets()[view.layout.experts_per_rank()];
   const CombineRows rows{view};
   copy_rows_vector</*kSourceReadOnly=*/true>(num_rows, view.layout.row_bytes(), rows);
   if (last_block_arrived(&state->combine_arrivals)) {
