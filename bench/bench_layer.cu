@@ -435,6 +435,21 @@ void bench_one(const BenchCase& which, const mok::LayerShape& shape, const mok::
     phases("backward_phases_ms", result.backward_phase_ms);
     phases("backward_recompute_phases_ms", result.backward_recompute_phase_ms);
   }
+  // The schedule's passes, rank 0 (LayerRunResult::schedule_pass_us).
+  const auto passes = [&](const char* key, const std::vector<double>& us) {
+    if (us.empty()) return;
+    static const char* const kPasses[] = {"gather", "count", "scan", "place"};
+    out << ", \"" << key << "\": {";
+    std::printf("    %s (us, rank 0):", key);
+    for (size_t pass = 0; pass < us.size() && pass < 4; ++pass) {
+      out << (pass == 0 ? "" : ", ") << "\"" << kPasses[pass] << "\": " << us[pass];
+      std::printf(" %s %.1f", kPasses[pass], us[pass]);
+    }
+    out << "}";
+    std::printf("\n");
+  };
+  passes("schedule_passes_us", result.schedule_pass_us);
+  passes("backward_schedule_passes_us", result.backward_schedule_pass_us);
   json_clocks(out, monitor, window_prefix, args);
   out << ", \"phases_ms\": {";
   for (size_t phase = 0; phase < result.phase_ms.size(); ++phase) {

@@ -155,6 +155,11 @@ struct LayerRunResult {
   std::vector<bf16> fp8_dx;                // (T_global, H) when keep_y
   std::vector<float> fp8_d_topk_w;         // (T_global, k) when keep_y
   std::vector<std::string> trace_summary;  // one line per rank when spec.trace
+  // What each pass of rank 0's schedule took (µs; gather, count, scan, place) in its last forward
+  // (the fused kernel's schedule CTAs, or the schedule kernel) and, with spec.backward, in its
+  // last bf16 backward (the schedule kernel).
+  std::vector<double> schedule_pass_us;
+  std::vector<double> backward_schedule_pass_us;
   // How the fused kernel hands out its tasks on GPU 0: one pool, or a grant per L2 partition of
   // the SMs the probe found ("GPU 0 L2 partitions (probed): 66 + 66 SMs; ...").
   std::string l2_partitions;

@@ -216,6 +216,7 @@ LayerRunResult run_layer_forward(const LayerRunSpec& spec) {
     layer.check(stream);
     result.rank_ms[rank] = timing.ms;
     rank_phase_ms[rank] = timing.phase_ms;
+    if (rank == 0) result.schedule_pass_us = layer.workspace().schedule_pass_us();
     if (spec.trace && spec.fused) {
       layer.enable_trace();
       forward();

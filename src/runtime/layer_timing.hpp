@@ -350,6 +350,7 @@ void run_backward(const LayerRunSpec& spec, int rank, const Communicator& comm,
   };
   time_mode(nullptr, recompute);
   if (spec.save_context) time_mode(&context, save);
+  if (rank == 0) result.backward_schedule_pass_us = layer.workspace().schedule_pass_us();
   if (spec.chunked_backward && spec.save_context && spec.ep == 1) {
     time_chunked_backward(spec, rank, comm, options, weights, x, topk_idx, topk_w, stream, forward,
                           warm_up, io, context, result);

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/comm/workspace_layout.cuh"
 #include "mok/bf16.hpp"
@@ -59,6 +60,9 @@ class CommWorkspace {
   // The GPU's global timer (ns) when the last call's first kernel began on this rank; reads the
   // device (a synchronous copy: for reports after a failure, not while peers' kernels wait).
   uint64_t call_began_ns() const;
+  // What each pass of the latest schedule took (µs: gather, count, scan, place; comm::DeviceState's
+  // stamps); a synchronous read, for reports.
+  std::vector<double> schedule_pass_us() const;
   bool shares_device() const { return comm_.ranks_on_device() > 1; }
 
   // (T_max, H): this rank's tokens, in its window (none: rows_in_expert_dy). Write x here before

@@ -325,9 +325,16 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
 // False when an error was recorded; the caller publishes the outcome as its kernel needs.
 __device__ inline bool make_schedule(const WorkspaceView& view, const int32_t* topk_idx,
                                      int32_t num_tokens, int cta, int num_ctas, int32_t* scratch) {
-  const uint32_t epoch = view.state()->epoch;
+  DeviceState* state = view.state();
+  const uint32_t epoch = state->epoch;
+  // One store by one thread at the start and after each barrier: no cost the passes would see.
+  const auto stamp = [&](int pass) {
+    if (cta == 0 && threadIdx.x == 0) state->schedule_ns[pass] = ptx::global_timer_ns();
+  };
+  stamp(0);
   gather_copy(view, topk_idx, num_tokens, cta, num_ctas);
   bool ok = grid_barrier(view, num_ctas, Phase::kSchedule);
+  stamp(1);
   if (ok && cta == 0 && threadIdx.x == 0) {
     __threadfence_system();
     signal_all_ranks(view, FlagKind::kGather, epoch);
@@ -340,10 +347,13 @@ __device__ inline bool make_schedule(const WorkspaceView& view, const int32_t* t
     count_slices(view, cta, num_ctas, counters);
   }
   ok = ok && grid_barrier(view, num_ctas, Phase::kSchedule);
+  stamp(2);
   if (ok) scan_slices(view, cta, num_ctas);
   ok = ok && grid_barrier(view, num_ctas, Phase::kSchedule);
+  stamp(3);
   if (ok) place_rows(view, cta, num_ctas, offsets, counters);
   ok = ok && grid_barrier(view, num_ctas, Phase::kSchedule);
+  stamp(4);
   return ok;
 }
 

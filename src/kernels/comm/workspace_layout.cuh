@@ -80,6 +80,8 @@ inline constexpr int kNumFlagKinds = 3;
 // at a time to each L2 partition's CTAs (kernels/megakernel/tickets.cuh).
 inline constexpr uint32_t kTicketGrant = 32;
 inline constexpr int kMaxL2Partitions = 2;
+// The schedule's passes (token_schedule.cuh: gather, count, scan, place), each stamped at its end.
+inline constexpr int kSchedulePasses = 4;
 
 // Per-GPU state in the local buffer. `epoch` numbers the calls: flags are compared against it and
 // never reset, so a replayed CUDA graph reuses them safely.
@@ -98,6 +100,9 @@ struct DeviceState {
   // The GPU's global timer (ns) when this call's first kernel began (begin_call): when a peer
   // times out waiting for this rank, tells whether the rank's call itself started late.
   unsigned long long call_began_ns;
+  // The global timer (ns) when the latest schedule began (make_schedule, CTA 0) and when each of
+  // its passes ended (the grid barrier after it): where the schedule's time goes, for the notes.
+  unsigned long long schedule_ns[kSchedulePasses + 1];
   ErrorRecord error;
 };
 
