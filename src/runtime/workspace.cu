@@ -251,8 +251,8 @@ uint64_t CommWorkspace::call_began_ns() const {
 
 std::vector<double> CommWorkspace::schedule_pass_us() const {
   unsigned long long stamps[comm::kSchedulePasses + 1] = {};
-  MOK_CUDA_CHECK(cudaMemcpy(stamps, view_.state()->schedule_ns, sizeof(stamps),
-                            cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(
+      cudaMemcpy(stamps, view_.state()->schedule_ns, sizeof(stamps), cudaMemcpyDeviceToHost));
   std::vector<double> passes;
   for (int pass = 0; pass < comm::kSchedulePasses; ++pass) {
     passes.push_back(static_cast<double>(stamps[pass + 1] - stamps[pass]) * 1e-3);
