@@ -21,10 +21,11 @@ __global__ void begin_call_kernel(comm::WorkspaceView view) { comm::begin_call(v
 constexpr int kScheduleThreads = 256;
 
 __global__ void __launch_bounds__(kScheduleThreads)
-    schedule_kernel(comm::WorkspaceView view, const int32_t* topk_idx, int32_t num_tokens) {
+    schedule_kernel(comm::WorkspaceView view, const int32_t* topk_idx, const float* topk_w,
+                    int32_t num_tokens) {
   extern __shared__ int32_t scratch[];
   if (comm::cta_sees_error(view)) return;
-  comm::make_schedule(view, topk_idx, num_tokens, static_cast<int>(blockIdx.x),
+  comm::make_schedule(view, topk_idx, topk_w, num_tokens, static_cast<int>(blockIdx.x),
                       static_cast<int>(gridDim.x), scratch);
 }
 
@@ -175,14 +176,17 @@ void begin_call(CommWorkspace& ws, cudaStream_t stream) {
   MOK_CUDA_CHECK_LAUNCH();
 }
 
-void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream) {
+void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream,
+              const float* topk_w) {
   check_num_tokens(ws, num_tokens);
   MOK_CHECK_ARG(num_tokens == 0 || topk_idx != nullptr, "topk_idx", "null pointer for ", num_tokens,
                 " tokens");
+  MOK_CHECK_ARG(topk_w == nullptr || ws.layout().backward, "topk_w",
+                "staged only in a workspace with the backward's regions");
   const comm::WorkspaceLayout& layout = ws.layout();
   begin_call(ws, stream);
   // Two launches: begin_call (the epoch the passes read), then the passes. CTAs for the widest
-  // pass: 8 ids a thread in count_rows, a warp a slice in count_slices and place_rows, a warp an
+  // pass: 8 ids a thread in gather_copy, a warp a slice in count_slices and place_rows, a warp an
   // expert in scan_slices.
   const size_t shared_bytes = slice_pass_bytes(ws);
   const int64_t warps_per_cta = kScheduleThreads / 32;
@@ -193,7 +197,7 @@ void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cu
                 ceil_div(layout.experts_per_rank(), warps_per_cta)});
   const int ctas = static_cast<int>(std::clamp<int64_t>(widest, 1, ws.num_sms()));
   schedule_kernel<<<ctas, kScheduleThreads, shared_bytes, stream>>>(
-      ws.view(), topk_idx, static_cast<int32_t>(num_tokens));
+      ws.view(), topk_idx, topk_w, static_cast<int32_t>(num_tokens));
   MOK_CUDA_CHECK_LAUNCH();
 }
 

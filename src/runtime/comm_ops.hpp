@@ -40,7 +40,10 @@ void stage_fp8_tokens(CommWorkspace& ws, const uint8_t* data, const float* scale
 void begin_call(CommWorkspace& ws, cudaStream_t stream);
 
 // topk_idx (T, k) int32 on this device; T = num_tokens <= tokens_max. ws.x() must hold the tokens.
-void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream);
+// topk_w (T, k) fp32, in a workspace with the backward's regions: staged into ws.topk_w() by the
+// same kernel (or null: not staged).
+void schedule(CommWorkspace& ws, const int32_t* topk_idx, int64_t num_tokens, cudaStream_t stream,
+              const float* topk_w = nullptr);
 
 // Pulls every routed row into ws.expert_x() (tensor kX: the tokens' x from the owners' windows)
 // or, in a workspace with the backward's regions, into ws.expert_dy() (kDy: their dy).

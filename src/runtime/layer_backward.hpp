@@ -5,8 +5,9 @@
 // gate/up pre-activations are computed again here) and save (the forward kept them: SavedContext,
 // and both gate/up GEMMs below are skipped).
 //
-//   stage x, dy, topk_w   into the window, for the expert ranks to pull and read
-//   schedule              on-GPU all-gather of topk_idx, each local expert's rows in global order
+//   stage x, dy           into the window, for the expert ranks to pull
+//   schedule              on-GPU all-gather of topk_idx, each local expert's rows in global order;
+//                         topk_w into the window beside the ids, for the expert ranks to read
 //   shared expert         gate/up (bf16) | down dgrad g (fp32) | SwiGLU backward | gate/up dgrad
 //                         (fp32 dx, added by the combine) | both wgrads
 //   dispatch x, dy        into expert_x and expert_dy (the same rows)

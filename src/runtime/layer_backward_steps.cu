@@ -31,10 +31,8 @@ void stage_backward_inputs(CommWorkspace& workspace, const bf16* x, const int32_
                                    static_cast<size_t>(num_tokens * workspace.layout().row_bytes()),
                                    cudaMemcpyDeviceToDevice, stream));
   }
-  MOK_CUDA_CHECK(cudaMemcpyAsync(workspace.topk_w(), topk_w,
-                                 static_cast<size_t>(num_tokens * workspace.layout().top_k * 4),
-                                 cudaMemcpyDeviceToDevice, stream));
-  schedule(workspace, topk_idx, num_tokens, stream);
+  // The router weights beside the ids, in the schedule's kernel.
+  schedule(workspace, topk_idx, num_tokens, stream, topk_w);
 }
 
 void zero_shared_gradients(const LayerShape& shape, const DeviceLayerGradients& grads,

@@ -2,19 +2,19 @@
 //   1. begin_call      bump the call's epoch, zero the counters (one CTA), the fused forward's too
 //   2. gather_copy     copy this rank's topk_idx (T, k) and T into every rank's window, then
 //                      signal the gather flag (its x is in the window too: pulls may start)
-//   3. count_rows      wait for every rank's gather flag, validate every id (in range, distinct
-//                      within its row), count the rows of each local expert
-//   4. count_slices, scan_slices, place_rows
-//                      the offsets (each local expert starts at a multiple of block_m) and each
-//                      expert's rows in global token order (rank * T_max + t, then slot j),
-//                      padding marked -1, in three passes over the ids however many experts: each
-//                      warp counts the rows of every local expert in its slices of kScheduleSlice
-//                      ids, one warp per expert turns the counts into the rows before each slice
-//                      (in global order), and each warp places its slices' rows from there, in
-//                      order; for this rank's own tokens, the row of each (t, j) (local_row) where
-//                      the combine reads rows in place or the backward dispatches by token.
-// make_schedule runs steps 2-4 in one kernel, grid barriers between them (the standalone schedule
-// kernel, and the fused forward's schedule CTAs); within a step nothing depends on timing.
+//   3. count_slices, scan_slices, place_rows
+//                      once every rank's gather flag is up: every id validated (in range,
+//                      distinct within its row), the counts, the offsets (each local expert
+//                      starts at a multiple of block_m) and each expert's rows in global token
+//                      order (rank * T_max + t, then slot j), padding marked -1, in three passes
+//                      over the ids however many experts: each warp counts the rows of every
+//                      local expert in its slices of kScheduleSlice ids, one warp per expert turns
+//                      the counts into the rows before each slice (in global order) and its total,
+//                      and each warp places its slices' rows from there, in order; for this
+//                      rank's own tokens, the row of each (t, j) (local_row) where the combine
+//                      reads rows in place or the backward dispatches by token.
+// make_schedule runs steps 2-3 in one kernel, grid barriers between the passes (the standalone
+// schedule kernel, and the fused forward's schedule CTAs); within a pass nothing depends on timing.
 #pragma once
 
 #include <cstdint>
@@ -50,12 +50,20 @@ __device__ inline void begin_call(const WorkspaceView& view) {
   }
 }
 
-// This rank's topk_idx (T, k) and T into every rank's window; CTA `cta` of `num_ctas` takes its
-// share. The caller signals the gather flag once every CTA's stores are done.
+// This rank's topk_idx (T, k) and T into every rank's window, and its router weights topk_w
+// (T, k) into its own when given (the backward's); CTA `cta` of `num_ctas` takes its share. The
+// caller signals the gather flag once every CTA's stores are done.
 __device__ inline void gather_copy(const WorkspaceView& view, const int32_t* topk_idx,
-                                   int32_t num_tokens, int cta, int num_ctas) {
+                                   const float* topk_w, int32_t num_tokens, int cta, int num_ctas) {
   const int64_t num_ids = static_cast<int64_t>(num_tokens) * view.layout.top_k;  // (T, k)
   const int64_t stride = static_cast<int64_t>(num_ctas) * blockDim.x;
+  if (topk_w != nullptr) {
+    float* weights = view.topk_w(view.rank);
+    for (int64_t index = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x; index < num_ids;
+         index += stride) {
+      weights[index] = topk_w[index];
+    }
+  }
   for (int owner = 0; owner < view.layout.num_ranks; ++owner) {
     int32_t* destination = view.topk(owner, view.rank);
     for (int64_t index = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x; index < num_ids;
@@ -63,59 +71,6 @@ __device__ inline void gather_copy(const WorkspaceView& view, const int32_t* top
       destination[index] = topk_idx[index];
     }
     if (cta == 0 && threadIdx.x == 0) view.token_counts(owner)[view.rank] = num_tokens;
-  }
-}
-
-// CTA `cta` of `num_ctas` counts its share of the ids.
-__device__ inline void count_rows(const WorkspaceView& view, int cta, int num_ctas) {
-  DeviceState* state = view.state();
-  if (cta_sees_error(view)) return;
-  if (!wait_flags_all_ranks(view, FlagKind::kGather, state->epoch, Phase::kGather)) return;
-  const WorkspaceLayout& layout = view.layout;
-  const int64_t experts_per_rank = layout.experts_per_rank();
-  const int64_t first_expert = view.rank * experts_per_rank;
-  const int64_t stride = static_cast<int64_t>(num_ctas) * blockDim.x;
-  for (int source = 0; source < layout.num_ranks; ++source) {
-    const int32_t num_tokens = view.token_counts(view.rank)[source];
-    if (num_tokens < 0 || num_tokens > layout.tokens_max) {
-      ErrorDetail detail{Phase::kSchedule};
-      detail.peer = static_cast<uint32_t>(source);
-      detail.value = num_tokens;
-      detail.expected = static_cast<uint32_t>(layout.tokens_max);
-      raise_error(&state->error, ErrorCode::kTokenCountOutOfRange, view.rank, detail);
-      return;
-    }
-    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k)
-    for (int64_t index = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x;
-         index < num_tokens * layout.top_k; index += stride) {
-      const int32_t expert = ids[index];
-      const int64_t slot = index % layout.top_k;
-      auto report = [&](ErrorCode code, uint32_t expected) {
-        ErrorDetail detail{Phase::kSchedule};
-        detail.peer = static_cast<uint32_t>(source);
-        detail.token = static_cast<int32_t>(index / layout.top_k);
-        detail.slot = static_cast<int32_t>(slot);
-        detail.value = expert;
-        detail.expected = expected;
-        raise_error(&state->error, code, view.rank, detail);
-      };
-      if (expert < -1 || expert >= layout.num_experts) {
-        report(ErrorCode::kExpertOutOfRange, static_cast<uint32_t>(layout.num_experts));
-        return;
-      }
-      // The ids of a row are distinct (-1 may repeat): the later slot of a repeat reports it.
-      // The row's earlier ids sit beside this one, read by the neighbouring threads too.
-      for (int64_t earlier = 0; expert >= 0 && earlier < slot; ++earlier) {
-        if (ids[index - slot + earlier] == expert) {
-          report(ErrorCode::kExpertRepeated, static_cast<uint32_t>(earlier));
-          return;
-        }
-      }
-      const int64_t local_expert = expert - first_expert;
-      if (expert >= 0 && local_expert >= 0 && local_expert < experts_per_rank) {
-        atomicAdd(&view.counts()[local_expert], 1);  // integer: the count is exact in any order
-      }
-    }
   }
 }
 
@@ -165,22 +120,53 @@ __device__ inline ScheduleWarp schedule_warp(int cta, int num_ctas) {
           static_cast<int>(threadIdx.x % 32)};
 }
 
-// Pass 1, every warp, after count_rows validated the ids (and a barrier): the rows of each local
-// expert in each of its slices, into slice_rows. `counters`: E_l ints of shared memory per warp.
+// A slice's ids in registers, lane l holding ids first_id + 32 s + l (-1 from `end` on), loaded
+// before a pass's steps so that the loads are in flight together rather than one a step.
+constexpr int kSliceSteps = static_cast<int>(kScheduleSlice / 32);
+
+__device__ __forceinline__ void load_slice(const int32_t* ids, int32_t first_id, int32_t end,
+                                           int lane, int32_t (&slice_ids)[kSliceSteps]) {
+#pragma unroll
+  for (int step = 0; step < kSliceSteps; ++step) {
+    const int32_t index = first_id + 32 * step + lane;
+    slice_ids[step] = index < end ? ids[index] : -1;
+  }
+}
+
+// Pass 1, every warp, once every rank's ids are in (the gather flags): each id checked (in range,
+// distinct within its row), and the rows of each local expert in each of its slices into
+// slice_rows. `counters`: E_l ints of shared memory per warp. No global atomics: the experts'
+// counts are the scan's totals (pass 2).
 __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_ctas,
                                     int32_t* counters) {
+  DeviceState* state = view.state();
   if (cta_sees_error(view)) return;
+  if (!wait_flags_all_ranks(view, FlagKind::kGather, state->epoch, Phase::kGather)) return;
   const WorkspaceLayout& layout = view.layout;
+  // Every thread reads the same counts, so all leave together.
+  for (int source = 0; source < layout.num_ranks; ++source) {
+    const int32_t num_tokens = view.token_counts(view.rank)[source];
+    if (num_tokens < 0 || num_tokens > layout.tokens_max) {
+      if (cta == 0 && threadIdx.x == 0) {
+        ErrorDetail detail{Phase::kSchedule};
+        detail.peer = static_cast<uint32_t>(source);
+        detail.value = num_tokens;
+        detail.expected = static_cast<uint32_t>(layout.tokens_max);
+        raise_error(&state->error, ErrorCode::kTokenCountOutOfRange, view.rank, detail);
+      }
+      return;
+    }
+  }
   const int64_t experts = layout.experts_per_rank();
   const int64_t first_expert = view.rank * experts;
+  const int32_t top_k = static_cast<int32_t>(layout.top_k);
   const ScheduleWarp me = schedule_warp(cta, num_ctas);
   int32_t* mine = counters + (threadIdx.x / 32) * experts;
   const int64_t slices = layout.slices_per_source();
   for (int64_t slice = me.first_warp; slice < layout.num_ranks * slices; slice += me.num_warps) {
     const int source = static_cast<int>(slice / slices);
-    const int64_t num_ids =
-        static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
-    const int64_t first_id = (slice % slices) * kScheduleSlice;
+    const int32_t num_ids = view.token_counts(view.rank)[source] * top_k;
+    const int32_t first_id = static_cast<int32_t>((slice % slices) * kScheduleSlice);
     int32_t* out = view.slice_rows() + slice * experts;
     if (first_id >= num_ids) {
       for (int64_t expert = me.lane; expert < experts; expert += 32) out[expert] = 0;
@@ -188,11 +174,45 @@ __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_
     }
     for (int64_t expert = me.lane; expert < experts; expert += 32) mine[expert] = 0;
     __syncwarp();
-    const int32_t* ids = view.topk(view.rank, source);
-    const int64_t end = min(first_id + kScheduleSlice, num_ids);
-    for (int64_t index = first_id + me.lane; index < end; index += 32) {
-      const int64_t local_expert = ids[index] - first_expert;  // -1 slots fall outside
-      if (ids[index] >= 0 && local_expert >= 0 && local_expert < experts) {
+    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k)
+    const int32_t end = min(first_id + static_cast<int32_t>(kScheduleSlice), num_ids);
+    int32_t slice_ids[kSliceSteps];
+    load_slice(ids, first_id, end, me.lane, slice_ids);
+#pragma unroll
+    for (int step = 0; step < kSliceSteps; ++step) {  // whole warps: the vote below
+      if (first_id + 32 * step >= end) break;
+      const int32_t index = first_id + 32 * step + me.lane;
+      const int32_t expert = slice_ids[step];
+      const int32_t slot = index % top_k;
+      ErrorCode code = ErrorCode::kNone;
+      uint32_t expected = 0;
+      if (expert < -1 || expert >= layout.num_experts) {
+        code = ErrorCode::kExpertOutOfRange;
+        expected = static_cast<uint32_t>(layout.num_experts);
+      }
+      // The ids of a row are distinct (-1 may repeat): the later slot of a repeat reports it.
+      // The row's earlier ids sit beside this one, read by the neighbouring lanes too.
+      for (int32_t earlier = 0; code == ErrorCode::kNone && expert >= 0 && earlier < slot;
+           ++earlier) {
+        if (ids[index - slot + earlier] == expert) {
+          code = ErrorCode::kExpertRepeated;
+          expected = static_cast<uint32_t>(earlier);
+        }
+      }
+      if (__any_sync(0xffffffffu, code != ErrorCode::kNone)) {
+        if (code != ErrorCode::kNone) {
+          ErrorDetail detail{Phase::kSchedule};
+          detail.peer = static_cast<uint32_t>(source);
+          detail.token = index / top_k;
+          detail.slot = slot;
+          detail.value = expert;
+          detail.expected = expected;
+          raise_error(&state->error, code, view.rank, detail);
+        }
+        return;  // the whole warp; the grid barrier after this pass sees the error
+      }
+      const int64_t local_expert = expert - first_expert;  // -1 slots fall outside
+      if (expert >= 0 && local_expert >= 0 && local_expert < experts) {
         atomicAdd(&mine[local_expert], 1);  // integer counts: exact in any order
       }
     }
@@ -203,7 +223,7 @@ __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_
 }
 
 // Pass 2, after a barrier: for each local expert (one warp each), the rows it has in the slices
-// before each slice (an exclusive scan over the slices in global order), in place.
+// before each slice (an exclusive scan over the slices in global order), in place, and its count.
 __device__ inline void scan_slices(const WorkspaceView& view, int cta, int num_ctas) {
   if (cta_sees_error(view)) return;
   const WorkspaceLayout& layout = view.layout;
@@ -225,6 +245,7 @@ __device__ inline void scan_slices(const WorkspaceView& view, int cta, int num_c
       if (slice < num_slices) *cell = carried + inclusive - rows;
       carried += __shfl_sync(0xffffffffu, inclusive, 31);
     }
+    if (me.lane == 0) view.counts()[expert] = carried;  // the expert's rows over every slice
   }
 }
 
@@ -292,10 +313,15 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
     }
     __syncwarp();
     const int32_t* ids = view.topk(view.rank, source);
-    const int64_t end = min(first_id + kScheduleSlice, num_ids);
-    for (int64_t step = first_id; step < end; step += 32) {  // whole warps: the shuffles below
-      const int64_t index = step + me.lane;
-      const int32_t expert = index < end ? ids[index] : -1;
+    const int32_t end = static_cast<int32_t>(min(first_id + kScheduleSlice, num_ids));
+    int32_t slice_ids[kSliceSteps];
+    load_slice(ids, static_cast<int32_t>(first_id), end, me.lane, slice_ids);
+    const int32_t top_k = static_cast<int32_t>(layout.top_k);
+#pragma unroll
+    for (int step = 0; step < kSliceSteps; ++step) {  // whole warps: the shuffles below
+      if (first_id + 32 * step >= end) break;
+      const int32_t index = static_cast<int32_t>(first_id) + 32 * step + me.lane;
+      const int32_t expert = slice_ids[step];
       const int64_t local_expert = expert - first_expert;
       const bool mine = expert >= 0 && local_expert >= 0 && local_expert < experts;
       // The lanes of one expert take its next places in lane order, i.e. in id order.
@@ -303,8 +329,7 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
           __match_any_sync(0xffffffffu, mine ? static_cast<int32_t>(local_expert) : -1);
       if (mine) {
         const int32_t row = placed[local_expert] + __popc(same & ((1u << me.lane) - 1u));
-        row_source[row] =
-            pack_row_source(layout, source, index / layout.top_k, index % layout.top_k);
+        row_source[row] = pack_row_source(layout, source, index / top_k, index % top_k);
         // Read by the reduce in place (a workspace with expert_y) and by the backward's dispatch
         // by token; the fused forward needs none.
         if (source == view.rank && (layout.has_expert_y() || layout.backward)) {
@@ -318,13 +343,15 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
   }
 }
 
-// Steps 2-4 on CTAs [0, num_ctas) of the grid, all resident, after begin_call (an earlier
-// launch), with grid barriers between the steps; the gather flag is raised once every CTA's ids
-// are copied. `scratch`: shared memory for (E_l + 1) + warps * E_l ints. The caller's own work
+// Steps 2-3 on CTAs [0, num_ctas) of the grid, all resident, after begin_call (an earlier
+// launch), with grid barriers between the passes; the gather flag is raised once every CTA's ids
+// are copied. `topk_w`: the backward's router weights to stage beside the ids, or null.
+// `scratch`: shared memory for (E_l + 1) + warps * E_l ints. The caller's own work
 // before the first barrier (the fused forward stages x there) is ordered before the gather flag.
 // False when an error was recorded; the caller publishes the outcome as its kernel needs.
 __device__ inline bool make_schedule(const WorkspaceView& view, const int32_t* topk_idx,
-                                     int32_t num_tokens, int cta, int num_ctas, int32_t* scratch) {
+                                     const float* topk_w, int32_t num_tokens, int cta, int num_ctas,
+                                     int32_t* scratch) {
   DeviceState* state = view.state();
   const uint32_t epoch = state->epoch;
   // One store by one thread at the start and after each barrier: no cost the passes would see.
@@ -332,7 +359,7 @@ __device__ inline bool make_schedule(const WorkspaceView& view, const int32_t* t
     if (cta == 0 && threadIdx.x == 0) state->schedule_ns[pass] = ptx::global_timer_ns();
   };
   stamp(0);
-  gather_copy(view, topk_idx, num_tokens, cta, num_ctas);
+  gather_copy(view, topk_idx, topk_w, num_tokens, cta, num_ctas);
   bool ok = grid_barrier(view, num_ctas, Phase::kSchedule);
   stamp(1);
   if (ok && cta == 0 && threadIdx.x == 0) {
@@ -342,10 +369,7 @@ __device__ inline bool make_schedule(const WorkspaceView& view, const int32_t* t
   // E_l + 1 offsets, then E_l row counters per warp.
   int32_t* offsets = scratch;
   int32_t* counters = scratch + view.layout.experts_per_rank() + 1;
-  if (ok) {
-    count_rows(view, cta, num_ctas);  // waits for every rank's gather flag
-    count_slices(view, cta, num_ctas, counters);
-  }
+  if (ok) count_slices(view, cta, num_ctas, counters);  // waits for every rank's gather flag
   ok = ok && grid_barrier(view, num_ctas, Phase::kSchedule);
   stamp(2);
   if (ok) scan_slices(view, cta, num_ctas);

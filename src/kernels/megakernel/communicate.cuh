@@ -48,7 +48,8 @@ __device__ __noinline__ void make_schedule(const FusedForwardParams& params, uin
     comm::copy_row_warp<comm::RowLoad::kBypassL1>(source, view.x_row(view.rank, token),
                                                   layout.row_bytes(), lane);
   }
-  comm::make_schedule(view, params.topk_idx, params.num_tokens, cta, num_ctas, scratch);
+  comm::make_schedule(view, params.topk_idx, /*topk_w=*/nullptr, params.num_tokens, cta, num_ctas,
+                      scratch);
   // NOTE: on failure (a recorded error) every waiter gives up on its own, and the producers,
   // released here, find the error and take no routed task.
   if (cta == 0 && threadIdx.x == 0) ptx::store_release_gpu(&view.state()->schedule_epoch, epoch);
