@@ -190,15 +190,25 @@ __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_
         code = ErrorCode::kExpertOutOfRange;
         expected = static_cast<uint32_t>(layout.num_experts);
       }
-      // The ids of a row are distinct (-1 may repeat): the later slot of a repeat reports it.
-      // The row's earlier ids sit beside this one, read by the neighbouring lanes too.
-      for (int32_t earlier = 0; code == ErrorCode::kNone && expert >= 0 && earlier < slot;
-           ++earlier) {
-        if (ids[index - slot + earlier] == expert) {
-          code = ErrorCode::kExpertRepeated;
-          expected = static_cast<uint32_t>(earlier);
+      // The ids of a row are distinct (-1 may repeat): the later slot of a repeat reports it,
+      // naming the earliest slot it repeats. The row's earlier ids, 1 .. slot ids back, are in
+      // the lanes before this one or in the step before; only a row that began in the slice
+      // before (or a top-k over 33) reads them from memory.
+      bool repeated = false;
+      for (int32_t back = 1; back < top_k; ++back) {
+        const int src = me.lane - back;
+        const int32_t here = __shfl_sync(0xffffffffu, slice_ids[step], src & 31);
+        const int32_t before =
+            step > 0 ? __shfl_sync(0xffffffffu, slice_ids[step > 0 ? step - 1 : 0], src & 31) : 0;
+        if (code != ErrorCode::kNone || expert < 0 || back > slot) continue;
+        const int32_t earlier_id =
+            src >= 0 ? here : (src >= -32 && step > 0 ? before : ids[index - back]);
+        if (earlier_id == expert) {
+          repeated = true;
+          expected = static_cast<uint32_t>(slot - back);  // the last match is the earliest slot
         }
       }
+      if (repeated) code = ErrorCode::kExpertRepeated;
       if (__any_sync(0xffffffffu, code != ErrorCode::kNone)) {
         if (code != ErrorCode::kNone) {
           ErrorDetail detail{Phase::kSchedule};
@@ -230,20 +240,30 @@ __device__ inline void scan_slices(const WorkspaceView& view, int cta, int num_c
   const int64_t experts = layout.experts_per_rank();
   const int64_t num_slices = layout.num_ranks * layout.slices_per_source();
   const ScheduleWarp me = schedule_warp(cta, num_ctas);
+  constexpr int kBatch = 8;  // rounds of 32 slices whose counts are loaded together
   for (int64_t expert = me.first_warp; expert < experts; expert += me.num_warps) {
     int32_t carried = 0;
-    for (int64_t first = 0; first < num_slices; first += 32) {
-      const int64_t slice = first + me.lane;
-      int32_t* cell = view.slice_rows() + slice * experts + expert;
-      const int32_t rows = slice < num_slices ? *cell : 0;
-      int32_t inclusive = rows;
+    for (int64_t first = 0; first < num_slices; first += 32 * kBatch) {
+      int32_t rows[kBatch];
 #pragma unroll
-      for (int delta = 1; delta < 32; delta *= 2) {
-        const int32_t other = __shfl_up_sync(0xffffffffu, inclusive, delta);
-        if (me.lane >= delta) inclusive += other;
+      for (int round = 0; round < kBatch; ++round) {
+        const int64_t slice = first + 32 * round + me.lane;
+        rows[round] = slice < num_slices ? view.slice_rows()[slice * experts + expert] : 0;
       }
-      if (slice < num_slices) *cell = carried + inclusive - rows;
-      carried += __shfl_sync(0xffffffffu, inclusive, 31);
+#pragma unroll
+      for (int round = 0; round < kBatch; ++round) {
+        const int64_t slice = first + 32 * round + me.lane;
+        int32_t inclusive = rows[round];
+#pragma unroll
+        for (int delta = 1; delta < 32; delta *= 2) {
+          const int32_t other = __shfl_up_sync(0xffffffffu, inclusive, delta);
+          if (me.lane >= delta) inclusive += other;
+        }
+        if (slice < num_slices) {
+          view.slice_rows()[slice * experts + expert] = carried + inclusive - rows[round];
+        }
+        carried += __shfl_sync(0xffffffffu, inclusive, 31);
+      }
     }
     if (me.lane == 0) view.counts()[expert] = carried;  // the expert's rows over every slice
   }

@@ -58,7 +58,7 @@ namespace mok::comm {
 inline constexpr int kMaxRanks = 8;  // one NVLink (LSA) domain
 inline constexpr int64_t kRegionAlignment = 4096;
 // Ids per slice of the fused forward's schedule: one warp's share, 32 ids a step.
-inline constexpr int64_t kScheduleSlice = 1024;
+inline constexpr int64_t kScheduleSlice = 256;
 // The fused forward's readiness counters, one per block of block_m rows (kernels/megakernel).
 enum class TaskCounter : int {
   kRowsArrived = 0,        // expert rows the dispatch has copied into the block
