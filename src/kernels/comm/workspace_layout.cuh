@@ -57,7 +57,9 @@ namespace mok::comm {
 
 inline constexpr int kMaxRanks = 8;  // one NVLink (LSA) domain
 inline constexpr int64_t kRegionAlignment = 4096;
-// Ids per slice of the fused forward's schedule: one warp's share, 32 ids a step.
+// Ids per slice of the schedule: one warp's share, 32 ids a step. A step takes ~1 µs whatever
+// the slice (docs/perf-notes/backward.md v34), so shorter slices spread the steps over more warps,
+// while the scan's rounds (32 slices each, one warp an expert) grow with the slices.
 inline constexpr int64_t kScheduleSlice = 256;
 // The fused forward's readiness counters, one per block of block_m rows (kernels/megakernel).
 enum class TaskCounter : int {
