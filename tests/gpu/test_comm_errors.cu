@@ -77,7 +77,7 @@ void expect_topk_idx_error(const std::function<void()>& call, const std::string&
   }
 }
 
-// The standalone schedule kernels (count_rows), at EP 2: a repeat on rank 1 is named by its rank,
+// The standalone schedule kernel (count_slices), at EP 2: a repeat on rank 1 is named by its rank,
 // token and later slot, whichever rank finds it. Slots of -1 repeating are fine.
 TEST(CommErrors, RepeatedExpertIdBecomesHostError) {
   MOK_REQUIRE_GPUS(2);
@@ -106,7 +106,7 @@ TEST(CommErrors, RepeatedExpertIdBecomesHostError) {
   EXPECT_EQ(first_difference(y, reference_y(unused_slots, 2)), -1);
 }
 
-// The fused forward makes the schedule in its kernel (communicate.cuh calls count_rows): the
+// The fused forward makes the schedule in its kernel (comm::make_schedule, count_slices): the
 // same check, on one GPU, also for a repeat that is not in adjacent slots.
 TEST(CommErrors, RepeatedExpertIdInTheFusedForwardBecomesHostError) {
   MOK_REQUIRE_HOPPER_GPUS(1);
