@@ -120,16 +120,35 @@ __device__ inline ScheduleWarp schedule_warp(int cta, int num_ctas) {
           static_cast<int>(threadIdx.x % 32)};
 }
 
+// Slice `slice` (of R * slices_per_source): its source rank's ids [first_id, end) of that rank's
+// (T_source, k); empty (end <= first_id) past the rank's T_source * k ids. Read by the count and
+// the place passes alike.
+struct ScheduleSlice {
+  int source;
+  int32_t first_id, end;
+  const int32_t* ids;  // the source rank's (T_source, k)
+};
+
+__device__ inline ScheduleSlice schedule_slice(const WorkspaceView& view, int64_t slice) {
+  const int64_t slices = view.layout.slices_per_source();
+  const int source = static_cast<int>(slice / slices);
+  const int32_t num_ids =
+      view.token_counts(view.rank)[source] * static_cast<int32_t>(view.layout.top_k);
+  const int32_t first_id = static_cast<int32_t>((slice % slices) * kScheduleSlice);
+  return {source, first_id, min(first_id + static_cast<int32_t>(kScheduleSlice), num_ids),
+          view.topk(view.rank, source)};
+}
+
 // A slice's ids in registers, lane l holding ids first_id + 32 s + l (-1 from `end` on), loaded
 // before a pass's steps so that the loads are in flight together rather than one a step.
 constexpr int kSliceSteps = static_cast<int>(kScheduleSlice / 32);
 
-__device__ __forceinline__ void load_slice(const int32_t* ids, int32_t first_id, int32_t end,
-                                           int lane, int32_t (&slice_ids)[kSliceSteps]) {
+__device__ __forceinline__ void load_slice(const ScheduleSlice& slice, int lane,
+                                           int32_t (&slice_ids)[kSliceSteps]) {
 #pragma unroll
   for (int step = 0; step < kSliceSteps; ++step) {
-    const int32_t index = first_id + 32 * step + lane;
-    slice_ids[step] = index < end ? ids[index] : -1;
+    const int32_t index = slice.first_id + 32 * step + lane;
+    slice_ids[step] = index < slice.end ? slice.ids[index] : -1;
   }
 }
 
@@ -162,26 +181,23 @@ __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_
   const int32_t top_k = static_cast<int32_t>(layout.top_k);
   const ScheduleWarp me = schedule_warp(cta, num_ctas);
   int32_t* mine = counters + (threadIdx.x / 32) * experts;
-  const int64_t slices = layout.slices_per_source();
-  for (int64_t slice = me.first_warp; slice < layout.num_ranks * slices; slice += me.num_warps) {
-    const int source = static_cast<int>(slice / slices);
-    const int32_t num_ids = view.token_counts(view.rank)[source] * top_k;
-    const int32_t first_id = static_cast<int32_t>((slice % slices) * kScheduleSlice);
+  const int64_t num_slices = layout.num_ranks * layout.slices_per_source();
+  for (int64_t slice = me.first_warp; slice < num_slices; slice += me.num_warps) {
+    const ScheduleSlice span = schedule_slice(view, slice);
     int32_t* out = view.slice_rows() + slice * experts;
-    if (first_id >= num_ids) {
+    if (span.end <= span.first_id) {
       for (int64_t expert = me.lane; expert < experts; expert += 32) out[expert] = 0;
       continue;
     }
     for (int64_t expert = me.lane; expert < experts; expert += 32) mine[expert] = 0;
     __syncwarp();
-    const int32_t* ids = view.topk(view.rank, source);  // (T_source, k)
-    const int32_t end = min(first_id + static_cast<int32_t>(kScheduleSlice), num_ids);
+    const int32_t* ids = span.ids;
     int32_t slice_ids[kSliceSteps];
-    load_slice(ids, first_id, end, me.lane, slice_ids);
+    load_slice(span, me.lane, slice_ids);
 #pragma unroll
     for (int step = 0; step < kSliceSteps; ++step) {  // whole warps: the vote below
-      if (first_id + 32 * step >= end) break;
-      const int32_t index = first_id + 32 * step + me.lane;
+      if (span.first_id + 32 * step >= span.end) break;
+      const int32_t index = span.first_id + 32 * step + me.lane;
       const int32_t expert = slice_ids[step];
       const int32_t slot = index % top_k;
       ErrorCode code = ErrorCode::kNone;
@@ -199,7 +215,7 @@ __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_
         const int src = me.lane - back;
         const int32_t here = __shfl_sync(0xffffffffu, slice_ids[step], src & 31);
         const int32_t before =
-            step > 0 ? __shfl_sync(0xffffffffu, slice_ids[step > 0 ? step - 1 : 0], src & 31) : 0;
+            __shfl_sync(0xffffffffu, slice_ids[step == 0 ? 0 : step - 1], src & 31);
         if (code != ErrorCode::kNone || expert < 0 || back > slot) continue;
         const int32_t earlier_id =
             src >= 0 ? here : (src >= -32 && step > 0 ? before : ids[index - back]);
@@ -212,7 +228,7 @@ __device__ inline void count_slices(const WorkspaceView& view, int cta, int num_
       if (__any_sync(0xffffffffu, code != ErrorCode::kNone)) {
         if (code != ErrorCode::kNone) {
           ErrorDetail detail{Phase::kSchedule};
-          detail.peer = static_cast<uint32_t>(source);
+          detail.peer = static_cast<uint32_t>(span.source);
           detail.token = index / top_k;
           detail.slot = slot;
           detail.value = expert;
@@ -320,27 +336,23 @@ __device__ inline void place_rows(const WorkspaceView& view, int cta, int num_ct
   }
   const ScheduleWarp me = schedule_warp(cta, num_ctas);
   int32_t* placed = counters + (threadIdx.x / 32) * experts;  // rows placed so far, per expert
-  const int64_t slices = layout.slices_per_source();
-  for (int64_t slice = me.first_warp; slice < layout.num_ranks * slices; slice += me.num_warps) {
-    const int source = static_cast<int>(slice / slices);
-    const int64_t num_ids =
-        static_cast<int64_t>(view.token_counts(view.rank)[source]) * layout.top_k;
-    const int64_t first_id = (slice % slices) * kScheduleSlice;
-    if (first_id >= num_ids) continue;
+  const int64_t num_slices = layout.num_ranks * layout.slices_per_source();
+  const int32_t top_k = static_cast<int32_t>(layout.top_k);
+  for (int64_t slice = me.first_warp; slice < num_slices; slice += me.num_warps) {
+    const ScheduleSlice span = schedule_slice(view, slice);
+    if (span.end <= span.first_id) continue;
+    const int source = span.source;
     const int32_t* before = view.slice_rows() + slice * experts;
     for (int64_t expert = me.lane; expert < experts; expert += 32) {
       placed[expert] = offsets[expert] + before[expert];
     }
     __syncwarp();
-    const int32_t* ids = view.topk(view.rank, source);
-    const int32_t end = static_cast<int32_t>(min(first_id + kScheduleSlice, num_ids));
     int32_t slice_ids[kSliceSteps];
-    load_slice(ids, static_cast<int32_t>(first_id), end, me.lane, slice_ids);
-    const int32_t top_k = static_cast<int32_t>(layout.top_k);
+    load_slice(span, me.lane, slice_ids);
 #pragma unroll
     for (int step = 0; step < kSliceSteps; ++step) {  // whole warps: the shuffles below
-      if (first_id + 32 * step >= end) break;
-      const int32_t index = static_cast<int32_t>(first_id) + 32 * step + me.lane;
+      if (span.first_id + 32 * step >= span.end) break;
+      const int32_t index = span.first_id + 32 * step + me.lane;
       const int32_t expert = slice_ids[step];
       const int64_t local_expert = expert - first_expert;
       const bool mine = expert >= 0 && local_expert >= 0 && local_expert < experts;
