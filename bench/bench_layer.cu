@@ -25,7 +25,6 @@
 #include "gpu_monitor.hpp"
 #include "layer_fp8_report.hpp"
 #include "mok/error.hpp"
-#include "mok/gemm.hpp"
 #include "mok/layer_runner.hpp"
 #include "mok/precision.hpp"
 #include "mok/shape.hpp"
